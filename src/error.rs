@@ -1,0 +1,215 @@
+//! The one error type of the crate.
+
+use std::fmt;
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Who keeps the oldest object from being reclaimed (see [`Error::Full`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocker {
+    /// Address of the oldest live object.
+    pub address: u64,
+    /// Its monotonic id.
+    pub monotonic_id: u64,
+    /// Its key (`None` after `clear`).
+    pub key: Option<String>,
+    /// Readers that still owe a read of it.
+    pub unread_by: Vec<u32>,
+    /// Readers that hold a guard or view on it.
+    pub held_by: Vec<u32>,
+}
+
+impl fmt::Display for Blocker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the oldest object {}:{}",
+            self.address, self.monotonic_id
+        )?;
+        if let Some(k) = &self.key {
+            write!(f, " (key '{k}')")?;
+        }
+        let mut sep = " is";
+        if !self.unread_by.is_empty() {
+            write!(f, "{sep} still unread by reader(s) {:?}", self.unread_by)?;
+            sep = " and";
+        }
+        if !self.held_by.is_empty() {
+            write!(f, "{sep} held by a guard of reader(s) {:?}", self.held_by)?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything that can go wrong. Match on the variant; the message says what
+/// happened and what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The handle names an object that is gone (reclaimed, overwritten,
+    /// cleared, from another segment or epoch) or never existed. Treat it as
+    /// a cache miss and fetch the object again. Returned by
+    /// [`StoreReader::get`](crate::StoreReader::get) and friends.
+    #[error("Data for address:id '{address}:{monotonic_id}' has been modified or is invalid.")]
+    Stale {
+        /// Address from the handle.
+        address: u64,
+        /// Monotonic id from the handle.
+        monotonic_id: u64,
+    },
+
+    /// [`ObjectStore::put`](crate::ObjectStore::put) with a key that is
+    /// stored already; use `get_cached` to re-reference it.
+    #[error("key '{key}' already exists in the store; use get_cached to reference it again")]
+    DuplicateKey {
+        /// The key.
+        key: String,
+    },
+
+    /// The object is larger than the store's `max_object_size`.
+    #[error("object of {size} bytes exceeds max object size ({max} bytes)")]
+    TooLarge {
+        /// Bytes asked for.
+        size: u64,
+        /// The store's limit.
+        max: u64,
+    },
+
+    /// No room after reclaiming every object all readers are done with.
+    #[error("store full: {requested} bytes asked for, {free} of {capacity} free after reclaiming; {}",
+        blocker.as_ref().map(|b| b.to_string()).unwrap_or_else(|| "no object blocks (the request is larger than the ring)".into()))]
+    Full {
+        /// Slot bytes asked for (payload plus slot header, aligned).
+        requested: u64,
+        /// Bytes free (not necessarily contiguous).
+        free: u64,
+        /// Ring capacity.
+        capacity: u64,
+        /// What keeps the oldest object alive.
+        blocker: Option<Box<Blocker>>,
+    },
+
+    /// `touch` of a key that is not stored.
+    #[error("key '{key}' is not in the store")]
+    KeyNotFound {
+        /// The key.
+        key: String,
+    },
+
+    /// A configuration value that cannot work.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    /// A segment name POSIX shared memory cannot take.
+    #[error("invalid segment name '{name}': use 1 to 250 characters, no '/' after the first")]
+    InvalidName {
+        /// The name.
+        name: String,
+    },
+
+    /// Create found the name taken by a live segment.
+    #[error(
+        "shared memory segment '{name}' already exists; pick another name or remove the old one"
+    )]
+    AlreadyExists {
+        /// The name.
+        name: String,
+    },
+
+    /// Open found no segment of that name.
+    #[error("no shared memory segment named '{name}' (has its writer exited?)")]
+    NotFound {
+        /// The name.
+        name: String,
+    },
+
+    /// /dev/shm cannot hold the segment.
+    #[error("cannot reserve {requested} bytes for segment '{name}': only {available} bytes free in /dev/shm; make the store smaller or /dev/shm larger")]
+    NoSpace {
+        /// The name.
+        name: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes free in /dev/shm when it failed.
+        available: u64,
+    },
+
+    /// The segment's header does not describe a usable pinshm segment.
+    #[error("segment '{name}' is not usable: {field}: {detail}")]
+    BadHeader {
+        /// The name.
+        name: String,
+        /// The header field at fault.
+        field: &'static str,
+        /// What was expected and what was found.
+        detail: String,
+    },
+
+    /// The name now belongs to another segment than the handle's (the writer
+    /// restarted). Get a fresh handle from the new writer.
+    #[error("segment '{name}' was recreated since this handle was made (nonce {found:#x}, handle has {expected:#x}); get a new StoreHandle from the writer")]
+    SegmentMismatch {
+        /// The name.
+        name: String,
+        /// Nonce in the handle.
+        expected: u64,
+        /// Nonce in the segment.
+        found: u64,
+    },
+
+    /// Every reader entry is taken by a live reader.
+    #[error("all {n_readers} reader slots are taken by live readers")]
+    NoReaderSlot {
+        /// Reader slots in the segment.
+        n_readers: u32,
+    },
+
+    /// `attach_as` named an entry a live reader holds.
+    #[error("reader slot {index} is held by live process {pid}")]
+    ReaderSlotTaken {
+        /// The index.
+        index: u32,
+        /// Pid of its holder.
+        pid: u32,
+    },
+
+    /// `attach_as` named an index past `n_readers`.
+    #[error("reader index {index} out of range: the store has {n_readers} readers")]
+    ReaderIndexOutOfRange {
+        /// The index.
+        index: u32,
+        /// Reader slots in the segment.
+        n_readers: u32,
+    },
+
+    /// One reader holds as many guards and views as it can.
+    #[error("this reader already holds {limit} guards or views; drop some before getting more")]
+    TooManyGuards {
+        /// The limit.
+        limit: usize,
+    },
+
+    /// `PinMode::Require` without a way to pin.
+    #[error("pinning required but not possible: {0}")]
+    PinUnavailable(String),
+
+    /// An operating-system call failed.
+    #[error("{op} on segment '{name}' failed: {source}")]
+    Os {
+        /// The call.
+        op: &'static str,
+        /// The segment name.
+        name: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Whether this is [`Error::Stale`], the error callers treat as a miss.
+    pub fn is_stale(&self) -> bool {
+        matches!(self, Error::Stale { .. })
+    }
+}

@@ -1,0 +1,231 @@
+//! The segment layout, version 1, written down once.
+//!
+//! ```text
+//! offset 0            SegmentHeader (256 B)
+//! 256                 ReaderEntry × n_readers (576 B each: 64 B of fields, 64 hazard words)
+//! header_len          data region (capacity bytes, page aligned): the ring of slots
+//!   slot (64 B aligned):
+//!     +0              SlotHeader (64 B)
+//!     +64             reads: [u32; n_readers], one acknowledged-read counter per reader
+//!     +prefix_len     payload (64 B aligned), `size` bytes
+//! ```
+//!
+//! Every field that another process changes while the segment is live is
+//! reached through an atomic at a fixed offset (`offset_of!`) and its
+//! orderings are chosen in [`crate::ring`]; the structs here are `Pod` so the
+//! creator can write them whole and an opener can copy them out and validate
+//! them before trusting a single number. Any change to these structs bumps
+//! [`LAYOUT_VERSION`]; `layout_is_pinned` in the tests fixes every size and
+//! offset.
+
+use bytemuck::{Pod, Zeroable};
+
+/// `b"PINSHM\0\x01"` read as little-endian: written last at create, so an
+/// opener that sees it sees an initialised header.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
+/// Bumped on every change to the structs in this module.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Page size the header is rounded to; the data region starts page aligned.
+pub const PAGE: usize = 4096;
+/// Alignment of every slot and every payload.
+pub const SLOT_ALIGN: usize = 64;
+/// Most readers one segment can serve.
+pub const MAX_READERS: u32 = 64;
+/// Guards (and views) one reader can hold at once: each needs a hazard word.
+pub const HAZARDS_PER_READER: usize = 64;
+
+/// Reader table entry states (`ReaderEntry::state`).
+pub mod reader_state {
+    /// Never attached since create: counted (the writer waits for its reads).
+    pub const VACANT: u32 = 0;
+    /// A process is taking over a slot that was left; not counted yet.
+    pub const ATTACHING: u32 = 1;
+    /// A live reader: counted for objects with `id >= counted_from`.
+    pub const ATTACHED: u32 = 2;
+    /// Detached or found dead: not counted, hazards ignored.
+    pub const LEFT: u32 = 3;
+}
+
+/// The first 256 bytes of a segment.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct SegmentHeader {
+    /// [`MAGIC`], stored last (Release) by the creator.
+    pub magic: u64,
+    /// [`LAYOUT_VERSION`] of the creator.
+    pub layout_version: u32,
+    /// Number of reader table entries.
+    pub n_readers: u32,
+    /// Bytes before the data region (page multiple).
+    pub header_len: u64,
+    /// Bytes in the data region (multiple of [`SLOT_ALIGN`]).
+    pub capacity: u64,
+    /// Largest payload a put accepts.
+    pub max_object_size: u64,
+    /// Random at create, never changes: tells two segments of one name apart.
+    pub nonce: u64,
+    /// `SlotHeader` + reader counters, rounded to [`SLOT_ALIGN`].
+    pub slot_prefix_len: u32,
+    /// [`HAZARDS_PER_READER`] of the creator.
+    pub hazards_per_reader: u32,
+    /// `size_of::<ReaderEntry>()` of the creator.
+    pub reader_entry_len: u32,
+    /// Writer's pid.
+    pub writer_pid: u32,
+    /// Writer's start time in clock ticks since boot (/proc/PID/stat field 22),
+    /// so a reused pid is not taken for the writer.
+    pub writer_start_time: u64,
+    /// Atomic. Changes on create and `clear`; mixed into every slot's tag.
+    pub epoch: u64,
+    /// Atomic. The id the next put will get (ids start at 1; 0 means "none").
+    pub next_id: u64,
+    /// Atomic. Virtual position of the oldest live slot (for inspection).
+    pub ring_head: u64,
+    /// Atomic. Virtual position one past the newest slot (for inspection).
+    pub ring_tail: u64,
+    /// Zero. Room for fields of later versions.
+    pub reserved: [u64; 19],
+}
+
+/// One reader's row of the reader table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct ReaderEntry {
+    /// Atomic. One of [`reader_state`].
+    pub state: u32,
+    /// Pid of the attached process (0 while unknown).
+    pub pid: u32,
+    /// Start time of that process (clock ticks since boot).
+    pub start_time: u64,
+    /// Objects with a smaller id are not counted for this reader.
+    pub counted_from: u64,
+    /// Bumped on every attach into this entry.
+    pub generation: u64,
+    /// Atomic. Monotonic-clock nanoseconds of the last acknowledged read.
+    pub last_ack_ns: u64,
+    /// Zero.
+    pub reserved: [u64; 3],
+    /// Atomic each. Ids of the objects this reader holds guards on (0 = free).
+    pub hazards: [u64; HAZARDS_PER_READER],
+}
+
+/// The fixed head of every slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct SlotHeader {
+    /// Atomic. Monotonic id of the object here; 0 while free or being written.
+    pub id: u64,
+    /// `slot_tag(id, address, epoch)`: a stale handle that points into the
+    /// middle of a newer object's payload cannot match it by accident.
+    pub tag: u64,
+    /// Payload bytes.
+    pub size: u64,
+    /// Bytes the slot spans in the ring (prefix + payload, aligned).
+    pub slot_len: u64,
+    /// Atomic. Writer references: each put / get_cached adds one expected
+    /// read per reader.
+    pub refs: u32,
+    /// What the payload is (raw bytes, tensor, item): see the codec.
+    pub kind: u32,
+    /// Epoch the object was put in.
+    pub epoch: u64,
+    /// Zero.
+    pub reserved: [u64; 2],
+}
+
+/// Byte offset of reader `i`'s entry in the header.
+pub const fn reader_entry_offset(i: u32) -> usize {
+    size_of::<SegmentHeader>() + i as usize * size_of::<ReaderEntry>()
+}
+
+/// Bytes before the data region for `n_readers` readers.
+pub const fn header_len(n_readers: u32) -> usize {
+    round_up(reader_entry_offset(n_readers), PAGE)
+}
+
+/// Bytes from a slot's start to its payload.
+pub const fn slot_prefix_len(n_readers: u32) -> usize {
+    round_up(size_of::<SlotHeader>() + 4 * n_readers as usize, SLOT_ALIGN)
+}
+
+/// Bytes a slot of `payload` bytes spans.
+pub const fn slot_len(n_readers: u32, payload: usize) -> usize {
+    slot_prefix_len(n_readers) + round_up(payload, SLOT_ALIGN)
+}
+
+/// Round `v` up to a multiple of `to` (a power of two).
+pub const fn round_up(v: usize, to: usize) -> usize {
+    (v + to - 1) & !(to - 1)
+}
+
+/// The check word stored in a slot: a 64-bit mix of id, address and epoch.
+pub fn slot_tag(id: u64, address: u64, epoch: u64) -> u64 {
+    let mut x = id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC;
+    // splitmix64 finaliser
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::offset_of;
+
+    #[test]
+    fn layout_is_pinned() {
+        assert_eq!(size_of::<SegmentHeader>(), 256);
+        assert_eq!(offset_of!(SegmentHeader, magic), 0);
+        assert_eq!(offset_of!(SegmentHeader, layout_version), 8);
+        assert_eq!(offset_of!(SegmentHeader, n_readers), 12);
+        assert_eq!(offset_of!(SegmentHeader, header_len), 16);
+        assert_eq!(offset_of!(SegmentHeader, capacity), 24);
+        assert_eq!(offset_of!(SegmentHeader, max_object_size), 32);
+        assert_eq!(offset_of!(SegmentHeader, nonce), 40);
+        assert_eq!(offset_of!(SegmentHeader, slot_prefix_len), 48);
+        assert_eq!(offset_of!(SegmentHeader, hazards_per_reader), 52);
+        assert_eq!(offset_of!(SegmentHeader, reader_entry_len), 56);
+        assert_eq!(offset_of!(SegmentHeader, writer_pid), 60);
+        assert_eq!(offset_of!(SegmentHeader, writer_start_time), 64);
+        assert_eq!(offset_of!(SegmentHeader, epoch), 72);
+        assert_eq!(offset_of!(SegmentHeader, next_id), 80);
+        assert_eq!(offset_of!(SegmentHeader, ring_head), 88);
+        assert_eq!(offset_of!(SegmentHeader, ring_tail), 96);
+
+        assert_eq!(size_of::<ReaderEntry>(), 576);
+        assert_eq!(offset_of!(ReaderEntry, state), 0);
+        assert_eq!(offset_of!(ReaderEntry, pid), 4);
+        assert_eq!(offset_of!(ReaderEntry, start_time), 8);
+        assert_eq!(offset_of!(ReaderEntry, counted_from), 16);
+        assert_eq!(offset_of!(ReaderEntry, generation), 24);
+        assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 32);
+        assert_eq!(offset_of!(ReaderEntry, hazards), 64);
+
+        assert_eq!(size_of::<SlotHeader>(), 64);
+        assert_eq!(offset_of!(SlotHeader, id), 0);
+        assert_eq!(offset_of!(SlotHeader, tag), 8);
+        assert_eq!(offset_of!(SlotHeader, size), 16);
+        assert_eq!(offset_of!(SlotHeader, slot_len), 24);
+        assert_eq!(offset_of!(SlotHeader, refs), 32);
+        assert_eq!(offset_of!(SlotHeader, kind), 36);
+        assert_eq!(offset_of!(SlotHeader, epoch), 40);
+
+        assert_eq!(LAYOUT_VERSION, 1);
+        assert_eq!(header_len(1), 4096);
+        assert_eq!(header_len(8), 8192);
+        assert_eq!(header_len(MAX_READERS), 40960);
+        assert_eq!(slot_prefix_len(1), 128);
+        assert_eq!(slot_prefix_len(16), 128);
+        assert_eq!(slot_prefix_len(17), 192);
+        assert_eq!(slot_len(2, 0), 128);
+        assert_eq!(slot_len(2, 1), 192);
+    }
+
+    #[test]
+    fn tags_differ_for_neighbouring_ids_addresses_and_epochs() {
+        let t = slot_tag(7, 4096, 99);
+        assert_ne!(t, slot_tag(8, 4096, 99));
+        assert_ne!(t, slot_tag(7, 4160, 99));
+        assert_ne!(t, slot_tag(7, 4096, 100));
+    }
+}

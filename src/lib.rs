@@ -1,0 +1,20 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+#[cfg(not(target_os = "linux"))]
+compile_error!(
+    "pinshm needs Linux: POSIX shared memory under /dev/shm and /proc for liveness checks"
+);
+
+mod error;
+pub mod layout;
+mod ring;
+mod segment;
+mod store;
+
+pub use error::{Blocker, Error, Result};
+pub use store::{
+    ObjectHandle, ObjectStore, PinMode, ReadGuard, StoreConfig, StoreHandle, StoreReader,
+    StoreStats,
+};

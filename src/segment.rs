@@ -1,0 +1,237 @@
+//! Layer 1: named POSIX shared memory.
+//!
+//! The only module that talks to the OS (nix, memmap2, /proc). A
+//! [`Segment`] is a mapping of one `/dev/shm` object; the creator owns the
+//! name and unlinks it when dropped.
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{shm_open, shm_unlink};
+use nix::sys::stat::Mode;
+
+use crate::error::{Error, Result};
+
+/// A mapped shared-memory object.
+#[derive(Debug)]
+pub struct Segment {
+    name: String,
+    map: MmapRaw,
+    owner: bool,
+}
+
+// SAFETY: the mapping is shared memory reached only through raw pointers and
+// atomics; moving the handle between threads changes nothing about it.
+unsafe impl Send for Segment {}
+// SAFETY: `Segment` hands out raw pointers only; synchronisation is the
+// caller's protocol (crate::ring), not a property of this handle.
+unsafe impl Sync for Segment {}
+
+/// Checks a user-given segment name and turns it into the POSIX form
+/// (`/name`).
+pub fn posix_name(name: &str) -> Result<String> {
+    let bare = name.strip_prefix('/').unwrap_or(name);
+    if bare.is_empty() || bare.len() > 250 || bare.contains('/') || bare.contains('\0') {
+        return Err(Error::InvalidName {
+            name: name.to_owned(),
+        });
+    }
+    Ok(format!("/{bare}"))
+}
+
+/// A name no other live segment has: pid, a process-wide counter and time.
+pub fn unique_name() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    format!("pinshm-{}-{n}-{:x}", std::process::id(), t & 0xffff_ffff)
+}
+
+fn sys_err(op: &'static str, name: &str, errno: Errno) -> Error {
+    tracing::debug!(op, name, %errno, "shared memory call failed");
+    Error::Os {
+        op,
+        name: name.to_owned(),
+        source: std::io::Error::from(errno),
+    }
+}
+
+impl Segment {
+    /// Creates `name` exclusively with `len` bytes, reserves the memory
+    /// (so a too-small /dev/shm fails here, not with SIGBUS later) and maps
+    /// it, pre-faulting every page when `prefault` is set.
+    pub fn create(name: &str, len: usize, prefault: bool) -> Result<Segment> {
+        let pname = posix_name(name)?;
+        let fd: OwnedFd = shm_open(
+            pname.as_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|e| match e {
+            Errno::EEXIST => Error::AlreadyExists {
+                name: name.to_owned(),
+            },
+            e => sys_err("shm_open", name, e),
+        })?;
+        // From here on the name exists: remove it again on any failure.
+        let cleanup = |e: Error| {
+            let _ = shm_unlink(pname.as_str());
+            e
+        };
+        let file = File::from(fd);
+        reserve(&file, len, name).map_err(cleanup)?;
+        let map = map(&file, len, prefault, name).map_err(cleanup)?;
+        Ok(Segment {
+            name: pname,
+            map,
+            owner: true,
+        })
+    }
+
+    /// Opens an existing segment and maps all of it.
+    pub fn open(name: &str, prefault: bool) -> Result<Segment> {
+        let pname = posix_name(name)?;
+        let fd = shm_open(pname.as_str(), OFlag::O_RDWR, Mode::empty()).map_err(|e| match e {
+            Errno::ENOENT => Error::NotFound {
+                name: name.to_owned(),
+            },
+            e => sys_err("shm_open", name, e),
+        })?;
+        let file = File::from(fd);
+        let len = file
+            .metadata()
+            .map_err(|e| Error::Os {
+                op: "fstat",
+                name: name.to_owned(),
+                source: e,
+            })?
+            .len() as usize;
+        if len == 0 {
+            return Err(Error::BadHeader {
+                name: name.to_owned(),
+                field: "size",
+                detail: "the segment is empty (its creator has not sized it yet, or it is not a pinshm segment)".into(),
+            });
+        }
+        let map = map(&file, len, prefault, name)?;
+        Ok(Segment {
+            name: pname,
+            map,
+            owner: false,
+        })
+    }
+
+    /// Start of the mapping (page aligned).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The name without its leading `/`.
+    pub fn name(&self) -> &str {
+        &self.name[1..]
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.owner {
+            if let Err(e) = shm_unlink(self.name.as_str()) {
+                // Never panic in drop: someone else may have removed it.
+                tracing::debug!(name = %self.name, %e, "shm_unlink on drop failed");
+            }
+        }
+    }
+}
+
+fn reserve(file: &File, len: usize, name: &str) -> Result<()> {
+    file.set_len(len as u64).map_err(|e| Error::Os {
+        op: "ftruncate",
+        name: name.to_owned(),
+        source: e,
+    })?;
+    // posix_fallocate makes tmpfs hand out every page now, so running out of
+    // /dev/shm is an error at create instead of a SIGBUS on some later write.
+    match nix::fcntl::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, len as i64) {
+        Ok(()) => Ok(()),
+        Err(Errno::ENOSPC) => Err(Error::NoSpace {
+            name: name.to_owned(),
+            requested: len as u64,
+            available: shm_free_bytes(),
+        }),
+        // Filesystems without fallocate: the mapping still works, only the
+        // early failure is lost.
+        Err(Errno::EOPNOTSUPP) | Err(Errno::EINVAL) => Ok(()),
+        Err(e) => Err(sys_err("posix_fallocate", name, e)),
+    }
+}
+
+fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<MmapRaw> {
+    let mut opts = MmapOptions::new();
+    opts.len(len);
+    if prefault {
+        opts.populate();
+    }
+    opts.map_raw(file).map_err(|e| Error::Os {
+        op: "mmap",
+        name: name.to_owned(),
+        source: e,
+    })
+}
+
+/// Free bytes in /dev/shm, for error messages (0 if unknown).
+pub fn shm_free_bytes() -> u64 {
+    nix::sys::statvfs::statvfs("/dev/shm")
+        .map(|s| s.blocks_available() * s.fragment_size())
+        .unwrap_or(0)
+}
+
+/// Start time of process `pid` in clock ticks since boot, or `None` if no
+/// such process exists (or it is a zombie: it will never read again).
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    if pid == 0 {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // rest starts at field 3 (state); starttime is field 22.
+    fields.nth(18)?.parse().ok()
+}
+
+/// Whether the process `pid` that started at `start_time` still runs.
+/// A `start_time` of 0 means "unknown": only the pid is checked.
+pub fn process_alive(pid: u32, start_time: u64) -> bool {
+    match process_start_time(pid) {
+        Some(t) => start_time == 0 || t == start_time,
+        None => false,
+    }
+}
+
+/// This process's start time (see [`process_start_time`]).
+pub fn own_start_time() -> u64 {
+    process_start_time(std::process::id()).unwrap_or(0)
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
+pub fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}

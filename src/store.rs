@@ -1,0 +1,1123 @@
+//! Layer 3: objects on slots. [`ObjectStore`] (the one writer) and
+//! [`StoreReader`] (each reader), with the reference's flag accounting,
+//! zero-copy [`ReadGuard`]s and stale/torn detection.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::ops::Deref;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Blocker, Error, Result};
+use crate::layout::{self, reader_state, SegmentHeader};
+use crate::ring::{HeaderPtr, ReaderPtr, Ring, SlotPtr};
+use crate::segment::{self, Segment};
+
+/// Whether to page-lock (CUDA host-register) the mapping.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PinMode {
+    /// Never pin.
+    Off,
+    /// Pin where a CUDA driver is present; otherwise carry on unpinned.
+    #[default]
+    Auto,
+    /// Pin or fail.
+    Require,
+}
+
+/// How to create a store.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    capacity: usize,
+    max_object_size: usize,
+    n_readers: u32,
+    name: Option<String>,
+    prefault: bool,
+    pin: PinMode,
+}
+
+impl StoreConfig {
+    /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
+    /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).
+    pub fn new(capacity: usize, max_object_size: usize, n_readers: u32) -> Self {
+        StoreConfig {
+            capacity,
+            max_object_size,
+            n_readers,
+            name: None,
+            prefault: true,
+            pin: PinMode::Auto,
+        }
+    }
+
+    /// The segment's name in /dev/shm (default: unique per process and call).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Whether to fault every page in at create (default true), so the first
+    /// pass over the ring runs at the speed of later ones.
+    pub fn prefault(mut self, yes: bool) -> Self {
+        self.prefault = yes;
+        self
+    }
+
+    /// Pinning policy (default [`PinMode::Auto`]).
+    pub fn pin(mut self, mode: PinMode) -> Self {
+        self.pin = mode;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.n_readers == 0 || self.n_readers > layout::MAX_READERS {
+            return bad(format!(
+                "n_readers must be 1..={}, got {}",
+                layout::MAX_READERS,
+                self.n_readers
+            ));
+        }
+        if self.capacity == 0 || self.capacity % layout::SLOT_ALIGN != 0 {
+            return bad(format!(
+                "capacity must be a positive multiple of {}, got {}",
+                layout::SLOT_ALIGN,
+                self.capacity
+            ));
+        }
+        let need = self
+            .max_object_size
+            .checked_add(layout::slot_prefix_len(self.n_readers) + layout::SLOT_ALIGN);
+        if need.is_none_or(|n| n > self.capacity) {
+            return bad(format!(
+                "an object of max_object_size ({}) bytes plus its {}-byte slot header must fit in capacity ({})",
+                self.max_object_size,
+                layout::slot_prefix_len(self.n_readers),
+                self.capacity
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where an object lives: what travels from the writer to the readers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ObjectHandle {
+    /// Offset of the slot in the data region.
+    pub address: u64,
+    /// The object's id, never reused within a segment's life.
+    pub monotonic_id: u64,
+    /// Epoch at put time (changes on create and `clear`).
+    pub epoch: u64,
+}
+
+/// Everything a reader process needs to attach.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoreHandle {
+    /// Segment name (without the leading `/`).
+    pub name: String,
+    /// The segment's creation nonce.
+    pub nonce: u64,
+    /// Ring bytes.
+    pub capacity: u64,
+    /// Largest object.
+    pub max_object_size: u64,
+    /// Reader slots.
+    pub n_readers: u32,
+    /// Layout version of the writer.
+    pub layout_version: u32,
+}
+
+/// Counters of the writer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStats {
+    /// Successful puts.
+    pub puts: u64,
+    /// `get_cached` / `touch` hits.
+    pub hits: u64,
+    /// Objects reclaimed.
+    pub evictions: u64,
+    /// Puts that failed with `Full`.
+    pub full_errors: u64,
+    /// Live objects (cleared ones still held by a guard included).
+    pub objects: u64,
+    /// Bytes between the ring's head and tail.
+    pub bytes_in_use: u64,
+    /// Largest object slot a put could take now.
+    pub largest_free_block: u64,
+    /// Dead readers found and released.
+    pub dead_readers_reaped: u64,
+}
+
+/// Validated, process-local copy of a segment's geometry. Nothing here is
+/// read from shared memory again after attach.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    n_readers: u32,
+    capacity: u64,
+    max_object_size: u64,
+    prefix_len: u64,
+    base: *mut u8,
+    data: *mut u8,
+}
+
+impl Geometry {
+    fn new(base: *mut u8, n_readers: u32, capacity: u64, max_object_size: u64) -> Self {
+        let header_len = layout::header_len(n_readers);
+        Geometry {
+            n_readers,
+            capacity,
+            max_object_size,
+            prefix_len: layout::slot_prefix_len(n_readers) as u64,
+            base,
+            // SAFETY: callers checked the mapping is header_len + capacity bytes.
+            data: unsafe { base.add(header_len) },
+        }
+    }
+
+    fn header(&self) -> HeaderPtr {
+        // SAFETY: the mapping starts with a page-aligned 256-byte header.
+        unsafe { HeaderPtr::new(self.base) }
+    }
+
+    fn reader(&self, i: u32) -> ReaderPtr {
+        debug_assert!(i < self.n_readers);
+        // SAFETY: i < n_readers and the header spans header_len(n_readers)
+        // bytes, which holds every entry; entries are 8-aligned (576 B each
+        // after a 256 B header).
+        unsafe { ReaderPtr::new(self.base.add(layout::reader_entry_offset(i))) }
+    }
+
+    /// The slot at `address`, if a slot prefix fits there.
+    fn slot(&self, address: u64) -> Option<SlotPtr> {
+        if address % layout::SLOT_ALIGN as u64 != 0
+            || address.checked_add(self.prefix_len)? > self.capacity
+        {
+            return None;
+        }
+        // SAFETY: address is 64-aligned and address + prefix_len <= capacity,
+        // so the prefix lies inside the data region (itself page aligned).
+        Some(unsafe { SlotPtr::new(self.data.add(address as usize)) })
+    }
+
+    /// The payload of `size` bytes of the slot at `address`, if it fits.
+    fn payload(&self, address: u64, size: u64) -> Option<*mut u8> {
+        let start = address.checked_add(self.prefix_len)?;
+        if start.checked_add(size)? > self.capacity {
+            return None;
+        }
+        // SAFETY: start + size <= capacity: inside the data region.
+        Some(unsafe { self.data.add(start as usize) })
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(segment::monotonic_ns());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+fn next_epoch(e: u64) -> u64 {
+    layout::slot_tag(e, 0x5eed, e).max(1)
+}
+
+/// What the writer remembers about a live slot.
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    refs: u32,
+    /// `None` once cleared: the slot waits only for guards to go.
+    key: Option<Arc<str>>,
+}
+
+/// The one writer of a store. Creates the segment and unlinks it on drop.
+///
+/// ```
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1))?;
+/// let h = store.put("greeting", b"hello")?;
+/// let reader = StoreReader::attach(&store.handle())?;
+/// assert_eq!(&*reader.get(h)?, b"hello");
+/// # Ok::<(), pinshm::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct ObjectStore {
+    geo: Geometry,
+    ring: Ring<Entry>,
+    index: HashMap<Arc<str>, ObjectHandle>,
+    next_id: u64,
+    epoch: u64,
+    nonce: u64,
+    stats: StoreStats,
+    pinned: bool,
+    // Last: unmapped (and unlinked) after everything that points into it.
+    seg: Segment,
+}
+
+// SAFETY: the raw pointers in `geo` point into `seg`'s mapping, which moves
+// with the store; the writer is used from one thread at a time (&mut self).
+unsafe impl Send for ObjectStore {}
+
+impl ObjectStore {
+    /// Creates the segment (exclusively) and an empty store in it.
+    pub fn create(cfg: StoreConfig) -> Result<ObjectStore> {
+        cfg.validate()?;
+        if cfg.pin == PinMode::Require && !cfg!(feature = "cuda") {
+            return Err(Error::PinUnavailable(
+                "pinshm was built without the `cuda` feature".into(),
+            ));
+        }
+        let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
+        let header_len = layout::header_len(cfg.n_readers);
+        let total = header_len
+            .checked_add(cfg.capacity)
+            .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
+        let seg = Segment::create(&name, total, cfg.prefault)?;
+        let geo = Geometry::new(
+            seg.as_ptr(),
+            cfg.n_readers,
+            cfg.capacity as u64,
+            cfg.max_object_size as u64,
+        );
+        let nonce = random_u64();
+        let epoch = next_epoch(nonce);
+        let header = SegmentHeader {
+            magic: layout::MAGIC,
+            layout_version: layout::LAYOUT_VERSION,
+            n_readers: cfg.n_readers,
+            header_len: header_len as u64,
+            capacity: cfg.capacity as u64,
+            max_object_size: cfg.max_object_size as u64,
+            nonce,
+            slot_prefix_len: layout::slot_prefix_len(cfg.n_readers) as u32,
+            hazards_per_reader: layout::HAZARDS_PER_READER as u32,
+            reader_entry_len: size_of::<layout::ReaderEntry>() as u32,
+            writer_pid: std::process::id(),
+            writer_start_time: segment::own_start_time(),
+            epoch,
+            next_id: 1,
+            ring_head: 0,
+            ring_tail: 0,
+            reserved: [0; 19],
+        };
+        // The reader table is zero (VACANT) in a fresh object; stamp last.
+        geo.header().init(&header);
+        geo.header().stamp();
+        tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
+        Ok(ObjectStore {
+            geo,
+            ring: Ring::new(cfg.capacity as u64),
+            index: HashMap::new(),
+            next_id: 1,
+            epoch,
+            nonce,
+            stats: StoreStats::default(),
+            pinned: false,
+            seg,
+        })
+    }
+
+    /// Stores `bytes` under `key`: one reference, one expected read per reader.
+    pub fn put(&mut self, key: &str, bytes: &[u8]) -> Result<ObjectHandle> {
+        self.put_with(key, bytes.len(), |slot| slot.copy_from_slice(bytes))
+    }
+
+    /// Stores an object of `len` bytes written in place by `fill`. If `fill`
+    /// panics nothing is published and the store stays consistent.
+    pub fn put_with<F: FnOnce(&mut [u8])>(
+        &mut self,
+        key: &str,
+        len: usize,
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        self.put_kind(key, len, 0, fill)
+    }
+
+    pub(crate) fn put_kind<F: FnOnce(&mut [u8])>(
+        &mut self,
+        key: &str,
+        len: usize,
+        kind: u32,
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        if self.index.contains_key(key) {
+            return Err(Error::DuplicateKey {
+                key: key.to_owned(),
+            });
+        }
+        if len as u64 > self.geo.max_object_size {
+            tracing::debug!(key, len, max = self.geo.max_object_size, "object too large");
+            return Err(Error::TooLarge {
+                size: len as u64,
+                max: self.geo.max_object_size,
+            });
+        }
+        let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
+        let pos = self.allocate(slot_len)?;
+        let address = self.ring.address(pos);
+        let (slot, payload) = self.slot_and_payload(address, len as u64);
+        slot.begin_write();
+        // SAFETY: `payload` spans `len` bytes inside the data region (checked
+        // by slot_and_payload) in a slot the ring just handed out: no live
+        // object and no guard covers it, so nobody else writes it and no
+        // reader trusts it until `publish`.
+        fill(unsafe { std::slice::from_raw_parts_mut(payload, len) });
+        let id = self.next_id;
+        slot.publish(
+            id,
+            layout::slot_tag(id, address, self.epoch),
+            len as u64,
+            slot_len,
+            kind,
+            self.epoch,
+            self.geo.n_readers,
+        );
+        let key: Arc<str> = Arc::from(key);
+        self.ring.commit(
+            pos,
+            slot_len,
+            Entry {
+                id,
+                refs: 1,
+                key: Some(key.clone()),
+            },
+        );
+        self.next_id += 1;
+        let handle = ObjectHandle {
+            address,
+            monotonic_id: id,
+            epoch: self.epoch,
+        };
+        self.index.insert(key, handle);
+        self.stats.puts += 1;
+        self.publish_progress();
+        Ok(handle)
+    }
+
+    /// Whether `key` is stored.
+    pub fn is_cached(&self, key: &str) -> bool {
+        self.index.contains_key(key)
+    }
+
+    /// The handle of `key`, counting one more expected read per reader (the
+    /// object then needs one more read from each reader before it can go).
+    pub fn get_cached(&mut self, key: &str) -> Option<ObjectHandle> {
+        let h = *self.index.get(key)?;
+        let span = self
+            .ring
+            .find_by_mut(h.monotonic_id, |e| e.id)
+            .expect("every indexed key has a live slot");
+        span.value.refs = span.value.refs.saturating_add(1);
+        let refs = span.value.refs;
+        let (slot, _) = self.slot_and_payload(h.address, 0);
+        slot.set_refs(refs);
+        self.stats.hits += 1;
+        Some(h)
+    }
+
+    /// As `get_cached`, without returning the handle; errors if `key` is absent.
+    pub fn touch(&mut self, key: &str) -> Result<()> {
+        self.get_cached(key)
+            .map(|_| ())
+            .ok_or_else(|| Error::KeyNotFound {
+                key: key.to_owned(),
+            })
+    }
+
+    /// Frees objects from the oldest end while every reader is done with
+    /// them; returns how many were freed.
+    pub fn free_unused(&mut self) -> usize {
+        self.reclaim(None)
+    }
+
+    /// Forgets every object and starts a new epoch: handles from before are
+    /// stale. Slots under a live guard are freed once the guard drops.
+    pub fn clear(&mut self) {
+        let geo = self.geo;
+        for span in self.ring.iter_mut() {
+            if span.value.key.take().is_some() {
+                geo.slot(span.pos % geo.capacity)
+                    .expect("ring slots are in bounds")
+                    .invalidate();
+            }
+        }
+        self.index.clear();
+        self.epoch = next_epoch(self.epoch);
+        self.geo.header().set_epoch(self.epoch);
+        let freed = self.reclaim(None);
+        tracing::debug!(freed, held = self.ring.len(), "store cleared");
+        self.publish_progress();
+    }
+
+    /// What a reader process needs to attach.
+    pub fn handle(&self) -> StoreHandle {
+        StoreHandle {
+            name: self.seg.name().to_owned(),
+            nonce: self.nonce,
+            capacity: self.geo.capacity,
+            max_object_size: self.geo.max_object_size,
+            n_readers: self.geo.n_readers,
+            layout_version: layout::LAYOUT_VERSION,
+        }
+    }
+
+    /// Segment name.
+    pub fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Whether the mapping is page-locked for DMA.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Counters and the ring's state.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            objects: self.ring.len() as u64,
+            bytes_in_use: self.ring.used(),
+            largest_free_block: self.ring.largest_free(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Marks readers whose process is gone as left, so reclamation stops
+    /// waiting for them; returns their indices.
+    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
+        let mut reaped = Vec::new();
+        for i in 0..self.geo.n_readers {
+            let r = self.geo.reader(i);
+            if r.state() != reader_state::ATTACHED {
+                continue;
+            }
+            let (pid, start) = r.owner();
+            if pid != 0
+                && !segment::process_alive(pid, start)
+                && r.transition(reader_state::ATTACHED, reader_state::LEFT)
+            {
+                tracing::warn!(
+                    reader = i,
+                    pid,
+                    "reader process is gone; no longer waiting for its reads"
+                );
+                reaped.push(i);
+            }
+        }
+        self.stats.dead_readers_reaped += reaped.len() as u64;
+        reaped
+    }
+
+    // ---- internals ----
+
+    fn slot_and_payload(&self, address: u64, len: u64) -> (SlotPtr, *mut u8) {
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        let payload = self
+            .geo
+            .payload(address, len)
+            .expect("ring slots hold their payload");
+        (slot, payload)
+    }
+
+    fn publish_progress(&self) {
+        self.geo
+            .header()
+            .set_progress(self.next_id, self.ring.head(), self.ring.tail());
+    }
+
+    fn allocate(&mut self, slot_len: u64) -> Result<u64> {
+        if let Some(pos) = self.ring.reserve(slot_len) {
+            return Ok(pos);
+        }
+        self.reclaim(Some(slot_len));
+        if let Some(pos) = self.ring.reserve(slot_len) {
+            return Ok(pos);
+        }
+        if !self.reap_dead_readers().is_empty() {
+            self.reclaim(Some(slot_len));
+            if let Some(pos) = self.ring.reserve(slot_len) {
+                return Ok(pos);
+            }
+        }
+        self.stats.full_errors += 1;
+        let blocker = self
+            .ring
+            .front()
+            .map(|s| Box::new(self.blocker(s.pos, &s.value)));
+        let err = Error::Full {
+            requested: slot_len,
+            free: self.ring.capacity() - self.ring.used(),
+            capacity: self.ring.capacity(),
+            blocker,
+        };
+        tracing::debug!(%err, "allocation failed");
+        Err(err)
+    }
+
+    /// Frees from the oldest end until `need` bytes fit (or, with `None`,
+    /// as far as possible); stops at the first object still in use.
+    fn reclaim(&mut self, need: Option<u64>) -> usize {
+        let mut freed = 0;
+        while let Some(front) = self.ring.front() {
+            if need.is_some_and(|n| self.ring.reserve(n).is_some()) {
+                break;
+            }
+            let address = self.ring.address(front.pos);
+            if !self.try_free(address, &front.value) {
+                break;
+            }
+            let span = self.ring.pop_front().expect("front exists");
+            if let Some(key) = span.value.key {
+                self.index.remove(&key);
+            }
+            self.stats.evictions += 1;
+            freed += 1;
+        }
+        if freed > 0 {
+            tracing::debug!(freed, "reclaimed objects");
+            self.publish_progress();
+        }
+        freed
+    }
+
+    /// Whether reader `i` still owes a read of `e`.
+    fn owes(&self, i: u32, e: &Entry, slot: &SlotPtr) -> bool {
+        let r = self.geo.reader(i);
+        let counted = match r.state() {
+            reader_state::VACANT => true,
+            reader_state::ATTACHED => e.id >= r.counted_from(),
+            _ => false,
+        };
+        counted && slot.reads_acquire(i) < e.refs
+    }
+
+    /// The reclaim protocol of crate::ring: on success the slot is invalid
+    /// and no reader can be inside it.
+    fn try_free(&self, address: u64, e: &Entry) -> bool {
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        let live = e.key.is_some();
+        if live {
+            if (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
+                return false;
+            }
+            slot.invalidate();
+        }
+        let held = (0..self.geo.n_readers).any(|i| {
+            let r = self.geo.reader(i);
+            r.state() != reader_state::LEFT && r.holds(e.id)
+        });
+        if held {
+            if live {
+                slot.restore(e.id);
+            }
+            return false;
+        }
+        true
+    }
+
+    fn blocker(&self, pos: u64, e: &Entry) -> Blocker {
+        let address = self.ring.address(pos);
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        let all = 0..self.geo.n_readers;
+        Blocker {
+            address,
+            monotonic_id: e.id,
+            key: e.key.as_deref().map(str::to_owned),
+            unread_by: all
+                .clone()
+                .filter(|&i| e.key.is_some() && self.owes(i, e, &slot))
+                .collect(),
+            held_by: all
+                .filter(|&i| {
+                    let r = self.geo.reader(i);
+                    r.state() != reader_state::LEFT && r.holds(e.id)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Opens and validates a segment against the expectations of a handle.
+fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry)> {
+    let seg = Segment::open(&sh.name, prefault)?;
+    let geo = validate_header(&seg, &sh.name)?;
+    let bad = |field, want: u64, got: u64| Error::BadHeader {
+        name: sh.name.clone(),
+        field,
+        detail: format!("the handle says {want}, the segment says {got}"),
+    };
+    if sh.layout_version != layout::LAYOUT_VERSION {
+        return Err(bad(
+            "layout_version",
+            layout::LAYOUT_VERSION as u64,
+            sh.layout_version as u64,
+        ));
+    }
+    let nonce = geo.header().read().nonce;
+    if nonce != sh.nonce {
+        return Err(Error::SegmentMismatch {
+            name: sh.name.clone(),
+            expected: sh.nonce,
+            found: nonce,
+        });
+    }
+    if geo.capacity != sh.capacity {
+        return Err(bad("capacity", sh.capacity, geo.capacity));
+    }
+    if geo.n_readers != sh.n_readers {
+        return Err(bad("n_readers", sh.n_readers as u64, geo.n_readers as u64));
+    }
+    if geo.max_object_size != sh.max_object_size {
+        return Err(bad(
+            "max_object_size",
+            sh.max_object_size,
+            geo.max_object_size,
+        ));
+    }
+    Ok((seg, geo))
+}
+
+/// Checks every field of a segment's header before any of it is used.
+fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
+    let bad = |field, detail: String| Error::BadHeader {
+        name: name.to_owned(),
+        field,
+        detail,
+    };
+    if seg.len() < size_of::<SegmentHeader>() {
+        return Err(bad(
+            "size",
+            format!("{} bytes is smaller than a header", seg.len()),
+        ));
+    }
+    // SAFETY: the mapping is page aligned and at least 256 bytes long.
+    let hp = unsafe { HeaderPtr::new(seg.as_ptr()) };
+    let magic = hp.magic();
+    if magic != layout::MAGIC {
+        return Err(bad(
+            "magic",
+            format!(
+                "expected {:#x}, found {magic:#x} (not a pinshm segment, or its creator has not finished)",
+                layout::MAGIC
+            ),
+        ));
+    }
+    let h = hp.read();
+    if h.layout_version != layout::LAYOUT_VERSION {
+        return Err(bad(
+            "layout_version",
+            format!(
+                "this build reads version {}, the segment is version {}",
+                layout::LAYOUT_VERSION,
+                h.layout_version
+            ),
+        ));
+    }
+    if h.n_readers == 0 || h.n_readers > layout::MAX_READERS {
+        return Err(bad(
+            "n_readers",
+            format!("{} is not in 1..={}", h.n_readers, layout::MAX_READERS),
+        ));
+    }
+    let want = |field, expected: u64, found: u64| {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(bad(field, format!("expected {expected}, found {found}")))
+        }
+    };
+    want(
+        "header_len",
+        layout::header_len(h.n_readers) as u64,
+        h.header_len,
+    )?;
+    want(
+        "slot_prefix_len",
+        layout::slot_prefix_len(h.n_readers) as u64,
+        h.slot_prefix_len as u64,
+    )?;
+    want(
+        "hazards_per_reader",
+        layout::HAZARDS_PER_READER as u64,
+        h.hazards_per_reader as u64,
+    )?;
+    want(
+        "reader_entry_len",
+        size_of::<layout::ReaderEntry>() as u64,
+        h.reader_entry_len as u64,
+    )?;
+    if h.capacity == 0 || h.capacity % layout::SLOT_ALIGN as u64 != 0 {
+        return Err(bad(
+            "capacity",
+            format!(
+                "{} is not a positive multiple of {}",
+                h.capacity,
+                layout::SLOT_ALIGN
+            ),
+        ));
+    }
+    let total = h.header_len.checked_add(h.capacity);
+    if total.is_none_or(|t| t > seg.len() as u64) {
+        return Err(bad(
+            "capacity",
+            format!(
+                "header ({}) + capacity ({}) exceed the segment's {} bytes: the segment is too small",
+                h.header_len,
+                h.capacity,
+                seg.len()
+            ),
+        ));
+    }
+    if h.max_object_size > h.capacity {
+        return Err(bad(
+            "max_object_size",
+            format!("{} exceeds capacity {}", h.max_object_size, h.capacity),
+        ));
+    }
+    Ok(Geometry::new(
+        seg.as_ptr(),
+        h.n_readers,
+        h.capacity,
+        h.max_object_size,
+    ))
+}
+
+/// One reader of a store, attached into a reader slot until dropped.
+///
+/// A `StoreReader` is `Send` but not `Sync`: one per thread (each thread of
+/// a process attaches its own, as each takes one of `n_readers` slots).
+#[derive(Debug)]
+pub struct StoreReader {
+    geo: Geometry,
+    index: u32,
+    me: ReaderPtr,
+    counted_from: u64,
+    /// Bit k set: hazard word k is in use by a live guard.
+    hazards_used: Cell<u64>,
+    seg: Segment,
+}
+
+// SAFETY: the pointers point into `seg`, which moves with the reader; the
+// reader's own state (Cell) is not shared, since StoreReader is not Sync.
+unsafe impl Send for StoreReader {}
+
+impl StoreReader {
+    /// Attaches into the first free reader slot.
+    pub fn attach(sh: &StoreHandle) -> Result<StoreReader> {
+        let (seg, geo) = open_validated(sh, true)?;
+        for i in 0..geo.n_readers {
+            if let Some(counted_from) = claim(&geo, i)? {
+                return Ok(Self::new(seg, geo, i, counted_from, sh));
+            }
+        }
+        Err(Error::NoReaderSlot {
+            n_readers: geo.n_readers,
+        })
+    }
+
+    /// Attaches as reader `index` (a tensor-parallel rank, say).
+    pub fn attach_as(sh: &StoreHandle, index: u32) -> Result<StoreReader> {
+        let (seg, geo) = open_validated(sh, true)?;
+        if index >= geo.n_readers {
+            return Err(Error::ReaderIndexOutOfRange {
+                index,
+                n_readers: geo.n_readers,
+            });
+        }
+        match claim(&geo, index)? {
+            Some(counted_from) => Ok(Self::new(seg, geo, index, counted_from, sh)),
+            None => Err(Error::ReaderSlotTaken {
+                index,
+                pid: geo.reader(index).owner().0,
+            }),
+        }
+    }
+
+    fn new(seg: Segment, geo: Geometry, index: u32, counted_from: u64, sh: &StoreHandle) -> Self {
+        tracing::debug!(name = %sh.name, index, counted_from, "reader attached");
+        StoreReader {
+            geo,
+            index,
+            me: geo.reader(index),
+            counted_from,
+            hazards_used: Cell::new(0),
+            seg,
+        }
+    }
+
+    /// This reader's index in the reader table.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The segment's name.
+    pub fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Whether this process's mapping is page-locked for DMA.
+    pub fn is_pinned(&self) -> bool {
+        false
+    }
+
+    /// A zero-copy view of the object. Its read is acknowledged when the
+    /// guard drops; until then the writer cannot reuse the slot.
+    pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard<'_>> {
+        let slot = self.slot(h)?;
+        let k = self.take_hazard()?;
+        self.me.set_hazard(k, h.monotonic_id);
+        match self.validate(h, &slot, slot.id_seqcst()) {
+            Ok((data, len, kind)) => Ok(ReadGuard {
+                reader: self,
+                slot,
+                hazard: k,
+                handle: h,
+                data,
+                len,
+                kind,
+            }),
+            Err(e) => {
+                self.release_hazard(k);
+                Err(e)
+            }
+        }
+    }
+
+    /// An owned copy of the object; its read is acknowledged before return.
+    ///
+    /// The copy is optimistic (seqlock): if the writer reuses the slot while
+    /// it is being copied, which it can only do when this reader owes no
+    /// read of the object, the copy is discarded and `Stale` returned.
+    pub fn get_copy(&self, h: ObjectHandle) -> Result<Vec<u8>> {
+        let slot = self.slot(h)?;
+        let (data, len, _) = self.validate(h, &slot, slot.id_acquire())?;
+        let mut out = Vec::<u8>::with_capacity(len);
+        // SAFETY: `data..data+len` lies in the data region (validate checked
+        // it against the process-local capacity) and `out` has room for len
+        // bytes. The writer may be rewriting these bytes (only if this read
+        // is not counted); such a copy is detected below and discarded.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data, out.as_mut_ptr(), len);
+        }
+        if slot.id_recheck() != h.monotonic_id {
+            return Err(self.stale(h, "slot reused during the copy"));
+        }
+        // SAFETY: the first len bytes were initialised by the copy.
+        unsafe { out.set_len(len) };
+        // The bytes are whole; if the slot has gone since, there is nothing
+        // left to acknowledge.
+        let _ = self.acknowledge(h);
+        Ok(out)
+    }
+
+    /// Acknowledges one read of `h` without reading it.
+    pub fn touch(&self, h: ObjectHandle) -> Result<()> {
+        self.acknowledge(h)
+    }
+
+    // ---- internals ----
+
+    fn stale(&self, h: ObjectHandle, why: &'static str) -> Error {
+        tracing::debug!(
+            reader = self.index,
+            address = h.address,
+            id = h.monotonic_id,
+            why,
+            "stale read"
+        );
+        Error::Stale {
+            address: h.address,
+            monotonic_id: h.monotonic_id,
+        }
+    }
+
+    fn slot(&self, h: ObjectHandle) -> Result<SlotPtr> {
+        if h.monotonic_id == 0 {
+            return Err(self.stale(h, "id 0 is never used"));
+        }
+        self.geo
+            .slot(h.address)
+            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))
+    }
+
+    /// Given the slot's id as just loaded, checks it, the tag and the size
+    /// against the handle and the process-local bounds.
+    fn validate(
+        &self,
+        h: ObjectHandle,
+        slot: &SlotPtr,
+        id: u64,
+    ) -> Result<(*const u8, usize, u32)> {
+        if id != h.monotonic_id {
+            return Err(self.stale(h, "id mismatch"));
+        }
+        let (tag, size, kind) = slot.meta();
+        if tag != layout::slot_tag(h.monotonic_id, h.address, h.epoch) {
+            return Err(self.stale(h, "tag mismatch (other epoch or segment)"));
+        }
+        let data = self
+            .geo
+            .payload(h.address, size)
+            .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
+        Ok((data, size as usize, kind))
+    }
+
+    fn take_hazard(&self) -> Result<usize> {
+        let used = self.hazards_used.get();
+        if used == u64::MAX {
+            return Err(Error::TooManyGuards {
+                limit: layout::HAZARDS_PER_READER,
+            });
+        }
+        let k = (!used).trailing_zeros() as usize;
+        self.hazards_used.set(used | 1 << k);
+        Ok(k)
+    }
+
+    fn release_hazard(&self, k: usize) {
+        self.me.clear_hazard(k);
+        self.hazards_used.set(self.hazards_used.get() & !(1 << k));
+    }
+
+    /// Counts one read of `h`, under a hazard so the slot cannot be reused
+    /// while the counter is written.
+    fn acknowledge(&self, h: ObjectHandle) -> Result<()> {
+        let slot = self.slot(h)?;
+        let k = self.take_hazard()?;
+        self.me.set_hazard(k, h.monotonic_id);
+        let r = self
+            .validate(h, &slot, slot.id_seqcst())
+            .map(|_| self.ack_held(&slot, h));
+        self.release_hazard(k);
+        r
+    }
+
+    /// Acknowledges a read of a slot this reader holds a hazard on.
+    fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
+        if h.monotonic_id >= self.counted_from && slot.acknowledge(self.index) {
+            self.me.set_last_ack_ns(segment::monotonic_ns());
+        }
+    }
+}
+
+impl Drop for StoreReader {
+    fn drop(&mut self) {
+        // No guard can be alive (they borrow self): leave the table.
+        self.me.clear_all_hazards();
+        self.me.set_state(reader_state::LEFT);
+        tracing::debug!(
+            name = self.seg.name(),
+            index = self.index,
+            "reader detached"
+        );
+    }
+}
+
+/// Takes reader entry `i` if it is free (never used, left, or its process
+/// died); returns the first id this reader is counted for.
+fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
+    let r = geo.reader(i);
+    let pid = std::process::id();
+    let start = segment::own_start_time();
+    match r.state() {
+        reader_state::VACANT if r.transition(reader_state::VACANT, reader_state::ATTACHED) => {
+            // Counted from the start: the writer has been waiting for it.
+            r.set_owner(pid, start);
+            r.bump_generation();
+            return Ok(Some(0));
+        }
+        s @ (reader_state::LEFT | reader_state::ATTACHED) => {
+            if s == reader_state::ATTACHED {
+                let (p, st) = r.owner();
+                if p == 0 || segment::process_alive(p, st) {
+                    return Ok(None);
+                }
+            }
+            if r.transition(s, reader_state::ATTACHING) {
+                // Not counted while attaching; start counting from the next
+                // put so nothing of the previous holder is inherited.
+                r.clear_all_hazards();
+                let from = geo.header().next_id();
+                r.set_counted_from(from);
+                r.set_owner(pid, start);
+                r.bump_generation();
+                r.set_state(reader_state::ATTACHED);
+                return Ok(Some(from));
+            }
+        }
+        _ => {}
+    }
+    Ok(None)
+}
+
+/// A zero-copy view of an object in the ring. Dropping it acknowledges the
+/// read; while it lives the slot cannot be reused.
+///
+/// A guard cannot outlive its reader:
+///
+/// ```compile_fail
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1)).unwrap();
+/// let h = store.put("k", b"v").unwrap();
+/// let guard = {
+///     let reader = StoreReader::attach(&store.handle()).unwrap();
+///     reader.get(h).unwrap()
+/// };
+/// ```
+#[derive(Debug)]
+pub struct ReadGuard<'r> {
+    reader: &'r StoreReader,
+    slot: SlotPtr,
+    hazard: usize,
+    handle: ObjectHandle,
+    data: *const u8,
+    len: usize,
+    kind: u32,
+}
+
+impl ReadGuard<'_> {
+    /// The handle this guard reads.
+    pub fn handle(&self) -> ObjectHandle {
+        self.handle
+    }
+
+    /// The object kind tag (0 = raw bytes).
+    pub fn kind(&self) -> u32 {
+        self.kind
+    }
+}
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `data..data+len` was bounds-checked against the data region
+        // at get; the reader's hazard on this id keeps the writer from
+        // reusing the slot until the guard drops, and a published object's
+        // bytes are never written again, so nobody writes them meanwhile.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl AsRef<[u8]> for ReadGuard<'_> {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        self.reader.ack_held(&self.slot, self.handle);
+        self.reader.release_hazard(self.hazard);
+    }
+}

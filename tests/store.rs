@@ -1,0 +1,735 @@
+//! Single-process behaviour of the store: semantics of the reference,
+//! stale handles, torn reads, header validation, corruption.
+
+mod common;
+
+use common::{pattern, peek, scribble, Name, Rng};
+use pinshm::{layout, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * 1024;
+
+fn store(name: &Name, capacity: usize, max: usize, readers: u32) -> ObjectStore {
+    ObjectStore::create(StoreConfig::new(capacity, max, readers).name(&**name)).unwrap()
+}
+
+/// Slot bytes for a payload of `len` with `readers` readers.
+fn slot(readers: u32, len: usize) -> usize {
+    layout::slot_len(readers, len)
+}
+
+fn assert_stale(r: pinshm::Result<impl std::fmt::Debug>, h: ObjectHandle) {
+    match r {
+        Err(e @ Error::Stale { .. }) => assert_eq!(
+            e.to_string(),
+            format!(
+                "Data for address:id '{}:{}' has been modified or is invalid.",
+                h.address, h.monotonic_id
+            )
+        ),
+        other => panic!("expected Stale for {h:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn put_then_get_returns_the_same_bytes_by_guard_and_by_copy() {
+    let name = Name::new("roundtrip");
+    let mut w = store(&name, 4 * MIB, MIB, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    for (i, len) in [0usize, 1, 63, 64, 65, 4096, 100_000, MIB]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pattern(i as u64, len);
+        let h = w.put(&format!("k{i}"), &data).unwrap();
+        assert_eq!(h.address % 64, 0);
+        {
+            let g = r.get(h).unwrap();
+            assert_eq!(&*g, &data[..]);
+            assert_eq!(g.as_ptr() as usize % 64, 0, "payload is 64-byte aligned");
+        }
+        let h2 = w.get_cached(&format!("k{i}")).unwrap();
+        assert_eq!(h, h2);
+        assert_eq!(r.get_copy(h).unwrap(), data);
+    }
+}
+
+#[test]
+fn put_with_fills_in_place() {
+    let name = Name::new("putwith");
+    let mut w = store(&name, MIB, 64 * KIB, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w
+        .put_with("k", 1000, |s| {
+            for (i, b) in s.iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
+        })
+        .unwrap();
+    let g = r.get(h).unwrap();
+    assert!(g.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+}
+
+#[test]
+fn duplicate_key_is_an_error_and_changes_nothing() {
+    let name = Name::new("dup");
+    let mut w = store(&name, MIB, 64 * KIB, 1);
+    let h = w.put("k", b"one").unwrap();
+    let e = w.put("k", b"two").unwrap_err();
+    assert!(matches!(e, Error::DuplicateKey { .. }));
+    assert!(e.to_string().contains("already exists"), "{e}");
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    assert_eq!(&*r.get(h).unwrap(), b"one");
+    assert_eq!(w.stats().puts, 1);
+}
+
+#[test]
+fn object_over_the_limit_names_both_sizes() {
+    let name = Name::new("toolarge");
+    let mut w = store(&name, MIB, 1000, 1);
+    let e = w.put("k", &[0; 1001]).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::TooLarge {
+            size: 1001,
+            max: 1000
+        }
+    ));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("exceeds max object size") && msg.contains("1001") && msg.contains("1000"),
+        "{msg}"
+    );
+    assert!(w.put("k", &[0; 1000]).is_ok());
+}
+
+#[test]
+fn fifo_reclaim_stops_at_the_first_unread_object_and_resumes_once_it_is_read() {
+    let name = Name::new("fifo");
+    let len = 10 * KIB;
+    // Room for exactly three slots.
+    let mut w = store(&name, 3 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    let b = w.put("b", &pattern(2, len)).unwrap();
+    let c = w.put("c", &pattern(3, len)).unwrap();
+    drop(r.get(b).unwrap());
+    drop(r.get(c).unwrap());
+    // `a` is unread: nothing after it may be freed either (FIFO).
+    let e = w.put("d", &pattern(4, len)).unwrap_err();
+    match &e {
+        Error::Full {
+            blocker: Some(b), ..
+        } => {
+            assert_eq!(b.monotonic_id, a.monotonic_id);
+            assert_eq!(b.key.as_deref(), Some("a"));
+            assert_eq!(b.unread_by, vec![0]);
+            assert!(b.held_by.is_empty());
+        }
+        other => panic!("expected Full, got {other:?}"),
+    }
+    let msg = e.to_string();
+    assert!(
+        msg.contains("still unread by reader(s) [0]") && msg.contains("bytes asked for"),
+        "{msg}"
+    );
+    assert!(w.is_cached("a") && w.is_cached("b") && w.is_cached("c"));
+    assert_eq!(w.stats().full_errors, 1);
+
+    drop(r.get(a).unwrap());
+    let d = w.put("d", &pattern(4, len)).unwrap();
+    assert!(!w.is_cached("a"), "a was reclaimed");
+    assert!(
+        w.is_cached("b") && w.is_cached("c"),
+        "only as much as needed is reclaimed"
+    );
+    assert_eq!(r.get_copy(d).unwrap(), pattern(4, len));
+    assert_stale(r.get(a), a);
+}
+
+#[test]
+fn every_reader_must_read_before_reclaim() {
+    let name = Name::new("allreaders");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(2, len), len, 2);
+    let r0 = StoreReader::attach_as(&w.handle(), 0).unwrap();
+    let r1 = StoreReader::attach_as(&w.handle(), 1).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    w.put("b", &pattern(2, len)).unwrap();
+    drop(r0.get(a).unwrap());
+    // Reader 0 reading twice does not stand in for reader 1.
+    drop(r0.get(a).unwrap());
+    r0.touch(a).unwrap();
+    match w.put("c", &pattern(3, len)).unwrap_err() {
+        Error::Full {
+            blocker: Some(b), ..
+        } => assert_eq!(b.unread_by, vec![1]),
+        e => panic!("{e:?}"),
+    }
+    drop(r1.get(a).unwrap());
+    w.put("c", &pattern(3, len)).unwrap();
+}
+
+#[test]
+fn get_cached_asks_every_reader_for_one_more_read() {
+    let name = Name::new("getcached");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    drop(r.get(a).unwrap());
+    assert_eq!(w.get_cached("a"), Some(a));
+    assert_eq!(w.stats().hits, 1);
+    w.put("b", &pattern(2, len)).unwrap();
+    assert!(
+        matches!(w.put("c", &pattern(3, len)), Err(Error::Full { .. })),
+        "a owes a second read"
+    );
+    assert_eq!(&*r.get(a).unwrap(), &pattern(1, len)[..]);
+    w.put("c", &pattern(3, len)).unwrap();
+    assert!(!w.is_cached("a"));
+    assert_eq!(w.get_cached("a"), None);
+    assert!(matches!(w.touch("a"), Err(Error::KeyNotFound { .. })));
+}
+
+#[test]
+fn touch_on_the_writer_counts_like_get_cached_and_on_the_reader_like_a_read() {
+    let name = Name::new("touch");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    w.touch("a").unwrap();
+    r.touch(a).unwrap();
+    w.put("b", &pattern(2, len)).unwrap();
+    assert!(
+        w.put("c", &pattern(3, len)).is_err(),
+        "one acknowledgement of two is not enough"
+    );
+    r.touch(a).unwrap();
+    w.put("c", &pattern(3, len)).unwrap();
+    assert_stale(r.touch(a), a);
+}
+
+#[test]
+fn free_unused_frees_what_all_readers_are_done_with_in_order() {
+    let name = Name::new("freeunused");
+    let mut w = store(&name, MIB, 4 * KIB, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let hs: Vec<_> = (0..5)
+        .map(|i| w.put(&format!("k{i}"), b"x").unwrap())
+        .collect();
+    for h in &hs[..2] {
+        r.touch(*h).unwrap();
+    }
+    r.touch(hs[3]).unwrap();
+    assert_eq!(w.free_unused(), 2, "stops at k2, unread");
+    assert_eq!(w.stats().objects, 3);
+    assert_eq!(w.stats().evictions, 2);
+}
+
+#[test]
+fn stale_handles_are_rejected_never_answered_with_other_bytes() {
+    let name = Name::new("stale");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    r.touch(a).unwrap();
+    w.put("b", &pattern(2, len)).unwrap();
+    // Reclaims `a` and reuses its slot for `c`.
+    let c = w.put("c", &pattern(3, len)).unwrap();
+    assert_eq!(c.address, a.address, "the slot was reused");
+    assert_stale(r.get(a), a);
+    assert_stale(r.get_copy(a), a);
+    // Wrong id at a live address.
+    let wrong = ObjectHandle {
+        monotonic_id: c.monotonic_id + 7,
+        ..c
+    };
+    assert_stale(r.get(wrong), wrong);
+    let zero = ObjectHandle {
+        monotonic_id: 0,
+        ..c
+    };
+    assert_stale(r.get(zero), zero);
+    // Out of range, misaligned, and the far end of u64.
+    for address in [
+        2 * slot(1, len) as u64,
+        1 << 40,
+        c.address + 8,
+        u64::MAX - 63,
+        u64::MAX,
+    ] {
+        let h = ObjectHandle { address, ..c };
+        assert_stale(r.get(h), h);
+        assert_stale(r.get_copy(h), h);
+    }
+    // Right address and id, wrong epoch.
+    let other_epoch = ObjectHandle {
+        epoch: c.epoch ^ 1,
+        ..c
+    };
+    assert_stale(r.get(other_epoch), other_epoch);
+    assert_eq!(&*r.get(c).unwrap(), &pattern(3, len)[..]);
+}
+
+#[test]
+fn handles_from_before_clear_are_stale() {
+    let name = Name::new("clear");
+    let mut w = store(&name, MIB, 4 * KIB, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", b"before").unwrap();
+    w.clear();
+    assert!(!w.is_cached("a"));
+    assert_eq!(w.stats().objects, 0, "unread objects are dropped by clear");
+    assert_stale(r.get(a), a);
+    let a2 = w.put("a", b"after").unwrap();
+    assert_ne!(a2.epoch, a.epoch, "clear starts a new epoch");
+    assert_ne!(a2.monotonic_id, a.monotonic_id, "ids are never reused");
+    assert_eq!(&*r.get(a2).unwrap(), b"after");
+}
+
+#[test]
+fn clear_waits_for_live_guards_before_reusing_their_slots() {
+    let name = Name::new("clearguard");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    let g = r.get(a).unwrap();
+    w.clear();
+    w.put("b", &pattern(2, len)).unwrap();
+    match w.put("c", &pattern(3, len)).unwrap_err() {
+        Error::Full {
+            blocker: Some(b), ..
+        } => {
+            assert_eq!(b.key, None);
+            assert_eq!(b.held_by, vec![0]);
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(&*g, &pattern(1, len)[..], "the guard's bytes are untouched");
+    drop(g);
+    w.put("c", &pattern(3, len)).unwrap();
+}
+
+#[test]
+fn handle_of_another_segment_is_stale_even_at_a_live_address_and_id() {
+    let n1 = Name::new("seg1");
+    let n2 = Name::new("seg2");
+    let mut w1 = store(&n1, MIB, 4 * KIB, 1);
+    let mut w2 = store(&n2, MIB, 4 * KIB, 1);
+    let h1 = w1.put("k", b"one").unwrap();
+    let h2 = w2.put("k", b"two").unwrap();
+    assert_eq!((h1.address, h1.monotonic_id), (h2.address, h2.monotonic_id));
+    let r2 = StoreReader::attach(&w2.handle()).unwrap();
+    assert_stale(r2.get(h1), h1);
+    assert_eq!(&*r2.get(h2).unwrap(), b"two");
+}
+
+#[test]
+fn a_guard_keeps_its_slot_even_after_the_read_is_acknowledged() {
+    let name = Name::new("guardholds");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    let g = r.get(a).unwrap();
+    r.touch(a).unwrap(); // the read is counted; only the guard holds it now
+    w.put("b", &pattern(2, len)).unwrap();
+    match w.put("c", &pattern(3, len)).unwrap_err() {
+        Error::Full {
+            blocker: Some(b), ..
+        } => {
+            assert!(b.unread_by.is_empty());
+            assert_eq!(b.held_by, vec![0]);
+            assert!(Error::Full {
+                requested: 1,
+                free: 0,
+                capacity: 1,
+                blocker: Some(b)
+            }
+            .to_string()
+            .contains("held by a guard"));
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(&*g, &pattern(1, len)[..]);
+    drop(g);
+    w.put("c", &pattern(3, len)).unwrap();
+}
+
+#[test]
+fn two_guards_of_one_object_count_two_reads_and_hold_until_both_drop() {
+    let name = Name::new("twoguards");
+    let len = 4 * KIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    w.get_cached("a").unwrap();
+    let g1 = r.get(a).unwrap();
+    let g2 = r.get(a).unwrap();
+    drop(g1);
+    w.put("b", &pattern(2, len)).unwrap();
+    assert!(w.put("c", &pattern(3, len)).is_err(), "g2 still reads a");
+    drop(g2);
+    w.put("c", &pattern(3, len)).unwrap();
+}
+
+#[test]
+fn too_many_guards_is_an_error_not_a_panic() {
+    let name = Name::new("manyguards");
+    let mut w = store(&name, MIB, 64, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w.put("a", b"x").unwrap();
+    let guards: Vec<_> = (0..layout::HAZARDS_PER_READER)
+        .map(|_| r.get(h).unwrap())
+        .collect();
+    assert!(matches!(r.get(h), Err(Error::TooManyGuards { .. })));
+    drop(guards);
+    assert!(r.get(h).is_ok());
+}
+
+#[test]
+fn a_slot_reused_during_a_copy_gives_stale_never_mixed_bytes() {
+    // The reader acknowledges every object first, so its copies are not
+    // counted and the writer may reuse the slot under them.
+    let name = Name::new("torn");
+    let len = 2 * MIB;
+    let mut w = store(&name, 2 * slot(1, len), len, 1);
+    let sh = w.handle();
+    let first = w.put("k0", &vec![0u8; len]).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel::<ObjectHandle>();
+    let reader = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let r = StoreReader::attach(&sh).unwrap();
+            let (mut whole, mut stale) = (0u64, 0u64);
+            // Copy the older of the two newest objects: the next to be reused.
+            let (mut older, mut newest) = (first, first);
+            let t0 = std::time::Instant::now();
+            while t0.elapsed().as_secs() < 30 && (stale < 20 || whole < 20) {
+                while let Ok(h) = rx.try_recv() {
+                    let _ = r.touch(h);
+                    (older, newest) = (newest, h);
+                }
+                match r.get_copy(older) {
+                    Ok(v) => {
+                        // Object i is filled with byte i % 256: one value throughout.
+                        assert!(v.iter().all(|&b| b == v[0]), "mixed bytes in a copy");
+                        whole += 1;
+                    }
+                    Err(Error::Stale { .. }) => stale += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (whole, stale)
+        })
+    };
+    tx.send(first).unwrap();
+    let mut i = 1u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        match w.put(&format!("k{i}"), &vec![i as u8; len]) {
+            Ok(h) => {
+                if tx.send(h).is_err() {
+                    break;
+                }
+                i += 1;
+            }
+            Err(Error::Full { .. }) => std::thread::yield_now(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let (whole, stale) = reader.join().unwrap();
+    assert!(stale > 0, "the race was never hit ({whole} whole copies)");
+    assert!(whole > 0);
+}
+
+#[test]
+fn reader_slots_are_limited_and_freed_on_detach() {
+    let name = Name::new("slots");
+    let w = store(&name, MIB, 4 * KIB, 2);
+    let sh = w.handle();
+    let r0 = StoreReader::attach(&sh).unwrap();
+    let r1 = StoreReader::attach(&sh).unwrap();
+    assert_eq!((r0.index(), r1.index()), (0, 1));
+    assert!(matches!(
+        StoreReader::attach(&sh),
+        Err(Error::NoReaderSlot { n_readers: 2 })
+    ));
+    assert!(matches!(
+        StoreReader::attach_as(&sh, 1),
+        Err(Error::ReaderSlotTaken { index: 1, .. })
+    ));
+    assert!(matches!(
+        StoreReader::attach_as(&sh, 2),
+        Err(Error::ReaderIndexOutOfRange { .. })
+    ));
+    drop(r1);
+    let again = StoreReader::attach_as(&sh, 1).unwrap();
+    assert_eq!(again.index(), 1);
+}
+
+#[test]
+fn a_detached_reader_stops_blocking_and_its_successor_inherits_no_counts() {
+    let name = Name::new("detach");
+    let len = 4 * KIB;
+    let mut w = store(&name, 3 * slot(2, len), len, 2);
+    let sh = w.handle();
+    let r0 = StoreReader::attach_as(&sh, 0).unwrap();
+    let r1 = StoreReader::attach_as(&sh, 1).unwrap();
+    let put = |w: &mut ObjectStore, k: &str| w.put(k, &pattern(k.len() as u64, len));
+    let a = put(&mut w, "a").unwrap();
+    r0.touch(a).unwrap();
+    drop(r1); // leaves without reading a
+    let b = put(&mut w, "b").unwrap();
+    let c = put(&mut w, "c").unwrap();
+    r0.touch(b).unwrap();
+    r0.touch(c).unwrap();
+    let d = put(&mut w, "d").unwrap(); // a goes: reader 1 left
+    assert!(!w.is_cached("a"));
+    // A new reader 1 owes nothing for objects put before it came...
+    let r1 = StoreReader::attach_as(&sh, 1).unwrap();
+    let e = put(&mut w, "e").unwrap(); // b goes: only reader 0 counts for it
+    assert!(!w.is_cached("b"));
+    r0.touch(d).unwrap();
+    r0.touch(e).unwrap();
+    put(&mut w, "f").unwrap(); // c goes
+    put(&mut w, "g").unwrap(); // d goes
+                               // ...but does for objects put after it came.
+    match put(&mut w, "h").unwrap_err() {
+        Error::Full {
+            blocker: Some(bl), ..
+        } => {
+            assert_eq!(bl.monotonic_id, e.monotonic_id);
+            assert_eq!(bl.unread_by, vec![1]);
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(r1.get(e).unwrap());
+    put(&mut w, "h").unwrap();
+}
+
+fn header_field_offset(field: &str) -> u64 {
+    match field {
+        "magic" => 0,
+        "layout_version" => 8,
+        "n_readers" => 12,
+        "header_len" => 16,
+        "capacity" => 24,
+        "max_object_size" => 32,
+        "nonce" => 40,
+        "slot_prefix_len" => 48,
+        "hazards_per_reader" => 52,
+        "reader_entry_len" => 56,
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn attach_validates_every_header_field_and_names_it() {
+    let cases: &[(&str, &[u8], &str)] = &[
+        ("magic", b"NOTPINSH", "magic"),
+        ("layout_version", &2u32.to_le_bytes(), "layout_version"),
+        ("n_readers", &0u32.to_le_bytes(), "n_readers"),
+        ("n_readers", &65u32.to_le_bytes(), "n_readers"),
+        ("n_readers", &3u32.to_le_bytes(), "n_readers"),
+        ("n_readers", &9u32.to_le_bytes(), "header_len"),
+        ("header_len", &8192u64.to_le_bytes(), "header_len"),
+        ("capacity", &(1u64 << 40).to_le_bytes(), "capacity"),
+        ("capacity", &100u64.to_le_bytes(), "capacity"),
+        (
+            "max_object_size",
+            &(1u64 << 41).to_le_bytes(),
+            "max_object_size",
+        ),
+        ("nonce", &7u64.to_le_bytes(), "was recreated"),
+        ("slot_prefix_len", &64u32.to_le_bytes(), "slot_prefix_len"),
+        (
+            "hazards_per_reader",
+            &8u32.to_le_bytes(),
+            "hazards_per_reader",
+        ),
+        ("reader_entry_len", &8u32.to_le_bytes(), "reader_entry_len"),
+    ];
+    for (field, bytes, expect) in cases {
+        let name = Name::new("hdr");
+        let w = store(&name, MIB, 4 * KIB, 2);
+        scribble(&name, header_field_offset(field), bytes);
+        let e = StoreReader::attach(&w.handle()).unwrap_err();
+        assert!(e.to_string().contains(expect), "corrupt {field}: {e}");
+    }
+}
+
+#[test]
+fn attach_rejects_a_segment_too_small_or_not_ours() {
+    let name = Name::new("small");
+    std::fs::write(name.path(), [0u8; 100]).unwrap();
+    let sh = StoreHandle {
+        name: name.0.clone(),
+        nonce: 1,
+        capacity: 4096,
+        max_object_size: 64,
+        n_readers: 1,
+        layout_version: layout::LAYOUT_VERSION,
+    };
+    let e = StoreReader::attach(&sh).unwrap_err();
+    assert!(matches!(e, Error::BadHeader { field: "size", .. }), "{e}");
+    std::fs::write(name.path(), vec![0u8; 8192]).unwrap();
+    let e = StoreReader::attach(&sh).unwrap_err();
+    assert!(matches!(e, Error::BadHeader { field: "magic", .. }), "{e}");
+    std::fs::remove_file(name.path()).unwrap();
+    assert!(matches!(
+        StoreReader::attach(&sh),
+        Err(Error::NotFound { .. })
+    ));
+    let bad = StoreHandle {
+        name: "a/b".into(),
+        ..sh
+    };
+    assert!(matches!(
+        StoreReader::attach(&bad),
+        Err(Error::InvalidName { .. })
+    ));
+}
+
+#[test]
+fn the_handle_must_match_the_segment() {
+    let name = Name::new("hmatch");
+    let w = store(&name, MIB, 4 * KIB, 2);
+    let sh = w.handle();
+    for (bad, field) in [
+        (
+            StoreHandle {
+                capacity: 2 * MIB as u64,
+                ..sh.clone()
+            },
+            "capacity",
+        ),
+        (
+            StoreHandle {
+                n_readers: 3,
+                ..sh.clone()
+            },
+            "n_readers",
+        ),
+        (
+            StoreHandle {
+                max_object_size: 1,
+                ..sh.clone()
+            },
+            "max_object_size",
+        ),
+        (
+            StoreHandle {
+                layout_version: 9,
+                ..sh.clone()
+            },
+            "layout_version",
+        ),
+    ] {
+        let e = StoreReader::attach(&bad).unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+    }
+    assert!(matches!(
+        StoreReader::attach(&StoreHandle {
+            nonce: sh.nonce ^ 1,
+            ..sh
+        }),
+        Err(Error::SegmentMismatch { .. })
+    ));
+}
+
+#[test]
+fn invalid_configurations_are_errors() {
+    for cfg in [
+        StoreConfig::new(MIB, 1024, 0),
+        StoreConfig::new(MIB, 1024, layout::MAX_READERS + 1),
+        StoreConfig::new(0, 0, 1),
+        StoreConfig::new(1000, 10, 1),
+        StoreConfig::new(MIB, MIB, 1),
+        StoreConfig::new(MIB, usize::MAX, 1),
+        StoreConfig::new(MIB, 1024, 1).name(""),
+        StoreConfig::new(MIB, 1024, 1).name("a/b"),
+    ] {
+        assert!(ObjectStore::create(cfg.clone()).is_err(), "{cfg:?}");
+    }
+}
+
+#[test]
+fn create_is_exclusive_and_drop_unlinks() {
+    let name = Name::new("excl");
+    let w = store(&name, MIB, 4 * KIB, 1);
+    assert!(name.exists());
+    let e = ObjectStore::create(StoreConfig::new(MIB, 4 * KIB, 1).name(&*name)).unwrap_err();
+    assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
+    drop(w);
+    assert!(!name.exists(), "the writer's drop removes the segment");
+}
+
+#[test]
+fn a_reader_keeps_reading_after_the_writer_is_gone() {
+    let name = Name::new("writergone");
+    let mut w = store(&name, MIB, 4 * KIB, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w.put("k", b"still here").unwrap();
+    drop(w);
+    assert!(!name.exists());
+    assert_eq!(&*r.get(h).unwrap(), b"still here");
+}
+
+#[test]
+fn a_corrupted_segment_gives_errors_never_panics_or_wild_reads() {
+    let name = Name::new("corrupt");
+    let len = 8 * KIB;
+    let cap = 16 * slot(2, len);
+    let mut w = store(&name, cap, len, 2);
+    let sh = w.handle();
+    let header_len = layout::header_len(2) as u64;
+    let mut rng = Rng(0x1234_5678);
+    let mut handles = Vec::new();
+    for i in 0..12 {
+        handles.push(
+            w.put(
+                &format!("k{i}"),
+                &pattern(i, (rng.below(len as u64)) as usize),
+            )
+            .unwrap(),
+        );
+    }
+    let r = StoreReader::attach(&sh).unwrap();
+    for round in 0..400 {
+        // Random bytes over the slot headers and payloads...
+        for _ in 0..8 {
+            let at = header_len + rng.below(cap as u64 - 16);
+            scribble(&name, at, &rng.next().to_le_bytes());
+        }
+        // ...and over whole slot prefixes of live objects.
+        let h = handles[rng.below(handles.len() as u64) as usize];
+        let junk: Vec<u8> = (0..64).map(|_| rng.next() as u8).collect();
+        scribble(&name, header_len + h.address + 8 * (round % 8), &junk[..8]);
+        for h in handles.iter().copied().chain([ObjectHandle {
+            address: rng.below(cap as u64) & !63,
+            monotonic_id: rng.below(20) + 1,
+            epoch: handles[0].epoch,
+        }]) {
+            if let Ok(g) = r.get(h) {
+                // Whatever came back lies inside the data region.
+                assert!(g.len() <= cap);
+                std::hint::black_box(g.iter().fold(0u8, |a, &b| a ^ b));
+            }
+            let _ = r.get_copy(h);
+            let _ = r.touch(h);
+        }
+        // The writer keeps working over corrupted counters.
+        let _ = w.put(&format!("n{round}"), &pattern(round, 100));
+        let _ = w.free_unused();
+    }
+    // Header corruption after attach does not change the reader's bounds.
+    scribble(&name, 24, &u64::MAX.to_le_bytes());
+    let _ = r.get(handles[0]);
+    assert!(peek(&name, 0, 8) == b"PINSHM\0\x01");
+}

@@ -53,14 +53,47 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     v
 }
 
-/// FNV-1a, to compare what was put with what was read.
+/// A word-at-a-time hash, to compare what was put with what was read.
 pub fn checksum(bytes: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100_0000_01b3);
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ bytes.len() as u64;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes(c.try_into().unwrap());
+        h = (h ^ w).wrapping_mul(0x100_0000_01b3).rotate_left(29);
+    }
+    for &b in chunks.remainder() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
     }
     h
+}
+
+/// Re-runs this test binary as a child process that runs only `test`, with
+/// `PINSHM_CHILD` set to `role` plus the given environment.
+pub fn spawn_child(test: &str, role: &str, env: &[(&str, String)]) -> std::process::Child {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("PINSHM_CHILD", role)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn child test process")
+}
+
+/// The `RESULT ...` line a child printed, or a panic with its output.
+pub fn child_result(child: std::process::Child) -> String {
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "child failed ({}):\n{text}",
+        out.status
+    );
+    text.lines()
+        .find_map(|l| l.split_once("RESULT ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("child printed no RESULT line:\n{text}"))
+        .to_owned()
 }
 
 /// Writes `bytes` at `offset` of a segment's file, as a hostile process would.

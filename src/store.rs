@@ -900,9 +900,18 @@ impl StoreReader {
     /// it is being copied, which it can only do when this reader owes no
     /// read of the object, the copy is discarded and `Stale` returned.
     pub fn get_copy(&self, h: ObjectHandle) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.get_copy_into(h, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`StoreReader::get_copy`], into `out` (cleared first, its capacity
+    /// reused): no allocation, and no page faults on a buffer used before.
+    pub fn get_copy_into(&self, h: ObjectHandle, out: &mut Vec<u8>) -> Result<()> {
         let slot = self.slot(h)?;
         let (data, len, _) = self.validate(h, &slot, slot.id_acquire())?;
-        let mut out = Vec::<u8>::with_capacity(len);
+        out.clear();
+        out.reserve(len);
         // SAFETY: `data..data+len` lies in the data region (validate checked
         // it against the process-local capacity) and `out` has room for len
         // bytes. The writer may be rewriting these bytes (only if this read
@@ -918,7 +927,7 @@ impl StoreReader {
         // The bytes are whole; if the slot has gone since, there is nothing
         // left to acknowledge.
         let _ = self.acknowledge(h);
-        Ok(out)
+        Ok(())
     }
 
     /// Acknowledges one read of `h` without reading it.

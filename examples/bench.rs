@@ -1,0 +1,370 @@
+//! Quick benchmark: put / get figures beside a plain memcpy of the same size,
+//! measured in the same run (machines are shared and noisy: read ratios).
+//!
+//! `cargo run --release --example bench [-- --json] [--quick]`
+//!
+//! Ops: `put` (steady state, ring wrapping and reclaiming), `put_cold` (the
+//! first pass over a freshly created segment), `put_cold_unfaulted` (the same
+//! with pre-faulting switched off, to show what it buys), `get_guard` (get a
+//! zero-copy guard and drop it), `get_copy` (owned copy), `xproc` (1 writer
+//! and 2 reader processes, 1 MiB objects, handles over pipes).
+
+use std::hint::black_box;
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use pinshm::{layout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * 1024;
+const SIZES: [usize; 5] = [64, 4 * KIB, 256 * KIB, 4 * MIB, 64 * MIB];
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Ops per timed batch, so that a batch takes well over the timer's cost.
+fn batch_for(size: usize) -> usize {
+    (64 * KIB / size).clamp(1, 256)
+}
+
+/// Rounds of timing for one (op, size): as many as fit in `budget_ms`.
+fn rounds_for(size: usize, quick: bool) -> usize {
+    let r = if size >= 64 * MIB {
+        15
+    } else if size >= 4 * MIB {
+        60
+    } else {
+        300
+    };
+    if quick {
+        r / 3
+    } else {
+        r
+    }
+}
+
+/// Median ns of one memcpy of `size` bytes from a warmed buffer into a
+/// destination that walks an arena of `arena` bytes, as a put walks the
+/// ring (`arena == size`: the same buffer every time, cache-hot).
+fn memcpy_ns(size: usize, arena: usize, quick: bool) -> f64 {
+    let src = vec![1u8; size];
+    let slots = (arena / size).max(1);
+    let mut dst = vec![1u8; size * slots]; // written: pages faulted in
+    let batch = batch_for(size);
+    let mut t = Vec::new();
+    let mut k = 0;
+    for round in 0..rounds_for(size, quick) + slots / batch {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            let at = (k % slots) * size;
+            dst[at..at + size].copy_from_slice(black_box(&src));
+            black_box(&mut dst);
+            k += 1;
+        }
+        if round >= slots / batch {
+            t.push(t0.elapsed().as_nanos() as f64 / batch as f64);
+        }
+    }
+    median(&mut t)
+}
+
+/// Objects of `size` bytes the steady-state ring holds.
+fn ring_objects(size: usize) -> usize {
+    (64 * MIB / size).clamp(4, 256)
+}
+
+/// A store that holds at least `objects` objects of `size` bytes.
+fn store_for(size: usize, objects: usize, prefault: bool) -> ObjectStore {
+    let cap = layout::round_up(layout::slot_len(1, size) * objects, 4096);
+    ObjectStore::create(StoreConfig::new(cap, size, 1).prefault(prefault)).expect("create store")
+}
+
+/// Steady-state put: the reader acknowledges each object right away, so
+/// the ring keeps wrapping and reclaiming its oldest slot.
+fn put_ns(size: usize, quick: bool) -> f64 {
+    let objects = ring_objects(size);
+    let mut store = store_for(size, objects, true);
+    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let data = vec![3u8; size];
+    let keys: Vec<String> = (0..objects * 2).map(|i| format!("key-{i}")).collect();
+    let batch = batch_for(size).min(objects / 2);
+    let mut handles = Vec::with_capacity(batch);
+    let mut t = Vec::new();
+    let mut k = 0;
+    // One lap to warm up, then the timed rounds.
+    for round in 0..rounds_for(size, quick) + objects / batch {
+        handles.clear();
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            handles.push(store.put(&keys[k % keys.len()], black_box(&data)).unwrap());
+            k += 1;
+        }
+        let dt = t0.elapsed().as_nanos() as f64 / batch as f64;
+        if round >= objects / batch {
+            t.push(dt);
+        }
+        for h in &handles {
+            reader.touch(*h).unwrap();
+        }
+    }
+    median(&mut t)
+}
+
+/// First pass over a fresh segment: every put lands on memory never written.
+fn put_cold_ns(size: usize, prefault: bool, quick: bool) -> f64 {
+    let objects = (256 * MIB / size).clamp(2, 64);
+    let data = vec![3u8; size];
+    let mut t = Vec::new();
+    let laps = if quick { 2 } else { 5 };
+    for _ in 0..laps {
+        let mut store = store_for(size, objects, prefault);
+        for i in 0..objects {
+            let key = format!("k{i}");
+            let t0 = Instant::now();
+            black_box(store.put(&key, black_box(&data)).unwrap());
+            t.push(t0.elapsed().as_nanos() as f64);
+        }
+    }
+    median(&mut t)
+}
+
+/// get_guard: one object, get and drop. get_copy / get_copy_into: a ring
+/// full of objects copied in turn (cold source, like a real stream).
+fn get_ns(size: usize, op: &str, quick: bool) -> f64 {
+    let objects = if op == "get_guard" {
+        1
+    } else {
+        ring_objects(size)
+    };
+    let mut store = store_for(size, objects, true);
+    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let hs: Vec<_> = (0..objects)
+        .map(|i| store.put(&format!("k{i}"), &vec![5u8; size]).unwrap())
+        .collect();
+    let batch = if op == "get_guard" {
+        1000
+    } else {
+        batch_for(size)
+    };
+    let mut buf = Vec::new();
+    let mut t = Vec::new();
+    let mut k = 0;
+    for _ in 0..rounds_for(size, quick) {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            let h = hs[k % objects];
+            k += 1;
+            match op {
+                "get_guard" => {
+                    let g = reader.get(black_box(h)).unwrap();
+                    black_box(g.as_ptr());
+                }
+                "get_copy" => {
+                    black_box(reader.get_copy(black_box(h)).unwrap());
+                }
+                _ => {
+                    reader.get_copy_into(black_box(h), &mut buf).unwrap();
+                    black_box(&buf);
+                }
+            }
+        }
+        t.push(t0.elapsed().as_nanos() as f64 / batch as f64);
+    }
+    median(&mut t)
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = nix::libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec to a valid pointer.
+    unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Reader process of `xproc`. Lines `S addr id epoch` are streamed; after
+/// a `P ...` line it answers on stdout at once (ping-pong, for latency).
+/// At the end it prints `bytes seconds` of the streamed part and the
+/// monotonic time each ping object was done.
+fn xproc_reader(rank: u32, sh: &StoreHandle) {
+    let r = StoreReader::attach_as(sh, rank).unwrap();
+    let mut done = Vec::new();
+    let (mut bytes, mut first, mut last) = (0u64, None, Instant::now());
+    let mut out = std::io::stdout().lock();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let f: Vec<u64> = line[2..].split(' ').map(|x| x.parse().unwrap()).collect();
+        let g = r
+            .get(ObjectHandle {
+                address: f[0],
+                monotonic_id: f[1],
+                epoch: f[2],
+            })
+            .unwrap();
+        let words: &[u64] = bytemuck::cast_slice(&g);
+        black_box(words.iter().fold(0u64, |a, &w| a.wrapping_add(w)));
+        let len = g.len() as u64;
+        drop(g);
+        if line.starts_with('S') {
+            first.get_or_insert_with(Instant::now);
+            bytes += len;
+            last = Instant::now();
+        } else {
+            done.push(monotonic_ns());
+            writeln!(out, "ok").unwrap();
+            out.flush().unwrap();
+        }
+    }
+    let secs = first.map_or(1.0, |f| (last - f).as_secs_f64());
+    writeln!(out, "{} {}", bytes, secs).unwrap();
+    for d in done {
+        writeln!(out, "{d}").unwrap();
+    }
+}
+
+/// Returns (per-reader GB/s streaming, end-to-end latency median ns).
+fn xproc(quick: bool) -> (Vec<f64>, f64) {
+    let size = MIB;
+    let (n_stream, n_ping) = if quick { (500, 100) } else { (2000, 300) };
+    let cap = layout::round_up(layout::slot_len(2, size) * 64, 4096);
+    let mut store = ObjectStore::create(StoreConfig::new(cap, size, 2)).unwrap();
+    let sh = serde_json::to_string(&store.handle()).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut kids: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(&exe)
+                .args(["--xproc-reader", &rank.to_string(), &sh])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut pipes: Vec<_> = kids.iter_mut().map(|k| k.stdin.take().unwrap()).collect();
+    let mut replies: Vec<_> = kids
+        .iter_mut()
+        .map(|k| std::io::BufReader::new(k.stdout.take().unwrap()))
+        .collect();
+    let data = vec![9u8; size];
+    let mut starts = Vec::with_capacity(n_ping);
+    for i in 0..n_stream + n_ping {
+        let key = format!("x{i}");
+        let ping = i >= n_stream;
+        let start = monotonic_ns();
+        let h = loop {
+            match store.put(&key, &data) {
+                Ok(h) => break h,
+                Err(pinshm::Error::Full { .. }) => std::thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let tag = if ping { 'P' } else { 'S' };
+        for p in &mut pipes {
+            writeln!(p, "{tag} {} {} {}", h.address, h.monotonic_id, h.epoch).unwrap();
+        }
+        if ping {
+            starts.push(start);
+            for r in &mut replies {
+                let mut l = String::new();
+                r.read_line(&mut l).unwrap();
+            }
+        }
+    }
+    drop(pipes);
+    let mut gbps = Vec::new();
+    let mut last_done = vec![0u64; n_ping];
+    for (k, mut r) in kids.into_iter().zip(replies) {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut r, &mut text).unwrap();
+        k.wait_with_output().unwrap();
+        let mut lines = text.lines();
+        let head: Vec<f64> = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .map(|x| x.parse().unwrap())
+            .collect();
+        gbps.push(head[0] / head[1] / 1e9);
+        for (i, l) in lines.enumerate() {
+            last_done[i] = last_done[i].max(l.parse().unwrap());
+        }
+    }
+    let mut lat: Vec<f64> = last_done
+        .iter()
+        .zip(&starts)
+        .map(|(d, s)| d.saturating_sub(*s) as f64)
+        .collect();
+    (gbps, median(&mut lat))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(p) = args.iter().position(|a| a == "--xproc-reader") {
+        let sh: StoreHandle = serde_json::from_str(&args[p + 2]).unwrap();
+        xproc_reader(args[p + 1].parse().unwrap(), &sh);
+        return;
+    }
+    let json = args.iter().any(|a| a == "--json");
+    let quick = args.iter().any(|a| a == "--quick");
+    let t_all = Instant::now();
+    let emit = |op: &str, size: usize, ns: f64, memcpy: f64, hot: f64| {
+        let ratio = ns / memcpy;
+        if json {
+            println!(
+                "{{\"op\": \"{op}\", \"size\": {size}, \"median_ns\": {ns:.1}, \"memcpy_median_ns\": {memcpy:.1}, \"ratio\": {ratio:.3}, \"memcpy_hot_ns\": {hot:.1}}}"
+            );
+        } else {
+            println!("{op:<20} {size:>10} {ns:>14.1} {memcpy:>14.1} {ratio:>8.2} {hot:>14.1}");
+        }
+    };
+    if !json {
+        println!("pinshm bench: medians in ns; ratio = op / memcpy of the same size in this run");
+        println!("memcpy_ns: destination walks an arena as large as the op's ring; memcpy_hot_ns: one cache-hot buffer");
+        println!(
+            "{:<20} {:>10} {:>14} {:>14} {:>8} {:>14}",
+            "op", "size", "median_ns", "memcpy_ns", "ratio", "memcpy_hot_ns"
+        );
+    }
+    for size in SIZES {
+        // Same working set as the op: the ring's size (put, get_copy) ...
+        let m = memcpy_ns(size, ring_objects(size) * size, quick);
+        // ... or one buffer, cache-hot (shown for scale).
+        let hot = memcpy_ns(size, size, quick);
+        emit("put", size, put_ns(size, quick), m, hot);
+        emit("put_cold", size, put_cold_ns(size, true, quick), m, hot);
+        emit(
+            "put_cold_unfaulted",
+            size,
+            put_cold_ns(size, false, quick),
+            m,
+            hot,
+        );
+        emit("get_guard", size, get_ns(size, "get_guard", quick), m, hot);
+        emit("get_copy", size, get_ns(size, "get_copy", quick), m, hot);
+        emit(
+            "get_copy_into",
+            size,
+            get_ns(size, "get_copy_into", quick),
+            m,
+            hot,
+        );
+    }
+    let m = memcpy_ns(MIB, 64 * MIB, quick);
+    let (gbps, lat) = xproc(quick);
+    if json {
+        println!(
+            "{{\"op\": \"xproc\", \"size\": {MIB}, \"median_ns\": {lat:.1}, \"memcpy_median_ns\": {m:.1}, \"ratio\": {:.3}, \"readers\": 2, \"per_reader_gbps\": [{:.2}, {:.2}], \"latency_median_ns\": {lat:.1}}}",
+            lat / m, gbps[0], gbps[1]
+        );
+    } else {
+        println!(
+            "xproc: 1 writer + 2 reader processes, 1 MiB objects: {:.2} / {:.2} GB/s delivered per reader, end-to-end latency median {:.1} µs (memcpy 1 MiB {:.1} µs)",
+            gbps[0], gbps[1], lat / 1e3, m / 1e3
+        );
+        println!("total {:.1} s", t_all.elapsed().as_secs_f64());
+    }
+}

@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pinshm::{layout, ObjectStore, StoreConfig, StoreReader};
+use pinshm::{layout, DType, ItemLayout, ObjectStore, StoreConfig, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -113,6 +113,24 @@ fn bench(c: &mut Criterion) {
                     .get_copy_into(black_box(hs[i % objects]), &mut buf)
                     .unwrap();
                 black_box(&buf);
+            })
+        });
+        // get_item: decode the header and view a field in place.
+        let item = ItemLayout::new()
+            .meta("modality", "image")
+            .field("pixel_values", DType::U8, vec![size as u64])
+            .field("image_grid_thw", DType::I64, vec![1, 3])
+            .finish()
+            .unwrap();
+        let mut istore = store_for(item.len(), 2, true);
+        let ireader = StoreReader::attach(&istore.handle()).unwrap();
+        let ih = istore
+            .put_item_with("item", &item, |s| s.field_mut(0).fill(1))
+            .unwrap();
+        g.bench_function("get_item", |b| {
+            b.iter(|| {
+                let v = ireader.get_item(black_box(ih)).unwrap();
+                black_box(v.field("pixel_values").unwrap().bytes().as_ptr());
             })
         });
         g.finish();

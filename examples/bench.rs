@@ -14,7 +14,9 @@ use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use pinshm::{layout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    layout, DType, ItemLayout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader,
+};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -170,6 +172,37 @@ fn get_ns(size: usize, op: &str, quick: bool) -> f64 {
                     black_box(&buf);
                 }
             }
+        }
+        t.push(t0.elapsed().as_nanos() as f64 / batch as f64);
+    }
+    median(&mut t)
+}
+
+/// get_item: an item of three fields (pixel values of `size` bytes, a grid
+/// and a mask) decoded and viewed in place, then dropped. A view, not a
+/// copy: the cost should not grow with `size`.
+fn get_item_ns(size: usize, quick: bool) -> f64 {
+    let layout = ItemLayout::new()
+        .meta("modality", "image")
+        .meta("hash", "3f9a61c2d4")
+        .field("pixel_values", DType::U8, vec![size as u64])
+        .field("image_grid_thw", DType::I64, vec![1, 3])
+        .field("patch_mask", DType::Bool, vec![64])
+        .finish()
+        .unwrap();
+    let mut store = store_for(layout.len(), 2, true);
+    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let h = store
+        .put_item_with("item", &layout, |s| s.field_mut(0).fill(1))
+        .unwrap();
+    let batch = 200;
+    let mut t = Vec::new();
+    for _ in 0..rounds_for(size, quick).max(100) {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            let v = reader.get_item(black_box(h)).unwrap();
+            let f = v.field("pixel_values").unwrap();
+            black_box(f.bytes().as_ptr());
         }
         t.push(t0.elapsed().as_nanos() as f64 / batch as f64);
     }
@@ -352,6 +385,7 @@ fn main() {
             m,
             hot,
         );
+        emit("get_item", size, get_item_ns(size, quick), m, hot);
     }
     let m = memcpy_ns(MIB, 64 * MIB, quick);
     let (gbps, lat) = xproc(quick);

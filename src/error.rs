@@ -190,6 +190,41 @@ pub enum Error {
         limit: usize,
     },
 
+    /// A tensor or item description that cannot be stored (shape and data
+    /// disagree, too many dimensions, sizes overflow).
+    #[error("invalid tensor: {0}")]
+    InvalidTensor(String),
+
+    /// An object's own header (tensor or item) does not describe bytes that
+    /// fit the object: the segment was corrupted.
+    #[error("corrupt object: {0}")]
+    CorruptObject(String),
+
+    /// `as_slice::<T>()` with a `T` of another dtype.
+    #[error("tensor holds {expected:?}, not {requested:?}")]
+    DTypeMismatch {
+        /// The tensor's dtype.
+        expected: crate::DType,
+        /// The dtype asked for.
+        requested: crate::DType,
+    },
+
+    /// `get_tensor` on an item, `get_item` on raw bytes, and so on.
+    #[error("object is of kind {found}, not {expected} (0 raw, 1 tensor, 2 item)")]
+    WrongKind {
+        /// Kind asked for.
+        expected: u32,
+        /// Kind stored.
+        found: u32,
+    },
+
+    /// `ItemView::field` with a name the item does not have.
+    #[error("item has no field '{name}'")]
+    NoSuchField {
+        /// The name.
+        name: String,
+    },
+
     /// `PinMode::Require` without a way to pin.
     #[error("pinning required but not possible: {0}")]
     PinUnavailable(String),

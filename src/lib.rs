@@ -7,12 +7,14 @@ compile_error!(
     "pinshm needs Linux: POSIX shared memory under /dev/shm and /proc for liveness checks"
 );
 
+pub mod codec;
 mod error;
 pub mod layout;
 mod ring;
 mod segment;
 mod store;
 
+pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
 pub use error::{Blocker, Error, Result};
 pub use store::{
     ObjectHandle, ObjectStore, PinMode, ReadGuard, StoreConfig, StoreHandle, StoreReader,

@@ -333,7 +333,7 @@ impl ObjectStore {
         len: usize,
         fill: F,
     ) -> Result<ObjectHandle> {
-        self.put_kind(key, len, 0, fill)
+        self.put_kind(key, len, crate::codec::KIND_RAW, fill)
     }
 
     pub(crate) fn put_kind<F: FnOnce(&mut [u8])>(

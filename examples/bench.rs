@@ -341,6 +341,12 @@ fn main() {
         xproc_reader(args[p + 1].parse().unwrap(), &sh);
         return;
     }
+    if let Some(p) = args.iter().position(|a| a == "--profile-put") {
+        // For callgrind / perf: steady-state puts of one size, nothing else.
+        let size: usize = args[p + 1].parse().unwrap();
+        black_box(put_ns(size, true));
+        return;
+    }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
     let t_all = Instant::now();

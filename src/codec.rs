@@ -248,7 +248,7 @@ impl<'a> TensorView<'a> {
         })
     }
 
-    fn parse(object: &'a [u8]) -> Result<TensorView<'a>> {
+    pub(crate) fn parse(object: &'a [u8]) -> Result<TensorView<'a>> {
         let corrupt = |m: &str| Error::CorruptObject(format!("tensor: {m}"));
         let head = object
             .get(..size_of::<TensorHeader>())
@@ -287,7 +287,7 @@ impl<'a> TensorView<'a> {
     }
 }
 
-fn write_tensor_header(out: &mut [u8], dtype: DType, shape: &[u64], len: usize) {
+pub(crate) fn write_tensor_header(out: &mut [u8], dtype: DType, shape: &[u64], len: usize) {
     let mut h = TensorHeader::zeroed();
     h.magic = TENSOR_MAGIC;
     h.version = CODEC_VERSION;
@@ -457,7 +457,7 @@ impl ItemLayout {
         &self.header
     }
 
-    fn write_header(&self, out: &mut [u8]) {
+    pub(crate) fn write_header(&self, out: &mut [u8]) {
         out[0..4].copy_from_slice(&ITEM_MAGIC.to_le_bytes());
         out[4..6].copy_from_slice(&CODEC_VERSION.to_le_bytes());
         out[6..8].fill(0);

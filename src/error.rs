@@ -225,6 +225,25 @@ pub enum Error {
         name: String,
     },
 
+    /// A device buffer or range that does not fit what it is copied to or from.
+    #[error("device range: {0}")]
+    DeviceRange(String),
+
+    /// A device buffer of another device than the engine's.
+    #[error(
+        "device buffer belongs to device {buffer:#x}, the engine copies for device {engine:#x}"
+    )]
+    WrongDevice {
+        /// The buffer's device.
+        buffer: u64,
+        /// The engine's device.
+        engine: u64,
+    },
+
+    /// An asynchronous copy failed.
+    #[error("copy failed: {0}")]
+    Copy(String),
+
     /// `PinMode::Require` without a way to pin.
     #[error("pinning required but not possible: {0}")]
     PinUnavailable(String),

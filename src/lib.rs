@@ -8,6 +8,7 @@ compile_error!(
 );
 
 pub mod codec;
+pub mod copy;
 mod error;
 pub mod layout;
 mod ring;
@@ -15,6 +16,7 @@ mod segment;
 mod store;
 
 pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
+pub use copy::{CopyEngine, CpuEngine, DeviceBuffer, PackDesc, PendingGet, PendingPut, Ticket};
 pub use error::{Blocker, Error, Result};
 pub use store::{
     ObjectHandle, ObjectStore, PinMode, ReadGuard, StoreConfig, StoreHandle, StoreReader,

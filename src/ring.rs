@@ -158,6 +158,15 @@ impl<T> Ring<T> {
 
     /// The live slot whose value matches `key`, by binary search on a key
     /// that grows with position (the monotonic id).
+    pub fn find_by<K: Ord>(&self, key: K, f: impl Fn(&T) -> K) -> Option<&Span<T>> {
+        let i = self
+            .spans
+            .binary_search_by(|s| f(&s.value).cmp(&key))
+            .ok()?;
+        self.spans.get(i)
+    }
+
+    /// As [`Ring::find_by`], mutable.
     pub fn find_by_mut<K: Ord>(&mut self, key: K, f: impl Fn(&T) -> K) -> Option<&mut Span<T>> {
         let i = self
             .spans

@@ -231,6 +231,30 @@ struct Entry {
     refs: u32,
     /// `None` once cleared: the slot waits only for guards to go.
     key: Option<Arc<str>>,
+    /// A copy into the slot still in flight: not published, not freeable.
+    pending: Option<Arc<dyn PendingCopy>>,
+    kind: u32,
+    size: u64,
+    slot_len: u64,
+}
+
+/// A copy into a reserved slot (a device-to-host DMA, say), seen by the
+/// store. Implemented by the copy layer.
+pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
+    /// Whether the copy has finished (successfully or not).
+    fn is_done(&self) -> bool;
+    /// Blocks until the copy has finished; its outcome.
+    fn wait(&self) -> Result<()>;
+    /// Whether the caller dropped its token without finishing the put.
+    fn abandoned(&self) -> bool;
+}
+
+/// A slot handed out by the ring, not yet published.
+struct Reserved {
+    pos: u64,
+    address: u64,
+    slot_len: u64,
+    payload: *mut u8,
 }
 
 /// The one writer of a store. Creates the segment and unlinks it on drop.
@@ -248,6 +272,8 @@ pub struct ObjectStore {
     geo: Geometry,
     ring: Ring<Entry>,
     index: HashMap<Arc<str>, ObjectHandle>,
+    /// Keys of puts whose copy is still in flight.
+    pending_keys: std::collections::HashSet<Arc<str>>,
     next_id: u64,
     epoch: u64,
     nonce: u64,
@@ -311,6 +337,7 @@ impl ObjectStore {
             geo,
             ring: Ring::new(cfg.capacity as u64),
             index: HashMap::new(),
+            pending_keys: Default::default(),
             next_id: 1,
             epoch,
             nonce,
@@ -343,7 +370,70 @@ impl ObjectStore {
         kind: u32,
         fill: F,
     ) -> Result<ObjectHandle> {
-        if self.index.contains_key(key) {
+        let r = self.reserve(key, len)?;
+        // SAFETY: `r.payload` spans `len` bytes inside the data region (checked
+        // by reserve) in a slot the ring just handed out: no live object and
+        // no guard covers it, so nobody else writes it and no reader trusts
+        // it until it is published.
+        fill(unsafe { std::slice::from_raw_parts_mut(r.payload, len) });
+        let id = self.commit(r, key, len as u64, kind, None);
+        Ok(self
+            .publish(id)
+            .expect("a slot committed without a pending copy publishes"))
+    }
+
+    /// Reserves a slot for `len` payload bytes under `key`, starts `start`
+    /// on its payload (a copy that finishes later) and records the slot as
+    /// pending. Returns the id to finish it by. Nothing is published, and on
+    /// an error nothing is recorded.
+    pub(crate) fn begin_pending(
+        &mut self,
+        key: &str,
+        len: usize,
+        kind: u32,
+        start: impl FnOnce(*mut u8) -> Result<Arc<dyn PendingCopy>>,
+    ) -> Result<u64> {
+        let r = self.reserve(key, len)?;
+        let pending = start(r.payload)?;
+        Ok(self.commit(r, key, len as u64, kind, Some(pending)))
+    }
+
+    /// Whether the pending put `id` has finished its copy.
+    pub(crate) fn pending_done(&self, id: u64) -> bool {
+        self.ring
+            .find_by(id, |e| e.id)
+            .and_then(|s| s.value.pending.as_ref())
+            .is_none_or(|p| p.is_done())
+    }
+
+    /// Waits for the pending put `id` and publishes it.
+    pub(crate) fn finish_pending(&mut self, id: u64) -> Result<ObjectHandle> {
+        let span = self
+            .ring
+            .find_by_mut(id, |e| e.id)
+            .ok_or_else(|| Error::InvalidConfig(format!("no pending put with id {id}")))?;
+        let address = span.pos % self.geo.capacity;
+        let outcome = match span.value.pending.take() {
+            Some(p) => p.wait(),
+            None => Ok(()),
+        };
+        if let Err(e) = outcome {
+            // The slot was never published: forget its key, free it in turn.
+            if let Some(k) = span.value.key.take() {
+                self.pending_keys.remove(&k);
+            }
+            tracing::debug!(id, %e, "pending put failed");
+            return Err(e);
+        }
+        self.publish(id).ok_or(Error::Stale {
+            address,
+            monotonic_id: id,
+        })
+    }
+
+    /// Checks and hands out a slot for `len` bytes under `key`.
+    fn reserve(&mut self, key: &str, len: usize) -> Result<Reserved> {
+        if self.index.contains_key(key) || self.pending_keys.contains(key) {
             return Err(Error::DuplicateKey {
                 key: key.to_owned(),
             });
@@ -360,41 +450,78 @@ impl ObjectStore {
         let address = self.ring.address(pos);
         let (slot, payload) = self.slot_and_payload(address, len as u64);
         slot.begin_write();
-        // SAFETY: `payload` spans `len` bytes inside the data region (checked
-        // by slot_and_payload) in a slot the ring just handed out: no live
-        // object and no guard covers it, so nobody else writes it and no
-        // reader trusts it until `publish`.
-        fill(unsafe { std::slice::from_raw_parts_mut(payload, len) });
-        let id = self.next_id;
-        slot.publish(
-            id,
-            layout::slot_tag(id, address, self.epoch),
-            len as u64,
-            slot_len,
-            kind,
-            self.epoch,
-            self.geo.n_readers,
-        );
-        let key: Arc<str> = Arc::from(key);
-        self.ring.commit(
+        Ok(Reserved {
             pos,
+            address,
             slot_len,
+            payload,
+        })
+    }
+
+    /// Records a reserved slot in the ring under the next id.
+    fn commit(
+        &mut self,
+        r: Reserved,
+        key: &str,
+        size: u64,
+        kind: u32,
+        pending: Option<Arc<dyn PendingCopy>>,
+    ) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let key: Arc<str> = Arc::from(key);
+        if pending.is_some() {
+            self.pending_keys.insert(key.clone());
+        }
+        debug_assert_eq!(r.address, self.ring.address(r.pos));
+        self.ring.commit(
+            r.pos,
+            r.slot_len,
             Entry {
                 id,
                 refs: 1,
-                key: Some(key.clone()),
+                key: Some(key),
+                pending,
+                kind,
+                size,
+                slot_len: r.slot_len,
             },
         );
-        self.next_id += 1;
+        self.publish_progress();
+        id
+    }
+
+    /// Publishes committed slot `id` (its bytes are complete): readers may
+    /// get it from now on. `None` if it was cleared meanwhile.
+    fn publish(&mut self, id: u64) -> Option<ObjectHandle> {
+        let epoch = self.epoch;
+        let n_readers = self.geo.n_readers;
+        let span = self.ring.find_by_mut(id, |e| e.id)?;
+        let address = span.pos % self.geo.capacity;
+        let e = &span.value;
+        let key = e.key.clone()?;
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        slot.publish(
+            id,
+            layout::slot_tag(id, address, epoch),
+            e.size,
+            e.slot_len,
+            e.kind,
+            epoch,
+            n_readers,
+        );
+        self.pending_keys.remove(&key);
         let handle = ObjectHandle {
             address,
             monotonic_id: id,
-            epoch: self.epoch,
+            epoch,
         };
         self.index.insert(key, handle);
         self.stats.puts += 1;
-        self.publish_progress();
-        Ok(handle)
+        Some(handle)
     }
 
     /// Whether `key` is stored.
@@ -445,6 +572,7 @@ impl ObjectStore {
             }
         }
         self.index.clear();
+        self.pending_keys.clear();
         self.epoch = next_epoch(self.epoch);
         self.geo.header().set_epoch(self.epoch);
         let freed = self.reclaim(None);
@@ -467,6 +595,11 @@ impl ObjectStore {
     /// Segment name.
     pub fn name(&self) -> &str {
         self.seg.name()
+    }
+
+    /// The segment's creation nonce: tells stores apart.
+    pub(crate) fn identity(&self) -> u64 {
+        self.nonce
     }
 
     /// Whether the mapping is page-locked for DMA.
@@ -574,6 +707,7 @@ impl ObjectStore {
             let span = self.ring.pop_front().expect("front exists");
             if let Some(key) = span.value.key {
                 self.index.remove(&key);
+                self.pending_keys.remove(&key);
             }
             self.stats.evictions += 1;
             freed += 1;
@@ -603,6 +737,11 @@ impl ObjectStore {
             .geo
             .slot(address)
             .expect("ring addresses are in bounds");
+        if let Some(p) = &e.pending {
+            // Never published, so no reader is in it; free it only once the
+            // copy into it has stopped and nobody will finish the put.
+            return p.is_done() && p.abandoned();
+        }
         let live = e.key.is_some();
         if live {
             if (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
@@ -644,6 +783,20 @@ impl ObjectStore {
                     r.state() != reader_state::LEFT && r.holds(e.id)
                 })
                 .collect(),
+        }
+    }
+}
+
+impl Drop for ObjectStore {
+    fn drop(&mut self) {
+        // A copy still running into a slot must finish before the mapping
+        // goes (the DMA engine does not know about munmap).
+        for span in self.ring.iter_mut() {
+            if let Some(p) = span.value.pending.take() {
+                if let Err(e) = p.wait() {
+                    tracing::debug!(%e, "pending put failed while the store was dropped");
+                }
+            }
         }
     }
 }

@@ -1,0 +1,329 @@
+//! The asynchronous device protocol, on the CPU engine (an emulated device):
+//! puts are published only after their copy completes, gets release their
+//! slot only after theirs.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{pattern, Name};
+use pinshm::copy::{check_pack, pack_cpu, unpack_cpu};
+use pinshm::{
+    layout, CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, StoreConfig,
+    StoreReader,
+};
+
+const KIB: usize = 1024;
+const MIB: usize = 1 << 20;
+
+fn store(name: &Name, capacity: usize, max: usize) -> ObjectStore {
+    ObjectStore::create(StoreConfig::new(capacity, max, 1).name(&**name)).unwrap()
+}
+
+#[test]
+fn a_device_put_is_published_only_when_its_copy_completes() {
+    let name = Name::new("devput");
+    let mut w = store(&name, 4 * MIB, MIB);
+    let eng = CpuEngine::with_delay(Duration::from_millis(100));
+    let src = eng.alloc(256 * KIB).unwrap();
+    eng.upload(&pattern(1, 256 * KIB), &src).unwrap();
+    let p = w.put_from_device("k", &src, &eng).unwrap();
+    assert!(!w.is_cached("k"), "no handle before the copy completes");
+    assert!(
+        matches!(w.put("k", b"x"), Err(Error::DuplicateKey { .. })),
+        "the key is taken"
+    );
+    assert_eq!(w.try_finish_put(&p).unwrap(), None, "still copying");
+    let h = w.finish_put(p).unwrap();
+    assert!(w.is_cached("k"));
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 256 * KIB));
+}
+
+#[test]
+fn several_device_puts_can_be_in_flight() {
+    let name = Name::new("devmany");
+    let mut w = store(&name, 8 * MIB, MIB);
+    let eng = CpuEngine::with_delay(Duration::from_millis(20));
+    let bufs: Vec<_> = (0..8)
+        .map(|i| {
+            let b = eng.alloc(100 * KIB + i).unwrap();
+            eng.upload(&pattern(i as u64, 100 * KIB + i), &b).unwrap();
+            b
+        })
+        .collect();
+    let t0 = Instant::now();
+    let pending: Vec<_> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| w.put_from_device(&format!("k{i}"), b, &eng).unwrap())
+        .collect();
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "starting copies does not wait for them"
+    );
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    for (i, p) in pending.into_iter().enumerate() {
+        let h = w.finish_put(p).unwrap();
+        assert_eq!(r.get_copy(h).unwrap(), pattern(i as u64, 100 * KIB + i));
+    }
+}
+
+#[test]
+fn a_pending_put_blocks_reclaim_and_an_abandoned_one_is_freed_after_its_copy() {
+    let name = Name::new("devabandon");
+    let len = 64 * KIB;
+    let mut w = store(&name, 2 * layout::slot_len(1, len), len);
+    let eng = CpuEngine::with_delay(Duration::from_millis(50));
+    let src = eng.alloc(len).unwrap();
+    let p = w.put_from_device("a", &src, &eng).unwrap();
+    w.put("b", &pattern(2, len)).unwrap();
+    assert!(
+        matches!(w.put("c", &pattern(3, len)), Err(Error::Full { .. })),
+        "the pending slot is not freed"
+    );
+    drop(p);
+    std::thread::sleep(Duration::from_millis(200));
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    drop(r.get(w.get_cached("b").unwrap()).unwrap());
+    drop(r.get(w.get_cached("b").unwrap()).unwrap());
+    w.put("c", &pattern(3, len)).unwrap();
+    assert!(!w.is_cached("a"));
+}
+
+#[test]
+fn a_device_get_holds_its_slot_until_the_copy_completes() {
+    let name = Name::new("devget");
+    let len = 512 * KIB;
+    let mut w = store(&name, 2 * layout::slot_len(1, len), len);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let eng = CpuEngine::with_delay(Duration::from_millis(300));
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    w.put("b", &pattern(2, len)).unwrap();
+    r.touch(w.get_cached("b").unwrap()).unwrap();
+    r.touch(w.get_cached("b").unwrap()).unwrap();
+    r.touch(w.get_cached("b").unwrap()).unwrap(); // b: fully read
+    r.touch(a).unwrap(); // a is fully read: only the pending copy holds it
+    let dst = eng.alloc(len).unwrap();
+    let pg = r.get_to_device(a, &dst, &eng).unwrap();
+    // The copy is queued, not done: `a` must not be reclaimed, although
+    // every read it owed has been acknowledged.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(150) {
+        match w.put("c", &pattern(3, len)) {
+            Err(Error::Full {
+                blocker: Some(b), ..
+            }) => assert_eq!(b.monotonic_id, a.monotonic_id),
+            other => panic!("the slot under a pending copy was reclaimed: {other:?}"),
+        }
+    }
+    assert!(!pg.poll().unwrap());
+    assert_eq!(pg.wait().unwrap(), len);
+    let mut out = vec![0; len];
+    eng.download(&dst, &mut out).unwrap();
+    assert_eq!(out, pattern(1, len), "the device got the object's bytes");
+    // Completed: the slot is released.
+    w.put("c", &pattern(3, len)).unwrap();
+    assert!(!w.is_cached("a"));
+}
+
+#[test]
+fn dropping_a_pending_get_waits_for_its_copy() {
+    let name = Name::new("devgetdrop");
+    let mut w = store(&name, MIB, 64 * KIB);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let eng = CpuEngine::with_delay(Duration::from_millis(100));
+    let h = w.put("a", &pattern(1, 1000)).unwrap();
+    let dst = eng.alloc(1000).unwrap();
+    let t0 = Instant::now();
+    drop(r.get_to_device(h, &dst, &eng).unwrap());
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    let mut out = vec![0; 1000];
+    eng.download(&dst, &mut out).unwrap();
+    assert_eq!(out, pattern(1, 1000));
+}
+
+#[test]
+fn tensors_and_items_round_trip_through_the_device_path() {
+    let name = Name::new("devtensor");
+    let mut w = store(&name, 4 * MIB, MIB);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let eng = CpuEngine::new();
+    let xs: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+    let src = eng.alloc(4096).unwrap();
+    eng.upload(bytemuck::cast_slice(&xs), &src).unwrap();
+    let p = w
+        .put_tensor_from_device("t", DType::F32, &[32, 32], &src, &eng)
+        .unwrap();
+    let h = w.finish_put(p).unwrap();
+    assert_eq!(r.get_tensor(h).unwrap().as_slice::<f32>().unwrap(), &xs[..]);
+    let back = eng.alloc(4096).unwrap();
+    r.get_tensor_to_device(h, &back, &eng)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut out = vec![0u8; 4096];
+    eng.download(&back, &mut out).unwrap();
+    assert_eq!(out, bytemuck::cast_slice::<f32, u8>(&xs));
+
+    let layout = ItemLayout::new()
+        .meta("modality", "image")
+        .field("pixels", DType::F32, vec![1024])
+        .field("grid", DType::I64, vec![3])
+        .finish()
+        .unwrap();
+    let grid = eng.alloc(24).unwrap();
+    eng.upload(bytemuck::cast_slice(&[1i64, 2, 3]), &grid)
+        .unwrap();
+    let p = w
+        .put_item_from_device("item", &layout, &[&src, &grid], &eng)
+        .unwrap();
+    let h = w.finish_put(p).unwrap();
+    let v = r.get_item(h).unwrap();
+    assert_eq!(
+        v.field("pixels").unwrap().as_slice::<f32>().unwrap(),
+        &xs[..]
+    );
+    assert_eq!(
+        v.field("grid").unwrap().as_slice::<i64>().unwrap(),
+        &[1, 2, 3]
+    );
+}
+
+#[test]
+fn bad_device_input_gives_clear_errors_and_leaves_nothing_half_published() {
+    let name = Name::new("devbad");
+    let mut w = store(&name, MIB, 64 * KIB);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let e1 = CpuEngine::new();
+    let e2 = CpuEngine::new();
+    let b1 = e1.alloc(1000).unwrap();
+    assert!(matches!(
+        w.put_from_device("k", &b1, &e2),
+        Err(Error::WrongDevice { .. })
+    ));
+    let big = e1.alloc(128 * KIB).unwrap();
+    assert!(matches!(
+        w.put_from_device("k", &big, &e1),
+        Err(Error::TooLarge { .. })
+    ));
+    assert!(matches!(
+        w.put_tensor_from_device("k", DType::F32, &[10], &b1, &e1),
+        Err(Error::DeviceRange(_))
+    ));
+    let layout = ItemLayout::new()
+        .field("a", DType::U8, vec![10])
+        .finish()
+        .unwrap();
+    assert!(matches!(
+        w.put_item_from_device("k", &layout, &[], &e1),
+        Err(Error::DeviceRange(_))
+    ));
+    assert!(!w.is_cached("k"));
+    assert_eq!(w.stats().objects, 0, "nothing recorded after the errors");
+    let h = w.put("k", &[7; 2000]).unwrap();
+    let small = e1.alloc(100).unwrap();
+    assert!(matches!(
+        r.get_to_device(h, &small, &e1),
+        Err(Error::DeviceRange(_))
+    ));
+    assert!(matches!(
+        r.get_to_device(h, &b1, &e2),
+        Err(Error::WrongDevice { .. })
+    ));
+    assert!(b1.slice(900, 200).is_err());
+    // A put cleared while its copy is in flight is stale, not published.
+    let slow = CpuEngine::with_delay(Duration::from_millis(50));
+    let sb = slow.alloc(1000).unwrap();
+    let p = w.put_from_device("p", &sb, &slow).unwrap();
+    w.clear();
+    assert!(matches!(w.finish_put(p), Err(Error::Stale { .. })));
+    assert!(!w.is_cached("p"));
+    // A token from another store is refused.
+    let other_name = Name::new("devbad2");
+    let mut other = store(&other_name, MIB, 64 * KIB);
+    let p = other.put_from_device("x", &b1, &e1).unwrap();
+    assert!(w.finish_put(p).is_err());
+}
+
+#[test]
+fn pack_gathers_strided_pieces_into_one_object_and_unpack_scatters_them_back() {
+    let name = Name::new("pack");
+    let mut w = store(&name, 4 * MIB, MIB);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let eng = CpuEngine::new();
+    // Three pieces: contiguous, strided (every other 16-byte row of a
+    // 32-byte-pitch matrix), and a 0-byte one.
+    let a = eng.alloc(1000).unwrap();
+    eng.upload(&pattern(1, 1000), &a).unwrap();
+    let m = eng.alloc(32 * 10).unwrap();
+    eng.upload(&pattern(2, 320), &m).unwrap();
+    let descs = [
+        PackDesc::contiguous(a.ptr(), 1000, 0),
+        PackDesc {
+            device_ptr: m.ptr(),
+            offset: 1024,
+            rows: 10,
+            row_bytes: 16,
+            pitch: 32,
+        },
+        PackDesc::contiguous(a.ptr(), 0, 1184),
+    ];
+    assert_eq!(check_pack(&descs, 1184).unwrap(), 1160);
+    // SAFETY: the pieces are live buffers of `eng`, kept until finish_put.
+    let p = unsafe { w.put_packed_from_device("packed", &descs, 1184, &eng) }.unwrap();
+    let h = w.finish_put(p).unwrap();
+    let got = r.get_copy(h).unwrap();
+    // The CPU reference computes the same bytes.
+    let mut expect = vec![0u8; 1184];
+    // SAFETY: as above.
+    unsafe { pack_cpu(&descs, &mut expect) }.unwrap();
+    assert_eq!(got[..1000], pattern(1, 1000)[..]);
+    let m_bytes = pattern(2, 320);
+    for row in 0..10 {
+        assert_eq!(
+            got[1024 + row * 16..1024 + row * 16 + 16],
+            m_bytes[row * 32..row * 32 + 16]
+        );
+    }
+    assert_eq!(got, expect);
+    // Scatter back into fresh buffers.
+    let a2 = eng.alloc(1000).unwrap();
+    let m2 = eng.alloc(320).unwrap();
+    let back = [
+        PackDesc::contiguous(a2.ptr(), 1000, 0),
+        PackDesc {
+            device_ptr: m2.ptr(),
+            offset: 1024,
+            rows: 10,
+            row_bytes: 16,
+            pitch: 32,
+        },
+    ];
+    // SAFETY: a2 and m2 are live buffers nobody else touches.
+    unsafe { unpack_cpu(&back, &got) }.unwrap();
+    let mut out = vec![0; 1000];
+    eng.download(&a2, &mut out).unwrap();
+    assert_eq!(out, pattern(1, 1000));
+    let mut out = vec![0; 320];
+    eng.download(&m2, &mut out).unwrap();
+    for row in 0..10 {
+        assert_eq!(
+            out[row * 32..row * 32 + 16],
+            m_bytes[row * 32..row * 32 + 16]
+        );
+    }
+    // Pieces that do not fit are refused before anything runs.
+    let bad = [PackDesc::contiguous(a.ptr(), 1000, 500)];
+    assert!(check_pack(&bad, 1184).is_err());
+    // SAFETY: refused before any copy.
+    assert!(unsafe { w.put_packed_from_device("bad", &bad, 1184, &eng) }.is_err());
+    let bad_pitch = [PackDesc {
+        device_ptr: m.ptr(),
+        offset: 0,
+        rows: 2,
+        row_bytes: 32,
+        pitch: 16,
+    }];
+    assert!(check_pack(&bad_pitch, 1184).is_err());
+}

@@ -101,6 +101,11 @@ impl DeviceBuffer {
         self.device
     }
 
+    /// Whatever keeps the memory alive (for engines to hold while copying).
+    pub fn keep_alive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.keep.clone()
+    }
+
     /// A sub-range of this buffer, sharing its keep-alive.
     pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceBuffer> {
         if offset.checked_add(len).is_none_or(|e| e > self.len) {

@@ -9,16 +9,21 @@ compile_error!(
 
 pub mod codec;
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod layout;
+mod pin;
 mod ring;
 mod segment;
 mod store;
 
 pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
 pub use copy::{CopyEngine, CpuEngine, DeviceBuffer, PackDesc, PendingGet, PendingPut, Ticket};
+#[cfg(feature = "cuda")]
+pub use cuda::CudaEngine;
 pub use error::{Blocker, Error, Result};
 pub use store::{
-    ObjectHandle, ObjectStore, PinMode, ReadGuard, StoreConfig, StoreHandle, StoreReader,
-    StoreStats,
+    ObjectHandle, ObjectStore, PinMode, ReadGuard, ReaderOptions, StoreConfig, StoreHandle,
+    StoreReader, StoreStats,
 };

@@ -102,6 +102,44 @@ impl StoreConfig {
     }
 }
 
+/// How a reader attaches.
+#[derive(Clone, Copy, Debug)]
+pub struct ReaderOptions {
+    index: Option<u32>,
+    pin: PinMode,
+    prefault: bool,
+}
+
+impl Default for ReaderOptions {
+    fn default() -> Self {
+        ReaderOptions {
+            index: None,
+            pin: PinMode::Auto,
+            prefault: true,
+        }
+    }
+}
+
+impl ReaderOptions {
+    /// Attach as this reader index (default: the first free one).
+    pub fn index(mut self, i: u32) -> Self {
+        self.index = Some(i);
+        self
+    }
+
+    /// Pinning policy (default [`PinMode::Auto`]).
+    pub fn pin(mut self, mode: PinMode) -> Self {
+        self.pin = mode;
+        self
+    }
+
+    /// Fault the mapping in at attach (default true).
+    pub fn prefault(mut self, yes: bool) -> Self {
+        self.prefault = yes;
+        self
+    }
+}
+
 /// Where an object lives: what travels from the writer to the readers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ObjectHandle {
@@ -278,7 +316,8 @@ pub struct ObjectStore {
     epoch: u64,
     nonce: u64,
     stats: StoreStats,
-    pinned: bool,
+    /// Unregistered before `seg` unmaps (fields drop in order).
+    pinned: Option<crate::pin::Pinned>,
     // Last: unmapped (and unlinked) after everything that points into it.
     seg: Segment,
 }
@@ -291,11 +330,6 @@ impl ObjectStore {
     /// Creates the segment (exclusively) and an empty store in it.
     pub fn create(cfg: StoreConfig) -> Result<ObjectStore> {
         cfg.validate()?;
-        if cfg.pin == PinMode::Require && !cfg!(feature = "cuda") {
-            return Err(Error::PinUnavailable(
-                "pinshm was built without the `cuda` feature".into(),
-            ));
-        }
         let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
         let header_len = layout::header_len(cfg.n_readers);
         let total = header_len
@@ -332,6 +366,7 @@ impl ObjectStore {
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
         geo.header().stamp();
+        let pinned = crate::pin::pin(seg.as_ptr(), seg.len(), cfg.pin)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,
@@ -342,7 +377,7 @@ impl ObjectStore {
             epoch,
             nonce,
             stats: StoreStats::default(),
-            pinned: false,
+            pinned,
             seg,
         })
     }
@@ -602,9 +637,9 @@ impl ObjectStore {
         self.nonce
     }
 
-    /// Whether the mapping is page-locked for DMA.
+    /// Whether the mapping is page-locked (CUDA host-registered) for DMA.
     pub fn is_pinned(&self) -> bool {
-        self.pinned
+        self.pinned.is_some()
     }
 
     /// Counters and the ring's state.
@@ -958,6 +993,8 @@ pub struct StoreReader {
     counted_from: u64,
     /// Bit k set: hazard word k is in use by a live guard.
     hazards_used: Cell<u64>,
+    /// Unregistered before `seg` unmaps (fields drop in order).
+    pinned: Option<crate::pin::Pinned>,
     seg: Segment,
 }
 
@@ -966,47 +1003,65 @@ pub struct StoreReader {
 unsafe impl Send for StoreReader {}
 
 impl StoreReader {
-    /// Attaches into the first free reader slot.
+    /// Attaches into the first free reader slot (pinning: `PinMode::Auto`).
     pub fn attach(sh: &StoreHandle) -> Result<StoreReader> {
-        let (seg, geo) = open_validated(sh, true)?;
-        for i in 0..geo.n_readers {
-            if let Some(counted_from) = claim(&geo, i)? {
-                return Ok(Self::new(seg, geo, i, counted_from, sh));
-            }
-        }
-        Err(Error::NoReaderSlot {
-            n_readers: geo.n_readers,
-        })
+        Self::attach_with(sh, ReaderOptions::default())
     }
 
     /// Attaches as reader `index` (a tensor-parallel rank, say).
     pub fn attach_as(sh: &StoreHandle, index: u32) -> Result<StoreReader> {
-        let (seg, geo) = open_validated(sh, true)?;
-        if index >= geo.n_readers {
-            return Err(Error::ReaderIndexOutOfRange {
-                index,
-                n_readers: geo.n_readers,
-            });
-        }
-        match claim(&geo, index)? {
-            Some(counted_from) => Ok(Self::new(seg, geo, index, counted_from, sh)),
-            None => Err(Error::ReaderSlotTaken {
-                index,
-                pid: geo.reader(index).owner().0,
-            }),
-        }
+        Self::attach_with(sh, ReaderOptions::default().index(index))
     }
 
-    fn new(seg: Segment, geo: Geometry, index: u32, counted_from: u64, sh: &StoreHandle) -> Self {
-        tracing::debug!(name = %sh.name, index, counted_from, "reader attached");
-        StoreReader {
+    /// Attaches with explicit options.
+    pub fn attach_with(sh: &StoreHandle, opts: ReaderOptions) -> Result<StoreReader> {
+        let (seg, geo) = open_validated(sh, opts.prefault)?;
+        let (index, counted_from) = match opts.index {
+            Some(index) => {
+                if index >= geo.n_readers {
+                    return Err(Error::ReaderIndexOutOfRange {
+                        index,
+                        n_readers: geo.n_readers,
+                    });
+                }
+                let from = claim(&geo, index)?.ok_or_else(|| Error::ReaderSlotTaken {
+                    index,
+                    pid: geo.reader(index).owner().0,
+                })?;
+                (index, from)
+            }
+            None => {
+                let mut found = None;
+                for i in 0..geo.n_readers {
+                    if let Some(from) = claim(&geo, i)? {
+                        found = Some((i, from));
+                        break;
+                    }
+                }
+                found.ok_or(Error::NoReaderSlot {
+                    n_readers: geo.n_readers,
+                })?
+            }
+        };
+        let me = geo.reader(index);
+        let pinned = match crate::pin::pin(seg.as_ptr(), seg.len(), opts.pin) {
+            Ok(p) => p,
+            Err(e) => {
+                // Give the slot back before failing.
+                me.set_state(reader_state::LEFT);
+                return Err(e);
+            }
+        };
+        tracing::debug!(name = %sh.name, index, counted_from, pinned = pinned.is_some(), "reader attached");
+        Ok(StoreReader {
             geo,
             index,
-            me: geo.reader(index),
+            me,
             counted_from,
             hazards_used: Cell::new(0),
+            pinned,
             seg,
-        }
+        })
     }
 
     /// This reader's index in the reader table.
@@ -1021,7 +1076,7 @@ impl StoreReader {
 
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
-        false
+        self.pinned.is_some()
     }
 
     /// A zero-copy view of the object. Its read is acknowledged when the

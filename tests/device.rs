@@ -327,3 +327,47 @@ fn pack_gathers_strided_pieces_into_one_object_and_unpack_scatters_them_back() {
     }];
     assert!(check_pack(&bad_pitch, 1184).is_err());
 }
+
+#[test]
+fn pin_modes_behave_without_a_gpu() {
+    let gpu = {
+        #[cfg(feature = "cuda")]
+        {
+            pinshm::CudaEngine::available()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    };
+    let name = Name::new("pinoff");
+    let w = ObjectStore::create(
+        StoreConfig::new(MIB, KIB, 1)
+            .name(&*name)
+            .pin(pinshm::PinMode::Off),
+    )
+    .unwrap();
+    assert!(!w.is_pinned());
+    let auto = Name::new("pinauto");
+    let wa = ObjectStore::create(StoreConfig::new(MIB, KIB, 1).name(&*auto)).unwrap();
+    assert_eq!(wa.is_pinned(), gpu, "Auto pins exactly when a GPU is there");
+    if !gpu {
+        let req = Name::new("pinreq");
+        let e = ObjectStore::create(
+            StoreConfig::new(MIB, KIB, 1)
+                .name(&*req)
+                .pin(pinshm::PinMode::Require),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::PinUnavailable(_)), "{e}");
+        assert!(!req.exists(), "a failed create leaves no segment");
+        let e = StoreReader::attach_with(
+            &w.handle(),
+            pinshm::ReaderOptions::default().pin(pinshm::PinMode::Require),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::PinUnavailable(_)), "{e}");
+        // The failed attach gave its reader slot back.
+        assert!(StoreReader::attach(&w.handle()).is_ok());
+    }
+}

@@ -1,0 +1,369 @@
+//! The CUDA backend (feature `cuda`): host registration for [`crate::pin`],
+//! [`CudaEngine`] (a stream, async copies, events), and the NVRTC-compiled
+//! pack/unpack kernels of `kernels/pack.cu`. The driver is loaded at run
+//! time: nothing here runs, or panics, where no driver is installed.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig,
+    PushKernelArg,
+};
+
+use crate::copy::{check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, PackDesc, Ticket};
+use crate::error::{Error, Result};
+
+const KERNELS: &str = include_str!("../kernels/pack.cu");
+
+fn cuda_err(what: &str, e: impl std::fmt::Display) -> Error {
+    tracing::debug!(what, %e, "CUDA call failed");
+    Error::Copy(format!("{what}: {e}"))
+}
+
+/// Whether a CUDA driver library can be loaded (no GPU needed to answer).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; loads nothing else.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether NVRTC (libnvrtc.so) can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn kernel_ptx() -> Result<cudarc::nvrtc::Ptx> {
+    static PTX: OnceLock<Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        if !nvrtc_present() {
+            return Err("NVRTC (libnvrtc.so) not found".into());
+        }
+        cudarc::nvrtc::compile_ptx(KERNELS)
+            .map_err(|e| format!("NVRTC failed on kernels/pack.cu: {e}"))
+    })
+    .clone()
+    .map_err(Error::Copy)
+}
+
+/// Compiles `kernels/pack.cu` with NVRTC (no GPU needed) and returns the
+/// PTX's size: a check that the kernels build where NVRTC is installed.
+pub fn compile_kernels() -> Result<usize> {
+    Ok(kernel_ptx()?.to_src().len())
+}
+
+/// The primary context of device `ordinal`, or why there is none.
+fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver_present() {
+        return Err(Error::PinUnavailable(
+            "no CUDA driver (libcuda.so) found".into(),
+        ));
+    }
+    CudaContext::new(ordinal)
+        .map_err(|e| Error::PinUnavailable(format!("no usable CUDA device {ordinal}: {e}")))
+}
+
+/// A host range registered with `cuMemHostRegister` (portable, device-mapped).
+#[derive(Debug)]
+pub(crate) struct Registration {
+    ptr: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Registration {
+    pub(crate) fn new(ptr: *mut u8, len: usize) -> Result<Self> {
+        let ctx = context(0)?;
+        ctx.bind_to_thread()
+            .map_err(|e| Error::PinUnavailable(e.to_string()))?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: ptr..ptr+len is a live mapping of this process, which the
+        // owner keeps mapped until this registration is dropped.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
+            .result()
+            .map_err(|e| {
+                Error::PinUnavailable(format!("cuMemHostRegister of {len} bytes failed: {e}"))
+            })?;
+        tracing::debug!(len, "shared memory pinned");
+        Ok(Registration {
+            ptr: ptr as usize,
+            ctx,
+        })
+    }
+
+    pub(crate) fn device_ptr(&self, p: *mut u8) -> Result<u64> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("bind context", e))?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: p lies in the registered range (callers pass slot addresses).
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p.cast(), 0) }
+            .result()
+            .map_err(|e| cuda_err("cuMemHostGetDevicePointer", e))?;
+        Ok(d)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the range was registered by `new` and is still mapped (the
+        // owner drops the registration before unmapping).
+        if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr as *mut _) }.result() {
+            tracing::warn!(%e, "cuMemHostUnregister failed");
+        }
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed when the last buffer using it goes.
+#[derive(Debug)]
+struct DeviceAlloc {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_sync in this context, freed once.
+        if let Err(e) = unsafe { cu::free_sync(self.ptr) } {
+            tracing::warn!(%e, "cuMemFree failed");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct EventCompletion {
+    event: CudaEvent,
+    _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Completion for EventCompletion {
+    fn poll(&self) -> Result<bool> {
+        self.event
+            .try_is_complete()
+            .map_err(|e| cuda_err("cuEventQuery", e))
+    }
+    fn wait(&self) -> Result<()> {
+        self.event
+            .synchronize()
+            .map_err(|e| cuda_err("cuEventSynchronize", e))
+    }
+}
+
+/// Copies on one CUDA stream of one device; completions are events.
+#[derive(Debug)]
+pub struct CudaEngine {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    kernels: OnceLock<Result<(CudaFunction, CudaFunction), String>>,
+}
+
+impl CudaEngine {
+    /// An engine on a new stream of device `ordinal`. Errors (never panics)
+    /// where there is no driver or no such device.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = context(ordinal)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        Ok(CudaEngine {
+            ctx,
+            stream,
+            ordinal,
+            kernels: OnceLock::new(),
+        })
+    }
+
+    /// Whether a CUDA device can be used here.
+    pub fn available() -> bool {
+        driver_present() && CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "?".into())
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("bind context", e))
+    }
+
+    fn check(&self, buf: &DeviceBuffer) -> Result<()> {
+        if buf.device() != self.device() {
+            return Err(Error::WrongDevice {
+                buffer: buf.device(),
+                engine: self.device(),
+            });
+        }
+        Ok(())
+    }
+
+    fn record(&self, keep: Vec<Arc<dyn std::any::Any + Send + Sync>>) -> Result<Ticket> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        Ok(Ticket::new(EventCompletion { event, _keep: keep }))
+    }
+
+    /// The pack and unpack kernels, compiled once per engine.
+    fn kernels(&self) -> Result<&(CudaFunction, CudaFunction)> {
+        static PTX: OnceLock<Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
+        self.kernels
+            .get_or_init(|| {
+                let ptx = PTX
+                    .get_or_init(|| {
+                        cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))
+                    })
+                    .clone()?;
+                let m = self
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(|e| format!("cuModuleLoad: {e}"))?;
+                let pack = m.load_function("pinshm_pack").map_err(|e| e.to_string())?;
+                let unpack = m
+                    .load_function("pinshm_unpack")
+                    .map_err(|e| e.to_string())?;
+                Ok((pack, unpack))
+            })
+            .as_ref()
+            .map_err(|e| Error::Copy(e.clone()))
+    }
+
+    /// Launches pack (`to_packed`) or unpack over `descs` and `packed`, a
+    /// host pointer into pinned, device-mapped memory.
+    unsafe fn launch(
+        &self,
+        descs: &[PackDesc],
+        packed: *mut u8,
+        len: usize,
+        to_packed: bool,
+    ) -> Result<Ticket> {
+        check_pack(descs, len)?;
+        let (pack, unpack) = self.kernels()?;
+        self.bind()?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: asks the driver for the device view of a host pointer; it
+        // fails (and we report it) unless the memory is registered.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, packed.cast(), 0) }
+            .result()
+            .map_err(|e| {
+                Error::Copy(format!(
+                    "pack needs a pinned, device-mapped destination (is the store pinned?): {e}"
+                ))
+            })?;
+        let table = self.alloc(std::mem::size_of_val(descs).max(1))?;
+        // SAFETY: `table` holds size_of_val(descs) bytes; descs is copied
+        // synchronously with respect to the host buffer (pageable source).
+        unsafe { cu::memcpy_htod_sync(table.ptr(), bytemuck::cast_slice::<PackDesc, u8>(descs)) }
+            .map_err(|e| cuda_err("upload pack table", e))?;
+        let n = descs.len() as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (64, n.clamp(1, 65_535), 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = if to_packed { pack } else { unpack };
+        let table_ptr = table.ptr();
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&table_ptr).arg(&n).arg(&dptr);
+        // SAFETY: the kernel reads `n` descriptors from `table` (kept alive
+        // by the ticket) and moves bytes between the pieces (the caller's
+        // contract) and `packed` (checked by check_pack, device-mapped).
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("kernel launch", e))?;
+        let keep: Vec<Arc<dyn std::any::Any + Send + Sync>> =
+            table.keep_alive().into_iter().collect();
+        self.record(keep)
+    }
+}
+
+impl CopyEngine for CudaEngine {
+    fn device(&self) -> DeviceId {
+        self.ordinal as u64
+    }
+
+    fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context.
+        let ptr = unsafe { cu::malloc_sync(len.max(1)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
+        let keep = Arc::new(DeviceAlloc {
+            ptr,
+            ctx: self.ctx.clone(),
+        });
+        Ok(DeviceBuffer::owned(ptr, len, self.device(), keep))
+    }
+
+    fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()> {
+        self.check(dst)?;
+        if src.len() > dst.len() {
+            return Err(Error::DeviceRange(format!(
+                "{} bytes into a {}-byte buffer",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: dst is device memory of this context with room for src.
+        unsafe { cu::memcpy_htod_sync(dst.ptr(), src) }.map_err(|e| cuda_err("cuMemcpyHtoD", e))
+    }
+
+    fn download(&self, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()> {
+        self.check(src)?;
+        if dst.len() < src.len() {
+            return Err(Error::DeviceRange(format!(
+                "{} bytes into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: src is device memory of this context of src.len() bytes.
+        unsafe { cu::memcpy_dtoh_sync(&mut dst[..src.len()], src.ptr()) }
+            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+    }
+
+    unsafe fn d2h_async(&self, src: &DeviceBuffer, dst: *mut u8) -> Result<Ticket> {
+        self.check(src)?;
+        self.bind()?;
+        // SAFETY: the caller's contract for dst; src is this device's memory.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src.ptr(), src.len(), self.stream.cu_stream())
+        }
+        .result()
+        .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        self.record(src.keep_alive().into_iter().collect())
+    }
+
+    unsafe fn h2d_async(&self, src: *const u8, len: usize, dst: &DeviceBuffer) -> Result<Ticket> {
+        self.check(dst)?;
+        if len > dst.len() {
+            return Err(Error::DeviceRange(format!(
+                "{len} bytes into a {}-byte device buffer",
+                dst.len()
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract for src; dst has room for len bytes.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.cast(), len, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
+        self.record(dst.keep_alive().into_iter().collect())
+    }
+
+    unsafe fn pack_async(&self, descs: &[PackDesc], dst: *mut u8, len: usize) -> Result<Ticket> {
+        // SAFETY: forwarded contract.
+        unsafe { self.launch(descs, dst, len, true) }
+    }
+
+    unsafe fn unpack_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        descs: &[PackDesc],
+    ) -> Result<Ticket> {
+        // SAFETY: forwarded contract; unpack only reads `src`.
+        unsafe { self.launch(descs, src as *mut u8, len, false) }
+    }
+}

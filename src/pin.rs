@@ -1,0 +1,55 @@
+//! Layer 5: page-locking (CUDA host registration) of a mapped segment, in
+//! every process that maps it, so device copies into and out of slots run
+//! as DMA with no staging buffer. Without a driver (or without the `cuda`
+//! feature) `PinMode::Auto` carries on unpinned and says so in a tracing
+//! event; `PinMode::Require` fails.
+
+#[cfg(not(feature = "cuda"))]
+use crate::error::Error;
+use crate::error::Result;
+use crate::store::PinMode;
+
+/// A registered range; unregistered on drop (before the unmap).
+#[derive(Debug)]
+pub(crate) struct Pinned {
+    #[cfg(feature = "cuda")]
+    inner: crate::cuda::Registration,
+}
+
+/// Registers `len` bytes at `ptr` according to `mode`.
+pub(crate) fn pin(ptr: *mut u8, len: usize, mode: PinMode) -> Result<Option<Pinned>> {
+    if mode == PinMode::Off {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        match crate::cuda::Registration::new(ptr, len) {
+            Ok(inner) => Ok(Some(Pinned { inner })),
+            Err(e) if mode == PinMode::Auto => {
+                tracing::info!(%e, "shared memory not pinned; device copies will be staged by the driver");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ptr, len);
+        if mode == PinMode::Require {
+            return Err(Error::PinUnavailable(
+                "pinshm was built without the `cuda` feature".into(),
+            ));
+        }
+        tracing::debug!("built without the `cuda` feature: shared memory not pinned");
+        Ok(None)
+    }
+}
+
+impl Pinned {
+    /// Device-visible address of host address `p` inside the registration.
+    #[cfg(feature = "cuda")]
+    #[allow(dead_code)]
+    pub(crate) fn device_ptr(&self, p: *mut u8) -> Result<u64> {
+        self.inner.device_ptr(p)
+    }
+}

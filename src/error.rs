@@ -117,6 +117,24 @@ pub enum Error {
         name: String,
     },
 
+    /// Create found the name taken by a segment it must not replace.
+    #[error("cannot create segment '{name}': {detail}")]
+    InUse {
+        /// The name.
+        name: String,
+        /// Who holds it.
+        detail: String,
+    },
+
+    /// The writer of this segment has exited or died: objects already
+    /// published stay readable, nothing new will come. Attach to the new
+    /// writer's segment.
+    #[error("the writer of segment '{name}' is gone")]
+    WriterGone {
+        /// The name.
+        name: String,
+    },
+
     /// Open found no segment of that name.
     #[error("no shared memory segment named '{name}' (has its writer exited?)")]
     NotFound {

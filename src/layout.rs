@@ -1,4 +1,7 @@
-//! The segment layout, version 1, written down once.
+//! The segment layout, version 2, written down once.
+//!
+//! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
+//! `stale_reads` and `attached_ns` (for the inspector and stuck readers).
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -24,7 +27,7 @@ use bytemuck::{Pod, Zeroable};
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -83,8 +86,10 @@ pub struct SegmentHeader {
     pub ring_head: u64,
     /// Atomic. Virtual position one past the newest slot (for inspection).
     pub ring_tail: u64,
+    /// Atomic. Ids below this were dropped by the last `clear` (v2).
+    pub cleared_below: u64,
     /// Zero. Room for fields of later versions.
-    pub reserved: [u64; 19],
+    pub reserved: [u64; 18],
 }
 
 /// One reader's row of the reader table.
@@ -103,8 +108,12 @@ pub struct ReaderEntry {
     pub generation: u64,
     /// Atomic. Monotonic-clock nanoseconds of the last acknowledged read.
     pub last_ack_ns: u64,
+    /// Atomic. Stale handles this reader met (v2).
+    pub stale_reads: u64,
+    /// Monotonic-clock nanoseconds of the attach (v2).
+    pub attached_ns: u64,
     /// Zero.
-    pub reserved: [u64; 3],
+    pub reserved: [u64; 1],
     /// Atomic each. Ids of the objects this reader holds guards on (0 = free).
     pub hazards: [u64; HAZARDS_PER_READER],
 }
@@ -191,6 +200,7 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, next_id), 80);
         assert_eq!(offset_of!(SegmentHeader, ring_head), 88);
         assert_eq!(offset_of!(SegmentHeader, ring_tail), 96);
+        assert_eq!(offset_of!(SegmentHeader, cleared_below), 104);
 
         assert_eq!(size_of::<ReaderEntry>(), 576);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
@@ -199,6 +209,8 @@ mod tests {
         assert_eq!(offset_of!(ReaderEntry, counted_from), 16);
         assert_eq!(offset_of!(ReaderEntry, generation), 24);
         assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 32);
+        assert_eq!(offset_of!(ReaderEntry, stale_reads), 40);
+        assert_eq!(offset_of!(ReaderEntry, attached_ns), 48);
         assert_eq!(offset_of!(ReaderEntry, hazards), 64);
 
         assert_eq!(size_of::<SlotHeader>(), 64);
@@ -210,7 +222,7 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, kind), 36);
         assert_eq!(offset_of!(SlotHeader, epoch), 40);
 
-        assert_eq!(LAYOUT_VERSION, 1);
+        assert_eq!(LAYOUT_VERSION, 2);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 8192);
         assert_eq!(header_len(MAX_READERS), 40960);

@@ -12,6 +12,7 @@ pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
+pub mod inspect;
 pub mod layout;
 mod pin;
 mod ring;

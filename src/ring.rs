@@ -141,6 +141,11 @@ impl<T> Ring<T> {
         self.spans.front()
     }
 
+    /// Whether no slot is live.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
     /// Frees the oldest slot.
     pub fn pop_front(&mut self) -> Option<Span<T>> {
         self.spans.pop_front()
@@ -221,6 +226,15 @@ impl SlotPtr {
         fence(Ordering::Release);
     }
 
+    /// Marks `len` bytes from here as skipped (no object; for inspection).
+    pub fn mark_skip(&self, len: u64) {
+        self.begin_write();
+        self.u64_at(offset_of!(SlotHeader, slot_len))
+            .store(len, Ordering::Relaxed);
+        self.u64_at(offset_of!(SlotHeader, size))
+            .store(0, Ordering::Relaxed);
+    }
+
     /// Fills the header and zeroes the counters, then publishes `id`
     /// (Release: the payload written before is visible to whoever sees it).
     #[allow(clippy::too_many_arguments)]
@@ -296,6 +310,26 @@ impl SlotPtr {
             self.u64_at(offset_of!(SlotHeader, size)).load(r),
             self.u32_at(offset_of!(SlotHeader, kind)).load(r),
         )
+    }
+
+    /// Everything the inspector shows, in one relaxed snapshot.
+    pub fn snapshot(&self) -> SlotHeader {
+        let r = Ordering::Relaxed;
+        SlotHeader {
+            id: self.id().load(r),
+            tag: self.u64_at(offset_of!(SlotHeader, tag)).load(r),
+            size: self.u64_at(offset_of!(SlotHeader, size)).load(r),
+            slot_len: self.u64_at(offset_of!(SlotHeader, slot_len)).load(r),
+            refs: self.u32_at(offset_of!(SlotHeader, refs)).load(r),
+            kind: self.u32_at(offset_of!(SlotHeader, kind)).load(r),
+            epoch: self.u64_at(offset_of!(SlotHeader, epoch)).load(r),
+            reserved: [0; 2],
+        }
+    }
+
+    /// Reader `i`'s acknowledged reads (relaxed, for inspection).
+    pub fn reads_relaxed(&self, i: u32) -> u32 {
+        self.reads(i).load(Ordering::Relaxed)
     }
 
     /// Acknowledges one read by reader `i` if it owes one.
@@ -402,6 +436,49 @@ impl ReaderPtr {
             + 1
     }
 
+    /// Counts a stale handle this reader met.
+    pub fn count_stale(&self) {
+        self.u64_at(offset_of!(ReaderEntry, stale_reads))
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Stale handles this reader met.
+    pub fn stale_reads(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, stale_reads))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Records the attach time (before the entry becomes ATTACHED).
+    pub fn set_attached_ns(&self, t: u64) {
+        self.u64_at(offset_of!(ReaderEntry, attached_ns))
+            .store(t, Ordering::Relaxed);
+    }
+
+    /// When the holder attached (monotonic ns).
+    pub fn attached_ns(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, attached_ns))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Attach generation.
+    pub fn generation(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, generation))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Time of the last acknowledged read (monotonic ns; 0: none yet).
+    pub fn last_ack_ns(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Number of hazards set (for inspection).
+    pub fn hazards_in_use(&self) -> usize {
+        (0..layout::HAZARDS_PER_READER)
+            .filter(|&k| self.hazard(k).load(Ordering::Relaxed) != 0)
+            .count()
+    }
+
     /// Records an acknowledgement time.
     pub fn set_last_ack_ns(&self, t: u64) {
         self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
@@ -480,6 +557,54 @@ impl HeaderPtr {
     pub fn magic(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, magic))
             .load(Ordering::Acquire)
+    }
+
+    /// Writer pid (0 once the writer has exited cleanly) and start time.
+    pub fn writer(&self) -> (u32, u64) {
+        // SAFETY: `new`'s contract; writer_pid is a 4-aligned u32 at offset 60.
+        let pid =
+            unsafe { &*(self.ptr.add(offset_of!(SegmentHeader, writer_pid)) as *const AtomicU32) };
+        (
+            pid.load(Ordering::Acquire),
+            self.u64_at(offset_of!(SegmentHeader, writer_start_time))
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// Marks the writer as gone (clean exit).
+    pub fn clear_writer(&self) {
+        // SAFETY: as in `writer`.
+        let pid =
+            unsafe { &*(self.ptr.add(offset_of!(SegmentHeader, writer_pid)) as *const AtomicU32) };
+        pid.store(0, Ordering::Release);
+    }
+
+    /// Ids below this were dropped by `clear`.
+    pub fn cleared_below(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, cleared_below))
+            .load(Ordering::Acquire)
+    }
+
+    /// Records a `clear`.
+    pub fn set_cleared_below(&self, id: u64) {
+        self.u64_at(offset_of!(SegmentHeader, cleared_below))
+            .store(id, Ordering::Release);
+    }
+
+    /// Current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, epoch))
+            .load(Ordering::Acquire)
+    }
+
+    /// Ring head and tail (virtual positions).
+    pub fn ring_extent(&self) -> (u64, u64) {
+        (
+            self.u64_at(offset_of!(SegmentHeader, ring_head))
+                .load(Ordering::Relaxed),
+            self.u64_at(offset_of!(SegmentHeader, ring_tail))
+                .load(Ordering::Relaxed),
+        )
     }
 
     /// Publishes a new epoch.

@@ -67,7 +67,7 @@ impl Segment {
     /// Creates `name` exclusively with `len` bytes, reserves the memory
     /// (so a too-small /dev/shm fails here, not with SIGBUS later) and maps
     /// it, pre-faulting every page when `prefault` is set.
-    pub fn create(name: &str, len: usize, prefault: bool) -> Result<Segment> {
+    pub fn create(name: &str, len: usize, prefault: bool, reserve_pages: bool) -> Result<Segment> {
         let pname = posix_name(name)?;
         let fd: OwnedFd = shm_open(
             pname.as_str(),
@@ -86,7 +86,7 @@ impl Segment {
             e
         };
         let file = File::from(fd);
-        reserve(&file, len, name).map_err(cleanup)?;
+        reserve(&file, len, name, reserve_pages).map_err(cleanup)?;
         let map = map(&file, len, prefault, name).map_err(cleanup)?;
         Ok(Segment {
             name: pname,
@@ -128,6 +128,46 @@ impl Segment {
         })
     }
 
+    /// Opens an existing segment read-only (for inspection: loads only).
+    pub fn open_read_only(name: &str) -> Result<Segment> {
+        let pname = posix_name(name)?;
+        let fd = shm_open(pname.as_str(), OFlag::O_RDONLY, Mode::empty()).map_err(|e| match e {
+            Errno::ENOENT => Error::NotFound {
+                name: name.to_owned(),
+            },
+            e => sys_err("shm_open", name, e),
+        })?;
+        let file = File::from(fd);
+        let len = file
+            .metadata()
+            .map_err(|e| Error::Os {
+                op: "fstat",
+                name: name.to_owned(),
+                source: e,
+            })?
+            .len() as usize;
+        if len == 0 {
+            return Err(Error::BadHeader {
+                name: name.to_owned(),
+                field: "size",
+                detail: "the segment is empty".into(),
+            });
+        }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw_read_only(&file)
+            .map_err(|e| Error::Os {
+                op: "mmap",
+                name: name.to_owned(),
+                source: e,
+            })?;
+        Ok(Segment {
+            name: pname,
+            map,
+            owner: false,
+        })
+    }
+
     /// Start of the mapping (page aligned).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
@@ -144,6 +184,19 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// Removes a segment's name from /dev/shm (mappings stay valid).
+    pub fn unlink(name: &str) -> Result<()> {
+        let pname = posix_name(name)?;
+        shm_unlink(pname.as_str()).map_err(|e| match e {
+            Errno::ENOENT => Error::NotFound {
+                name: name.to_owned(),
+            },
+            e => sys_err("shm_unlink", name, e),
+        })
+    }
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
         if self.owner {
@@ -155,12 +208,15 @@ impl Drop for Segment {
     }
 }
 
-fn reserve(file: &File, len: usize, name: &str) -> Result<()> {
+fn reserve(file: &File, len: usize, name: &str, reserve_pages: bool) -> Result<()> {
     file.set_len(len as u64).map_err(|e| Error::Os {
         op: "ftruncate",
         name: name.to_owned(),
         source: e,
     })?;
+    if !reserve_pages {
+        return Ok(());
+    }
     // posix_fallocate makes tmpfs hand out every page now, so running out of
     // /dev/shm is an error at create instead of a SIGBUS on some later write.
     match nix::fcntl::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(file), 0, len as i64) {

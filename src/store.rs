@@ -35,7 +35,9 @@ pub struct StoreConfig {
     n_readers: u32,
     name: Option<String>,
     prefault: bool,
+    reserve: bool,
     pin: PinMode,
+    reader_timeout: Option<std::time::Duration>,
 }
 
 impl StoreConfig {
@@ -48,7 +50,9 @@ impl StoreConfig {
             n_readers,
             name: None,
             prefault: true,
+            reserve: true,
             pin: PinMode::Auto,
+            reader_timeout: None,
         }
     }
 
@@ -68,6 +72,23 @@ impl StoreConfig {
     /// Pinning policy (default [`PinMode::Auto`]).
     pub fn pin(mut self, mode: PinMode) -> Self {
         self.pin = mode;
+        self
+    }
+
+    /// Whether to reserve every page of /dev/shm at create (default true),
+    /// so a too-small /dev/shm fails at create instead of with SIGBUS later.
+    /// Off only for sparse segments in tests.
+    pub fn reserve(mut self, yes: bool) -> Self {
+        self.reserve = yes;
+        self
+    }
+
+    /// Stuck-reader policy (off by default): a reader that owes a read of
+    /// the oldest object and has acknowledged nothing for longer than
+    /// `timeout` is no longer waited for. Its live guards are still
+    /// honoured: a slot under a guard is never reused.
+    pub fn reader_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.reader_timeout = Some(timeout);
         self
     }
 
@@ -169,7 +190,7 @@ pub struct StoreHandle {
 }
 
 /// Counters of the writer.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoreStats {
     /// Successful puts.
     pub puts: u64,
@@ -187,16 +208,21 @@ pub struct StoreStats {
     pub largest_free_block: u64,
     /// Dead readers found and released.
     pub dead_readers_reaped: u64,
+    /// Stale handles met by readers (summed over the reader table).
+    pub stale_reads: u64,
+    /// The oldest object, if a reader still owes it a read or holds it:
+    /// the slot and readers that block reclamation.
+    pub oldest_unread: Option<Box<Blocker>>,
 }
 
 /// Validated, process-local copy of a segment's geometry. Nothing here is
 /// read from shared memory again after attach.
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
-    n_readers: u32,
-    capacity: u64,
-    max_object_size: u64,
-    prefix_len: u64,
+pub(crate) struct Geometry {
+    pub(crate) n_readers: u32,
+    pub(crate) capacity: u64,
+    pub(crate) max_object_size: u64,
+    pub(crate) prefix_len: u64,
     base: *mut u8,
     data: *mut u8,
 }
@@ -215,12 +241,12 @@ impl Geometry {
         }
     }
 
-    fn header(&self) -> HeaderPtr {
+    pub(crate) fn header(&self) -> HeaderPtr {
         // SAFETY: the mapping starts with a page-aligned 256-byte header.
         unsafe { HeaderPtr::new(self.base) }
     }
 
-    fn reader(&self, i: u32) -> ReaderPtr {
+    pub(crate) fn reader(&self, i: u32) -> ReaderPtr {
         debug_assert!(i < self.n_readers);
         // SAFETY: i < n_readers and the header spans header_len(n_readers)
         // bytes, which holds every entry; entries are 8-aligned (576 B each
@@ -229,7 +255,7 @@ impl Geometry {
     }
 
     /// The slot at `address`, if a slot prefix fits there.
-    fn slot(&self, address: u64) -> Option<SlotPtr> {
+    pub(crate) fn slot(&self, address: u64) -> Option<SlotPtr> {
         if address % layout::SLOT_ALIGN as u64 != 0
             || address.checked_add(self.prefix_len)? > self.capacity
         {
@@ -318,6 +344,7 @@ pub struct ObjectStore {
     stats: StoreStats,
     /// Unregistered before `seg` unmaps (fields drop in order).
     pinned: Option<crate::pin::Pinned>,
+    reader_timeout_ns: Option<u64>,
     // Last: unmapped (and unlinked) after everything that points into it.
     seg: Segment,
 }
@@ -335,7 +362,15 @@ impl ObjectStore {
         let total = header_len
             .checked_add(cfg.capacity)
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
-        let seg = Segment::create(&name, total, cfg.prefault)?;
+        let seg = match Segment::create(&name, total, cfg.prefault, cfg.reserve) {
+            Err(Error::AlreadyExists { .. }) if cfg.name.is_some() => {
+                // A writer that died leaves its segment: replace it, unless
+                // its writer still runs.
+                remove_if_writer_dead(&name)?;
+                Segment::create(&name, total, cfg.prefault, cfg.reserve)?
+            }
+            r => r?,
+        };
         let geo = Geometry::new(
             seg.as_ptr(),
             cfg.n_readers,
@@ -361,7 +396,8 @@ impl ObjectStore {
             next_id: 1,
             ring_head: 0,
             ring_tail: 0,
-            reserved: [0; 19],
+            cleared_below: 0,
+            reserved: [0; 18],
         };
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
@@ -378,6 +414,7 @@ impl ObjectStore {
             nonce,
             stats: StoreStats::default(),
             pinned,
+            reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
             seg,
         })
     }
@@ -482,6 +519,14 @@ impl ObjectStore {
         }
         let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
         let pos = self.allocate(slot_len)?;
+        let tail = self.ring.tail();
+        if pos > tail && !self.ring.is_empty() && pos - tail < self.geo.capacity {
+            // The end of this lap is skipped: leave a marker there so the
+            // inspector can walk the ring without reading stale headers.
+            if let Some(s) = self.geo.slot(tail % self.geo.capacity) {
+                s.mark_skip(pos - tail);
+            }
+        }
         let address = self.ring.address(pos);
         let (slot, payload) = self.slot_and_payload(address, len as u64);
         slot.begin_write();
@@ -608,6 +653,7 @@ impl ObjectStore {
         }
         self.index.clear();
         self.pending_keys.clear();
+        self.geo.header().set_cleared_below(self.next_id);
         self.epoch = next_epoch(self.epoch);
         self.geo.header().set_epoch(self.epoch);
         let freed = self.reclaim(None);
@@ -642,12 +688,20 @@ impl ObjectStore {
         self.pinned.is_some()
     }
 
-    /// Counters and the ring's state.
+    /// Counters and the ring's state, with what blocks reclamation.
     pub fn stats(&self) -> StoreStats {
+        let oldest_unread = self.ring.front().and_then(|s| {
+            let b = self.blocker(s.pos, &s.value);
+            (!b.unread_by.is_empty() || !b.held_by.is_empty()).then(|| Box::new(b))
+        });
         StoreStats {
             objects: self.ring.len() as u64,
             bytes_in_use: self.ring.used(),
             largest_free_block: self.ring.largest_free(),
+            stale_reads: (0..self.geo.n_readers)
+                .map(|i| self.geo.reader(i).stale_reads())
+                .sum(),
+            oldest_unread,
             ..self.stats.clone()
         }
     }
@@ -762,7 +816,27 @@ impl ObjectStore {
             reader_state::ATTACHED => e.id >= r.counted_from(),
             _ => false,
         };
-        counted && slot.reads_acquire(i) < e.refs
+        counted && slot.reads_acquire(i) < e.refs && !self.stuck(i)
+    }
+
+    /// Whether reader `i` is past the stuck-reader timeout.
+    fn stuck(&self, i: u32) -> bool {
+        let Some(limit) = self.reader_timeout_ns else {
+            return false;
+        };
+        let r = self.geo.reader(i);
+        let last = r.last_ack_ns().max(r.attached_ns());
+        let idle = segment::monotonic_ns().saturating_sub(last);
+        if idle > limit {
+            tracing::warn!(
+                reader = i,
+                idle_ms = idle / 1_000_000,
+                "reader is stuck; no longer waiting for its reads"
+            );
+            true
+        } else {
+            false
+        }
     }
 
     /// The reclaim protocol of crate::ring: on success the slot is invalid
@@ -824,6 +898,7 @@ impl ObjectStore {
 
 impl Drop for ObjectStore {
     fn drop(&mut self) {
+        self.geo.header().clear_writer();
         // A copy still running into a slot must finish before the mapping
         // goes (the DMA engine does not know about munmap).
         for span in self.ring.iter_mut() {
@@ -833,6 +908,32 @@ impl Drop for ObjectStore {
                 }
             }
         }
+    }
+}
+
+/// Removes segment `name` if it is a pinshm segment whose writer is dead.
+fn remove_if_writer_dead(name: &str) -> Result<()> {
+    let seg = match Segment::open(name, false) {
+        Ok(s) => s,
+        Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
+        Err(e) => return Err(e),
+    };
+    let geo = validate_header(&seg, name).map_err(|e| Error::InUse {
+        name: name.to_owned(),
+        detail: format!("it exists and is not a usable pinshm segment ({e}); remove /dev/shm/{name} if no process uses it"),
+    })?;
+    let (pid, start) = geo.header().writer();
+    if pid != 0 && segment::process_alive(pid, start) {
+        return Err(Error::InUse {
+            name: name.to_owned(),
+            detail: format!("its writer (pid {pid}) is alive"),
+        });
+    }
+    tracing::warn!(name, pid, "replacing the segment of a writer that is gone");
+    drop(seg);
+    match Segment::unlink(name) {
+        Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -877,7 +978,7 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry
 }
 
 /// Checks every field of a segment's header before any of it is used.
-fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
+pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
     let bad = |field, detail: String| Error::BadHeader {
         name: name.to_owned(),
         field,
@@ -1153,9 +1254,33 @@ impl StoreReader {
             why,
             "stale read"
         );
+        self.me.count_stale();
+        // A stale handle from a writer that is gone will never become good:
+        // say so (checked only on this error path).
+        if let Err(gone) = self.check_writer() {
+            return gone;
+        }
         Error::Stale {
             address: h.address,
             monotonic_id: h.monotonic_id,
+        }
+    }
+
+    /// Whether the writer that created this segment still runs.
+    pub fn writer_alive(&self) -> bool {
+        let (pid, start) = self.geo.header().writer();
+        pid != 0 && segment::process_alive(pid, start)
+    }
+
+    /// `Err(WriterGone)` if the writer has exited or died. Objects already
+    /// published stay readable; nothing new will come.
+    pub fn check_writer(&self) -> Result<()> {
+        if self.writer_alive() {
+            Ok(())
+        } else {
+            Err(Error::WriterGone {
+                name: self.seg.name().to_owned(),
+            })
         }
     }
 
@@ -1250,6 +1375,7 @@ fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
     match r.state() {
         reader_state::VACANT if r.transition(reader_state::VACANT, reader_state::ATTACHED) => {
             // Counted from the start: the writer has been waiting for it.
+            r.set_attached_ns(segment::monotonic_ns());
             r.set_owner(pid, start);
             r.bump_generation();
             return Ok(Some(0));
@@ -1267,6 +1393,7 @@ fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
                 r.clear_all_hazards();
                 let from = geo.header().next_id();
                 r.set_counted_from(from);
+                r.set_attached_ns(segment::monotonic_ns());
                 r.set_owner(pid, start);
                 r.bump_generation();
                 r.set_state(reader_state::ATTACHED);

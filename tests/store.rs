@@ -533,7 +533,7 @@ fn header_field_offset(field: &str) -> u64 {
 fn attach_validates_every_header_field_and_names_it() {
     let cases: &[(&str, &[u8], &str)] = &[
         ("magic", b"NOTPINSH", "magic"),
-        ("layout_version", &2u32.to_le_bytes(), "layout_version"),
+        ("layout_version", &7u32.to_le_bytes(), "layout_version"),
         ("n_readers", &0u32.to_le_bytes(), "n_readers"),
         ("n_readers", &65u32.to_le_bytes(), "n_readers"),
         ("n_readers", &3u32.to_le_bytes(), "n_readers"),
@@ -665,7 +665,8 @@ fn create_is_exclusive_and_drop_unlinks() {
     let w = store(&name, MIB, 4 * KIB, 1);
     assert!(name.exists());
     let e = ObjectStore::create(StoreConfig::new(MIB, 4 * KIB, 1).name(&*name)).unwrap_err();
-    assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
+    assert!(matches!(e, Error::InUse { .. }), "{e}");
+    assert!(e.to_string().contains("is alive"), "{e}");
     drop(w);
     assert!(!name.exists(), "the writer's drop removes the segment");
 }

@@ -1,0 +1,283 @@
+//! Read-only inspection of a live (or abandoned) segment: header, reader
+//! table, live slots, and what happened to an `address:id` from a `Stale`
+//! error. Used by the `pinshm-inspect` binary. Maps the segment read-only:
+//! an inspector can never disturb the store.
+
+use std::fmt::{self, Write as _};
+
+use crate::error::Result;
+use crate::layout::{self, reader_state};
+use crate::segment::{self, Segment};
+use crate::store::validate_header;
+
+/// One reader table entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReaderInfo {
+    /// Index in the table.
+    pub index: u32,
+    /// `vacant`, `attaching`, `attached` or `left`.
+    pub state: &'static str,
+    /// Pid of the holder (0: none yet).
+    pub pid: u32,
+    /// Whether that process still runs.
+    pub alive: bool,
+    /// Milliseconds since its last acknowledged read (`None`: none yet).
+    pub last_ack_ms_ago: Option<u64>,
+    /// Objects with a smaller id are not counted for it.
+    pub counted_from: u64,
+    /// Stale handles it met.
+    pub stale_reads: u64,
+    /// Guards and views it holds now.
+    pub guards: usize,
+    /// How many times a reader attached into this entry.
+    pub generation: u64,
+}
+
+/// One slot of the ring.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotInfo {
+    /// Address in the data region.
+    pub address: u64,
+    /// Monotonic id (0: free, skipped or being written).
+    pub monotonic_id: u64,
+    /// Payload bytes.
+    pub size: u64,
+    /// 0 raw, 1 tensor, 2 item.
+    pub kind: u32,
+    /// Writer references.
+    pub refs: u32,
+    /// Reads each reader still owes (refs − acknowledged, at least 0).
+    pub reads_owed: Vec<u32>,
+}
+
+/// Everything the inspector read.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// Segment name.
+    pub name: String,
+    /// Layout version.
+    pub layout_version: u32,
+    /// Current epoch.
+    pub epoch: u64,
+    /// Ring bytes.
+    pub capacity: u64,
+    /// Largest object.
+    pub max_object_size: u64,
+    /// Writer pid (0 after a clean exit).
+    pub writer_pid: u32,
+    /// Whether the writer still runs.
+    pub writer_alive: bool,
+    /// The id the next put will get.
+    pub next_id: u64,
+    /// Ids below this were dropped by `clear`.
+    pub cleared_below: u64,
+    /// Ring head and tail (virtual positions).
+    pub ring: (u64, u64),
+    /// The reader table.
+    pub readers: Vec<ReaderInfo>,
+    /// Slots from the oldest to the newest, published or not.
+    pub slots: Vec<SlotInfo>,
+}
+
+/// Reads segment `name` (read-only).
+pub fn inspect(name: &str) -> Result<Snapshot> {
+    let seg = Segment::open_read_only(name)?;
+    let geo = validate_header(&seg, name)?;
+    let hp = geo.header();
+    let h = hp.read();
+    let (writer_pid, writer_start) = hp.writer();
+    let now = segment::monotonic_ns();
+    let readers = (0..geo.n_readers)
+        .map(|i| {
+            let r = geo.reader(i);
+            let (pid, start) = r.owner();
+            let last = r.last_ack_ns();
+            ReaderInfo {
+                index: i,
+                state: match r.state() {
+                    reader_state::VACANT => "vacant",
+                    reader_state::ATTACHING => "attaching",
+                    reader_state::ATTACHED => "attached",
+                    reader_state::LEFT => "left",
+                    _ => "corrupt",
+                },
+                pid,
+                alive: pid != 0 && segment::process_alive(pid, start),
+                last_ack_ms_ago: (last != 0).then(|| now.saturating_sub(last) / 1_000_000),
+                counted_from: r.counted_from(),
+                stale_reads: r.stale_reads(),
+                guards: r.hazards_in_use(),
+                generation: r.generation(),
+            }
+        })
+        .collect();
+    let (head, tail) = hp.ring_extent();
+    let cap = geo.capacity;
+    let mut slots = Vec::new();
+    let mut pos = head;
+    // Bounded walk: a corrupt header cannot make it loop for long.
+    let max_slots = (cap / layout::SLOT_ALIGN as u64).min(1 << 20);
+    while pos < tail && (slots.len() as u64) < max_slots {
+        let address = pos % cap;
+        let next_lap = (pos / cap + 1) * cap;
+        let Some(slot) = geo.slot(address) else {
+            pos = next_lap;
+            continue;
+        };
+        let s = slot.snapshot();
+        if s.slot_len == 0
+            || s.slot_len % layout::SLOT_ALIGN as u64 != 0
+            || address + s.slot_len > cap
+        {
+            pos = next_lap;
+            continue;
+        }
+        if s.id != 0 || s.size != 0 {
+            slots.push(SlotInfo {
+                address,
+                monotonic_id: s.id,
+                size: s.size,
+                kind: s.kind,
+                refs: s.refs,
+                reads_owed: (0..geo.n_readers)
+                    .map(|i| s.refs.saturating_sub(slot.reads_relaxed(i)))
+                    .collect(),
+            });
+        }
+        pos += s.slot_len;
+    }
+    Ok(Snapshot {
+        name: name.to_owned(),
+        layout_version: h.layout_version,
+        epoch: hp.epoch(),
+        capacity: cap,
+        max_object_size: geo.max_object_size,
+        writer_pid,
+        writer_alive: writer_pid != 0 && segment::process_alive(writer_pid, writer_start),
+        next_id: hp.next_id(),
+        cleared_below: hp.cleared_below(),
+        ring: (head, tail),
+        readers,
+        slots,
+    })
+}
+
+impl Snapshot {
+    /// What happened to the object `address:id` of a `Stale` error.
+    pub fn explain(&self, address: u64, id: u64) -> String {
+        let live: Vec<&SlotInfo> = self.slots.iter().filter(|s| s.monotonic_id != 0).collect();
+        let oldest = live.iter().map(|s| s.monotonic_id).min();
+        if id == 0 {
+            return "id 0 is never given to an object: the handle is not from a put".into();
+        }
+        if let Some(s) = live.iter().find(|s| s.monotonic_id == id) {
+            if s.address == address {
+                return format!(
+                    "live: {} bytes at {address}, reads owed per reader {:?}; if a reader got Stale for it, its handle carries another epoch (made before a clear or by an earlier writer of this name)",
+                    s.size, s.reads_owed
+                );
+            }
+            return format!(
+                "id {id} is live at address {}, not {address}: the handle is corrupt",
+                s.address
+            );
+        }
+        if id >= self.next_id {
+            return format!(
+                "never existed here: this segment has handed out ids up to {}; the handle comes from another segment or an earlier writer of this name",
+                self.next_id.saturating_sub(1)
+            );
+        }
+        if address % layout::SLOT_ALIGN as u64 != 0 || address >= self.capacity {
+            return format!(
+                "address {address} is not a slot address in a {}-byte ring: the handle is corrupt",
+                self.capacity
+            );
+        }
+        if id < self.cleared_below {
+            return format!(
+                "dropped by clear(): every id below {} was cleared",
+                self.cleared_below
+            );
+        }
+        let mut why = String::from(
+            "reclaimed: every counted reader had read it as often as it was referenced",
+        );
+        if let Some(s) = live.iter().find(|s| s.address == address) {
+            let _ = write!(why, "; its slot now holds id {}", s.monotonic_id);
+        } else if let Some(o) = oldest {
+            let _ = write!(why, "; the oldest live object is id {o}");
+        }
+        why.push_str(
+            ". A reader that needs it must be sent a handle from a fresh put or get_cached",
+        );
+        why
+    }
+}
+
+impl fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "segment   /dev/shm/{}", self.name)?;
+        writeln!(f, "layout    version {}", self.layout_version)?;
+        writeln!(f, "epoch     {:#018x}", self.epoch)?;
+        writeln!(
+            f,
+            "capacity  {} bytes, objects up to {} bytes",
+            self.capacity, self.max_object_size
+        )?;
+        writeln!(
+            f,
+            "writer    pid {} ({})",
+            self.writer_pid,
+            if self.writer_alive {
+                "alive"
+            } else if self.writer_pid == 0 {
+                "exited"
+            } else {
+                "dead"
+            }
+        )?;
+        writeln!(
+            f,
+            "ids       next {}, cleared below {}",
+            self.next_id, self.cleared_below
+        )?;
+        writeln!(
+            f,
+            "ring      head {} tail {} ({} bytes in use)",
+            self.ring.0,
+            self.ring.1,
+            self.ring.1 - self.ring.0
+        )?;
+        writeln!(f, "\nreaders")?;
+        writeln!(
+            f,
+            "  {:>5} {:>9} {:>8} {:>6} {:>12} {:>12} {:>6} {:>6}",
+            "index", "state", "pid", "alive", "last ack", "counted from", "stale", "guards"
+        )?;
+        for r in &self.readers {
+            let ack = r
+                .last_ack_ms_ago
+                .map_or("never".to_string(), |ms| format!("{ms} ms ago"));
+            writeln!(
+                f,
+                "  {:>5} {:>9} {:>8} {:>6} {:>12} {:>12} {:>6} {:>6}",
+                r.index, r.state, r.pid, r.alive, ack, r.counted_from, r.stale_reads, r.guards
+            )?;
+        }
+        writeln!(f, "\nslots (oldest first): {}", self.slots.len())?;
+        writeln!(
+            f,
+            "  {:>12} {:>10} {:>12} {:>5} {:>5}  reads owed per reader",
+            "address", "id", "size", "kind", "refs"
+        )?;
+        for s in &self.slots {
+            writeln!(
+                f,
+                "  {:>12} {:>10} {:>12} {:>5} {:>5}  {:?}",
+                s.address, s.monotonic_id, s.size, s.kind, s.refs, s.reads_owed
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -13,20 +13,23 @@
 //!
 //! | field | written by | read by | protocol |
 //! |---|---|---|---|
-//! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (SeqCst) to reclaim, old id (SeqCst) to back off | readers: Acquire (optimistic copy), SeqCst (after setting a hazard) | seqlock publish / validate; Dekker pair with `hazards` |
+//! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
-//! | `ReaderEntry::hazards[k]` | reader (SeqCst set, Release clear) | writer (SeqCst) after invalidating `id` | Dekker: one of the two sees the other |
-//! | `ReaderEntry::state` | reader (SeqCst), writer marks dead (SeqCst CAS) | writer (SeqCst) | a reader attaching while the writer reclaims is seen by one side |
+//! | `ReaderEntry::hazards[k]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other |
+//! | `ReaderEntry::state` | reader (SeqCst), writer marks dead (SeqCst CAS) | writer (SeqCst, after its fence) | a reader attaching while the writer reclaims is seen by one side |
 //!
 //! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
-//! (Acquire); store `id = 0` (SeqCst); scan the hazards of every reader not
-//! `LEFT` (SeqCst). A hazard equal to the old id means a guard may be
+//! (Acquire); store `id = 0` then a SeqCst fence; scan the hazards of every
+//! reader not `LEFT` (Acquire). A hazard equal to the old id means a guard may be
 //! reading: store the old id back and stop. Getting a guard (reader): store
-//! the id in a free hazard (SeqCst), then load `id` (SeqCst); a mismatch
-//! clears the hazard and reports `Stale`. In the single total order of SeqCst
-//! operations either the reader's load sees 0 (it backs off) or the writer's
-//! scan sees the hazard (it backs off): a guarded slot is never reused.
+//! the id in a free hazard, then a SeqCst fence, then load `id`
+//! (Acquire); a mismatch clears the hazard and reports `Stale`. The two
+//! SeqCst fences are ordered one way or the other: if the reader's comes
+//! first, the writer's scan sees the hazard (it backs off); if the
+//! writer's comes first, the reader's load sees 0 (it backs off). A guarded
+//! slot is never reused. (Fences rather than SeqCst accesses: the same
+//! cost on x86, and loom can check them; see tests/loom.rs.)
 //!
 //! Copying out without a hazard (`get_copy`): load `id` (Acquire), copy,
 //! Acquire fence, load `id` again; a change means the slot was reused under
@@ -276,12 +279,13 @@ impl SlotPtr {
 
     /// First half of reclaiming: no new guard can validate after this.
     pub fn invalidate(&self) {
-        self.id().store(0, Ordering::SeqCst);
+        self.id().store(0, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
     }
 
     /// Backs off a reclaim that found a hazard.
     pub fn restore(&self, id: u64) {
-        self.id().store(id, Ordering::SeqCst);
+        self.id().store(id, Ordering::Release);
     }
 
     // ---- reader ----
@@ -291,9 +295,9 @@ impl SlotPtr {
         self.id().load(Ordering::Acquire)
     }
 
-    /// The id after a hazard was published (Dekker pair).
-    pub fn id_seqcst(&self) -> u64 {
-        self.id().load(Ordering::SeqCst)
+    /// The id after a hazard was published (after its SeqCst fence).
+    pub fn id_after_hazard(&self) -> u64 {
+        self.id().load(Ordering::Acquire)
     }
 
     /// The id again after an optimistic copy (seqlock end).
@@ -485,11 +489,12 @@ impl ReaderPtr {
             .store(t, Ordering::Relaxed);
     }
 
-    /// Publishes a hazard on `id` in word `k` (SeqCst: Dekker pair with
-    /// [`SlotPtr::invalidate`]).
+    /// Publishes a hazard on `id` in word `k`, then a SeqCst fence (the
+    /// Dekker pair of [`SlotPtr::invalidate`]'s fence).
     pub fn set_hazard(&self, k: usize, id: u64) {
         debug_assert!(k < layout::HAZARDS_PER_READER);
-        self.hazard(k).store(id, Ordering::SeqCst);
+        self.hazard(k).store(id, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
     }
 
     /// Clears hazard `k` (Release: the guard's reads happen before reuse).
@@ -506,7 +511,7 @@ impl ReaderPtr {
 
     /// Whether any hazard names `id` (after the writer's `invalidate`).
     pub fn holds(&self, id: u64) -> bool {
-        (0..layout::HAZARDS_PER_READER).any(|k| self.hazard(k).load(Ordering::SeqCst) == id)
+        (0..layout::HAZARDS_PER_READER).any(|k| self.hazard(k).load(Ordering::Acquire) == id)
     }
 }
 
@@ -717,5 +722,56 @@ mod tests {
             assert_eq!(r.find_by_mut(id, |v| *v).map(|s| s.value), Some(id));
         }
         assert!(r.find_by_mut(5, |v| *v).is_none());
+    }
+
+    /// The slot protocol on heap memory, for Miri: pointer casts, alignment
+    /// and the races between a guard and a reclaim.
+    #[test]
+    fn slot_protocol_on_heap_memory() {
+        #[repr(C, align(64))]
+        struct Mem([u64; 80]);
+        #[derive(Clone, Copy)]
+        struct P(*mut u8);
+        // SAFETY: the pointees are boxes that outlive the thread.
+        unsafe impl Send for P {}
+        let mut slot_mem = Box::new(Mem([0; 80]));
+        let mut reader_mem = Box::new(Mem([0; 80]));
+        let (sp, rp) = (
+            P(slot_mem.0.as_mut_ptr().cast()),
+            P(reader_mem.0.as_mut_ptr().cast()),
+        );
+        // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of 2 readers
+        // and for a whole reader entry (576 bytes).
+        let slot = unsafe { SlotPtr::new(sp.0) };
+        slot.begin_write();
+        slot.publish(7, 99, 10, 192, 0, 1, 2);
+        assert_eq!(slot.id_acquire(), 7);
+        assert_eq!(slot.meta(), (99, 10, 0));
+        assert!(slot.acknowledge(0));
+        assert!(!slot.acknowledge(0), "one reference, one read");
+        assert_eq!(slot.reads_acquire(0), 1);
+        assert_eq!(slot.reads_acquire(1), 0);
+        let reader = std::thread::spawn(move || {
+            // SAFETY: as above; the boxes outlive the thread (joined below).
+            let (slot, me) = unsafe { (SlotPtr::new({ sp }.0), ReaderPtr::new({ rp }.0)) };
+            me.set_hazard(0, 7);
+            let ok = slot.id_after_hazard() == 7;
+            if ok {
+                assert_eq!(slot.meta().1, 10);
+            }
+            me.clear_hazard(0);
+            ok
+        });
+        // SAFETY: as above.
+        let me = unsafe { ReaderPtr::new(rp.0) };
+        slot.invalidate();
+        if me.holds(7) {
+            slot.restore(7);
+        }
+        let _ = reader.join().unwrap();
+        slot.set_refs(2);
+        assert!(slot.acknowledge(1));
+        assert_eq!(slot.snapshot().refs, 2);
+        drop((slot_mem, reader_mem));
     }
 }

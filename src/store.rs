@@ -1186,7 +1186,7 @@ impl StoreReader {
         let slot = self.slot(h)?;
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
-        match self.validate(h, &slot, slot.id_seqcst()) {
+        match self.validate(h, &slot, slot.id_after_hazard()) {
             Ok((data, len, kind)) => Ok(ReadGuard {
                 reader: self,
                 slot,
@@ -1339,7 +1339,7 @@ impl StoreReader {
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
         let r = self
-            .validate(h, &slot, slot.id_seqcst())
+            .validate(h, &slot, slot.id_after_hazard())
             .map(|_| self.ack_held(&slot, h));
         self.release_hazard(k);
         r

@@ -178,7 +178,11 @@ fn readers_killed_holding_guards_never_stall_the_writer_or_the_survivors() {
         i,
         "the survivor verified every object"
     );
-    assert_eq!(w.stats().dead_readers_reaped, 100, "every victim was found dead");
+    assert_eq!(
+        w.stats().dead_readers_reaped,
+        100,
+        "every victim was found dead"
+    );
 }
 
 #[test]

@@ -124,8 +124,9 @@ pub struct ReaderEntry {
 pub struct SlotHeader {
     /// Atomic. Monotonic id of the object here; 0 while free or being written.
     pub id: u64,
-    /// `slot_tag(id, address, epoch)`: a stale handle that points into the
-    /// middle of a newer object's payload cannot match it by accident.
+    /// `slot_tag(id, address, epoch, size, kind)`: a stale handle that
+    /// points into the middle of a newer object's payload cannot match it by
+    /// accident, and a corrupted size or kind is caught before it is used.
     pub tag: u64,
     /// Payload bytes.
     pub size: u64,
@@ -167,13 +168,17 @@ pub const fn round_up(v: usize, to: usize) -> usize {
     (v + to - 1) & !(to - 1)
 }
 
-/// The check word stored in a slot: a 64-bit mix of id, address and epoch.
-pub fn slot_tag(id: u64, address: u64, epoch: u64) -> u64 {
-    let mut x = id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC;
-    // splitmix64 finaliser
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// The check word stored in a slot: a 64-bit mix of id, address, epoch,
+/// payload size and kind.
+pub fn slot_tag(id: u64, address: u64, epoch: u64, size: u64, kind: u32) -> u64 {
+    let mix = |mut x: u64| {
+        // splitmix64 finaliser
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    };
+    let a = mix(id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC);
+    mix(a ^ size.rotate_left(7) ^ ((kind as u64) << 57))
 }
 
 #[cfg(test)]
@@ -234,10 +239,12 @@ mod tests {
     }
 
     #[test]
-    fn tags_differ_for_neighbouring_ids_addresses_and_epochs() {
-        let t = slot_tag(7, 4096, 99);
-        assert_ne!(t, slot_tag(8, 4096, 99));
-        assert_ne!(t, slot_tag(7, 4160, 99));
-        assert_ne!(t, slot_tag(7, 4096, 100));
+    fn tags_differ_for_neighbouring_ids_addresses_epochs_sizes_and_kinds() {
+        let t = slot_tag(7, 4096, 99, 10, 0);
+        assert_ne!(t, slot_tag(8, 4096, 99, 10, 0));
+        assert_ne!(t, slot_tag(7, 4160, 99, 10, 0));
+        assert_ne!(t, slot_tag(7, 4096, 100, 10, 0));
+        assert_ne!(t, slot_tag(7, 4096, 99, 11, 0));
+        assert_ne!(t, slot_tag(7, 4096, 99, 10, 1));
     }
 }

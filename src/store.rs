@@ -285,7 +285,7 @@ fn random_u64() -> u64 {
 }
 
 fn next_epoch(e: u64) -> u64 {
-    layout::slot_tag(e, 0x5eed, e).max(1)
+    layout::slot_tag(e, 0x5eed, e, 0, 0).max(1)
 }
 
 /// What the writer remembers about a live slot.
@@ -586,7 +586,7 @@ impl ObjectStore {
             .expect("ring addresses are in bounds");
         slot.publish(
             id,
-            layout::slot_tag(id, address, epoch),
+            layout::slot_tag(id, address, epoch, e.size, e.kind),
             e.size,
             e.slot_len,
             e.kind,
@@ -1305,8 +1305,8 @@ impl StoreReader {
             return Err(self.stale(h, "id mismatch"));
         }
         let (tag, size, kind) = slot.meta();
-        if tag != layout::slot_tag(h.monotonic_id, h.address, h.epoch) {
-            return Err(self.stale(h, "tag mismatch (other epoch or segment)"));
+        if tag != layout::slot_tag(h.monotonic_id, h.address, h.epoch, size, kind) {
+            return Err(self.stale(h, "tag mismatch (other epoch or segment, or a corrupted slot header)"));
         }
         let data = self
             .geo

@@ -1306,7 +1306,10 @@ impl StoreReader {
         }
         let (tag, size, kind) = slot.meta();
         if tag != layout::slot_tag(h.monotonic_id, h.address, h.epoch, size, kind) {
-            return Err(self.stale(h, "tag mismatch (other epoch or segment, or a corrupted slot header)"));
+            return Err(self.stale(
+                h,
+                "tag mismatch (other epoch or segment, or a corrupted slot header)",
+            ));
         }
         let data = self
             .geo

@@ -97,29 +97,7 @@ impl Segment {
 
     /// Opens an existing segment and maps all of it.
     pub fn open(name: &str, prefault: bool) -> Result<Segment> {
-        let pname = posix_name(name)?;
-        let fd = shm_open(pname.as_str(), OFlag::O_RDWR, Mode::empty()).map_err(|e| match e {
-            Errno::ENOENT => Error::NotFound {
-                name: name.to_owned(),
-            },
-            e => sys_err("shm_open", name, e),
-        })?;
-        let file = File::from(fd);
-        let len = file
-            .metadata()
-            .map_err(|e| Error::Os {
-                op: "fstat",
-                name: name.to_owned(),
-                source: e,
-            })?
-            .len() as usize;
-        if len == 0 {
-            return Err(Error::BadHeader {
-                name: name.to_owned(),
-                field: "size",
-                detail: "the segment is empty (its creator has not sized it yet, or it is not a pinshm segment)".into(),
-            });
-        }
+        let (pname, file, len) = open_file(name, OFlag::O_RDWR)?;
         let map = map(&file, len, prefault, name)?;
         Ok(Segment {
             name: pname,
@@ -130,29 +108,7 @@ impl Segment {
 
     /// Opens an existing segment read-only (for inspection: loads only).
     pub fn open_read_only(name: &str) -> Result<Segment> {
-        let pname = posix_name(name)?;
-        let fd = shm_open(pname.as_str(), OFlag::O_RDONLY, Mode::empty()).map_err(|e| match e {
-            Errno::ENOENT => Error::NotFound {
-                name: name.to_owned(),
-            },
-            e => sys_err("shm_open", name, e),
-        })?;
-        let file = File::from(fd);
-        let len = file
-            .metadata()
-            .map_err(|e| Error::Os {
-                op: "fstat",
-                name: name.to_owned(),
-                source: e,
-            })?
-            .len() as usize;
-        if len == 0 {
-            return Err(Error::BadHeader {
-                name: name.to_owned(),
-                field: "size",
-                detail: "the segment is empty".into(),
-            });
-        }
+        let (pname, file, len) = open_file(name, OFlag::O_RDONLY)?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw_read_only(&file)
@@ -206,6 +162,34 @@ impl Drop for Segment {
             }
         }
     }
+}
+
+/// Opens `name` with `flags`; its POSIX name, file and (non-zero) size.
+fn open_file(name: &str, flags: OFlag) -> Result<(String, File, usize)> {
+    let pname = posix_name(name)?;
+    let fd = shm_open(pname.as_str(), flags, Mode::empty()).map_err(|e| match e {
+        Errno::ENOENT => Error::NotFound {
+            name: name.to_owned(),
+        },
+        e => sys_err("shm_open", name, e),
+    })?;
+    let file = File::from(fd);
+    let len = file
+        .metadata()
+        .map_err(|e| Error::Os {
+            op: "fstat",
+            name: name.to_owned(),
+            source: e,
+        })?
+        .len() as usize;
+    if len == 0 {
+        return Err(Error::BadHeader {
+            name: name.to_owned(),
+            field: "size",
+            detail: "the segment is empty (its creator has not sized it yet, or it is not a pinshm segment)".into(),
+        });
+    }
+    Ok((pname, file, len))
 }
 
 fn reserve(file: &File, len: usize, name: &str, reserve_pages: bool) -> Result<()> {

@@ -176,10 +176,14 @@ impl<T> Ring<T> {
 
     /// As [`Ring::find_by`], mutable.
     pub fn find_by_mut<K: Ord>(&mut self, key: K, f: impl Fn(&T) -> K) -> Option<&mut Span<T>> {
-        let i = self
-            .spans
-            .binary_search_by(|s| f(&s.value).cmp(&key))
-            .ok()?;
+        // The newest slot is the common case (publishing a put).
+        let i = match self.spans.back() {
+            Some(b) if f(&b.value) == key => self.spans.len() - 1,
+            _ => self
+                .spans
+                .binary_search_by(|s| f(&s.value).cmp(&key))
+                .ok()?,
+        };
         self.spans.get_mut(i)
     }
 }

@@ -86,6 +86,47 @@ fn child_role() {
                 out.flush().unwrap();
             }
         }
+        "flip" => {
+            // Flip random bytes of the segment file's mapping until stdin closes.
+            let path = std::env::var("PINSHM_PATH").unwrap();
+            let total: u64 = std::env::var("PINSHM_LEN").unwrap().parse().unwrap();
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .unwrap();
+            // SAFETY: a shared mapping of the segment, written with volatile
+            // byte stores: exactly the hostile writer this test wants.
+            let map =
+                unsafe { memmap2::MmapOptions::new().len(total as usize).map_raw(&f) }.unwrap();
+            let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let d = done.clone();
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                let _ = std::io::stdin().read_line(&mut line);
+                d.store(true, std::sync::atomic::Ordering::Relaxed);
+            });
+            writeln!(out, "RESULT flipping").unwrap();
+            out.flush().unwrap();
+            let mut rng = Rng(0xbad);
+            let mut n = 0u64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                // Mostly the data region; sometimes the reader table.
+                let at = if rng.below(10) == 0 {
+                    256 + rng.below(4096 - 256)
+                } else {
+                    4096 + rng.below(total - 4096)
+                };
+                // SAFETY: at < total, inside the mapping.
+                unsafe {
+                    map.as_mut_ptr()
+                        .add(at as usize)
+                        .write_volatile(rng.next() as u8)
+                };
+                n += 1;
+            }
+            writeln!(out, "RESULT {n}").unwrap();
+        }
         "crash" => {
             let name = std::env::var("PINSHM_NAME").unwrap();
             let mut w = ObjectStore::create(StoreConfig::new(MIB, 64 * KIB, 1).name(name)).unwrap();
@@ -327,31 +368,18 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
     let mut w = ObjectStore::create(StoreConfig::new(cap, len, 1).name(&*name)).unwrap();
     let r = StoreReader::attach(&w.handle()).unwrap();
     let total = (layout::header_len(1) + cap) as u64;
-    // The hostile "process": another thread writing through the file, as
-    // any process with the name could (a separate mapping of the same pages).
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flipper = {
-        let stop = stop.clone();
-        let path = name.path();
-        std::thread::spawn(move || {
-            use std::os::unix::fs::FileExt;
-            let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-            let mut rng = Rng(0xbad);
-            let mut n = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                // Mostly the data region; sometimes the reader table.
-                let at = if rng.below(10) == 0 {
-                    256 + rng.below(4096 - 256)
-                } else {
-                    4096 + rng.below(total - 4096 - 8)
-                };
-                f.write_at(&rng.next().to_le_bytes()[..1 + rng.below(8) as usize], at)
-                    .unwrap();
-                n += 1;
-            }
-            n
-        })
-    };
+    // The hostile process: this test binary re-executed, writing random
+    // bytes into the segment through its own mapping of the file.
+    let mut flipper = spawn_child(
+        "child_role",
+        "flip",
+        &[
+            ("PINSHM_PATH", name.path()),
+            ("PINSHM_LEN", total.to_string()),
+        ],
+    );
+    let mut flips_out = BufReader::new(flipper.stdout.take().unwrap());
+    assert_eq!(read_result(&mut flips_out), "flipping");
     let mut rng = Rng(5);
     let mut handles = Vec::new();
     let t0 = Instant::now();
@@ -389,8 +417,9 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
             w.clear();
         }
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let flips = flipper.join().unwrap();
+    drop(flipper.stdin.take()); // tells it to stop
+    let flips: u64 = read_result(&mut flips_out).parse().unwrap();
+    let _ = flipper.wait();
     assert!(
         flips > 1000 && outcomes[0] > 0,
         "flips {flips}, outcomes {outcomes:?}"

@@ -95,10 +95,12 @@ fn child_role() {
                 .write(true)
                 .open(path)
                 .unwrap();
-            // SAFETY: a shared mapping of the segment, written with volatile
-            // byte stores: exactly the hostile writer this test wants.
-            let map =
-                unsafe { memmap2::MmapOptions::new().len(total as usize).map_raw(&f) }.unwrap();
+            // A raw shared mapping of the segment, written with volatile byte
+            // stores: exactly the hostile writer this test wants.
+            let map = memmap2::MmapOptions::new()
+                .len(total as usize)
+                .map_raw(&f)
+                .unwrap();
             let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
             let d = done.clone();
             std::thread::spawn(move || {

@@ -1159,8 +1159,13 @@ impl StoreReader {
         let pinned = match crate::pin::pin(seg.as_ptr(), seg.len(), opts.pin) {
             Ok(p) => p,
             Err(e) => {
-                // Give the slot back before failing.
-                me.set_state(reader_state::LEFT);
+                // Give the slot back before failing: an entry that was never
+                // attached stays expected (counted), one taken over stays left.
+                me.set_state(if counted_from == 0 {
+                    reader_state::VACANT
+                } else {
+                    reader_state::LEFT
+                });
                 return Err(e);
             }
         };

@@ -367,7 +367,12 @@ fn pin_modes_behave_without_a_gpu() {
         )
         .unwrap_err();
         assert!(matches!(e, Error::PinUnavailable(_)), "{e}");
-        // The failed attach gave its reader slot back.
+        // The failed attach gave its reader slot back, still expected: the
+        // writer keeps waiting for reader 0's reads.
+        let mut w = w;
+        w.put("x", b"x").unwrap();
+        let blocker = w.stats().oldest_unread.expect("x is owed a read");
+        assert_eq!(blocker.unread_by, vec![0]);
         assert!(StoreReader::attach(&w.handle()).is_ok());
     }
 }

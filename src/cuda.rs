@@ -88,18 +88,6 @@ impl Registration {
             ctx,
         })
     }
-
-    pub(crate) fn device_ptr(&self, p: *mut u8) -> Result<u64> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("bind context", e))?;
-        let mut d: sys::CUdeviceptr = 0;
-        // SAFETY: p lies in the registered range (callers pass slot addresses).
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p.cast(), 0) }
-            .result()
-            .map_err(|e| cuda_err("cuMemHostGetDevicePointer", e))?;
-        Ok(d)
-    }
 }
 
 impl Drop for Registration {

@@ -13,7 +13,7 @@ use crate::store::PinMode;
 #[derive(Debug)]
 pub(crate) struct Pinned {
     #[cfg(feature = "cuda")]
-    inner: crate::cuda::Registration,
+    _inner: crate::cuda::Registration,
 }
 
 /// Registers `len` bytes at `ptr` according to `mode`.
@@ -24,7 +24,7 @@ pub(crate) fn pin(ptr: *mut u8, len: usize, mode: PinMode) -> Result<Option<Pinn
     #[cfg(feature = "cuda")]
     {
         match crate::cuda::Registration::new(ptr, len) {
-            Ok(inner) => Ok(Some(Pinned { inner })),
+            Ok(inner) => Ok(Some(Pinned { _inner: inner })),
             Err(e) if mode == PinMode::Auto => {
                 tracing::info!(%e, "shared memory not pinned; device copies will be staged by the driver");
                 Ok(None)
@@ -42,14 +42,5 @@ pub(crate) fn pin(ptr: *mut u8, len: usize, mode: PinMode) -> Result<Option<Pinn
         }
         tracing::debug!("built without the `cuda` feature: shared memory not pinned");
         Ok(None)
-    }
-}
-
-impl Pinned {
-    /// Device-visible address of host address `p` inside the registration.
-    #[cfg(feature = "cuda")]
-    #[allow(dead_code)]
-    pub(crate) fn device_ptr(&self, p: *mut u8) -> Result<u64> {
-        self.inner.device_ptr(p)
     }
 }

@@ -188,6 +188,17 @@ impl<T> Ring<T> {
     }
 }
 
+/// The atomic of type `A` at byte `off` from `base`, for the pointer types
+/// below (the one place shared memory is turned into atomics).
+///
+/// # Safety
+/// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
+/// live mapping, and that mapping outlives `'a`.
+unsafe fn field<'a, A>(base: *mut u8, off: usize) -> &'a A {
+    // SAFETY: the caller's contract; atomics have no invalid bit patterns.
+    unsafe { &*(base.add(off) as *const A) }
+}
+
 /// A slot's prefix (header and reader counters) in shared memory.
 #[derive(Clone, Copy, Debug)]
 pub struct SlotPtr {
@@ -206,12 +217,12 @@ impl SlotPtr {
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract: the prefix is mapped and 64-aligned, `off`
         // is an 8-aligned field offset inside the 64-byte SlotHeader.
-        unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
+        unsafe { field(self.ptr, off) }
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        // SAFETY: as `u64_at`, with a 4-aligned offset.
-        unsafe { &*(self.ptr.add(off) as *const AtomicU32) }
+        // SAFETY: as `u64_at`, with a 4-aligned offset (header or counters).
+        unsafe { field(self.ptr, off) }
     }
 
     /// The id word.
@@ -375,17 +386,17 @@ impl ReaderPtr {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract; `off` is an 8-aligned offset inside the entry.
-        unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
+        unsafe { field(self.ptr, off) }
     }
 
     fn state_word(&self) -> &AtomicU32 {
-        // SAFETY: `new`'s contract; `state` is at offset 0.
-        unsafe { &*(self.ptr.add(offset_of!(ReaderEntry, state)) as *const AtomicU32) }
+        // SAFETY: `new`'s contract; `state` is the 4-aligned u32 at offset 0.
+        unsafe { field(self.ptr, offset_of!(ReaderEntry, state)) }
     }
 
     fn pid_word(&self) -> &AtomicU32 {
-        // SAFETY: `new`'s contract; `pid` is at offset 4.
-        unsafe { &*(self.ptr.add(offset_of!(ReaderEntry, pid)) as *const AtomicU32) }
+        // SAFETY: `new`'s contract; `pid` is the 4-aligned u32 at offset 4.
+        unsafe { field(self.ptr, offset_of!(ReaderEntry, pid)) }
     }
 
     fn hazard(&self, k: usize) -> &AtomicU64 {
@@ -535,7 +546,12 @@ impl HeaderPtr {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract; `off` is an 8-aligned field offset.
-        unsafe { &*(self.ptr.add(off) as *const AtomicU64) }
+        unsafe { field(self.ptr, off) }
+    }
+
+    fn writer_pid(&self) -> &AtomicU32 {
+        // SAFETY: `new`'s contract; writer_pid is the 4-aligned u32 at offset 60.
+        unsafe { field(self.ptr, offset_of!(SegmentHeader, writer_pid)) }
     }
 
     /// A copy of the whole header for validation (fields may be mid-update;
@@ -570,11 +586,8 @@ impl HeaderPtr {
 
     /// Writer pid (0 once the writer has exited cleanly) and start time.
     pub fn writer(&self) -> (u32, u64) {
-        // SAFETY: `new`'s contract; writer_pid is a 4-aligned u32 at offset 60.
-        let pid =
-            unsafe { &*(self.ptr.add(offset_of!(SegmentHeader, writer_pid)) as *const AtomicU32) };
         (
-            pid.load(Ordering::Acquire),
+            self.writer_pid().load(Ordering::Acquire),
             self.u64_at(offset_of!(SegmentHeader, writer_start_time))
                 .load(Ordering::Relaxed),
         )
@@ -582,10 +595,7 @@ impl HeaderPtr {
 
     /// Marks the writer as gone (clean exit).
     pub fn clear_writer(&self) {
-        // SAFETY: as in `writer`.
-        let pid =
-            unsafe { &*(self.ptr.add(offset_of!(SegmentHeader, writer_pid)) as *const AtomicU32) };
-        pid.store(0, Ordering::Release);
+        self.writer_pid().store(0, Ordering::Release);
     }
 
     /// Ids below this were dropped by `clear`.

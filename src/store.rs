@@ -304,7 +304,6 @@ struct Entry {
     pending: Option<Arc<dyn PendingCopy>>,
     kind: u32,
     size: u64,
-    slot_len: u64,
 }
 
 /// A copy into a reserved slot (a device-to-host DMA, say), seen by the
@@ -571,7 +570,6 @@ impl ObjectStore {
                 pending,
                 kind,
                 size,
-                slot_len: r.slot_len,
             },
         );
         self.publish_progress();
@@ -595,7 +593,7 @@ impl ObjectStore {
             id,
             layout::slot_tag(id, address, epoch, e.size, e.kind),
             e.size,
-            e.slot_len,
+            layout::slot_len(n_readers, e.size as usize) as u64,
             e.kind,
             epoch,
             n_readers,
@@ -869,11 +867,7 @@ impl ObjectStore {
             }
             slot.invalidate();
         }
-        let held = (0..self.geo.n_readers).any(|i| {
-            let r = self.geo.reader(i);
-            r.state() != reader_state::LEFT && r.holds(e.id)
-        });
-        if held {
+        if self.holders(e.id).next().is_some() {
             if live {
                 slot.restore(e.id);
             }
@@ -882,27 +876,29 @@ impl ObjectStore {
         true
     }
 
+    /// Readers (not left) with a guard on object `id`: after `invalidate`,
+    /// the writer's half of the hazard protocol.
+    fn holders(&self, id: u64) -> impl Iterator<Item = u32> + '_ {
+        (0..self.geo.n_readers).filter(move |&i| {
+            let r = self.geo.reader(i);
+            r.state() != reader_state::LEFT && r.holds(id)
+        })
+    }
+
     fn blocker(&self, pos: u64, e: &Entry) -> Blocker {
         let address = self.ring.address(pos);
         let slot = self
             .geo
             .slot(address)
             .expect("ring addresses are in bounds");
-        let all = 0..self.geo.n_readers;
         Blocker {
             address,
             monotonic_id: e.id,
             key: e.key.as_deref().map(str::to_owned),
-            unread_by: all
-                .clone()
+            unread_by: (0..self.geo.n_readers)
                 .filter(|&i| e.key.is_some() && self.owes(i, e, &slot))
                 .collect(),
-            held_by: all
-                .filter(|&i| {
-                    let r = self.geo.reader(i);
-                    r.state() != reader_state::LEFT && r.holds(e.id)
-                })
-                .collect(),
+            held_by: self.holders(e.id).collect(),
         }
     }
 }

@@ -115,11 +115,15 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     let cap = geo.capacity;
     let mut slots = Vec::new();
     let mut pos = head;
-    // Bounded walk: a corrupt header cannot make it loop for long.
-    let max_slots = (cap / layout::SLOT_ALIGN as u64).min(1 << 20);
-    while pos < tail && (slots.len() as u64) < max_slots {
+    // Bounded walk over values a corrupt segment may hold: the step count
+    // is capped (a live ring has at most one slot per 64 bytes, plus one
+    // skip per lap) and no arithmetic on them can overflow.
+    let max_steps = (cap / layout::SLOT_ALIGN as u64).min(1 << 20) + 2;
+    let mut steps = 0;
+    while pos < tail && steps < max_steps {
+        steps += 1;
         let address = pos % cap;
-        let next_lap = (pos / cap + 1) * cap;
+        let next_lap = (pos / cap).saturating_add(1).saturating_mul(cap);
         let Some(slot) = geo.slot(address) else {
             pos = next_lap;
             continue;
@@ -127,7 +131,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         let s = slot.snapshot();
         if s.slot_len == 0
             || s.slot_len % layout::SLOT_ALIGN as u64 != 0
-            || address + s.slot_len > cap
+            || s.slot_len > cap - address
         {
             pos = next_lap;
             continue;
@@ -144,7 +148,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
                     .collect(),
             });
         }
-        pos += s.slot_len;
+        pos = pos.saturating_add(s.slot_len);
     }
     Ok(Snapshot {
         name: name.to_owned(),
@@ -247,7 +251,7 @@ impl fmt::Display for Snapshot {
             "ring      head {} tail {} ({} bytes in use)",
             self.ring.0,
             self.ring.1,
-            self.ring.1 - self.ring.0
+            self.ring.1.saturating_sub(self.ring.0)
         )?;
         writeln!(f, "\nreaders")?;
         writeln!(

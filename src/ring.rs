@@ -452,7 +452,7 @@ impl ReaderPtr {
     pub fn bump_generation(&self) -> u64 {
         self.u64_at(offset_of!(ReaderEntry, generation))
             .fetch_add(1, Ordering::Relaxed)
-            + 1
+            .wrapping_add(1)
     }
 
     /// Counts a stale handle this reader met.

@@ -7,8 +7,9 @@ use std::fmt::{self, Write as _};
 
 use crate::error::Result;
 use crate::layout::{self, reader_state};
-use crate::segment::{self, Segment};
 use crate::store::validate_header;
+use crate::sys::clock;
+use crate::sys::segment::{self, Segment};
 
 /// One reader table entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,7 +87,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     let hp = geo.header();
     let h = hp.read();
     let (writer_pid, writer_start) = hp.writer();
-    let now = segment::monotonic_ns();
+    let now = clock::monotonic_ns();
     let readers = (0..geo.n_readers)
         .map(|i| {
             let r = geo.reader(i);

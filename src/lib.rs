@@ -16,8 +16,8 @@ pub mod inspect;
 pub mod layout;
 mod pin;
 mod ring;
-mod segment;
 mod store;
+mod sys;
 
 pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
 pub use copy::{CopyEngine, CpuEngine, DeviceBuffer, PackDesc, PendingGet, PendingPut, Ticket};

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Blocker, Error, Result};
 use crate::layout::{self, reader_state, SegmentHeader};
 use crate::ring::{HeaderPtr, ReaderPtr, Ring, SlotPtr};
-use crate::segment::{self, Segment};
+use crate::sys::clock;
+use crate::sys::segment::{self, Segment};
 
 /// Whether to page-lock (CUDA host-register) the mapping.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -279,7 +280,7 @@ impl Geometry {
 
 fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(segment::monotonic_ns());
+    h.write_u64(clock::monotonic_ns());
     h.write_u32(std::process::id());
     h.finish()
 }
@@ -835,7 +836,7 @@ impl ObjectStore {
         };
         let r = self.geo.reader(i);
         let last = r.last_ack_ns().max(r.attached_ns());
-        let idle = segment::monotonic_ns().saturating_sub(last);
+        let idle = clock::monotonic_ns().saturating_sub(last);
         if idle > limit {
             tracing::warn!(
                 reader = i,
@@ -1363,7 +1364,7 @@ impl StoreReader {
     /// Acknowledges a read of a slot this reader holds a hazard on.
     fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
         if h.monotonic_id >= self.counted_from && slot.acknowledge(self.index) {
-            self.me.set_last_ack_ns(segment::monotonic_ns());
+            self.me.set_last_ack_ns(clock::monotonic_ns());
         }
     }
 }
@@ -1390,7 +1391,7 @@ fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
     match r.state() {
         reader_state::VACANT if r.transition(reader_state::VACANT, reader_state::ATTACHED) => {
             // Counted from the start: the writer has been waiting for it.
-            r.set_attached_ns(segment::monotonic_ns());
+            r.set_attached_ns(clock::monotonic_ns());
             r.set_owner(pid, start);
             r.bump_generation();
             return Ok(Some(0));
@@ -1408,7 +1409,7 @@ fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
                 r.clear_all_hazards();
                 let from = geo.header().next_id();
                 r.set_counted_from(from);
-                r.set_attached_ns(segment::monotonic_ns());
+                r.set_attached_ns(clock::monotonic_ns());
                 r.set_owner(pid, start);
                 r.bump_generation();
                 r.set_state(reader_state::ATTACHED);

@@ -1,11 +1,12 @@
-//! Layer 1: named POSIX shared memory.
+//! Named POSIX shared memory.
 //!
-//! The only module that talks to the OS (nix, memmap2, /proc). A
-//! [`Segment`] is a mapping of one `/dev/shm` object; the creator owns the
-//! name and unlinks it when dropped.
+//! A [`Segment`] is a mapping of one `/dev/shm` object plus its own open
+//! file description, which carries the liveness locks of
+//! [`crate::sys::liveness`]; the creator owns the name and unlinks it when
+//! dropped.
 
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -15,12 +16,16 @@ use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
 use crate::error::{Error, Result};
+use crate::sys::liveness;
 
 /// A mapped shared-memory object.
 #[derive(Debug)]
 pub struct Segment {
     name: String,
     map: MmapRaw,
+    /// Our own open file description: its liveness locks live as long as
+    /// this (and die with the process).
+    file: File,
     owner: bool,
 }
 
@@ -91,6 +96,7 @@ impl Segment {
         Ok(Segment {
             name: pname,
             map,
+            file,
             owner: true,
         })
     }
@@ -102,6 +108,7 @@ impl Segment {
         Ok(Segment {
             name: pname,
             map,
+            file,
             owner: false,
         })
     }
@@ -120,6 +127,7 @@ impl Segment {
         Ok(Segment {
             name: pname,
             map,
+            file,
             owner: false,
         })
     }
@@ -137,6 +145,26 @@ impl Segment {
     /// The name without its leading `/`.
     pub fn name(&self) -> &str {
         &self.name[1..]
+    }
+
+    /// Takes liveness lock `slot` for this segment handle; `Ok(false)` if a
+    /// live holder has it.
+    pub fn try_lock(&self, slot: u32) -> Result<bool> {
+        liveness::try_lock(self.file.as_fd(), slot)
+            .map_err(|e| sys_err("fcntl(F_OFD_SETLK)", self.name(), e))
+    }
+
+    /// Gives liveness lock `slot` back (closing the segment does too).
+    pub fn unlock(&self, slot: u32) {
+        if let Err(e) = liveness::unlock(self.file.as_fd(), slot) {
+            tracing::debug!(name = self.name(), slot, %e, "unlock failed; it goes at close");
+        }
+    }
+
+    /// Whether another handle (a live process) holds liveness lock `slot`.
+    /// Fails closed: "cannot tell" is "alive".
+    pub fn held_by_other(&self, slot: u32) -> bool {
+        liveness::held_by_other(self.file.as_fd(), slot)
     }
 }
 
@@ -267,11 +295,4 @@ pub fn process_alive(pid: u32, start_time: u64) -> bool {
 /// This process's start time (see [`process_start_time`]).
 pub fn own_start_time() -> u64 {
     process_start_time(std::process::id()).unwrap_or(0)
-}
-
-/// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
-pub fn monotonic_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-        .unwrap_or(0)
 }

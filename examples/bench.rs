@@ -14,9 +14,7 @@ use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use pinshm::{
-    layout, DType, ItemLayout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader,
-};
+use pinshm::{DType, ItemLayout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -80,7 +78,7 @@ fn ring_objects(size: usize) -> usize {
 
 /// A store that holds at least `objects` objects of `size` bytes.
 fn store_for(size: usize, objects: usize, prefault: bool) -> ObjectStore {
-    let cap = layout::round_up(layout::slot_len(1, size) * objects, 4096);
+    let cap = (StoreConfig::slot_len(1, size) * objects).next_multiple_of(4096);
     ObjectStore::create(StoreConfig::new(cap, size, 1).prefault(prefault)).expect("create store")
 }
 
@@ -263,7 +261,7 @@ fn xproc_reader(rank: u32, sh: &StoreHandle) {
 fn xproc(quick: bool) -> (Vec<f64>, f64) {
     let size = MIB;
     let (n_stream, n_ping) = if quick { (500, 100) } else { (2000, 300) };
-    let cap = layout::round_up(layout::slot_len(2, size) * 64, 4096);
+    let cap = (StoreConfig::slot_len(2, size) * 64).next_multiple_of(4096);
     let mut store = ObjectStore::create(StoreConfig::new(cap, size, 2)).unwrap();
     let sh = serde_json::to_string(&store.handle()).unwrap();
     let exe = std::env::current_exe().unwrap();

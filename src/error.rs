@@ -222,18 +222,18 @@ pub enum Error {
     #[error("tensor holds {expected:?}, not {requested:?}")]
     DTypeMismatch {
         /// The tensor's dtype.
-        expected: crate::DType,
+        expected: crate::dtype::DType,
         /// The dtype asked for.
-        requested: crate::DType,
+        requested: crate::dtype::DType,
     },
 
     /// `get_tensor` on an item, `get_item` on raw bytes, and so on.
-    #[error("object is of kind {found}, not {expected} (0 raw, 1 tensor, 2 item)")]
+    #[error("object is of kind {found:?}, not {expected:?}")]
     WrongKind {
         /// Kind asked for.
-        expected: u32,
+        expected: crate::layout::ObjectKind,
         /// Kind stored.
-        found: u32,
+        found: crate::layout::ObjectKind,
     },
 
     /// `ItemView::field` with a name the item does not have.
@@ -258,13 +258,37 @@ pub enum Error {
         engine: u64,
     },
 
-    /// An asynchronous copy failed.
-    #[error("copy failed: {0}")]
-    Copy(String),
+    /// An asynchronous copy failed (or could not start).
+    #[error("copy failed: {what}")]
+    Copy {
+        /// What failed.
+        what: String,
+        /// The driver's or engine's own error, where there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
 
     /// `PinMode::Require` without a way to pin.
-    #[error("pinning required but not possible: {0}")]
-    PinUnavailable(String),
+    #[error("pinning required but not possible: {what}")]
+    PinUnavailable {
+        /// Why not.
+        what: String,
+        /// The driver's own error, where there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// [`ObjectStore::finish_put`](crate::ObjectStore::finish_put) or
+    /// [`try_finish_put`](crate::ObjectStore::try_finish_put) with a
+    /// [`PendingPut`](crate::PendingPut) that is not pending in this store:
+    /// finished already, or another store's. Nothing was changed.
+    #[error("put {id} is not pending in this store: {reason}")]
+    PutNotPending {
+        /// The put's id.
+        id: u64,
+        /// Why.
+        reason: &'static str,
+    },
 
     /// An operating-system call failed.
     #[error("{op} on segment '{name}' failed: {source}")]
@@ -279,7 +303,35 @@ pub enum Error {
     },
 }
 
+/// A lower layer's error kept as the source of an [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 impl Error {
+    /// An [`Error::Copy`] with no underlying error.
+    pub(crate) fn copy(what: impl Into<String>) -> Error {
+        Error::Copy {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// An [`Error::Copy`] caused by `source`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn copy_from(what: impl Into<String>, source: impl Into<BoxError>) -> Error {
+        Error::Copy {
+            what: what.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// An [`Error::PinUnavailable`], with its cause where there is one.
+    pub(crate) fn pin_unavailable(what: impl Into<String>, source: Option<BoxError>) -> Error {
+        Error::PinUnavailable {
+            what: what.into(),
+            source,
+        }
+    }
+
     /// Whether this is [`Error::Stale`], the error callers treat as a miss.
     pub fn is_stale(&self) -> bool {
         matches!(self, Error::Stale { .. })

@@ -6,8 +6,8 @@
 use std::fmt::{self, Write as _};
 
 use crate::error::Result;
+use crate::geometry::validate_header;
 use crate::layout::{self, reader_state};
-use crate::store::validate_header;
 use crate::sys::clock;
 use crate::sys::segment::{self, Segment};
 

@@ -37,6 +37,30 @@ pub const MAX_READERS: u32 = 64;
 /// Guards (and views) one reader can hold at once: each needs a hazard word.
 pub const HAZARDS_PER_READER: usize = 64;
 
+/// What a slot's payload is (`SlotHeader::kind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum ObjectKind {
+    /// Raw bytes.
+    Raw = 0,
+    /// A tensor (codec: header, then payload).
+    Tensor = 1,
+    /// An item (codec: named tensors and metadata).
+    Item = 2,
+}
+
+impl ObjectKind {
+    /// The kind stored as `code`, if it is one.
+    pub fn from_code(code: u32) -> Option<ObjectKind> {
+        match code {
+            0 => Some(ObjectKind::Raw),
+            1 => Some(ObjectKind::Tensor),
+            2 => Some(ObjectKind::Item),
+            _ => None,
+        }
+    }
+}
+
 /// Reader table entry states (`ReaderEntry::state`).
 pub mod reader_state {
     /// Never attached since create: counted (the writer waits for its reads).

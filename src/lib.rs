@@ -4,27 +4,50 @@
 
 #[cfg(not(target_os = "linux"))]
 compile_error!(
-    "pinshm needs Linux: POSIX shared memory under /dev/shm and /proc for liveness checks"
+    "pinshm needs Linux: POSIX shared memory under /dev/shm and open-file-description locks"
 );
 
-pub mod codec;
-pub mod copy;
+// Layers, lowest first: a module imports only modules above it in this list.
+mod codec;
+mod copy;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
+mod dtype;
 mod error;
-pub mod inspect;
-pub mod layout;
+mod geometry;
+mod inspect;
+mod layout;
 mod pin;
 mod ring;
+mod shm;
 mod store;
 mod sys;
 
-pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
-pub use copy::{CopyEngine, CpuEngine, DeviceBuffer, PackDesc, PendingGet, PendingPut, Ticket};
-#[cfg(feature = "cuda")]
-pub use cuda::CudaEngine;
-pub use error::{Blocker, Error, Result};
-pub use store::{
-    ObjectHandle, ObjectStore, PinMode, ReadGuard, ReaderOptions, StoreConfig, StoreHandle,
-    StoreReader, StoreStats,
+pub use codec::{
+    payload_len, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots, ItemView,
+    TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
 };
+pub use copy::{Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, PackDesc, Ticket};
+#[cfg(feature = "cuda")]
+pub use cuda::engine::CudaEngine;
+pub use dtype::{DType, Element};
+pub use error::{Blocker, BoxError, Error, Result};
+pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
+pub use layout::ObjectKind;
+pub use pin::PinMode;
+pub use store::{
+    ItemGuard, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard, ReaderOptions,
+    StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard,
+};
+
+/// Internals that tests, benchmarks and tools reach for: the on-segment
+/// layout, the CPU references of the kernels, kernel compilation. Not
+/// semver API: the on-segment format may change with any release.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::codec::TENSOR_HEADER_LEN;
+    pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};
+    #[cfg(feature = "cuda")]
+    pub use crate::cuda::{compile_kernels, driver_present, nvrtc_present};
+    pub use crate::layout::*;
+}

@@ -5,9 +5,10 @@ mod common;
 use std::io::Write;
 
 use common::{child_result, pattern, scribble, spawn_child, Name, Rng};
+use pinshm::testing as layout;
 use pinshm::{
-    layout, DType, Error, Item, ItemLayout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle,
-    StoreReader, TensorRef,
+    DType, Error, Item, ItemLayout, ObjectHandle, ObjectKind, ObjectStore, StoreConfig,
+    StoreHandle, StoreReader, TensorRef,
 };
 
 const MIB: usize = 1 << 20;
@@ -84,15 +85,15 @@ fn typed_views_check_dtype_and_never_panic() {
     assert!(matches!(
         r.get_tensor(raw),
         Err(Error::WrongKind {
-            expected: 1,
-            found: 0
+            expected: ObjectKind::Tensor,
+            found: ObjectKind::Raw
         })
     ));
     assert!(matches!(
         r.get_item(h),
         Err(Error::WrongKind {
-            expected: 2,
-            found: 1
+            expected: ObjectKind::Item,
+            found: ObjectKind::Tensor
         })
     ));
 }

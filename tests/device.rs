@@ -7,9 +7,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{pattern, Name};
-use pinshm::copy::{check_pack, pack_cpu, unpack_cpu};
+use pinshm::testing as layout;
+use pinshm::testing::{check_pack, pack_cpu, unpack_cpu};
 use pinshm::{
-    layout, CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, StoreConfig,
+    CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, StoreConfig,
     StoreReader,
 };
 
@@ -359,14 +360,14 @@ fn pin_modes_behave_without_a_gpu() {
                 .pin(pinshm::PinMode::Require),
         )
         .unwrap_err();
-        assert!(matches!(e, Error::PinUnavailable(_)), "{e}");
+        assert!(matches!(e, Error::PinUnavailable { .. }), "{e}");
         assert!(!req.exists(), "a failed create leaves no segment");
         let e = StoreReader::attach_with(
             &w.handle(),
             pinshm::ReaderOptions::default().pin(pinshm::PinMode::Require),
         )
         .unwrap_err();
-        assert!(matches!(e, Error::PinUnavailable(_)), "{e}");
+        assert!(matches!(e, Error::PinUnavailable { .. }), "{e}");
         // The failed attach gave its reader slot back, still expected: the
         // writer keeps waiting for reader 0's reads.
         let mut w = w;

@@ -9,9 +9,10 @@ use std::io::Write;
 use std::time::Instant;
 
 use common::{checksum, child_result, pattern, spawn_child, Name};
-use pinshm::copy::pack_cpu;
+use pinshm::testing as layout;
+use pinshm::testing::pack_cpu;
 use pinshm::{
-    layout, CopyEngine, CudaEngine, ObjectHandle, ObjectStore, PackDesc, PinMode, ReaderOptions,
+    CopyEngine, CudaEngine, ObjectHandle, ObjectStore, PackDesc, PinMode, ReaderOptions,
     StoreConfig, StoreHandle, StoreReader,
 };
 
@@ -180,11 +181,11 @@ fn pack_and_unpack_kernels_match_the_cpu_reference() {
 /// PyPI), no GPU needed. Elsewhere it says so and checks nothing.
 #[test]
 fn the_kernels_compile_with_nvrtc() {
-    if !pinshm::cuda::nvrtc_present() {
+    if !pinshm::testing::nvrtc_present() {
         eprintln!("skipped: libnvrtc.so not found (set LD_LIBRARY_PATH to a CUDA 12 NVRTC)");
         return;
     }
-    let n = pinshm::cuda::compile_kernels().unwrap();
+    let n = pinshm::testing::compile_kernels().unwrap();
     assert!(n > 1000, "PTX of {n} bytes");
 }
 

@@ -7,7 +7,8 @@
 mod common;
 
 use common::{pattern, scribble, Name};
-use pinshm::{layout, ObjectHandle, ObjectStore, StoreConfig, StoreReader};
+use pinshm::testing as layout;
+use pinshm::{ObjectHandle, ObjectStore, StoreConfig, StoreReader};
 use proptest::prelude::*;
 
 const KIB: usize = 1024;
@@ -114,6 +115,6 @@ proptest! {
                 }
             }
         }
-        let _ = pinshm::inspect::inspect(&name).map(|s| s.to_string());
+        let _ = pinshm::inspect(&name).map(|s| s.to_string());
     }
 }

@@ -9,7 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{checksum, pattern, spawn_child, Name, Rng};
-use pinshm::{layout, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::testing as layout;
+use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1 << 20;
@@ -558,7 +559,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     assert_eq!(d.address, a.address);
     let _ = r.get(a); // a stale read, counted
     let g = r.get(b).unwrap();
-    let snap = pinshm::inspect::inspect(&name).unwrap();
+    let snap = pinshm::inspect(&name).unwrap();
     assert!(snap.writer_alive);
     assert_eq!(snap.layout_version, layout::LAYOUT_VERSION);
     assert_eq!(snap.readers[0].state, "attached");
@@ -580,7 +581,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     assert!(snap.explain(b.address, b.monotonic_id).starts_with("live"));
     drop(g);
     w.clear();
-    let snap = pinshm::inspect::inspect(&name).unwrap();
+    let snap = pinshm::inspect(&name).unwrap();
     assert!(snap.explain(c.address, c.monotonic_id).contains("clear"));
     // The binary prints the same.
     let out = Command::new(env!("CARGO_BIN_EXE_pinshm-inspect"))
@@ -614,7 +615,7 @@ fn the_inspector_survives_a_corrupt_ring_extent() {
         common::scribble(&name, 88, &head.to_le_bytes());
         common::scribble(&name, 96, &tail.to_le_bytes());
         let t0 = Instant::now();
-        let snap = pinshm::inspect::inspect(&name).unwrap();
+        let snap = pinshm::inspect(&name).unwrap();
         let _ = snap.to_string();
         let _ = snap.explain(0, 1);
         assert!(t0.elapsed() < Duration::from_secs(5), "the walk is bounded");

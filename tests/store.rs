@@ -4,7 +4,8 @@
 mod common;
 
 use common::{pattern, peek, scribble, Name, Rng};
-use pinshm::{layout, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::testing as layout;
+use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;

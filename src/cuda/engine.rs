@@ -1,7 +1,5 @@
-//! The CUDA backend (feature `cuda`): host registration for [`crate::pin`],
-//! [`CudaEngine`] (a stream, async copies, events), and the NVRTC-compiled
-//! pack/unpack kernels of `kernels/pack.cu`. The driver is loaded at run
-//! time: nothing here runs, or panics, where no driver is installed.
+//! [`CudaEngine`]: copies on a CUDA stream, completions as events, and the
+//! pack/unpack kernels.
 
 use std::sync::{Arc, OnceLock};
 
@@ -10,96 +8,12 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use crate::copy::{check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, PackDesc, Ticket};
+use super::register::context;
+use super::{cuda_err, driver_present, kernel_ptx};
+use crate::copy::{
+    check_device, check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, PackDesc, Ticket,
+};
 use crate::error::{Error, Result};
-
-const KERNELS: &str = include_str!("../kernels/pack.cu");
-
-fn cuda_err(what: &str, e: impl std::fmt::Display) -> Error {
-    tracing::debug!(what, %e, "CUDA call failed");
-    Error::Copy(format!("{what}: {e}"))
-}
-
-/// Whether a CUDA driver library can be loaded (no GPU needed to answer).
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen libcuda; loads nothing else.
-    unsafe { sys::is_culib_present() }
-}
-
-/// Whether NVRTC (libnvrtc.so) can be loaded.
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen libnvrtc.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-fn kernel_ptx() -> Result<cudarc::nvrtc::Ptx> {
-    static PTX: OnceLock<Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        if !nvrtc_present() {
-            return Err("NVRTC (libnvrtc.so) not found".into());
-        }
-        cudarc::nvrtc::compile_ptx(KERNELS)
-            .map_err(|e| format!("NVRTC failed on kernels/pack.cu: {e}"))
-    })
-    .clone()
-    .map_err(Error::Copy)
-}
-
-/// Compiles `kernels/pack.cu` with NVRTC (no GPU needed) and returns the
-/// PTX's size: a check that the kernels build where NVRTC is installed.
-pub fn compile_kernels() -> Result<usize> {
-    Ok(kernel_ptx()?.to_src().len())
-}
-
-/// The primary context of device `ordinal`, or why there is none.
-fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-    if !driver_present() {
-        return Err(Error::PinUnavailable(
-            "no CUDA driver (libcuda.so) found".into(),
-        ));
-    }
-    CudaContext::new(ordinal)
-        .map_err(|e| Error::PinUnavailable(format!("no usable CUDA device {ordinal}: {e}")))
-}
-
-/// A host range registered with `cuMemHostRegister` (portable, device-mapped).
-#[derive(Debug)]
-pub(crate) struct Registration {
-    ptr: usize,
-    ctx: Arc<CudaContext>,
-}
-
-impl Registration {
-    pub(crate) fn new(ptr: *mut u8, len: usize) -> Result<Self> {
-        let ctx = context(0)?;
-        ctx.bind_to_thread()
-            .map_err(|e| Error::PinUnavailable(e.to_string()))?;
-        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: ptr..ptr+len is a live mapping of this process, which the
-        // owner keeps mapped until this registration is dropped.
-        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
-            .result()
-            .map_err(|e| {
-                Error::PinUnavailable(format!("cuMemHostRegister of {len} bytes failed: {e}"))
-            })?;
-        tracing::debug!(len, "shared memory pinned");
-        Ok(Registration {
-            ptr: ptr as usize,
-            ctx,
-        })
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: the range was registered by `new` and is still mapped (the
-        // owner drops the registration before unmapping).
-        if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr as *mut _) }.result() {
-            tracing::warn!(%e, "cuMemHostUnregister failed");
-        }
-    }
-}
 
 /// Device memory from `cuMemAlloc`, freed when the last buffer using it goes.
 #[derive(Debug)]
@@ -178,16 +92,6 @@ impl CudaEngine {
             .map_err(|e| cuda_err("bind context", e))
     }
 
-    fn check(&self, buf: &DeviceBuffer) -> Result<()> {
-        if buf.device() != self.device() {
-            return Err(Error::WrongDevice {
-                buffer: buf.device(),
-                engine: self.device(),
-            });
-        }
-        Ok(())
-    }
-
     fn record(&self, keep: Vec<Arc<dyn std::any::Any + Send + Sync>>) -> Result<Ticket> {
         let event = self
             .stream
@@ -198,14 +102,11 @@ impl CudaEngine {
 
     /// The pack and unpack kernels, compiled once per engine.
     fn kernels(&self) -> Result<&(CudaFunction, CudaFunction)> {
-        static PTX: OnceLock<Result<cudarc::nvrtc::Ptx, String>> = OnceLock::new();
         self.kernels
             .get_or_init(|| {
-                let ptx = PTX
-                    .get_or_init(|| {
-                        cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))
-                    })
-                    .clone()?;
+                // One PTX cache (crate::cuda), which checks NVRTC is present
+                // first: cudarc panics when it calls a missing libnvrtc.
+                let ptx = kernel_ptx().map_err(|e| e.to_string())?;
                 let m = self
                     .ctx
                     .load_module(ptx)
@@ -217,7 +118,7 @@ impl CudaEngine {
                 Ok((pack, unpack))
             })
             .as_ref()
-            .map_err(|e| Error::Copy(e.clone()))
+            .map_err(|e| Error::copy(e.clone()))
     }
 
     /// Launches pack (`to_packed`) or unpack over `descs` and `packed`, a
@@ -238,9 +139,10 @@ impl CudaEngine {
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, packed.cast(), 0) }
             .result()
             .map_err(|e| {
-                Error::Copy(format!(
-                    "pack needs a pinned, device-mapped destination (is the store pinned?): {e}"
-                ))
+                Error::copy_from(
+                    "pack needs a pinned, device-mapped destination (is the store pinned?)",
+                    e,
+                )
             })?;
         let table = self.alloc(std::mem::size_of_val(descs).max(1))?;
         // SAFETY: `table` holds size_of_val(descs) bytes; descs is copied
@@ -284,7 +186,7 @@ impl CopyEngine for CudaEngine {
     }
 
     fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()> {
-        self.check(dst)?;
+        check_device(self, dst)?;
         if src.len() > dst.len() {
             return Err(Error::DeviceRange(format!(
                 "{} bytes into a {}-byte buffer",
@@ -298,7 +200,7 @@ impl CopyEngine for CudaEngine {
     }
 
     fn download(&self, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()> {
-        self.check(src)?;
+        check_device(self, src)?;
         if dst.len() < src.len() {
             return Err(Error::DeviceRange(format!(
                 "{} bytes into {}",
@@ -313,7 +215,7 @@ impl CopyEngine for CudaEngine {
     }
 
     unsafe fn d2h_async(&self, src: &DeviceBuffer, dst: *mut u8) -> Result<Ticket> {
-        self.check(src)?;
+        check_device(self, src)?;
         self.bind()?;
         // SAFETY: the caller's contract for dst; src is this device's memory.
         unsafe {
@@ -325,7 +227,7 @@ impl CopyEngine for CudaEngine {
     }
 
     unsafe fn h2d_async(&self, src: *const u8, len: usize, dst: &DeviceBuffer) -> Result<Ticket> {
-        self.check(dst)?;
+        check_device(self, dst)?;
         if len > dst.len() {
             return Err(Error::DeviceRange(format!(
                 "{len} bytes into a {}-byte device buffer",

@@ -1,0 +1,126 @@
+//! The segment header's atomic fields.
+
+use std::mem::offset_of;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::field;
+use crate::layout::{self, SegmentHeader};
+
+/// The segment header's atomic fields.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HeaderPtr {
+    ptr: *mut u8,
+}
+
+impl HeaderPtr {
+    /// # Safety
+    /// `ptr` is page aligned and `size_of::<SegmentHeader>()` bytes from it
+    /// lie in a live shared mapping.
+    pub unsafe fn new(ptr: *mut u8) -> Self {
+        HeaderPtr { ptr }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `new`'s contract; `off` is an 8-aligned field offset.
+        unsafe { field(self.ptr, off) }
+    }
+
+    fn writer_pid(&self) -> &AtomicU32 {
+        // SAFETY: `new`'s contract; writer_pid is the 4-aligned u32 at offset 60.
+        unsafe { field(self.ptr, offset_of!(SegmentHeader, writer_pid)) }
+    }
+
+    /// A copy of the whole header for validation (fields may be mid-update;
+    /// only the immutable ones are trusted, after checks).
+    pub fn read(&self) -> SegmentHeader {
+        // SAFETY: `new`'s contract: 256 readable bytes; `SegmentHeader` is
+        // Pod, so any bytes are a valid value, and read_unaligned needs no
+        // alignment.
+        unsafe { std::ptr::read_volatile(self.ptr as *const SegmentHeader) }
+    }
+
+    /// Writes the header whole, with `magic` zero; [`HeaderPtr::stamp`] sets it.
+    pub fn init(&self, header: &SegmentHeader) {
+        let mut h = *header;
+        h.magic = 0;
+        // SAFETY: `new`'s contract: 256 writable bytes; only the creator calls
+        // this, before the magic is stamped, so no reader trusts these bytes yet.
+        unsafe { std::ptr::write_volatile(self.ptr as *mut SegmentHeader, h) };
+    }
+
+    /// Stamps the magic last (Release): an opener that sees it sees the rest.
+    pub fn stamp(&self) {
+        self.u64_at(offset_of!(SegmentHeader, magic))
+            .store(layout::MAGIC, Ordering::Release);
+    }
+
+    /// The magic (Acquire: pairs with `stamp`).
+    pub fn magic(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, magic))
+            .load(Ordering::Acquire)
+    }
+
+    /// Writer pid (0 once the writer has exited cleanly) and start time.
+    pub fn writer(&self) -> (u32, u64) {
+        (
+            self.writer_pid().load(Ordering::Acquire),
+            self.u64_at(offset_of!(SegmentHeader, writer_start_time))
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// Marks the writer as gone (clean exit).
+    pub fn clear_writer(&self) {
+        self.writer_pid().store(0, Ordering::Release);
+    }
+
+    /// Ids below this were dropped by `clear`.
+    pub fn cleared_below(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, cleared_below))
+            .load(Ordering::Acquire)
+    }
+
+    /// Records a `clear`.
+    pub fn set_cleared_below(&self, id: u64) {
+        self.u64_at(offset_of!(SegmentHeader, cleared_below))
+            .store(id, Ordering::Release);
+    }
+
+    /// Current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, epoch))
+            .load(Ordering::Acquire)
+    }
+
+    /// Ring head and tail (virtual positions).
+    pub fn ring_extent(&self) -> (u64, u64) {
+        (
+            self.u64_at(offset_of!(SegmentHeader, ring_head))
+                .load(Ordering::Relaxed),
+            self.u64_at(offset_of!(SegmentHeader, ring_tail))
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// Publishes a new epoch.
+    pub fn set_epoch(&self, e: u64) {
+        self.u64_at(offset_of!(SegmentHeader, epoch))
+            .store(e, Ordering::Release);
+    }
+
+    /// The id the next put gets.
+    pub fn next_id(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, next_id))
+            .load(Ordering::Acquire)
+    }
+
+    /// Publishes the next id and the ring's extent (for attach and inspection).
+    pub fn set_progress(&self, next_id: u64, head: u64, tail: u64) {
+        self.u64_at(offset_of!(SegmentHeader, next_id))
+            .store(next_id, Ordering::Release);
+        self.u64_at(offset_of!(SegmentHeader, ring_head))
+            .store(head, Ordering::Relaxed);
+        self.u64_at(offset_of!(SegmentHeader, ring_tail))
+            .store(tail, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,105 @@
+//! The atomics over a mapped store segment: [`SlotPtr`], [`ReaderPtr`],
+//! [`HeaderPtr`]. The only code that touches the atomics of a store
+//! segment; **every memory ordering of the store is chosen here**, next to
+//! the field it guards.
+//!
+//!
+//! | field | written by | read by | protocol |
+//! |---|---|---|---|
+//! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
+//! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
+//! | `reads[i]` | reader `i` only (Release) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
+//! | `ReaderEntry::hazards[k]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other |
+//! | `ReaderEntry::state` | reader (SeqCst), writer marks dead (SeqCst CAS) | writer (SeqCst, after its fence) | a reader attaching while the writer reclaims is seen by one side |
+//!
+//! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
+//! (Acquire); store `id = 0` then a SeqCst fence; scan the hazards of every
+//! reader not `LEFT` (Acquire). A hazard equal to the old id means a guard may be
+//! reading: store the old id back and stop. Getting a guard (reader): store
+//! the id in a free hazard, then a SeqCst fence, then load `id`
+//! (Acquire); a mismatch clears the hazard and reports `Stale`. The two
+//! SeqCst fences are ordered one way or the other: if the reader's comes
+//! first, the writer's scan sees the hazard (it backs off); if the
+//! writer's comes first, the reader's load sees 0 (it backs off). A guarded
+//! slot is never reused. (Fences rather than SeqCst accesses: the same
+//! cost on x86, and loom can check them; see tests/loom.rs.)
+//!
+//! Copying out without a hazard (`get_copy`): load `id` (Acquire), copy,
+//! Acquire fence, load `id` again; a change means the slot was reused under
+//! the copy, which is then thrown away (`Stale`): a torn read is never
+//! returned.
+
+mod header;
+mod reader;
+mod slot;
+
+pub(crate) use header::HeaderPtr;
+pub(crate) use reader::ReaderPtr;
+pub(crate) use slot::SlotPtr;
+
+/// The atomic of type `A` at byte `off` from `base`, for the pointer types
+/// below (the one place shared memory is turned into atomics).
+///
+/// # Safety
+/// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
+/// live mapping, and that mapping outlives `'a`.
+pub(super) unsafe fn field<'a, A>(base: *mut u8, off: usize) -> &'a A {
+    // SAFETY: the caller's contract; atomics have no invalid bit patterns.
+    unsafe { &*(base.add(off) as *const A) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The slot protocol on heap memory, for Miri: pointer casts, alignment
+    /// and the races between a guard and a reclaim.
+    #[test]
+    fn slot_protocol_on_heap_memory() {
+        #[repr(C, align(64))]
+        struct Mem([u64; 80]);
+        #[derive(Clone, Copy)]
+        struct P(*mut u8);
+        // SAFETY: the pointees are boxes that outlive the thread.
+        unsafe impl Send for P {}
+        let mut slot_mem = Box::new(Mem([0; 80]));
+        let mut reader_mem = Box::new(Mem([0; 80]));
+        let (sp, rp) = (
+            P(slot_mem.0.as_mut_ptr().cast()),
+            P(reader_mem.0.as_mut_ptr().cast()),
+        );
+        // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of 2 readers
+        // and for a whole reader entry (576 bytes).
+        let slot = unsafe { SlotPtr::new(sp.0) };
+        slot.begin_write();
+        slot.publish(7, 99, 10, 192, 0, 1, 2);
+        assert_eq!(slot.id_acquire(), 7);
+        assert_eq!(slot.meta(), (99, 10, 0));
+        assert!(slot.acknowledge(0));
+        assert!(!slot.acknowledge(0), "one reference, one read");
+        assert_eq!(slot.reads_acquire(0), 1);
+        assert_eq!(slot.reads_acquire(1), 0);
+        let reader = std::thread::spawn(move || {
+            // SAFETY: as above; the boxes outlive the thread (joined below).
+            let (slot, me) = unsafe { (SlotPtr::new({ sp }.0), ReaderPtr::new({ rp }.0)) };
+            me.set_hazard(0, 7);
+            let ok = slot.id_after_hazard() == 7;
+            if ok {
+                assert_eq!(slot.meta().1, 10);
+            }
+            me.clear_hazard(0);
+            ok
+        });
+        // SAFETY: as above.
+        let me = unsafe { ReaderPtr::new(rp.0) };
+        slot.invalidate();
+        if me.holds(7) {
+            slot.restore(7);
+        }
+        let _ = reader.join().unwrap();
+        slot.set_refs(2);
+        assert!(slot.acknowledge(1));
+        assert_eq!(slot.snapshot().refs, 2);
+        drop((slot_mem, reader_mem));
+    }
+}

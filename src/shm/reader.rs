@@ -1,0 +1,167 @@
+//! One reader's entry of the reader table: state, owner, hazard words.
+
+use std::mem::offset_of;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use super::field;
+use crate::layout::{self, ReaderEntry};
+
+/// One reader's entry in the reader table.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReaderPtr {
+    ptr: *mut u8,
+}
+
+impl ReaderPtr {
+    /// # Safety
+    /// `ptr` is 8-aligned and `size_of::<ReaderEntry>()` bytes from it lie in
+    /// a live shared mapping.
+    pub unsafe fn new(ptr: *mut u8) -> Self {
+        ReaderPtr { ptr }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `new`'s contract; `off` is an 8-aligned offset inside the entry.
+        unsafe { field(self.ptr, off) }
+    }
+
+    fn state_word(&self) -> &AtomicU32 {
+        // SAFETY: `new`'s contract; `state` is the 4-aligned u32 at offset 0.
+        unsafe { field(self.ptr, offset_of!(ReaderEntry, state)) }
+    }
+
+    fn pid_word(&self) -> &AtomicU32 {
+        // SAFETY: `new`'s contract; `pid` is the 4-aligned u32 at offset 4.
+        unsafe { field(self.ptr, offset_of!(ReaderEntry, pid)) }
+    }
+
+    fn hazard(&self, k: usize) -> &AtomicU64 {
+        self.u64_at(offset_of!(ReaderEntry, hazards) + 8 * k)
+    }
+
+    /// The entry's state (SeqCst: pairs with the writer's reclaim scan).
+    pub fn state(&self) -> u32 {
+        self.state_word().load(Ordering::SeqCst)
+    }
+
+    /// Moves the state from `from` to `to`; false if it was not `from`.
+    pub fn transition(&self, from: u32, to: u32) -> bool {
+        self.state_word()
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Sets the state unconditionally.
+    pub fn set_state(&self, to: u32) {
+        self.state_word().store(to, Ordering::SeqCst);
+    }
+
+    /// Pid and start time of the holder.
+    pub fn owner(&self) -> (u32, u64) {
+        (
+            self.pid_word().load(Ordering::Acquire),
+            self.u64_at(offset_of!(ReaderEntry, start_time))
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// Records the holder (start time first: a pid seen implies its start time).
+    pub fn set_owner(&self, pid: u32, start_time: u64) {
+        self.u64_at(offset_of!(ReaderEntry, start_time))
+            .store(start_time, Ordering::Relaxed);
+        self.pid_word().store(pid, Ordering::Release);
+    }
+
+    /// First id this reader is counted for.
+    pub fn counted_from(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, counted_from))
+            .load(Ordering::Acquire)
+    }
+
+    /// Sets the first counted id (before the entry becomes ATTACHED).
+    pub fn set_counted_from(&self, id: u64) {
+        self.u64_at(offset_of!(ReaderEntry, counted_from))
+            .store(id, Ordering::Release);
+    }
+
+    /// Bumps and returns the attach generation.
+    pub fn bump_generation(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, generation))
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1)
+    }
+
+    /// Counts a stale handle this reader met.
+    pub fn count_stale(&self) {
+        self.u64_at(offset_of!(ReaderEntry, stale_reads))
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Stale handles this reader met.
+    pub fn stale_reads(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, stale_reads))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Records the attach time (before the entry becomes ATTACHED).
+    pub fn set_attached_ns(&self, t: u64) {
+        self.u64_at(offset_of!(ReaderEntry, attached_ns))
+            .store(t, Ordering::Relaxed);
+    }
+
+    /// When the holder attached (monotonic ns).
+    pub fn attached_ns(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, attached_ns))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Attach generation.
+    pub fn generation(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, generation))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Time of the last acknowledged read (monotonic ns; 0: none yet).
+    pub fn last_ack_ns(&self) -> u64 {
+        self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
+            .load(Ordering::Relaxed)
+    }
+
+    /// Number of hazards set (for inspection).
+    pub fn hazards_in_use(&self) -> usize {
+        (0..layout::HAZARDS_PER_READER)
+            .filter(|&k| self.hazard(k).load(Ordering::Relaxed) != 0)
+            .count()
+    }
+
+    /// Records an acknowledgement time.
+    pub fn set_last_ack_ns(&self, t: u64) {
+        self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
+            .store(t, Ordering::Relaxed);
+    }
+
+    /// Publishes a hazard on `id` in word `k`, then a SeqCst fence (the
+    /// Dekker pair of [`SlotPtr::invalidate`]'s fence).
+    pub fn set_hazard(&self, k: usize, id: u64) {
+        debug_assert!(k < layout::HAZARDS_PER_READER);
+        self.hazard(k).store(id, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Clears hazard `k` (Release: the guard's reads happen before reuse).
+    pub fn clear_hazard(&self, k: usize) {
+        self.hazard(k).store(0, Ordering::Release);
+    }
+
+    /// Clears every hazard (a reader taking over an entry).
+    pub fn clear_all_hazards(&self) {
+        for k in 0..layout::HAZARDS_PER_READER {
+            self.clear_hazard(k);
+        }
+    }
+
+    /// Whether any hazard names `id` (after the writer's `invalidate`).
+    pub fn holds(&self, id: u64) -> bool {
+        (0..layout::HAZARDS_PER_READER).any(|k| self.hazard(k).load(Ordering::Acquire) == id)
+    }
+}

@@ -1,0 +1,178 @@
+//! A slot's prefix: header and per-reader read counters.
+
+use std::mem::offset_of;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use super::field;
+use crate::layout::SlotHeader;
+
+/// A slot's prefix (header and reader counters) in shared memory.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotPtr {
+    ptr: *mut u8,
+}
+
+impl SlotPtr {
+    /// # Safety
+    /// 1. `ptr` is 64-byte aligned and points into a live shared mapping.
+    /// 2. `slot_prefix_len(n_readers)` bytes from `ptr` lie inside it, for the
+    ///    `n_readers` later passed to [`SlotPtr::reads`].
+    pub unsafe fn new(ptr: *mut u8) -> Self {
+        SlotPtr { ptr }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: `new`'s contract: the prefix is mapped and 64-aligned, `off`
+        // is an 8-aligned field offset inside the 64-byte SlotHeader.
+        unsafe { field(self.ptr, off) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as `u64_at`, with a 4-aligned offset (header or counters).
+        unsafe { field(self.ptr, off) }
+    }
+
+    /// The id word.
+    fn id(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(SlotHeader, id))
+    }
+
+    /// Reader `i`'s acknowledged-read counter.
+    fn reads(&self, i: u32) -> &AtomicU32 {
+        self.u32_at(size_of::<SlotHeader>() + 4 * i as usize)
+    }
+
+    // ---- writer ----
+
+    /// Marks the slot as being written. Any reader that sees one of the
+    /// writes that follow sees `id == 0` (or the new id) when it re-checks.
+    pub fn begin_write(&self) {
+        self.id().store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    /// Marks `len` bytes from here as skipped (no object; for inspection).
+    pub fn mark_skip(&self, len: u64) {
+        self.begin_write();
+        self.u64_at(offset_of!(SlotHeader, slot_len))
+            .store(len, Ordering::Relaxed);
+        self.u64_at(offset_of!(SlotHeader, size))
+            .store(0, Ordering::Relaxed);
+    }
+
+    /// Fills the header and zeroes the counters, then publishes `id`
+    /// (Release: the payload written before is visible to whoever sees it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn publish(
+        &self,
+        id: u64,
+        tag: u64,
+        size: u64,
+        slot_len: u64,
+        kind: u32,
+        epoch: u64,
+        n_readers: u32,
+    ) {
+        let r = Ordering::Relaxed;
+        self.u64_at(offset_of!(SlotHeader, tag)).store(tag, r);
+        self.u64_at(offset_of!(SlotHeader, size)).store(size, r);
+        self.u64_at(offset_of!(SlotHeader, slot_len))
+            .store(slot_len, r);
+        self.u32_at(offset_of!(SlotHeader, refs)).store(1, r);
+        self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
+        self.u64_at(offset_of!(SlotHeader, epoch)).store(epoch, r);
+        for i in 0..n_readers {
+            self.reads(i).store(0, r);
+        }
+        self.id().store(id, Ordering::Release);
+    }
+
+    /// Publishes a new reference count (one more expected read per reader).
+    pub fn set_refs(&self, refs: u32) {
+        self.u32_at(offset_of!(SlotHeader, refs))
+            .store(refs, Ordering::Release);
+    }
+
+    /// Reader `i`'s acknowledged reads; Acquire pairs with the reader's
+    /// Release so its reads of the payload happen before any reuse.
+    pub fn reads_acquire(&self, i: u32) -> u32 {
+        self.reads(i).load(Ordering::Acquire)
+    }
+
+    /// First half of reclaiming: no new guard can validate after this.
+    pub fn invalidate(&self) {
+        self.id().store(0, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Backs off a reclaim that found a hazard.
+    pub fn restore(&self, id: u64) {
+        self.id().store(id, Ordering::Release);
+    }
+
+    // ---- reader ----
+
+    /// The id, for an optimistic read (seqlock begin).
+    pub fn id_acquire(&self) -> u64 {
+        self.id().load(Ordering::Acquire)
+    }
+
+    /// The id after a hazard was published (after its SeqCst fence).
+    pub fn id_after_hazard(&self) -> u64 {
+        self.id().load(Ordering::Acquire)
+    }
+
+    /// The id again after an optimistic copy (seqlock end).
+    pub fn id_recheck(&self) -> u64 {
+        fence(Ordering::Acquire);
+        self.id().load(Ordering::Relaxed)
+    }
+
+    /// Tag, size and kind; meaningful only between two equal id loads.
+    pub fn meta(&self) -> (u64, u64, u32) {
+        let r = Ordering::Relaxed;
+        (
+            self.u64_at(offset_of!(SlotHeader, tag)).load(r),
+            self.u64_at(offset_of!(SlotHeader, size)).load(r),
+            self.u32_at(offset_of!(SlotHeader, kind)).load(r),
+        )
+    }
+
+    /// Everything the inspector shows, in one relaxed snapshot.
+    pub fn snapshot(&self) -> SlotHeader {
+        let r = Ordering::Relaxed;
+        SlotHeader {
+            id: self.id().load(r),
+            tag: self.u64_at(offset_of!(SlotHeader, tag)).load(r),
+            size: self.u64_at(offset_of!(SlotHeader, size)).load(r),
+            slot_len: self.u64_at(offset_of!(SlotHeader, slot_len)).load(r),
+            refs: self.u32_at(offset_of!(SlotHeader, refs)).load(r),
+            kind: self.u32_at(offset_of!(SlotHeader, kind)).load(r),
+            epoch: self.u64_at(offset_of!(SlotHeader, epoch)).load(r),
+            reserved: [0; 2],
+        }
+    }
+
+    /// Reader `i`'s acknowledged reads (relaxed, for inspection).
+    pub fn reads_relaxed(&self, i: u32) -> u32 {
+        self.reads(i).load(Ordering::Relaxed)
+    }
+
+    /// Acknowledges one read by reader `i` if it owes one.
+    ///
+    /// Only reader `i` writes `reads[i]`, and only while the slot cannot be
+    /// reused under it (it holds a hazard on the slot), so a plain
+    /// load/store pair is enough. Returns whether a read was counted.
+    pub fn acknowledge(&self, i: u32) -> bool {
+        let done = self.reads(i).load(Ordering::Relaxed);
+        let refs = self
+            .u32_at(offset_of!(SlotHeader, refs))
+            .load(Ordering::Acquire);
+        if done < refs {
+            self.reads(i).store(done + 1, Ordering::Release);
+            true
+        } else {
+            false
+        }
+    }
+}

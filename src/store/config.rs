@@ -1,0 +1,203 @@
+//! How a store is created and attached, what travels between processes
+//! (handles), and what the writer counts.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Blocker, Error, Result};
+use crate::layout;
+use crate::pin::PinMode;
+
+/// How to create a store.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub(crate) capacity: usize,
+    pub(crate) max_object_size: usize,
+    pub(crate) n_readers: u32,
+    pub(crate) name: Option<String>,
+    pub(crate) prefault: bool,
+    pub(crate) reserve: bool,
+    pub(crate) pin: PinMode,
+    pub(crate) reader_timeout: Option<std::time::Duration>,
+}
+
+impl StoreConfig {
+    /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
+    /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).
+    pub fn new(capacity: usize, max_object_size: usize, n_readers: u32) -> Self {
+        StoreConfig {
+            capacity,
+            max_object_size,
+            n_readers,
+            name: None,
+            prefault: true,
+            reserve: true,
+            pin: PinMode::Auto,
+            reader_timeout: None,
+        }
+    }
+
+    /// Ring bytes one object of `payload` bytes takes with `n_readers`
+    /// readers (its slot header, read counters and 64-byte alignment
+    /// included): size a ring as a multiple of this.
+    pub const fn slot_len(n_readers: u32, payload: usize) -> usize {
+        layout::slot_len(n_readers, payload)
+    }
+
+    /// The segment's name in /dev/shm (default: unique per process and call).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Whether to fault every page in at create (default true), so the first
+    /// pass over the ring runs at the speed of later ones.
+    pub fn prefault(mut self, yes: bool) -> Self {
+        self.prefault = yes;
+        self
+    }
+
+    /// Pinning policy (default [`PinMode::Auto`]).
+    pub fn pin(mut self, mode: PinMode) -> Self {
+        self.pin = mode;
+        self
+    }
+
+    /// Whether to reserve every page of /dev/shm at create (default true),
+    /// so a too-small /dev/shm fails at create instead of with SIGBUS later.
+    /// Off only for sparse segments in tests.
+    pub fn reserve(mut self, yes: bool) -> Self {
+        self.reserve = yes;
+        self
+    }
+
+    /// Stuck-reader policy (off by default): a reader that owes a read of
+    /// the oldest object and has acknowledged nothing for longer than
+    /// `timeout` is no longer waited for. Its live guards are still
+    /// honoured: a slot under a guard is never reused.
+    pub fn reader_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.reader_timeout = Some(timeout);
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.n_readers == 0 || self.n_readers > layout::MAX_READERS {
+            return bad(format!(
+                "n_readers must be 1..={}, got {}",
+                layout::MAX_READERS,
+                self.n_readers
+            ));
+        }
+        if self.capacity == 0 || self.capacity % layout::SLOT_ALIGN != 0 {
+            return bad(format!(
+                "capacity must be a positive multiple of {}, got {}",
+                layout::SLOT_ALIGN,
+                self.capacity
+            ));
+        }
+        let need = self
+            .max_object_size
+            .checked_add(layout::slot_prefix_len(self.n_readers) + layout::SLOT_ALIGN);
+        if need.is_none_or(|n| n > self.capacity) {
+            return bad(format!(
+                "an object of max_object_size ({}) bytes plus its {}-byte slot header must fit in capacity ({})",
+                self.max_object_size,
+                layout::slot_prefix_len(self.n_readers),
+                self.capacity
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a reader attaches.
+#[derive(Clone, Copy, Debug)]
+pub struct ReaderOptions {
+    pub(crate) index: Option<u32>,
+    pub(crate) pin: PinMode,
+    pub(crate) prefault: bool,
+}
+
+impl Default for ReaderOptions {
+    fn default() -> Self {
+        ReaderOptions {
+            index: None,
+            pin: PinMode::Auto,
+            prefault: true,
+        }
+    }
+}
+
+impl ReaderOptions {
+    /// Attach as this reader index (default: the first free one).
+    pub fn index(mut self, i: u32) -> Self {
+        self.index = Some(i);
+        self
+    }
+
+    /// Pinning policy (default [`PinMode::Auto`]).
+    pub fn pin(mut self, mode: PinMode) -> Self {
+        self.pin = mode;
+        self
+    }
+
+    /// Fault the mapping in at attach (default true).
+    pub fn prefault(mut self, yes: bool) -> Self {
+        self.prefault = yes;
+        self
+    }
+}
+
+/// Where an object lives: what travels from the writer to the readers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ObjectHandle {
+    /// Offset of the slot in the data region.
+    pub address: u64,
+    /// The object's id, never reused within a segment's life.
+    pub monotonic_id: u64,
+    /// Epoch at put time (changes on create and `clear`).
+    pub epoch: u64,
+}
+
+/// Everything a reader process needs to attach.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoreHandle {
+    /// Segment name (without the leading `/`).
+    pub name: String,
+    /// The segment's creation nonce.
+    pub nonce: u64,
+    /// Ring bytes.
+    pub capacity: u64,
+    /// Largest object.
+    pub max_object_size: u64,
+    /// Reader slots.
+    pub n_readers: u32,
+    /// Layout version of the writer.
+    pub layout_version: u32,
+}
+
+/// Counters of the writer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Successful puts.
+    pub puts: u64,
+    /// `get_cached` / `touch` hits.
+    pub hits: u64,
+    /// Objects reclaimed.
+    pub evictions: u64,
+    /// Puts that failed with `Full`.
+    pub full_errors: u64,
+    /// Live objects (cleared ones still held by a guard included).
+    pub objects: u64,
+    /// Bytes between the ring's head and tail.
+    pub bytes_in_use: u64,
+    /// Largest object slot a put could take now.
+    pub largest_free_block: u64,
+    /// Dead readers found and released.
+    pub dead_readers_reaped: u64,
+    /// Stale handles met by readers (summed over the reader table).
+    pub stale_reads: u64,
+    /// The oldest object, if a reader still owes it a read or holds it:
+    /// the slot and readers that block reclamation.
+    pub oldest_unread: Option<Box<Blocker>>,
+}

@@ -1,0 +1,69 @@
+//! [`ReadGuard`]: a zero-copy view of one object, holding its slot.
+
+use std::ops::Deref;
+
+use super::config::ObjectHandle;
+use super::reader::StoreReader;
+use crate::layout::ObjectKind;
+use crate::shm::SlotPtr;
+
+/// A zero-copy view of an object in the ring. Dropping it acknowledges the
+/// read; while it lives the slot cannot be reused.
+///
+/// A guard cannot outlive its reader:
+///
+/// ```compile_fail
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1)).unwrap();
+/// let h = store.put("k", b"v").unwrap();
+/// let guard = {
+///     let reader = StoreReader::attach(&store.handle()).unwrap();
+///     reader.get(h).unwrap()
+/// };
+/// ```
+#[derive(Debug)]
+pub struct ReadGuard<'r> {
+    pub(super) reader: &'r StoreReader,
+    pub(super) slot: SlotPtr,
+    pub(super) hazard: usize,
+    pub(super) handle: ObjectHandle,
+    pub(super) data: *const u8,
+    pub(super) len: usize,
+    pub(super) kind: ObjectKind,
+}
+
+impl ReadGuard<'_> {
+    /// The handle this guard reads.
+    pub fn handle(&self) -> ObjectHandle {
+        self.handle
+    }
+
+    /// What the object is (raw bytes, a tensor, an item).
+    pub fn kind(&self) -> ObjectKind {
+        self.kind
+    }
+}
+
+impl Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `data..data+len` was bounds-checked against the data region
+        // at get; the reader's hazard on this id keeps the writer from
+        // reusing the slot until the guard drops, and a published object's
+        // bytes are never written again, so nobody writes them meanwhile.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl AsRef<[u8]> for ReadGuard<'_> {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        self.reader.ack_held(&self.slot, self.handle);
+        self.reader.release_hazard(self.hazard);
+    }
+}

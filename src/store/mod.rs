@@ -1,0 +1,17 @@
+//! Objects on slots: the writer ([`ObjectStore`]), the readers
+//! ([`StoreReader`]) with their zero-copy [`ReadGuard`]s, and the glue that
+//! joins the store to the codec (`typed`) and to copy engines (`device`).
+
+mod config;
+mod device;
+mod guard;
+mod reader;
+mod typed;
+mod writer;
+
+pub use config::{ObjectHandle, ReaderOptions, StoreConfig, StoreHandle, StoreStats};
+pub use device::{PendingGet, PendingPut};
+pub use guard::ReadGuard;
+pub use reader::StoreReader;
+pub use typed::{ItemGuard, TensorGuard};
+pub use writer::ObjectStore;

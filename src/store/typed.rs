@@ -1,0 +1,168 @@
+//! Tensor and item puts and gets: the store joined to the codec. Every put
+//! here is a thin layer over the writer's one reserve → fill → publish path;
+//! every typed read is a view parsed from a [`ReadGuard`].
+
+use std::ops::Deref;
+
+use super::config::ObjectHandle;
+use super::guard::ReadGuard;
+use super::reader::StoreReader;
+use super::writer::ObjectStore;
+use crate::codec::{
+    payload_len, write_tensor_header, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView,
+    TENSOR_HEADER_LEN,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::ObjectKind;
+
+impl ObjectStore {
+    /// Stores a tensor: a 128-byte header, then the payload, 64-byte aligned.
+    pub fn put_tensor(&mut self, key: &str, t: &TensorRef<'_>) -> Result<ObjectHandle> {
+        self.put_tensor_with(key, t.dtype(), t.shape(), |p| p.copy_from_slice(t.data()))
+    }
+
+    /// Stores a tensor whose payload `fill` writes in place (a device→host
+    /// copy, say).
+    pub fn put_tensor_with<F: FnOnce(&mut [u8])>(
+        &mut self,
+        key: &str,
+        dtype: DType,
+        shape: &[u64],
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        let len = payload_len(dtype, shape)?;
+        let total = len
+            .checked_add(TENSOR_HEADER_LEN)
+            .ok_or_else(|| Error::InvalidTensor("tensor size overflows".into()))?;
+        self.put_kind(key, total, ObjectKind::Tensor, |obj| {
+            write_tensor_header(obj, dtype, shape, len);
+            fill(&mut obj[TENSOR_HEADER_LEN..]);
+        })
+    }
+
+    /// Stores an item as one object (one slot, one handle, one flag).
+    pub fn put_item(&mut self, key: &str, item: &Item<'_>) -> Result<ObjectHandle> {
+        let layout = item.layout()?;
+        self.put_item_with(key, &layout, |slots| {
+            for (dst, t) in slots.all_mut().into_iter().zip(item.tensors()) {
+                dst.copy_from_slice(t.data());
+            }
+        })
+    }
+
+    /// Stores an item whose field payloads `fill` writes in place.
+    pub fn put_item_with<F: FnOnce(&mut ItemSlots<'_>)>(
+        &mut self,
+        key: &str,
+        layout: &ItemLayout,
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        self.put_kind(key, layout.len(), ObjectKind::Item, |obj| {
+            layout.write_header(obj);
+            fill(&mut ItemSlots::new(layout, obj));
+        })
+    }
+}
+
+impl<'r> ReadGuard<'r> {
+    /// The object as a tensor, in place (borrowing this guard).
+    pub fn tensor(&self) -> Result<TensorView<'_>> {
+        self.expect_kind(ObjectKind::Tensor)?;
+        TensorView::parse(self)
+    }
+
+    /// The object as an item, in place (borrowing this guard).
+    pub fn item(&self) -> Result<ItemView<'_>> {
+        self.expect_kind(ObjectKind::Item)?;
+        ItemView::parse(self)
+    }
+
+    fn expect_kind(&self, expected: ObjectKind) -> Result<()> {
+        if self.kind() != expected {
+            return Err(Error::WrongKind {
+                expected,
+                found: self.kind(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The object's bytes with the reader's lifetime instead of the guard's.
+    ///
+    /// # Safety
+    /// The slice must not be used after this guard is dropped (store it
+    /// beside the guard, in a struct that drops both together).
+    unsafe fn bytes_for_guard_life(&self) -> &'r [u8] {
+        // SAFETY: the bytes live in the mapping, not in the guard, so moving
+        // the guard does not move them; they stay valid and unwritten while
+        // the guard lives (its hazard holds the slot), which the caller
+        // promises outlasts every use of the slice.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+}
+
+/// A tensor in place that owns its read: it derefs to a [`TensorView`], and
+/// dropping it acknowledges the read. From [`StoreReader::get_tensor`].
+#[derive(Debug)]
+pub struct TensorGuard<'r> {
+    view: TensorView<'r>,
+    guard: ReadGuard<'r>,
+}
+
+impl<'r> TensorGuard<'r> {
+    /// The handle this view reads.
+    pub fn handle(&self) -> ObjectHandle {
+        self.guard.handle()
+    }
+}
+
+impl<'r> Deref for TensorGuard<'r> {
+    type Target = TensorView<'r>;
+    fn deref(&self) -> &TensorView<'r> {
+        &self.view
+    }
+}
+
+/// An item in place that owns its read: it derefs to an [`ItemView`], and
+/// dropping it acknowledges the read. From [`StoreReader::get_item`].
+#[derive(Debug)]
+pub struct ItemGuard<'r> {
+    view: ItemView<'r>,
+    guard: ReadGuard<'r>,
+}
+
+impl<'r> ItemGuard<'r> {
+    /// The handle this view reads.
+    pub fn handle(&self) -> ObjectHandle {
+        self.guard.handle()
+    }
+}
+
+impl<'r> Deref for ItemGuard<'r> {
+    type Target = ItemView<'r>;
+    fn deref(&self) -> &ItemView<'r> {
+        &self.view
+    }
+}
+
+impl StoreReader {
+    /// A tensor, in place: `get(h)` then [`ReadGuard::tensor`], owning the
+    /// read. The read is acknowledged when the view drops.
+    pub fn get_tensor(&self, h: ObjectHandle) -> Result<TensorGuard<'_>> {
+        let guard = self.get(h)?;
+        guard.expect_kind(ObjectKind::Tensor)?;
+        // SAFETY: the view is stored beside its guard and dropped with it.
+        let view = TensorView::parse(unsafe { guard.bytes_for_guard_life() })?;
+        Ok(TensorGuard { view, guard })
+    }
+
+    /// An item, in place: `get(h)` then [`ReadGuard::item`], owning the read.
+    pub fn get_item(&self, h: ObjectHandle) -> Result<ItemGuard<'_>> {
+        let guard = self.get(h)?;
+        guard.expect_kind(ObjectKind::Item)?;
+        // SAFETY: the view is stored beside its guard and dropped with it.
+        let view = ItemView::parse(unsafe { guard.bytes_for_guard_life() })?;
+        Ok(ItemGuard { view, guard })
+    }
+}

@@ -1,0 +1,684 @@
+//! The one writer of a store: [`ObjectStore`].
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+
+use super::config::{ObjectHandle, StoreConfig, StoreHandle, StoreStats};
+use crate::error::{Blocker, Error, Result};
+use crate::geometry::{validate_header, Geometry};
+use crate::layout::{self, reader_state, ObjectKind, SegmentHeader};
+use crate::ring::Ring;
+use crate::shm::SlotPtr;
+use crate::sys::clock;
+use crate::sys::segment::{self, Segment};
+
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(clock::monotonic_ns());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+fn next_epoch(e: u64) -> u64 {
+    layout::slot_tag(e, 0x5eed, e, 0, 0).max(1)
+}
+
+/// Keys are the producer's own (content hashes, request ids), hashed only
+/// in the writer's memory: a fast non-cryptographic hasher is enough, and
+/// SipHash was a third of a small put's instructions.
+type KeyHasher = foldhash::fast::RandomState;
+
+/// What the writer remembers about a live slot.
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    refs: u32,
+    /// `None` once cleared: the slot waits only for guards to go.
+    key: Option<Arc<str>>,
+    /// A copy into the slot still in flight: not published, not freeable.
+    pending: Option<Arc<dyn PendingCopy>>,
+    kind: ObjectKind,
+    size: u64,
+}
+
+/// A copy into a reserved slot (a device-to-host DMA, say), seen by the
+/// store. Implemented by the copy layer.
+pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
+    /// Whether the copy has finished (successfully or not).
+    fn is_done(&self) -> bool;
+    /// Blocks until the copy has finished; its outcome.
+    fn wait(&self) -> Result<()>;
+    /// Whether the caller dropped its token without finishing the put.
+    fn abandoned(&self) -> bool;
+}
+
+/// A slot handed out by the ring, not yet published.
+struct Reserved {
+    pos: u64,
+    address: u64,
+    slot_len: u64,
+    payload: *mut u8,
+}
+
+/// The one writer of a store. Creates the segment and unlinks it on drop.
+///
+/// ```
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1))?;
+/// let h = store.put("greeting", b"hello")?;
+/// let reader = StoreReader::attach(&store.handle())?;
+/// assert_eq!(&*reader.get(h)?, b"hello");
+/// # Ok::<(), pinshm::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct ObjectStore {
+    geo: Geometry,
+    ring: Ring<Entry>,
+    index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
+    /// Keys of puts whose copy is still in flight.
+    pending_keys: std::collections::HashSet<Arc<str>, KeyHasher>,
+    next_id: u64,
+    epoch: u64,
+    nonce: u64,
+    stats: StoreStats,
+    /// Unregistered before `seg` unmaps (fields drop in order).
+    pinned: Option<crate::pin::Pinned>,
+    reader_timeout_ns: Option<u64>,
+    // Last: unmapped (and unlinked) after everything that points into it.
+    seg: Segment,
+}
+
+// SAFETY: the raw pointers in `geo` point into `seg`'s mapping, which moves
+// with the store; the writer is used from one thread at a time (&mut self).
+unsafe impl Send for ObjectStore {}
+
+impl ObjectStore {
+    /// Creates the segment (exclusively) and an empty store in it.
+    pub fn create(cfg: StoreConfig) -> Result<ObjectStore> {
+        cfg.validate()?;
+        let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
+        let header_len = layout::header_len(cfg.n_readers);
+        let total = header_len
+            .checked_add(cfg.capacity)
+            .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
+        let seg = match Segment::create(&name, total, cfg.prefault, cfg.reserve) {
+            Err(Error::AlreadyExists { .. }) if cfg.name.is_some() => {
+                // A writer that died leaves its segment: replace it, unless
+                // its writer still runs.
+                remove_if_writer_dead(&name)?;
+                Segment::create(&name, total, cfg.prefault, cfg.reserve)?
+            }
+            r => r?,
+        };
+        let geo = Geometry::new(
+            seg.as_ptr(),
+            cfg.n_readers,
+            cfg.capacity as u64,
+            cfg.max_object_size as u64,
+        );
+        let nonce = random_u64();
+        let epoch = next_epoch(nonce);
+        let header = SegmentHeader {
+            magic: layout::MAGIC,
+            layout_version: layout::LAYOUT_VERSION,
+            n_readers: cfg.n_readers,
+            header_len: header_len as u64,
+            capacity: cfg.capacity as u64,
+            max_object_size: cfg.max_object_size as u64,
+            nonce,
+            slot_prefix_len: layout::slot_prefix_len(cfg.n_readers) as u32,
+            hazards_per_reader: layout::HAZARDS_PER_READER as u32,
+            reader_entry_len: size_of::<layout::ReaderEntry>() as u32,
+            writer_pid: std::process::id(),
+            writer_start_time: segment::own_start_time(),
+            epoch,
+            next_id: 1,
+            ring_head: 0,
+            ring_tail: 0,
+            cleared_below: 0,
+            reserved: [0; 18],
+        };
+        // The reader table is zero (VACANT) in a fresh object; stamp last.
+        geo.header().init(&header);
+        geo.header().stamp();
+        let pinned = crate::pin::pin(seg.as_ptr(), seg.len(), cfg.pin)?;
+        tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
+        Ok(ObjectStore {
+            geo,
+            ring: Ring::new(cfg.capacity as u64),
+            index: HashMap::default(),
+            pending_keys: Default::default(),
+            next_id: 1,
+            epoch,
+            nonce,
+            stats: StoreStats::default(),
+            pinned,
+            reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
+            seg,
+        })
+    }
+
+    /// Stores `bytes` under `key`: one reference, one expected read per reader.
+    pub fn put(&mut self, key: &str, bytes: &[u8]) -> Result<ObjectHandle> {
+        self.put_with(key, bytes.len(), |slot| slot.copy_from_slice(bytes))
+    }
+
+    /// Stores an object of `len` bytes written in place by `fill`. If `fill`
+    /// panics nothing is published and the store stays consistent.
+    pub fn put_with<F: FnOnce(&mut [u8])>(
+        &mut self,
+        key: &str,
+        len: usize,
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        self.put_kind(key, len, ObjectKind::Raw, fill)
+    }
+
+    pub(crate) fn put_kind<F: FnOnce(&mut [u8])>(
+        &mut self,
+        key: &str,
+        len: usize,
+        kind: ObjectKind,
+        fill: F,
+    ) -> Result<ObjectHandle> {
+        let r = self.reserve(key, len)?;
+        // SAFETY: `r.payload` spans `len` bytes inside the data region (checked
+        // by reserve) in a slot the ring just handed out: no live object and
+        // no guard covers it, so nobody else writes it and no reader trusts
+        // it until it is published.
+        fill(unsafe { std::slice::from_raw_parts_mut(r.payload, len) });
+        let id = self.commit(r, key, len as u64, kind, None);
+        Ok(self
+            .publish(id)
+            .expect("a slot committed without a pending copy publishes"))
+    }
+
+    /// Reserves a slot for `len` payload bytes under `key`, starts `start`
+    /// on its payload (a copy that finishes later) and records the slot as
+    /// pending. Returns the id to finish it by. Nothing is published, and on
+    /// an error nothing is recorded.
+    pub(crate) fn begin_pending(
+        &mut self,
+        key: &str,
+        len: usize,
+        kind: ObjectKind,
+        start: impl FnOnce(*mut u8) -> Result<Arc<dyn PendingCopy>>,
+    ) -> Result<u64> {
+        let r = self.reserve(key, len)?;
+        let pending = start(r.payload)?;
+        Ok(self.commit(r, key, len as u64, kind, Some(pending)))
+    }
+
+    /// Whether the pending put `id` has finished its copy.
+    pub(crate) fn pending_done(&self, id: u64) -> bool {
+        self.ring
+            .find_by(id, |e| e.id)
+            .and_then(|s| s.value.pending.as_ref())
+            .is_none_or(|p| p.is_done())
+    }
+
+    /// Waits for the pending put `id` and publishes it.
+    pub(crate) fn finish_pending(&mut self, id: u64) -> Result<ObjectHandle> {
+        let span = self
+            .ring
+            .find_by_mut(id, |e| e.id)
+            .ok_or(Error::PutNotPending {
+                id,
+                reason: "its slot is gone (finished and reclaimed, or failed)",
+            })?;
+        let address = span.pos % self.geo.capacity;
+        let outcome = match span.value.pending.take() {
+            Some(p) => p.wait(),
+            None => Ok(()),
+        };
+        if let Err(e) = outcome {
+            // The slot was never published: forget its key, free it in turn.
+            if let Some(k) = span.value.key.take() {
+                self.pending_keys.remove(&k);
+            }
+            tracing::debug!(id, %e, "pending put failed");
+            return Err(e);
+        }
+        self.publish(id).ok_or(Error::Stale {
+            address,
+            monotonic_id: id,
+        })
+    }
+
+    /// Checks and hands out a slot for `len` bytes under `key`.
+    fn reserve(&mut self, key: &str, len: usize) -> Result<Reserved> {
+        if self.index.contains_key(key)
+            || (!self.pending_keys.is_empty() && self.pending_keys.contains(key))
+        {
+            return Err(Error::DuplicateKey {
+                key: key.to_owned(),
+            });
+        }
+        if len as u64 > self.geo.max_object_size {
+            tracing::debug!(key, len, max = self.geo.max_object_size, "object too large");
+            return Err(Error::TooLarge {
+                size: len as u64,
+                max: self.geo.max_object_size,
+            });
+        }
+        let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
+        let pos = self.allocate(slot_len)?;
+        let tail = self.ring.tail();
+        if pos > tail && !self.ring.is_empty() && pos - tail < self.geo.capacity {
+            // The end of this lap is skipped: leave a marker there so the
+            // inspector can walk the ring without reading stale headers.
+            if let Some(s) = self.geo.slot(tail % self.geo.capacity) {
+                s.mark_skip(pos - tail);
+            }
+        }
+        let address = self.ring.address(pos);
+        let (slot, payload) = self.slot_and_payload(address, len as u64);
+        slot.begin_write();
+        Ok(Reserved {
+            pos,
+            address,
+            slot_len,
+            payload,
+        })
+    }
+
+    /// Records a reserved slot in the ring under the next id.
+    fn commit(
+        &mut self,
+        r: Reserved,
+        key: &str,
+        size: u64,
+        kind: ObjectKind,
+        pending: Option<Arc<dyn PendingCopy>>,
+    ) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let key: Arc<str> = Arc::from(key);
+        if pending.is_some() {
+            self.pending_keys.insert(key.clone());
+        }
+        debug_assert_eq!(r.address, self.ring.address(r.pos));
+        self.ring.commit(
+            r.pos,
+            r.slot_len,
+            Entry {
+                id,
+                refs: 1,
+                key: Some(key),
+                pending,
+                kind,
+                size,
+            },
+        );
+        self.publish_progress();
+        id
+    }
+
+    /// Publishes committed slot `id` (its bytes are complete): readers may
+    /// get it from now on. `None` if it was cleared meanwhile.
+    fn publish(&mut self, id: u64) -> Option<ObjectHandle> {
+        let epoch = self.epoch;
+        let n_readers = self.geo.n_readers;
+        let span = self.ring.find_by_mut(id, |e| e.id)?;
+        let address = span.pos % self.geo.capacity;
+        let e = &span.value;
+        let key = e.key.clone()?;
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        slot.publish(
+            id,
+            layout::slot_tag(id, address, epoch, e.size, e.kind as u32),
+            e.size,
+            layout::slot_len(n_readers, e.size as usize) as u64,
+            e.kind as u32,
+            epoch,
+            n_readers,
+        );
+        if !self.pending_keys.is_empty() {
+            self.pending_keys.remove(&key);
+        }
+        let handle = ObjectHandle {
+            address,
+            monotonic_id: id,
+            epoch,
+        };
+        self.index.insert(key, handle);
+        self.stats.puts += 1;
+        Some(handle)
+    }
+
+    /// Whether `key` is stored.
+    pub fn is_cached(&self, key: &str) -> bool {
+        self.index.contains_key(key)
+    }
+
+    /// The handle of `key`, counting one more expected read per reader (the
+    /// object then needs one more read from each reader before it can go).
+    pub fn get_cached(&mut self, key: &str) -> Option<ObjectHandle> {
+        let h = *self.index.get(key)?;
+        let span = self
+            .ring
+            .find_by_mut(h.monotonic_id, |e| e.id)
+            .expect("every indexed key has a live slot");
+        span.value.refs = span.value.refs.saturating_add(1);
+        let refs = span.value.refs;
+        let (slot, _) = self.slot_and_payload(h.address, 0);
+        slot.set_refs(refs);
+        self.stats.hits += 1;
+        Some(h)
+    }
+
+    /// As `get_cached`, without returning the handle; errors if `key` is absent.
+    pub fn touch(&mut self, key: &str) -> Result<()> {
+        self.get_cached(key)
+            .map(|_| ())
+            .ok_or_else(|| Error::KeyNotFound {
+                key: key.to_owned(),
+            })
+    }
+
+    /// Frees objects from the oldest end while every reader is done with
+    /// them; returns how many were freed.
+    pub fn free_unused(&mut self) -> usize {
+        self.reclaim(None)
+    }
+
+    /// Forgets every object and starts a new epoch: handles from before are
+    /// stale. Slots under a live guard are freed once the guard drops.
+    pub fn clear(&mut self) {
+        let geo = self.geo;
+        for span in self.ring.iter_mut() {
+            if span.value.key.take().is_some() {
+                geo.slot(span.pos % geo.capacity)
+                    .expect("ring slots are in bounds")
+                    .invalidate();
+            }
+        }
+        self.index.clear();
+        self.pending_keys.clear();
+        self.geo.header().set_cleared_below(self.next_id);
+        self.epoch = next_epoch(self.epoch);
+        self.geo.header().set_epoch(self.epoch);
+        let freed = self.reclaim(None);
+        tracing::debug!(freed, held = self.ring.len(), "store cleared");
+        self.publish_progress();
+    }
+
+    /// What a reader process needs to attach.
+    pub fn handle(&self) -> StoreHandle {
+        StoreHandle {
+            name: self.seg.name().to_owned(),
+            nonce: self.nonce,
+            capacity: self.geo.capacity,
+            max_object_size: self.geo.max_object_size,
+            n_readers: self.geo.n_readers,
+            layout_version: layout::LAYOUT_VERSION,
+        }
+    }
+
+    /// Segment name.
+    pub fn name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// The segment's creation nonce: tells stores apart.
+    pub(crate) fn identity(&self) -> u64 {
+        self.nonce
+    }
+
+    /// Whether the mapping is page-locked (CUDA host-registered) for DMA.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.is_some()
+    }
+
+    /// Counters and the ring's state, with what blocks reclamation.
+    pub fn stats(&self) -> StoreStats {
+        let oldest_unread = self.ring.front().and_then(|s| {
+            let b = self.blocker(s.pos, &s.value);
+            (!b.unread_by.is_empty() || !b.held_by.is_empty()).then(|| Box::new(b))
+        });
+        StoreStats {
+            objects: self.ring.len() as u64,
+            bytes_in_use: self.ring.used(),
+            largest_free_block: self.ring.largest_free(),
+            stale_reads: (0..self.geo.n_readers)
+                .map(|i| self.geo.reader(i).stale_reads())
+                .sum(),
+            oldest_unread,
+            ..self.stats.clone()
+        }
+    }
+
+    /// Marks readers whose process is gone as left, so reclamation stops
+    /// waiting for them; returns their indices.
+    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
+        let mut reaped = Vec::new();
+        for i in 0..self.geo.n_readers {
+            let r = self.geo.reader(i);
+            if r.state() != reader_state::ATTACHED {
+                continue;
+            }
+            let (pid, start) = r.owner();
+            if pid != 0
+                && !segment::process_alive(pid, start)
+                && r.transition(reader_state::ATTACHED, reader_state::LEFT)
+            {
+                tracing::warn!(
+                    reader = i,
+                    pid,
+                    "reader process is gone; no longer waiting for its reads"
+                );
+                reaped.push(i);
+            }
+        }
+        self.stats.dead_readers_reaped += reaped.len() as u64;
+        reaped
+    }
+
+    // ---- internals ----
+
+    fn slot_and_payload(&self, address: u64, len: u64) -> (SlotPtr, *mut u8) {
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        let payload = self
+            .geo
+            .payload(address, len)
+            .expect("ring slots hold their payload");
+        (slot, payload)
+    }
+
+    fn publish_progress(&self) {
+        self.geo
+            .header()
+            .set_progress(self.next_id, self.ring.head(), self.ring.tail());
+    }
+
+    fn allocate(&mut self, slot_len: u64) -> Result<u64> {
+        if let Some(pos) = self.ring.reserve(slot_len) {
+            return Ok(pos);
+        }
+        self.reclaim(Some(slot_len));
+        if let Some(pos) = self.ring.reserve(slot_len) {
+            return Ok(pos);
+        }
+        if !self.reap_dead_readers().is_empty() {
+            self.reclaim(Some(slot_len));
+            if let Some(pos) = self.ring.reserve(slot_len) {
+                return Ok(pos);
+            }
+        }
+        self.stats.full_errors += 1;
+        let blocker = self
+            .ring
+            .front()
+            .map(|s| Box::new(self.blocker(s.pos, &s.value)));
+        let err = Error::Full {
+            requested: slot_len,
+            free: self.ring.capacity() - self.ring.used(),
+            capacity: self.ring.capacity(),
+            blocker,
+        };
+        tracing::debug!(%err, "allocation failed");
+        Err(err)
+    }
+
+    /// Frees from the oldest end until `need` bytes fit (or, with `None`,
+    /// as far as possible); stops at the first object still in use.
+    fn reclaim(&mut self, need: Option<u64>) -> usize {
+        let mut freed = 0;
+        while let Some(front) = self.ring.front() {
+            if need.is_some_and(|n| self.ring.reserve(n).is_some()) {
+                break;
+            }
+            let address = self.ring.address(front.pos);
+            if !self.try_free(address, &front.value) {
+                break;
+            }
+            let span = self.ring.pop_front().expect("front exists");
+            if let Some(key) = span.value.key {
+                self.index.remove(&key);
+                if !self.pending_keys.is_empty() {
+                    self.pending_keys.remove(&key);
+                }
+            }
+            self.stats.evictions += 1;
+            freed += 1;
+        }
+        if freed > 0 {
+            tracing::debug!(freed, "reclaimed objects");
+            self.publish_progress();
+        }
+        freed
+    }
+
+    /// Whether reader `i` still owes a read of `e`.
+    fn owes(&self, i: u32, e: &Entry, slot: &SlotPtr) -> bool {
+        let r = self.geo.reader(i);
+        let counted = match r.state() {
+            reader_state::VACANT => true,
+            reader_state::ATTACHED => e.id >= r.counted_from(),
+            _ => false,
+        };
+        counted && slot.reads_acquire(i) < e.refs && !self.stuck(i)
+    }
+
+    /// Whether reader `i` is past the stuck-reader timeout.
+    fn stuck(&self, i: u32) -> bool {
+        let Some(limit) = self.reader_timeout_ns else {
+            return false;
+        };
+        let r = self.geo.reader(i);
+        let last = r.last_ack_ns().max(r.attached_ns());
+        let idle = clock::monotonic_ns().saturating_sub(last);
+        if idle > limit {
+            tracing::warn!(
+                reader = i,
+                idle_ms = idle / 1_000_000,
+                "reader is stuck; no longer waiting for its reads"
+            );
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The reclaim protocol of crate::ring: on success the slot is invalid
+    /// and no reader can be inside it.
+    fn try_free(&self, address: u64, e: &Entry) -> bool {
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        if let Some(p) = &e.pending {
+            // Never published, so no reader is in it; free it only once the
+            // copy into it has stopped and nobody will finish the put.
+            return p.is_done() && p.abandoned();
+        }
+        let live = e.key.is_some();
+        if live {
+            if (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
+                return false;
+            }
+            slot.invalidate();
+        }
+        if self.holders(e.id).next().is_some() {
+            if live {
+                slot.restore(e.id);
+            }
+            return false;
+        }
+        true
+    }
+
+    /// Readers (not left) with a guard on object `id`: after `invalidate`,
+    /// the writer's half of the hazard protocol.
+    fn holders(&self, id: u64) -> impl Iterator<Item = u32> + '_ {
+        (0..self.geo.n_readers).filter(move |&i| {
+            let r = self.geo.reader(i);
+            r.state() != reader_state::LEFT && r.holds(id)
+        })
+    }
+
+    fn blocker(&self, pos: u64, e: &Entry) -> Blocker {
+        let address = self.ring.address(pos);
+        let slot = self
+            .geo
+            .slot(address)
+            .expect("ring addresses are in bounds");
+        Blocker {
+            address,
+            monotonic_id: e.id,
+            key: e.key.as_deref().map(str::to_owned),
+            unread_by: (0..self.geo.n_readers)
+                .filter(|&i| e.key.is_some() && self.owes(i, e, &slot))
+                .collect(),
+            held_by: self.holders(e.id).collect(),
+        }
+    }
+}
+
+impl Drop for ObjectStore {
+    fn drop(&mut self) {
+        self.geo.header().clear_writer();
+        // A copy still running into a slot must finish before the mapping
+        // goes (the DMA engine does not know about munmap).
+        for span in self.ring.iter_mut() {
+            if let Some(p) = span.value.pending.take() {
+                if let Err(e) = p.wait() {
+                    tracing::debug!(%e, "pending put failed while the store was dropped");
+                }
+            }
+        }
+    }
+}
+
+/// Removes segment `name` if it is a pinshm segment whose writer is dead.
+fn remove_if_writer_dead(name: &str) -> Result<()> {
+    let seg = match Segment::open(name, false) {
+        Ok(s) => s,
+        Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
+        Err(e) => return Err(e),
+    };
+    let geo = validate_header(&seg, name).map_err(|e| Error::InUse {
+        name: name.to_owned(),
+        detail: format!("it exists and is not a usable pinshm segment ({e}); remove /dev/shm/{name} if no process uses it"),
+    })?;
+    let (pid, start) = geo.header().writer();
+    if pid != 0 && segment::process_alive(pid, start) {
+        return Err(Error::InUse {
+            name: name.to_owned(),
+            detail: format!("its writer (pid {pid}) is alive"),
+        });
+    }
+    tracing::warn!(name, pid, "replacing the segment of a writer that is gone");
+    drop(seg);
+    match Segment::unlink(name) {
+        Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}

@@ -192,6 +192,14 @@ pub enum Error {
         pid: u32,
     },
 
+    /// This reader's entry in the reader table is no longer its own (the
+    /// table was overwritten): it reads nothing more. Attach again.
+    #[error("reader {index} no longer holds its reader entry; attach again")]
+    ReaderLeft {
+        /// The index.
+        index: u32,
+    },
+
     /// `attach_as` named an index past `n_readers`.
     #[error("reader index {index} out of range: the store has {n_readers} readers")]
     ReaderIndexOutOfRange {

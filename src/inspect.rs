@@ -9,7 +9,8 @@ use crate::error::Result;
 use crate::geometry::validate_header;
 use crate::layout::{self, reader_state};
 use crate::sys::clock;
-use crate::sys::segment::{self, Segment};
+use crate::sys::liveness;
+use crate::sys::segment::Segment;
 
 /// One reader table entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,7 +21,8 @@ pub struct ReaderInfo {
     pub state: &'static str,
     /// Pid of the holder (0: none yet).
     pub pid: u32,
-    /// Whether that process still runs.
+    /// Whether a live process holds the entry's lock (the kernel's word;
+    /// "cannot tell" shows as alive).
     pub alive: bool,
     /// Milliseconds since its last acknowledged read (`None`: none yet).
     pub last_ack_ms_ago: Option<u64>,
@@ -66,7 +68,7 @@ pub struct Snapshot {
     pub max_object_size: u64,
     /// Writer pid (0 after a clean exit).
     pub writer_pid: u32,
-    /// Whether the writer still runs.
+    /// Whether the writer still runs (holds its lock, has not closed).
     pub writer_alive: bool,
     /// The id the next put will get.
     pub next_id: u64,
@@ -86,12 +88,12 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     let geo = validate_header(&seg, name)?;
     let hp = geo.header();
     let h = hp.read();
-    let (writer_pid, writer_start) = hp.writer();
+    let writer_pid = hp.writer_pid();
     let now = clock::monotonic_ns();
     let readers = (0..geo.n_readers)
         .map(|i| {
             let r = geo.reader(i);
-            let (pid, start) = r.owner();
+            let pid = r.pid();
             let last = r.last_ack_ns();
             ReaderInfo {
                 index: i,
@@ -103,7 +105,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
                     _ => "corrupt",
                 },
                 pid,
-                alive: pid != 0 && segment::process_alive(pid, start),
+                alive: seg.held_by_other(liveness::reader_slot(i)),
                 last_ack_ms_ago: (last != 0).then(|| now.saturating_sub(last) / 1_000_000),
                 counted_from: r.counted_from(),
                 stale_reads: r.stale_reads(),
@@ -158,7 +160,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         capacity: cap,
         max_object_size: geo.max_object_size,
         writer_pid,
-        writer_alive: writer_pid != 0 && segment::process_alive(writer_pid, writer_start),
+        writer_alive: writer_pid != 0 && seg.held_by_other(liveness::WRITER_SLOT),
         next_id: hp.next_id(),
         cleared_below: hp.cleared_below(),
         ring: (head, tail),

@@ -1,7 +1,11 @@
-//! The segment layout, version 2, written down once.
+//! The segment layout, version 3, written down once.
 //!
 //! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
 //! `stale_reads` and `attached_ns` (for the inspector and stuck readers).
+//! Version 3 moved liveness to open-file-description locks: the reader
+//! entry's state word carries an attach generation (so the writer's "dead"
+//! mark cannot hit a reader that re-attached meanwhile), and the pid start
+//! times and the slot's copy of the epoch are gone.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -27,7 +31,7 @@ use bytemuck::{Pod, Zeroable};
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -61,7 +65,8 @@ impl ObjectKind {
     }
 }
 
-/// Reader table entry states (`ReaderEntry::state`).
+/// Reader table entry states: the low byte of `ReaderEntry::state`, whose
+/// upper 56 bits count attaches into the entry (the generation).
 pub mod reader_state {
     /// Never attached since create: counted (the writer waits for its reads).
     pub const VACANT: u32 = 0;
@@ -71,6 +76,21 @@ pub mod reader_state {
     pub const ATTACHED: u32 = 2;
     /// Detached or found dead: not counted, hazards ignored.
     pub const LEFT: u32 = 3;
+
+    /// The state of a state word.
+    pub const fn state(word: u64) -> u32 {
+        (word & 0xff) as u32
+    }
+
+    /// The generation of a state word.
+    pub const fn generation(word: u64) -> u64 {
+        word >> 8
+    }
+
+    /// The state word of `state` in `generation`.
+    pub const fn word(generation: u64, state: u32) -> u64 {
+        (generation << 8) | (state as u64 & 0xff)
+    }
 }
 
 /// The first 256 bytes of a segment.
@@ -97,11 +117,11 @@ pub struct SegmentHeader {
     pub hazards_per_reader: u32,
     /// `size_of::<ReaderEntry>()` of the creator.
     pub reader_entry_len: u32,
-    /// Writer's pid.
+    /// Atomic. Writer's pid, for messages only (liveness is the writer's
+    /// lock); 0 once the writer has closed the store.
     pub writer_pid: u32,
-    /// Writer's start time in clock ticks since boot (/proc/PID/stat field 22),
-    /// so a reused pid is not taken for the writer.
-    pub writer_start_time: u64,
+    /// Zero (v2: the writer's start time).
+    pub reserved0: u64,
     /// Atomic. Changes on create and `clear`; mixed into every slot's tag.
     pub epoch: u64,
     /// Atomic. The id the next put will get (ids start at 1; 0 means "none").
@@ -120,16 +140,16 @@ pub struct SegmentHeader {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct ReaderEntry {
-    /// Atomic. One of [`reader_state`].
-    pub state: u32,
-    /// Pid of the attached process (0 while unknown).
+    /// Atomic. `reader_state::word(generation, state)`: one of
+    /// [`reader_state`] in the low byte, attaches into this entry above.
+    pub state: u64,
+    /// Pid of the attached process, for messages only (0 while unknown):
+    /// liveness is the holder's lock, which no pid namespace confuses.
     pub pid: u32,
-    /// Start time of that process (clock ticks since boot).
-    pub start_time: u64,
+    /// Zero.
+    pub reserved0: u32,
     /// Objects with a smaller id are not counted for this reader.
     pub counted_from: u64,
-    /// Bumped on every attach into this entry.
-    pub generation: u64,
     /// Atomic. Monotonic-clock nanoseconds of the last acknowledged read.
     pub last_ack_ns: u64,
     /// Atomic. Stale handles this reader met (v2).
@@ -137,7 +157,7 @@ pub struct ReaderEntry {
     /// Monotonic-clock nanoseconds of the attach (v2).
     pub attached_ns: u64,
     /// Zero.
-    pub reserved: [u64; 1],
+    pub reserved: [u64; 2],
     /// Atomic each. Ids of the objects this reader holds guards on (0 = free).
     pub hazards: [u64; HAZARDS_PER_READER],
 }
@@ -159,12 +179,10 @@ pub struct SlotHeader {
     /// Atomic. Writer references: each put / get_cached adds one expected
     /// read per reader.
     pub refs: u32,
-    /// What the payload is (raw bytes, tensor, item): see the codec.
+    /// What the payload is: an [`ObjectKind`] code.
     pub kind: u32,
-    /// Epoch the object was put in.
-    pub epoch: u64,
-    /// Zero.
-    pub reserved: [u64; 2],
+    /// Zero (v2 kept the epoch here, which the tag already covers).
+    pub reserved: [u64; 3],
 }
 
 /// Byte offset of reader `i`'s entry in the header.
@@ -224,7 +242,7 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, hazards_per_reader), 52);
         assert_eq!(offset_of!(SegmentHeader, reader_entry_len), 56);
         assert_eq!(offset_of!(SegmentHeader, writer_pid), 60);
-        assert_eq!(offset_of!(SegmentHeader, writer_start_time), 64);
+        assert_eq!(offset_of!(SegmentHeader, reserved0), 64);
         assert_eq!(offset_of!(SegmentHeader, epoch), 72);
         assert_eq!(offset_of!(SegmentHeader, next_id), 80);
         assert_eq!(offset_of!(SegmentHeader, ring_head), 88);
@@ -233,13 +251,11 @@ mod tests {
 
         assert_eq!(size_of::<ReaderEntry>(), 576);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
-        assert_eq!(offset_of!(ReaderEntry, pid), 4);
-        assert_eq!(offset_of!(ReaderEntry, start_time), 8);
+        assert_eq!(offset_of!(ReaderEntry, pid), 8);
         assert_eq!(offset_of!(ReaderEntry, counted_from), 16);
-        assert_eq!(offset_of!(ReaderEntry, generation), 24);
-        assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 32);
-        assert_eq!(offset_of!(ReaderEntry, stale_reads), 40);
-        assert_eq!(offset_of!(ReaderEntry, attached_ns), 48);
+        assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 24);
+        assert_eq!(offset_of!(ReaderEntry, stale_reads), 32);
+        assert_eq!(offset_of!(ReaderEntry, attached_ns), 40);
         assert_eq!(offset_of!(ReaderEntry, hazards), 64);
 
         assert_eq!(size_of::<SlotHeader>(), 64);
@@ -249,9 +265,9 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, slot_len), 24);
         assert_eq!(offset_of!(SlotHeader, refs), 32);
         assert_eq!(offset_of!(SlotHeader, kind), 36);
-        assert_eq!(offset_of!(SlotHeader, epoch), 40);
+        assert_eq!(offset_of!(SlotHeader, reserved), 40);
 
-        assert_eq!(LAYOUT_VERSION, 2);
+        assert_eq!(LAYOUT_VERSION, 3);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 8192);
         assert_eq!(header_len(MAX_READERS), 40960);
@@ -260,6 +276,16 @@ mod tests {
         assert_eq!(slot_prefix_len(17), 192);
         assert_eq!(slot_len(2, 0), 128);
         assert_eq!(slot_len(2, 1), 192);
+    }
+
+    #[test]
+    fn state_words_keep_state_and_generation_apart() {
+        use reader_state::*;
+        let w = word(0x00ab_cdef_0123_4567, LEFT);
+        assert_eq!(state(w), LEFT);
+        assert_eq!(generation(w), 0x00ab_cdef_0123_4567);
+        assert_ne!(word(1, ATTACHED), word(2, ATTACHED));
+        assert_eq!(state(word(7, ATTACHING)), ATTACHING);
     }
 
     #[test]

@@ -158,7 +158,7 @@ fn pack_and_unpack_kernels_match_the_cpu_reference() {
     });
     let g = r.get(h).unwrap();
     // SAFETY: unpack reads the guarded slot and writes the fresh buffers.
-    let t = unsafe { eng.unpack_async(g.as_ptr(), g.len(), &back) }.unwrap();
+    let t = unsafe { eng.unpack_async(g.as_ptr(), g.len(), &back, None) }.unwrap();
     t.wait().unwrap();
     drop(g);
     for (b, (d, _)) in outs.iter().zip(&host) {

@@ -369,8 +369,9 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
     let len = 32 * KIB;
     let cap = 32 * layout::slot_len(1, len);
     let mut w = ObjectStore::create(StoreConfig::new(cap, len, 1).name(&*name)).unwrap();
-    let r = StoreReader::attach(&w.handle()).unwrap();
+    let mut r = StoreReader::attach(&w.handle()).unwrap();
     let total = (layout::header_len(1) + cap) as u64;
+    let mut reattached = 0u64;
     // The hostile process: this test binary re-executed, writing random
     // bytes into the segment through its own mapping of the file.
     let mut flipper = spawn_child(
@@ -414,7 +415,18 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
         }
         let _ = r.get_item(h).map(|v| v.names().count());
         let _ = r.get_tensor(h).map(|v| v.numel());
-        let _ = r.touch(h);
+        if let Err(Error::ReaderLeft { .. }) = r.touch(h) {
+            // The flipper hit our reader entry: we are told, and start over
+            // (the header may be scribbled too: then attach fails cleanly).
+            drop(r);
+            match StoreReader::attach(&w.handle()) {
+                Ok(again) => {
+                    r = again;
+                    reattached += 1;
+                }
+                Err(_) => break,
+            }
+        }
         let _ = w.free_unused();
         if w.stats().objects > 20 {
             w.clear();
@@ -425,7 +437,7 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
     let _ = flipper.wait();
     assert!(
         flips > 1000 && outcomes[0] > 0,
-        "flips {flips}, outcomes {outcomes:?}"
+        "flips {flips}, outcomes {outcomes:?}, reattached {reattached}"
     );
 }
 

@@ -1,7 +1,6 @@
 //! [`CpuEngine`]: an emulated device whose memory is host memory and whose
 //! copies run in order on one worker thread, like a CUDA stream.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +8,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    check_device, check_pack, pack_cpu, unpack_cpu, Completion, CopyEngine, DeviceBuffer, DeviceId,
+    check_pack, pack_cpu, unpack_cpu, Completion, CopyEngine, DeviceBuffer, DeviceId, KeepAlive,
     PackDesc, Ticket,
 };
 use crate::error::{Error, Result};
@@ -34,7 +33,7 @@ enum Job {
 
 struct Work {
     job: Job,
-    keep: Vec<Arc<dyn Any + Send + Sync>>,
+    keep: Vec<KeepAlive>,
     done: Sender<Result<(), String>>,
 }
 
@@ -92,7 +91,7 @@ impl CpuEngine {
         }
     }
 
-    fn submit(&self, job: Job, keep: Vec<Arc<dyn Any + Send + Sync>>) -> Result<Ticket> {
+    fn submit(&self, job: Job, keep: Vec<KeepAlive>) -> Result<Ticket> {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.jobs
             .as_ref()
@@ -151,7 +150,10 @@ struct CpuCompletion {
     outcome: std::sync::OnceLock<Result<(), String>>,
 }
 
-impl Completion for CpuCompletion {
+// SAFETY: the worker sends the outcome only after the job has run (and
+// dropped its keep-alives only then); a closed channel means the job will
+// never run. poll never fails.
+unsafe impl Completion for CpuCompletion {
     fn poll(&self) -> Result<bool> {
         if self.outcome.get().is_none() {
             if let Ok(r) = self.rx.try_recv() {
@@ -171,7 +173,10 @@ impl Completion for CpuCompletion {
     }
 }
 
-impl CopyEngine for CpuEngine {
+// SAFETY: tickets carry CpuCompletions (see there); every job owns its
+// keep-alives until it has run, whatever happens to its ticket; upload and
+// download go through the same queue as the copies, so they run after them.
+unsafe impl CopyEngine for CpuEngine {
     fn device(&self) -> DeviceId {
         self.id
     }
@@ -189,21 +194,15 @@ impl CopyEngine for CpuEngine {
     }
 
     fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()> {
-        check_device(self, dst)?;
-        if src.len() > dst.len {
-            return Err(Error::DeviceRange(format!(
-                "{} bytes into a {}-byte buffer",
-                src.len(),
-                dst.len
-            )));
-        }
-        // SAFETY: dst is this engine's host-backed buffer of dst.len bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr as *mut u8, src.len()) };
-        Ok(())
+        self.check_fits(src.len(), dst)?;
+        // SAFETY: dst is this engine's host-backed buffer with room for src;
+        // src stays borrowed (valid, unwritten) until wait returns below.
+        let t = unsafe { self.h2d_async(src.as_ptr(), src.len(), dst, None)? };
+        t.wait()
     }
 
     fn download(&self, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()> {
-        check_device(self, src)?;
+        self.check_device(src)?;
         if dst.len() < src.len {
             return Err(Error::DeviceRange(format!(
                 "{} bytes into {}",
@@ -211,44 +210,54 @@ impl CopyEngine for CpuEngine {
                 dst.len()
             )));
         }
-        // SAFETY: src is this engine's host-backed buffer of src.len bytes.
-        unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst.as_mut_ptr(), src.len) };
-        Ok(())
+        // SAFETY: dst has room for src.len bytes and stays mutably borrowed
+        // (nobody else touches it) until wait returns below.
+        let t = unsafe { self.d2h_async(src, dst.as_mut_ptr(), None)? };
+        t.wait()
     }
 
-    unsafe fn d2h_async(&self, src: &DeviceBuffer, dst: *mut u8) -> Result<Ticket> {
-        check_device(self, src)?;
-        let keep = src.keep.iter().cloned().collect();
+    unsafe fn d2h_async(
+        &self,
+        src: &DeviceBuffer,
+        dst: *mut u8,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
+        self.check_device(src)?;
         self.submit(
             Job::Copy {
                 src: src.ptr as usize,
                 dst: dst as usize,
                 len: src.len,
             },
-            keep,
+            src.keep.iter().cloned().chain(keep).collect(),
         )
     }
 
-    unsafe fn h2d_async(&self, src: *const u8, len: usize, dst: &DeviceBuffer) -> Result<Ticket> {
-        check_device(self, dst)?;
-        if len > dst.len {
-            return Err(Error::DeviceRange(format!(
-                "{len} bytes into a {}-byte device buffer",
-                dst.len
-            )));
-        }
-        let keep = dst.keep.iter().cloned().collect();
+    unsafe fn h2d_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
+        self.check_fits(len, dst)?;
         self.submit(
             Job::Copy {
                 src: src as usize,
                 dst: dst.ptr as usize,
                 len,
             },
-            keep,
+            dst.keep.iter().cloned().chain(keep).collect(),
         )
     }
 
-    unsafe fn pack_async(&self, descs: &[PackDesc], dst: *mut u8, len: usize) -> Result<Ticket> {
+    unsafe fn pack_async(
+        &self,
+        descs: &[PackDesc],
+        dst: *mut u8,
+        len: usize,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
         check_pack(descs, len)?;
         self.submit(
             Job::Pack {
@@ -256,7 +265,7 @@ impl CopyEngine for CpuEngine {
                 dst: dst as usize,
                 len,
             },
-            Vec::new(),
+            keep.into_iter().collect(),
         )
     }
 
@@ -265,6 +274,7 @@ impl CopyEngine for CpuEngine {
         src: *const u8,
         len: usize,
         descs: &[PackDesc],
+        keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         check_pack(descs, len)?;
         self.submit(
@@ -273,7 +283,7 @@ impl CopyEngine for CpuEngine {
                 src: src as usize,
                 len,
             },
-            Vec::new(),
+            keep.into_iter().collect(),
         )
     }
 }

@@ -99,7 +99,7 @@ impl DeviceBuffer {
     }
 
     /// Whatever keeps the memory alive (for engines to hold while copying).
-    pub fn keep_alive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+    pub fn keep_alive(&self) -> Option<KeepAlive> {
         self.keep.clone()
     }
 
@@ -121,8 +121,23 @@ impl DeviceBuffer {
     }
 }
 
+/// Whatever keeps memory alive under a copy: an engine holds it until the
+/// copy has stopped touching that memory.
+pub type KeepAlive = Arc<dyn Any + Send + Sync>;
+
 /// Completion of one asynchronous operation.
-pub trait Completion: Send + Sync + fmt::Debug {
+///
+/// # Safety
+/// The store releases memory on this trait's word, so an implementation
+/// promises:
+/// 1. `poll` returns `Ok(true)`, and `wait` returns (`Ok` or `Err`), only
+///    once the operation will never again read or write any memory it was
+///    started on. `poll` returns `Err` only when it cannot tell; callers
+///    treat that as "not done".
+/// 2. Dropping the completion (or leaking it) before it is done does not
+///    release the keep-alives the operation was started with while the
+///    operation may still touch their memory.
+pub unsafe trait Completion: Send + Sync + fmt::Debug {
     /// Whether it has finished (successfully or not), without blocking.
     fn poll(&self) -> Result<bool>;
     /// Blocks until it has finished; its outcome.
@@ -256,31 +271,58 @@ pub unsafe fn unpack_cpu(descs: &[PackDesc], src: &[u8]) -> Result<()> {
 }
 
 /// Starts asynchronous copies between host memory and one device.
-pub trait CopyEngine: Send + Sync {
+///
+/// # Safety
+/// The store hands an engine memory it may free or reuse as soon as the
+/// engine says a copy is done, so an implementation promises:
+/// 1. Every [`Ticket`] it returns carries a [`Completion`] that keeps that
+///    trait's promises.
+/// 2. Each `*_async` method holds `keep` (and the device buffers'
+///    [`DeviceBuffer::keep_alive`]) until the copy has stopped touching
+///    that memory, whatever happens to the ticket (dropped, leaked).
+/// 3. `upload` and `download` are ordered with the copies started before
+///    them, as on one stream: they do not touch a buffer a queued copy is
+///    still using.
+pub unsafe trait CopyEngine: Send + Sync {
     /// The device this engine copies to and from.
     fn device(&self) -> DeviceId;
 
     /// Device memory of `len` bytes.
     fn alloc(&self, len: usize) -> Result<DeviceBuffer>;
 
-    /// Synchronous upload (for setting up and testing).
+    /// Synchronous upload (for setting up and testing), ordered after the
+    /// copies started before it.
     fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()>;
 
-    /// Synchronous download (for setting up and testing).
+    /// Synchronous download (for setting up and testing), ordered after the
+    /// copies started before it.
     fn download(&self, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()>;
 
     /// Starts copying `src` (all of it) to host memory at `dst`.
     ///
     /// # Safety
-    /// `dst..dst+src.len()` stays valid for writes, and nobody else reads or
-    /// writes it, until the ticket completes.
-    unsafe fn d2h_async(&self, src: &DeviceBuffer, dst: *mut u8) -> Result<Ticket>;
+    /// `dst..dst+src.len()` is valid for writes and nobody else reads or
+    /// writes it until the ticket completes; it stays valid that long, or
+    /// `keep` keeps it valid.
+    unsafe fn d2h_async(
+        &self,
+        src: &DeviceBuffer,
+        dst: *mut u8,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket>;
 
     /// Starts copying `len` host bytes at `src` into `dst` (from its start).
     ///
     /// # Safety
-    /// `src..src+len` stays valid and unwritten until the ticket completes.
-    unsafe fn h2d_async(&self, src: *const u8, len: usize, dst: &DeviceBuffer) -> Result<Ticket>;
+    /// `src..src+len` is valid and nobody writes it until the ticket
+    /// completes; it stays valid that long, or `keep` keeps it valid.
+    unsafe fn h2d_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket>;
 
     /// Starts gathering `descs` into `len` host bytes at `dst` in one go
     /// (one kernel launch on CUDA).
@@ -288,22 +330,60 @@ pub trait CopyEngine: Send + Sync {
     /// # Safety
     /// As [`pack_cpu`] for the pieces (device memory of this engine's
     /// device, kept alive until completion), and as `d2h_async` for `dst`.
-    unsafe fn pack_async(&self, descs: &[PackDesc], dst: *mut u8, len: usize) -> Result<Ticket>;
+    unsafe fn pack_async(
+        &self,
+        descs: &[PackDesc],
+        dst: *mut u8,
+        len: usize,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket>;
 
     /// Starts scattering `len` host bytes at `src` to `descs`.
     ///
     /// # Safety
     /// As [`unpack_cpu`] for the pieces, and as `h2d_async` for `src`.
-    unsafe fn unpack_async(&self, src: *const u8, len: usize, descs: &[PackDesc])
-        -> Result<Ticket>;
+    unsafe fn unpack_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        descs: &[PackDesc],
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket>;
+
+    /// `Err(WrongDevice)` unless `buf` is memory of this engine's device.
+    fn check_device(&self, buf: &DeviceBuffer) -> Result<()> {
+        if buf.device != self.device() {
+            return Err(Error::WrongDevice {
+                buffer: buf.device,
+                engine: self.device(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `Err` unless `len` bytes fit in `buf`, of this engine's device.
+    fn check_fits(&self, len: usize, buf: &DeviceBuffer) -> Result<()> {
+        self.check_device(buf)?;
+        if len > buf.len {
+            return Err(Error::DeviceRange(format!(
+                "{len} bytes do not fit a {}-byte device buffer",
+                buf.len
+            )));
+        }
+        Ok(())
+    }
 }
 
-pub(crate) fn check_device(engine: &(impl CopyEngine + ?Sized), buf: &DeviceBuffer) -> Result<()> {
-    if buf.device != engine.device() {
-        return Err(Error::WrongDevice {
-            buffer: buf.device,
-            engine: engine.device(),
-        });
+/// Waits for every ticket, even after one fails (every copy must have
+/// stopped before its memory is released); the first error.
+pub(crate) fn wait_all(tickets: impl IntoIterator<Item = Ticket>) -> Result<()> {
+    let mut first = Ok(());
+    for t in tickets {
+        if let Err(e) = t.wait() {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
     }
-    Ok(())
+    first
 }

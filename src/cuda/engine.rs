@@ -1,6 +1,7 @@
 //! [`CudaEngine`]: copies on a CUDA stream, completions as events, and the
 //! pack/unpack kernels.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
@@ -11,7 +12,7 @@ use cudarc::driver::{
 use super::register::context;
 use super::{cuda_err, driver_present, kernel_ptx};
 use crate::copy::{
-    check_device, check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, PackDesc, Ticket,
+    check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Ticket,
 };
 use crate::error::{Error, Result};
 
@@ -32,22 +33,47 @@ impl Drop for DeviceAlloc {
     }
 }
 
+/// An event recorded after a copy, with everything the copy touches.
 #[derive(Debug)]
 struct EventCompletion {
     event: CudaEvent,
-    _keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Set once the event was seen complete.
+    done: AtomicBool,
+    keep: Vec<KeepAlive>,
 }
 
-impl Completion for EventCompletion {
+// SAFETY: `poll` says done only when cuEventQuery reports the event (recorded
+// after the copy on the same stream) complete, and `wait` returns only after
+// cuEventSynchronize; a driver error is passed up as an error (never "done").
+// Dropped before it was seen done, the completion synchronizes first, and
+// leaks its keep-alives if even that fails.
+unsafe impl Completion for EventCompletion {
     fn poll(&self) -> Result<bool> {
-        self.event
+        let done = self
+            .event
             .try_is_complete()
-            .map_err(|e| cuda_err("cuEventQuery", e))
+            .map_err(|e| cuda_err("cuEventQuery", e))?;
+        if done {
+            self.done.store(true, Ordering::Release);
+        }
+        Ok(done)
     }
     fn wait(&self) -> Result<()> {
         self.event
             .synchronize()
-            .map_err(|e| cuda_err("cuEventSynchronize", e))
+            .map_err(|e| cuda_err("cuEventSynchronize", e))?;
+        self.done.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for EventCompletion {
+    fn drop(&mut self) {
+        if !self.done.load(Ordering::Acquire) && self.wait().is_err() {
+            // Cannot tell whether the copy still runs: keep its memory.
+            tracing::warn!("a CUDA copy could not be confirmed finished; leaking its buffers");
+            std::mem::forget(std::mem::take(&mut self.keep));
+        }
     }
 }
 
@@ -92,12 +118,17 @@ impl CudaEngine {
             .map_err(|e| cuda_err("bind context", e))
     }
 
-    fn record(&self, keep: Vec<Arc<dyn std::any::Any + Send + Sync>>) -> Result<Ticket> {
+    fn record(&self, keep: Vec<KeepAlive>) -> Result<Ticket> {
+        // Blocking sync: a waiting thread sleeps instead of spinning a core.
         let event = self
             .stream
-            .record_event(None)
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
             .map_err(|e| cuda_err("cuEventRecord", e))?;
-        Ok(Ticket::new(EventCompletion { event, _keep: keep }))
+        Ok(Ticket::new(EventCompletion {
+            event,
+            done: AtomicBool::new(false),
+            keep,
+        }))
     }
 
     /// The pack and unpack kernels, compiled once per engine.
@@ -129,6 +160,7 @@ impl CudaEngine {
         packed: *mut u8,
         len: usize,
         to_packed: bool,
+        keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         check_pack(descs, len)?;
         let (pack, unpack) = self.kernels()?;
@@ -145,10 +177,17 @@ impl CudaEngine {
                 )
             })?;
         let table = self.alloc(std::mem::size_of_val(descs).max(1))?;
-        // SAFETY: `table` holds size_of_val(descs) bytes; descs is copied
-        // synchronously with respect to the host buffer (pageable source).
-        unsafe { cu::memcpy_htod_sync(table.ptr(), bytemuck::cast_slice::<PackDesc, u8>(descs)) }
-            .map_err(|e| cuda_err("upload pack table", e))?;
+        // SAFETY: `table` holds size_of_val(descs) bytes. The copy is on our
+        // stream, so the kernel after it sees the table; from pageable
+        // memory the driver has staged `descs` before the call returns.
+        unsafe {
+            cu::memcpy_htod_async(
+                table.ptr(),
+                bytemuck::cast_slice::<PackDesc, u8>(descs),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| cuda_err("upload pack table", e))?;
         let n = descs.len() as u32;
         let cfg = LaunchConfig {
             grid_dim: (64, n.clamp(1, 65_535), 1),
@@ -163,13 +202,23 @@ impl CudaEngine {
         // by the ticket) and moves bytes between the pieces (the caller's
         // contract) and `packed` (checked by check_pack, device-mapped).
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err("kernel launch", e))?;
-        let keep: Vec<Arc<dyn std::any::Any + Send + Sync>> =
-            table.keep_alive().into_iter().collect();
+        // The table, the kernel's module and the host memory stay alive
+        // until the kernel is done.
+        let module: KeepAlive = Arc::new(f.clone());
+        let keep = table
+            .keep_alive()
+            .into_iter()
+            .chain([module])
+            .chain(keep)
+            .collect();
         self.record(keep)
     }
 }
 
-impl CopyEngine for CudaEngine {
+// SAFETY: tickets carry EventCompletions (see there) holding every
+// keep-alive; upload and download run on the engine's stream and wait for it,
+// so they are ordered after the copies started before them.
+unsafe impl CopyEngine for CudaEngine {
     fn device(&self) -> DeviceId {
         self.ordinal as u64
     }
@@ -186,21 +235,19 @@ impl CopyEngine for CudaEngine {
     }
 
     fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()> {
-        check_device(self, dst)?;
-        if src.len() > dst.len() {
-            return Err(Error::DeviceRange(format!(
-                "{} bytes into a {}-byte buffer",
-                src.len(),
-                dst.len()
-            )));
-        }
+        self.check_fits(src.len(), dst)?;
         self.bind()?;
-        // SAFETY: dst is device memory of this context with room for src.
-        unsafe { cu::memcpy_htod_sync(dst.ptr(), src) }.map_err(|e| cuda_err("cuMemcpyHtoD", e))
+        // SAFETY: dst is device memory of this context with room for src,
+        // which stays borrowed until the stream has drained below.
+        unsafe { cu::memcpy_htod_async(dst.ptr(), src, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
     fn download(&self, src: &DeviceBuffer, dst: &mut [u8]) -> Result<()> {
-        check_device(self, src)?;
+        self.check_device(src)?;
         if dst.len() < src.len() {
             return Err(Error::DeviceRange(format!(
                 "{} bytes into {}",
@@ -209,13 +256,22 @@ impl CopyEngine for CudaEngine {
             )));
         }
         self.bind()?;
-        // SAFETY: src is device memory of this context of src.len() bytes.
-        unsafe { cu::memcpy_dtoh_sync(&mut dst[..src.len()], src.ptr()) }
-            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+        // SAFETY: src is device memory of this context of src.len() bytes;
+        // dst stays mutably borrowed until the stream has drained below.
+        unsafe { cu::memcpy_dtoh_async(&mut dst[..src.len()], src.ptr(), self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
-    unsafe fn d2h_async(&self, src: &DeviceBuffer, dst: *mut u8) -> Result<Ticket> {
-        check_device(self, src)?;
+    unsafe fn d2h_async(
+        &self,
+        src: &DeviceBuffer,
+        dst: *mut u8,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
+        self.check_device(src)?;
         self.bind()?;
         // SAFETY: the caller's contract for dst; src is this device's memory.
         unsafe {
@@ -223,28 +279,34 @@ impl CopyEngine for CudaEngine {
         }
         .result()
         .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-        self.record(src.keep_alive().into_iter().collect())
+        self.record(src.keep_alive().into_iter().chain(keep).collect())
     }
 
-    unsafe fn h2d_async(&self, src: *const u8, len: usize, dst: &DeviceBuffer) -> Result<Ticket> {
-        check_device(self, dst)?;
-        if len > dst.len() {
-            return Err(Error::DeviceRange(format!(
-                "{len} bytes into a {}-byte device buffer",
-                dst.len()
-            )));
-        }
+    unsafe fn h2d_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
+        self.check_fits(len, dst)?;
         self.bind()?;
         // SAFETY: the caller's contract for src; dst has room for len bytes.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.cast(), len, self.stream.cu_stream()) }
             .result()
             .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
-        self.record(dst.keep_alive().into_iter().collect())
+        self.record(dst.keep_alive().into_iter().chain(keep).collect())
     }
 
-    unsafe fn pack_async(&self, descs: &[PackDesc], dst: *mut u8, len: usize) -> Result<Ticket> {
+    unsafe fn pack_async(
+        &self,
+        descs: &[PackDesc],
+        dst: *mut u8,
+        len: usize,
+        keep: Option<KeepAlive>,
+    ) -> Result<Ticket> {
         // SAFETY: forwarded contract.
-        unsafe { self.launch(descs, dst, len, true) }
+        unsafe { self.launch(descs, dst, len, true, keep) }
     }
 
     unsafe fn unpack_async(
@@ -252,8 +314,9 @@ impl CopyEngine for CudaEngine {
         src: *const u8,
         len: usize,
         descs: &[PackDesc],
+        keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         // SAFETY: forwarded contract; unpack only reads `src`.
-        unsafe { self.launch(descs, src as *mut u8, len, false) }
+        unsafe { self.launch(descs, src as *mut u8, len, false, keep) }
     }
 }

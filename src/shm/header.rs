@@ -25,7 +25,7 @@ impl HeaderPtr {
         unsafe { field(self.ptr, off) }
     }
 
-    fn writer_pid(&self) -> &AtomicU32 {
+    fn writer_pid_word(&self) -> &AtomicU32 {
         // SAFETY: `new`'s contract; writer_pid is the 4-aligned u32 at offset 60.
         unsafe { field(self.ptr, offset_of!(SegmentHeader, writer_pid)) }
     }
@@ -60,18 +60,14 @@ impl HeaderPtr {
             .load(Ordering::Acquire)
     }
 
-    /// Writer pid (0 once the writer has exited cleanly) and start time.
-    pub fn writer(&self) -> (u32, u64) {
-        (
-            self.writer_pid().load(Ordering::Acquire),
-            self.u64_at(offset_of!(SegmentHeader, writer_start_time))
-                .load(Ordering::Relaxed),
-        )
+    /// Writer pid, for messages; 0 once the writer has closed the store.
+    pub fn writer_pid(&self) -> u32 {
+        self.writer_pid_word().load(Ordering::Acquire)
     }
 
     /// Marks the writer as gone (clean exit).
     pub fn clear_writer(&self) {
-        self.writer_pid().store(0, Ordering::Release);
+        self.writer_pid_word().store(0, Ordering::Release);
     }
 
     /// Ids below this were dropped by `clear`.

@@ -10,7 +10,7 @@
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `ReaderEntry::hazards[k]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other |
-//! | `ReaderEntry::state` | reader (SeqCst), writer marks dead (SeqCst CAS) | writer (SeqCst, after its fence) | a reader attaching while the writer reclaims is seen by one side |
+//! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
 //! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
 //! (Acquire); store `id = 0` then a SeqCst fence; scan the hazards of every
@@ -72,7 +72,7 @@ mod tests {
         // and for a whole reader entry (576 bytes).
         let slot = unsafe { SlotPtr::new(sp.0) };
         slot.begin_write();
-        slot.publish(7, 99, 10, 192, 0, 1, 2);
+        slot.publish(7, 99, 10, 192, 0, 2);
         assert_eq!(slot.id_acquire(), 7);
         assert_eq!(slot.meta(), (99, 10, 0));
         assert!(slot.acknowledge(0));

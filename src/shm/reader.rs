@@ -25,13 +25,12 @@ impl ReaderPtr {
         unsafe { field(self.ptr, off) }
     }
 
-    fn state_word(&self) -> &AtomicU32 {
-        // SAFETY: `new`'s contract; `state` is the 4-aligned u32 at offset 0.
-        unsafe { field(self.ptr, offset_of!(ReaderEntry, state)) }
+    fn state_word(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(ReaderEntry, state))
     }
 
     fn pid_word(&self) -> &AtomicU32 {
-        // SAFETY: `new`'s contract; `pid` is the 4-aligned u32 at offset 4.
+        // SAFETY: `new`'s contract; `pid` is the 4-aligned u32 at offset 8.
         unsafe { field(self.ptr, offset_of!(ReaderEntry, pid)) }
     }
 
@@ -39,37 +38,44 @@ impl ReaderPtr {
         self.u64_at(offset_of!(ReaderEntry, hazards) + 8 * k)
     }
 
-    /// The entry's state (SeqCst: pairs with the writer's reclaim scan).
-    pub fn state(&self) -> u32 {
+    /// The entry's state word, `reader_state::word(generation, state)`
+    /// (SeqCst: pairs with the writer's reclaim scan).
+    pub fn word(&self) -> u64 {
         self.state_word().load(Ordering::SeqCst)
     }
 
-    /// Moves the state from `from` to `to`; false if it was not `from`.
-    pub fn transition(&self, from: u32, to: u32) -> bool {
+    /// The entry's state (see [`layout::reader_state`]).
+    pub fn state(&self) -> u32 {
+        layout::reader_state::state(self.word())
+    }
+
+    /// How many attaches this entry has seen.
+    pub fn generation(&self) -> u64 {
+        layout::reader_state::generation(self.word())
+    }
+
+    /// Moves the state word from `from` to `to`; false if it was not
+    /// `from`. Comparing the whole word (generation included) keeps the
+    /// writer's "dead" mark off a reader that re-attached meanwhile.
+    pub fn transition(&self, from: u64, to: u64) -> bool {
         self.state_word()
             .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
     }
 
-    /// Sets the state unconditionally.
-    pub fn set_state(&self, to: u32) {
+    /// Sets the state word unconditionally (only its holder does).
+    pub fn set_word(&self, to: u64) {
         self.state_word().store(to, Ordering::SeqCst);
     }
 
-    /// Pid and start time of the holder.
-    pub fn owner(&self) -> (u32, u64) {
-        (
-            self.pid_word().load(Ordering::Acquire),
-            self.u64_at(offset_of!(ReaderEntry, start_time))
-                .load(Ordering::Relaxed),
-        )
+    /// Pid of the holder, for messages (0: unknown).
+    pub fn pid(&self) -> u32 {
+        self.pid_word().load(Ordering::Relaxed)
     }
 
-    /// Records the holder (start time first: a pid seen implies its start time).
-    pub fn set_owner(&self, pid: u32, start_time: u64) {
-        self.u64_at(offset_of!(ReaderEntry, start_time))
-            .store(start_time, Ordering::Relaxed);
-        self.pid_word().store(pid, Ordering::Release);
+    /// Records the holder's pid, for messages.
+    pub fn set_pid(&self, pid: u32) {
+        self.pid_word().store(pid, Ordering::Relaxed);
     }
 
     /// First id this reader is counted for.
@@ -82,13 +88,6 @@ impl ReaderPtr {
     pub fn set_counted_from(&self, id: u64) {
         self.u64_at(offset_of!(ReaderEntry, counted_from))
             .store(id, Ordering::Release);
-    }
-
-    /// Bumps and returns the attach generation.
-    pub fn bump_generation(&self) -> u64 {
-        self.u64_at(offset_of!(ReaderEntry, generation))
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_add(1)
     }
 
     /// Counts a stale handle this reader met.
@@ -112,12 +111,6 @@ impl ReaderPtr {
     /// When the holder attached (monotonic ns).
     pub fn attached_ns(&self) -> u64 {
         self.u64_at(offset_of!(ReaderEntry, attached_ns))
-            .load(Ordering::Relaxed)
-    }
-
-    /// Attach generation.
-    pub fn generation(&self) -> u64 {
-        self.u64_at(offset_of!(ReaderEntry, generation))
             .load(Ordering::Relaxed)
     }
 

@@ -62,17 +62,7 @@ impl SlotPtr {
 
     /// Fills the header and zeroes the counters, then publishes `id`
     /// (Release: the payload written before is visible to whoever sees it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn publish(
-        &self,
-        id: u64,
-        tag: u64,
-        size: u64,
-        slot_len: u64,
-        kind: u32,
-        epoch: u64,
-        n_readers: u32,
-    ) {
+    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32, n_readers: u32) {
         let r = Ordering::Relaxed;
         self.u64_at(offset_of!(SlotHeader, tag)).store(tag, r);
         self.u64_at(offset_of!(SlotHeader, size)).store(size, r);
@@ -80,7 +70,6 @@ impl SlotPtr {
             .store(slot_len, r);
         self.u32_at(offset_of!(SlotHeader, refs)).store(1, r);
         self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
-        self.u64_at(offset_of!(SlotHeader, epoch)).store(epoch, r);
         for i in 0..n_readers {
             self.reads(i).store(0, r);
         }
@@ -148,8 +137,7 @@ impl SlotPtr {
             slot_len: self.u64_at(offset_of!(SlotHeader, slot_len)).load(r),
             refs: self.u32_at(offset_of!(SlotHeader, refs)).load(r),
             kind: self.u32_at(offset_of!(SlotHeader, kind)).load(r),
-            epoch: self.u64_at(offset_of!(SlotHeader, epoch)).load(r),
-            reserved: [0; 2],
+            reserved: [0; 3],
         }
     }
 

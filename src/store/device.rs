@@ -9,8 +9,8 @@ use super::config::ObjectHandle;
 use super::guard::ReadGuard;
 use super::reader::StoreReader;
 use super::writer::{ObjectStore, PendingCopy};
-use crate::codec::{self, ItemLayout, TensorView, TENSOR_HEADER_LEN};
-use crate::copy::{check_device, check_pack, CopyEngine, DeviceBuffer, PackDesc, Ticket};
+use crate::codec::{self, ItemLayout, TENSOR_HEADER_LEN};
+use crate::copy::{check_pack, wait_all, CopyEngine, DeviceBuffer, KeepAlive, PackDesc, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::ObjectKind;
@@ -25,19 +25,11 @@ struct PutInFlight {
 
 impl PendingCopy for PutInFlight {
     fn is_done(&self) -> bool {
-        self.tickets.iter().all(|t| t.poll().unwrap_or(true))
+        // A poll that cannot tell is "not done": the slot stays pending.
+        self.tickets.iter().all(|t| t.poll().unwrap_or(false))
     }
     fn wait(&self) -> Result<()> {
-        // Wait for every ticket even after a failure: the slot must be quiet.
-        let mut first = Ok(());
-        for t in &self.tickets {
-            if let Err(e) = t.wait() {
-                if first.is_ok() {
-                    first = Err(e);
-                }
-            }
-        }
-        first
+        wait_all(self.tickets.iter().cloned())
     }
     fn abandoned(&self) -> bool {
         !self.token_alive.load(Ordering::Acquire)
@@ -67,12 +59,15 @@ impl ObjectStore {
         key: &str,
         len: usize,
         kind: ObjectKind,
-        start: impl FnOnce(*mut u8) -> Result<Vec<Ticket>>,
+        start: impl FnOnce(*mut u8, KeepAlive) -> Result<Vec<Ticket>>,
     ) -> Result<PendingPut> {
         let mut state = None;
+        // Every copy into the slot holds the mapping: it stays valid under
+        // the copy even if this store is dropped and the token leaked.
+        let keep: KeepAlive = self.mapping();
         let id = self.begin_pending(key, len, kind, |payload| {
             let s = Arc::new(PutInFlight {
-                tickets: start(payload)?,
+                tickets: start(payload, keep)?,
                 token_alive: AtomicBool::new(true),
             });
             state = Some(s.clone());
@@ -94,12 +89,11 @@ impl ObjectStore {
         src: &DeviceBuffer,
         engine: &E,
     ) -> Result<PendingPut> {
-        check_device(engine, src)?;
+        engine.check_device(src)?;
         // SAFETY: the slot is reserved for this put and not published until
-        // finish_put has waited for the ticket; the store waits for pending
-        // copies before unmapping.
-        self.start_put(key, src.len(), ObjectKind::Raw, |p| {
-            Ok(vec![unsafe { engine.d2h_async(src, p)? }])
+        // finish_put has waited for the ticket; `keep` holds the mapping.
+        self.start_put(key, src.len(), ObjectKind::Raw, |p, keep| {
+            Ok(vec![unsafe { engine.d2h_async(src, p, Some(keep))? }])
         })
     }
 
@@ -112,7 +106,7 @@ impl ObjectStore {
         src: &DeviceBuffer,
         engine: &E,
     ) -> Result<PendingPut> {
-        check_device(engine, src)?;
+        engine.check_device(src)?;
         let len = codec::payload_len(dtype, shape)?;
         if len != src.len() {
             return Err(Error::DeviceRange(format!(
@@ -120,15 +114,20 @@ impl ObjectStore {
                 src.len()
             )));
         }
-        self.start_put(key, len + TENSOR_HEADER_LEN, ObjectKind::Tensor, |p| {
-            // SAFETY: p spans the reserved, unpublished object.
-            let obj = unsafe { std::slice::from_raw_parts_mut(p, len + TENSOR_HEADER_LEN) };
-            codec::write_tensor_header(obj, dtype, shape, len);
-            // SAFETY: as put_from_device; the payload starts after the header.
-            Ok(vec![unsafe {
-                engine.d2h_async(src, p.add(TENSOR_HEADER_LEN))?
-            }])
-        })
+        self.start_put(
+            key,
+            len + TENSOR_HEADER_LEN,
+            ObjectKind::Tensor,
+            |p, keep| {
+                // SAFETY: p spans the reserved, unpublished object.
+                let obj = unsafe { std::slice::from_raw_parts_mut(p, len + TENSOR_HEADER_LEN) };
+                codec::write_tensor_header(obj, dtype, shape, len);
+                // SAFETY: as put_from_device; the payload starts after the header.
+                Ok(vec![unsafe {
+                    engine.d2h_async(src, p.add(TENSOR_HEADER_LEN), Some(keep))?
+                }])
+            },
+        )
     }
 
     /// As [`ObjectStore::put_from_device`] for an item: one device buffer
@@ -149,7 +148,7 @@ impl ObjectStore {
             )));
         }
         for (f, s) in fields.iter().zip(srcs) {
-            check_device(engine, s)?;
+            engine.check_device(s)?;
             if s.len() as u64 != f.len {
                 return Err(Error::DeviceRange(format!(
                     "field '{}' is {} bytes, its device buffer {}",
@@ -159,18 +158,18 @@ impl ObjectStore {
                 )));
             }
         }
-        self.start_put(key, layout.len(), ObjectKind::Item, |p| {
+        self.start_put(key, layout.len(), ObjectKind::Item, |p, keep| {
             // SAFETY: p spans the reserved, unpublished object.
             layout.write_header(unsafe { std::slice::from_raw_parts_mut(p, layout.len()) });
             let mut tickets = Vec::with_capacity(srcs.len());
             for (f, s) in fields.iter().zip(srcs) {
                 // SAFETY: as put_from_device, into the field's own range.
-                match unsafe { engine.d2h_async(s, p.add(f.offset as usize)) } {
+                match unsafe { engine.d2h_async(s, p.add(f.offset as usize), Some(keep.clone())) } {
                     Ok(t) => tickets.push(t),
                     Err(e) => {
                         // Copies already started must stop before the slot
                         // is given back.
-                        tickets.iter().for_each(|t| drop(t.wait()));
+                        let _ = wait_all(tickets);
                         return Err(e);
                     }
                 }
@@ -195,8 +194,10 @@ impl ObjectStore {
         check_pack(descs, len)?;
         // SAFETY: the caller's contract for the pieces; the slot as in
         // put_from_device.
-        self.start_put(key, len, ObjectKind::Raw, |p| {
-            Ok(vec![unsafe { engine.pack_async(descs, p, len)? }])
+        self.start_put(key, len, ObjectKind::Raw, |p, keep| {
+            Ok(vec![unsafe {
+                engine.pack_async(descs, p, len, Some(keep))?
+            }])
         })
     }
 
@@ -257,17 +258,10 @@ impl PendingGet<'_> {
     }
 
     fn finish(&mut self) -> Result<()> {
-        let mut first = Ok(());
-        for t in self.tickets.drain(..) {
-            if let Err(e) = t.wait() {
-                if first.is_ok() {
-                    first = Err(e);
-                }
-            }
-        }
+        let r = wait_all(self.tickets.drain(..));
         // Only now may the writer reuse the slot.
         self.guard.take();
-        first
+        r
     }
 }
 
@@ -282,61 +276,74 @@ impl Drop for PendingGet<'_> {
 }
 
 impl StoreReader {
-    /// Starts copying the object `h` into `dst` (from its start).
+    /// Starts copying the object `h` into `dst` (from its start):
+    /// `get(h)` then [`ReadGuard::to_device`].
     pub fn get_to_device<'r, E: CopyEngine + ?Sized>(
         &'r self,
         h: ObjectHandle,
         dst: &DeviceBuffer,
         engine: &E,
     ) -> Result<PendingGet<'r>> {
-        check_device(engine, dst)?;
-        let guard = self.get(h)?;
-        let len = guard.len();
-        self.copy_out(guard, 0, len, dst, engine)
+        engine.check_device(dst)?;
+        self.get(h)?.to_device(dst, engine)
     }
 
-    /// Starts copying the payload of tensor `h` into `dst`.
+    /// Starts copying the payload of tensor `h` into `dst`:
+    /// `get(h)` then [`ReadGuard::tensor_to_device`].
     pub fn get_tensor_to_device<'r, E: CopyEngine + ?Sized>(
         &'r self,
         h: ObjectHandle,
         dst: &DeviceBuffer,
         engine: &E,
     ) -> Result<PendingGet<'r>> {
-        check_device(engine, dst)?;
-        let guard = self.get(h)?;
-        if guard.kind() != ObjectKind::Tensor {
-            return Err(Error::WrongKind {
-                expected: ObjectKind::Tensor,
-                found: guard.kind(),
-            });
-        }
-        let len = TensorView::parse(&guard)?.bytes().len();
-        self.copy_out(guard, TENSOR_HEADER_LEN, len, dst, engine)
+        engine.check_device(dst)?;
+        self.get(h)?.tensor_to_device(dst, engine)
+    }
+}
+
+impl<'r> ReadGuard<'r> {
+    /// Starts copying the whole object into `dst` (from its start). The
+    /// guard moves into the [`PendingGet`], which holds the slot until the
+    /// copy has completed.
+    pub fn to_device<E: CopyEngine + ?Sized>(
+        self,
+        dst: &DeviceBuffer,
+        engine: &E,
+    ) -> Result<PendingGet<'r>> {
+        let len = self.len();
+        self.copy_out(0, len, dst, engine)
     }
 
-    fn copy_out<'r, E: CopyEngine + ?Sized>(
-        &'r self,
-        guard: ReadGuard<'r>,
+    /// Starts copying the payload of this tensor into `dst`.
+    pub fn tensor_to_device<E: CopyEngine + ?Sized>(
+        self,
+        dst: &DeviceBuffer,
+        engine: &E,
+    ) -> Result<PendingGet<'r>> {
+        let len = self.tensor()?.bytes().len();
+        self.copy_out(TENSOR_HEADER_LEN, len, dst, engine)
+    }
+
+    fn copy_out<E: CopyEngine + ?Sized>(
+        self,
         offset: usize,
         len: usize,
         dst: &DeviceBuffer,
         engine: &E,
     ) -> Result<PendingGet<'r>> {
-        debug_assert!(offset + len <= guard.len());
-        if len > dst.len() {
-            return Err(Error::DeviceRange(format!(
-                "object {}:{} has {len} bytes to copy, the device buffer {}",
-                guard.handle().address,
-                guard.handle().monotonic_id,
-                dst.len()
-            )));
-        }
+        debug_assert!(offset + len <= self.len());
+        engine.check_fits(len, dst)?;
+        // The copy holds the mapping: were this PendingGet leaked and the
+        // reader dropped, the memory under the copy stays valid (and the
+        // reader's lock, hence its hazard on the slot, stays held).
+        let keep: KeepAlive = self.reader.map.clone();
         // SAFETY: the guard holds the slot (its hazard keeps the writer from
-        // reusing it) until PendingGet has waited for the ticket.
-        let t = unsafe { engine.h2d_async(guard.as_ptr().add(offset), len, dst)? };
+        // reusing it) until PendingGet has waited for the ticket; `keep`
+        // keeps the mapping valid under the copy whatever happens to it.
+        let t = unsafe { engine.h2d_async(self.as_ptr().add(offset), len, dst, Some(keep))? };
         Ok(PendingGet {
             tickets: vec![t],
-            guard: Some(guard),
+            guard: Some(self),
             len,
         })
     }

@@ -5,6 +5,7 @@
 mod config;
 mod device;
 mod guard;
+mod mapping;
 mod reader;
 mod typed;
 mod writer;

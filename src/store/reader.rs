@@ -1,15 +1,18 @@
 //! One reader of a store: [`StoreReader`].
 
 use std::cell::Cell;
+use std::sync::Arc;
 
 use super::config::{ObjectHandle, ReaderOptions, StoreHandle};
 use super::guard::ReadGuard;
+use super::mapping::Mapping;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, reader_state, ObjectKind};
 use crate::shm::{ReaderPtr, SlotPtr};
 use crate::sys::clock;
-use crate::sys::segment::{self, Segment};
+use crate::sys::liveness;
+use crate::sys::segment::Segment;
 
 /// Opens and validates a segment against the expectations of a handle.
 fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry)> {
@@ -61,15 +64,18 @@ pub struct StoreReader {
     index: u32,
     me: ReaderPtr,
     counted_from: u64,
+    /// Our state word in the reader table while we hold the entry.
+    word: u64,
     /// Bit k set: hazard word k is in use by a live guard.
     hazards_used: Cell<u64>,
-    /// Unregistered before `seg` unmaps (fields drop in order).
-    pinned: Option<crate::pin::Pinned>,
-    seg: Segment,
+    /// The segment (our reader lock held through it), shared with copies
+    /// in flight out of it.
+    pub(super) map: Arc<Mapping>,
 }
 
-// SAFETY: the pointers point into `seg`, which moves with the reader; the
-// reader's own state (Cell) is not shared, since StoreReader is not Sync.
+// SAFETY: the pointers point into the mapping `map` keeps alive, which moves
+// with the reader; the reader's own state (Cell) is not shared, since
+// StoreReader is not Sync.
 unsafe impl Send for StoreReader {}
 
 impl StoreReader {
@@ -86,7 +92,9 @@ impl StoreReader {
     /// Attaches with explicit options.
     pub fn attach_with(sh: &StoreHandle, opts: ReaderOptions) -> Result<StoreReader> {
         let (seg, geo) = open_validated(sh, opts.prefault)?;
-        let (index, counted_from) = match opts.index {
+        // Pinned before an entry is taken, so a failure gives nothing back.
+        let map = Mapping::new(seg, opts.pin)?;
+        let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {
                     return Err(Error::ReaderIndexOutOfRange {
@@ -94,17 +102,21 @@ impl StoreReader {
                         n_readers: geo.n_readers,
                     });
                 }
-                let from = claim(&geo, index)?.ok_or_else(|| Error::ReaderSlotTaken {
-                    index,
-                    pid: geo.reader(index).owner().0,
-                })?;
-                (index, from)
+                if !map.seg().try_lock(liveness::reader_slot(index))? {
+                    return Err(Error::ReaderSlotTaken {
+                        index,
+                        pid: geo.reader(index).pid(),
+                    });
+                }
+                let (word, from) = claim(&geo, index);
+                (index, word, from)
             }
             None => {
                 let mut found = None;
                 for i in 0..geo.n_readers {
-                    if let Some(from) = claim(&geo, i)? {
-                        found = Some((i, from));
+                    if map.seg().try_lock(liveness::reader_slot(i))? {
+                        let (word, from) = claim(&geo, i);
+                        found = Some((i, word, from));
                         break;
                     }
                 }
@@ -113,29 +125,15 @@ impl StoreReader {
                 })?
             }
         };
-        let me = geo.reader(index);
-        let pinned = match crate::pin::pin(seg.as_ptr(), seg.len(), opts.pin) {
-            Ok(p) => p,
-            Err(e) => {
-                // Give the slot back before failing: an entry that was never
-                // attached stays expected (counted), one taken over stays left.
-                me.set_state(if counted_from == 0 {
-                    reader_state::VACANT
-                } else {
-                    reader_state::LEFT
-                });
-                return Err(e);
-            }
-        };
-        tracing::debug!(name = %sh.name, index, counted_from, pinned = pinned.is_some(), "reader attached");
+        tracing::debug!(name = %sh.name, index, counted_from, pinned = map.is_pinned(), "reader attached");
         Ok(StoreReader {
             geo,
             index,
-            me,
+            me: geo.reader(index),
             counted_from,
+            word,
             hazards_used: Cell::new(0),
-            pinned,
-            seg,
+            map,
         })
     }
 
@@ -146,12 +144,12 @@ impl StoreReader {
 
     /// The segment's name.
     pub fn name(&self) -> &str {
-        self.seg.name()
+        self.map.seg().name()
     }
 
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.is_some()
+        self.map.is_pinned()
     }
 
     /// A zero-copy view of the object. Its read is acknowledged when the
@@ -160,7 +158,10 @@ impl StoreReader {
         let slot = self.slot(h)?;
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
-        match self.validate(h, &slot, slot.id_after_hazard()) {
+        let checked = self
+            .validate(h, &slot, slot.id_after_hazard())
+            .and_then(|v| self.check_attached().map(|()| v));
+        match checked {
             Ok((data, len, kind)) => Ok(ReadGuard {
                 reader: self,
                 slot,
@@ -191,6 +192,7 @@ impl StoreReader {
     /// As [`StoreReader::get_copy`], into `out` (cleared first, its capacity
     /// reused): no allocation, and no page faults on a buffer used before.
     pub fn get_copy_into(&self, h: ObjectHandle, out: &mut Vec<u8>) -> Result<()> {
+        self.check_attached()?;
         let slot = self.slot(h)?;
         let (data, len, _) = self.validate(h, &slot, slot.id_acquire())?;
         out.clear();
@@ -240,10 +242,23 @@ impl StoreReader {
         }
     }
 
-    /// Whether the writer that created this segment still runs.
+    /// Whether the writer that created this segment still runs: it has not
+    /// closed the store, and the kernel reports its writer lock held (a
+    /// check that cannot decide counts as alive).
     pub fn writer_alive(&self) -> bool {
-        let (pid, start) = self.geo.header().writer();
-        pid != 0 && segment::process_alive(pid, start)
+        self.geo.header().writer_pid() != 0 && self.map.seg().held_by_other(liveness::WRITER_SLOT)
+    }
+
+    /// `Err(ReaderLeft)` if our reader entry is no longer ours: the writer
+    /// marks an entry left only once the kernel has released its lock, which
+    /// ours never is while we live, so this catches a scribbled table.
+    fn check_attached(&self) -> Result<()> {
+        if self.me.word() == self.word {
+            Ok(())
+        } else {
+            tracing::warn!(reader = self.index, "reader entry was taken from us");
+            Err(Error::ReaderLeft { index: self.index })
+        }
     }
 
     /// `Err(WriterGone)` if the writer has exited or died. Objects already
@@ -253,7 +268,7 @@ impl StoreReader {
             Ok(())
         } else {
             Err(Error::WriterGone {
-                name: self.seg.name().to_owned(),
+                name: self.map.seg().name().to_owned(),
             })
         }
     }
@@ -314,6 +329,7 @@ impl StoreReader {
     /// Counts one read of `h`, under a hazard so the slot cannot be reused
     /// while the counter is written.
     fn acknowledge(&self, h: ObjectHandle) -> Result<()> {
+        self.check_attached()?;
         let slot = self.slot(h)?;
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
@@ -326,7 +342,10 @@ impl StoreReader {
 
     /// Acknowledges a read of a slot this reader holds a hazard on.
     pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
-        if h.monotonic_id >= self.counted_from && slot.acknowledge(self.index) {
+        if h.monotonic_id >= self.counted_from
+            && self.check_attached().is_ok()
+            && slot.acknowledge(self.index)
+        {
             self.me.set_last_ack_ns(clock::monotonic_ns());
         }
     }
@@ -334,52 +353,54 @@ impl StoreReader {
 
 impl Drop for StoreReader {
     fn drop(&mut self) {
+        if self.hazards_used.get() != 0 {
+            // Guards (or a PendingGet) were leaked with mem::forget: keep
+            // their hazards and our lock. The lock lives as long as the
+            // mapping, which a copy still in flight holds; after that the
+            // writer finds the entry's lock free and reaps it.
+            tracing::debug!(index = self.index, "reader dropped with leaked guards");
+            return;
+        }
         // No guard can be alive (they borrow self): leave the table.
         self.me.clear_all_hazards();
-        self.me.set_state(reader_state::LEFT);
+        let left = reader_state::word(reader_state::generation(self.word), reader_state::LEFT);
+        self.me.transition(self.word, left);
+        self.map.seg().unlock(liveness::reader_slot(self.index));
         tracing::debug!(
-            name = self.seg.name(),
+            name = self.map.seg().name(),
             index = self.index,
             "reader detached"
         );
     }
 }
 
-/// Takes reader entry `i` if it is free (never used, left, or its process
-/// died); returns the first id this reader is counted for.
-fn claim(geo: &Geometry, i: u32) -> Result<Option<u64>> {
+/// Takes reader entry `i`, whose lock the caller holds: no live reader can
+/// have it. Returns our state word and the first id we are counted for.
+fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
+    use reader_state::{generation, state, word, ATTACHED, ATTACHING, VACANT};
     let r = geo.reader(i);
-    let pid = std::process::id();
-    let start = segment::own_start_time();
-    match r.state() {
-        reader_state::VACANT if r.transition(reader_state::VACANT, reader_state::ATTACHED) => {
-            // Counted from the start: the writer has been waiting for it.
-            r.set_attached_ns(clock::monotonic_ns());
-            r.set_owner(pid, start);
-            r.bump_generation();
-            return Ok(Some(0));
-        }
-        s @ (reader_state::LEFT | reader_state::ATTACHED) => {
-            if s == reader_state::ATTACHED {
-                let (p, st) = r.owner();
-                if p == 0 || segment::process_alive(p, st) {
-                    return Ok(None);
-                }
-            }
-            if r.transition(s, reader_state::ATTACHING) {
-                // Not counted while attaching; start counting from the next
-                // put so nothing of the previous holder is inherited.
-                r.clear_all_hazards();
-                let from = geo.header().next_id();
-                r.set_counted_from(from);
+    loop {
+        let w = r.word();
+        let next = generation(w).wrapping_add(1);
+        if state(w) == VACANT {
+            // Never attached: counted from the start, since the writer has
+            // been waiting for it.
+            if r.transition(w, word(next, ATTACHED)) {
                 r.set_attached_ns(clock::monotonic_ns());
-                r.set_owner(pid, start);
-                r.bump_generation();
-                r.set_state(reader_state::ATTACHED);
-                return Ok(Some(from));
+                r.set_pid(std::process::id());
+                return (word(next, ATTACHED), 0);
             }
+        } else if r.transition(w, word(next, ATTACHING)) {
+            // Left, dead, or corrupt: not counted while attaching; counted
+            // from the next put so nothing of the last holder is inherited.
+            r.clear_all_hazards();
+            let from = geo.header().next_id();
+            r.set_counted_from(from);
+            r.set_attached_ns(clock::monotonic_ns());
+            r.set_pid(std::process::id());
+            r.set_word(word(next, ATTACHED));
+            return (word(next, ATTACHED), from);
         }
-        _ => {}
+        // The writer marked the dead last holder left meanwhile: again.
     }
-    Ok(None)
 }

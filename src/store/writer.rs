@@ -11,7 +11,10 @@ use crate::layout::{self, reader_state, ObjectKind, SegmentHeader};
 use crate::ring::Ring;
 use crate::shm::SlotPtr;
 use crate::sys::clock;
+use crate::sys::liveness;
 use crate::sys::segment::{self, Segment};
+
+use super::mapping::Mapping;
 
 fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -82,15 +85,15 @@ pub struct ObjectStore {
     epoch: u64,
     nonce: u64,
     stats: StoreStats,
-    /// Unregistered before `seg` unmaps (fields drop in order).
-    pinned: Option<crate::pin::Pinned>,
     reader_timeout_ns: Option<u64>,
-    // Last: unmapped (and unlinked) after everything that points into it.
-    seg: Segment,
+    /// The segment (its writer lock held through it), shared with copies
+    /// in flight: unmapped when the last of them is done.
+    map: Arc<Mapping>,
 }
 
-// SAFETY: the raw pointers in `geo` point into `seg`'s mapping, which moves
-// with the store; the writer is used from one thread at a time (&mut self).
+// SAFETY: the raw pointers in `geo` point into the mapping `map` keeps
+// alive, which moves with the store; the writer is used from one thread at
+// a time (&mut self).
 unsafe impl Send for ObjectStore {}
 
 impl ObjectStore {
@@ -111,6 +114,14 @@ impl ObjectStore {
             }
             r => r?,
         };
+        // The lock before the stamp: whoever sees the magic sees a writer
+        // whose death the kernel will report.
+        if !seg.try_lock(liveness::WRITER_SLOT)? {
+            return Err(Error::InUse {
+                name: name.clone(),
+                detail: "another process holds its writer lock".into(),
+            });
+        }
         let geo = Geometry::new(
             seg.as_ptr(),
             cfg.n_readers,
@@ -131,7 +142,7 @@ impl ObjectStore {
             hazards_per_reader: layout::HAZARDS_PER_READER as u32,
             reader_entry_len: size_of::<layout::ReaderEntry>() as u32,
             writer_pid: std::process::id(),
-            writer_start_time: segment::own_start_time(),
+            reserved0: 0,
             epoch,
             next_id: 1,
             ring_head: 0,
@@ -142,7 +153,7 @@ impl ObjectStore {
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
         geo.header().stamp();
-        let pinned = crate::pin::pin(seg.as_ptr(), seg.len(), cfg.pin)?;
+        let map = Mapping::new(seg, cfg.pin)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,
@@ -153,9 +164,8 @@ impl ObjectStore {
             epoch,
             nonce,
             stats: StoreStats::default(),
-            pinned,
             reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
-            seg,
+            map,
         })
     }
 
@@ -228,10 +238,15 @@ impl ObjectStore {
                 reason: "its slot is gone (finished and reclaimed, or failed)",
             })?;
         let address = span.pos % self.geo.capacity;
-        let outcome = match span.value.pending.take() {
-            Some(p) => p.wait(),
-            None => Ok(()),
+        // A put is finished once: its pending copy is taken here, so a
+        // second finish finds none and changes nothing.
+        let Some(pending) = span.value.pending.take() else {
+            return Err(Error::PutNotPending {
+                id,
+                reason: "it was finished already",
+            });
         };
+        let outcome = pending.wait();
         if let Err(e) = outcome {
             // The slot was never published: forget its key, free it in turn.
             if let Some(k) = span.value.key.take() {
@@ -334,7 +349,6 @@ impl ObjectStore {
             e.size,
             layout::slot_len(n_readers, e.size as usize) as u64,
             e.kind as u32,
-            epoch,
             n_readers,
         );
         if !self.pending_keys.is_empty() {
@@ -410,7 +424,7 @@ impl ObjectStore {
     /// What a reader process needs to attach.
     pub fn handle(&self) -> StoreHandle {
         StoreHandle {
-            name: self.seg.name().to_owned(),
+            name: self.map.seg().name().to_owned(),
             nonce: self.nonce,
             capacity: self.geo.capacity,
             max_object_size: self.geo.max_object_size,
@@ -421,7 +435,12 @@ impl ObjectStore {
 
     /// Segment name.
     pub fn name(&self) -> &str {
-        self.seg.name()
+        self.map.seg().name()
+    }
+
+    /// The mapping, for copies in flight to hold.
+    pub(crate) fn mapping(&self) -> crate::copy::KeepAlive {
+        self.map.clone()
     }
 
     /// The segment's creation nonce: tells stores apart.
@@ -431,7 +450,7 @@ impl ObjectStore {
 
     /// Whether the mapping is page-locked (CUDA host-registered) for DMA.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.is_some()
+        self.map.is_pinned()
     }
 
     /// Counters and the ring's state, with what blocks reclamation.
@@ -458,18 +477,26 @@ impl ObjectStore {
         let mut reaped = Vec::new();
         for i in 0..self.geo.n_readers {
             let r = self.geo.reader(i);
-            if r.state() != reader_state::ATTACHED {
+            let word = r.word();
+            if !matches!(
+                reader_state::state(word),
+                reader_state::ATTACHED | reader_state::ATTACHING
+            ) {
                 continue;
             }
-            let (pid, start) = r.owner();
-            if pid != 0
-                && !segment::process_alive(pid, start)
-                && r.transition(reader_state::ATTACHED, reader_state::LEFT)
+            // Dead only on the kernel's word that nobody holds the entry's
+            // lock (an error counts as alive). The CAS of the whole word
+            // fails if a new reader took the entry since `word` was read.
+            if !self.map.seg().held_by_other(liveness::reader_slot(i))
+                && r.transition(
+                    word,
+                    reader_state::word(reader_state::generation(word), reader_state::LEFT),
+                )
             {
                 tracing::warn!(
                     reader = i,
-                    pid,
-                    "reader process is gone; no longer waiting for its reads"
+                    pid = r.pid(),
+                    "reader is gone (its lock was released); no longer waiting for its reads"
                 );
                 reaped.push(i);
             }
@@ -644,16 +671,14 @@ impl ObjectStore {
 
 impl Drop for ObjectStore {
     fn drop(&mut self) {
+        // Readers see the store closed; the name goes now, not when the
+        // last copy in flight lets go of the mapping (a new writer may take
+        // the name meanwhile, and must not lose it to our unmap).
         self.geo.header().clear_writer();
-        // A copy still running into a slot must finish before the mapping
-        // goes (the DMA engine does not know about munmap).
-        for span in self.ring.iter_mut() {
-            if let Some(p) = span.value.pending.take() {
-                if let Err(e) = p.wait() {
-                    tracing::debug!(%e, "pending put failed while the store was dropped");
-                }
-            }
-        }
+        self.map.seg().unlink_now();
+        self.map.seg().unlock(liveness::WRITER_SLOT);
+        // Copies still in flight into slots keep the mapping alive by
+        // themselves (the engine holds it), so nothing here waits for them.
     }
 }
 
@@ -668,11 +693,11 @@ fn remove_if_writer_dead(name: &str) -> Result<()> {
         name: name.to_owned(),
         detail: format!("it exists and is not a usable pinshm segment ({e}); remove /dev/shm/{name} if no process uses it"),
     })?;
-    let (pid, start) = geo.header().writer();
-    if pid != 0 && segment::process_alive(pid, start) {
+    let pid = geo.header().writer_pid();
+    if seg.held_by_other(liveness::WRITER_SLOT) {
         return Err(Error::InUse {
             name: name.to_owned(),
-            detail: format!("its writer (pid {pid}) is alive"),
+            detail: format!("its writer (pid {pid}) is alive: it holds the writer lock"),
         });
     }
     tracing::warn!(name, pid, "replacing the segment of a writer that is gone");

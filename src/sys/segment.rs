@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
@@ -26,7 +26,9 @@ pub struct Segment {
     /// Our own open file description: its liveness locks live as long as
     /// this (and die with the process).
     file: File,
-    owner: bool,
+    /// Whether dropping this handle unlinks the name (the creator's, until
+    /// `unlink_now`).
+    owner: AtomicBool,
 }
 
 // SAFETY: the mapping is shared memory reached only through raw pointers and
@@ -97,7 +99,7 @@ impl Segment {
             name: pname,
             map,
             file,
-            owner: true,
+            owner: AtomicBool::new(true),
         })
     }
 
@@ -109,7 +111,7 @@ impl Segment {
             name: pname,
             map,
             file,
-            owner: false,
+            owner: AtomicBool::new(false),
         })
     }
 
@@ -128,7 +130,7 @@ impl Segment {
             name: pname,
             map,
             file,
-            owner: false,
+            owner: AtomicBool::new(false),
         })
     }
 
@@ -145,6 +147,16 @@ impl Segment {
     /// The name without its leading `/`.
     pub fn name(&self) -> &str {
         &self.name[1..]
+    }
+
+    /// Unlinks the name now if this handle created it (and not again at
+    /// drop); the mapping stays valid.
+    pub fn unlink_now(&self) {
+        if self.owner.swap(false, Ordering::Relaxed) {
+            if let Err(e) = shm_unlink(self.name.as_str()) {
+                tracing::debug!(name = %self.name, %e, "shm_unlink failed");
+            }
+        }
     }
 
     /// Takes liveness lock `slot` for this segment handle; `Ok(false)` if a
@@ -183,7 +195,7 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        if self.owner {
+        if self.owner.load(Ordering::Relaxed) {
             if let Err(e) = shm_unlink(self.name.as_str()) {
                 // Never panic in drop: someone else may have removed it.
                 tracing::debug!(name = %self.name, %e, "shm_unlink on drop failed");
@@ -263,36 +275,4 @@ pub fn shm_free_bytes() -> u64 {
     nix::sys::statvfs::statvfs("/dev/shm")
         .map(|s| s.blocks_available() * s.fragment_size())
         .unwrap_or(0)
-}
-
-/// Start time of process `pid` in clock ticks since boot, or `None` if no
-/// such process exists (or it is a zombie: it will never read again).
-pub fn process_start_time(pid: u32) -> Option<u64> {
-    if pid == 0 {
-        return None;
-    }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may contain spaces and parentheses: split after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_ascii_whitespace();
-    let state = fields.next()?;
-    if state == "Z" || state == "X" {
-        return None;
-    }
-    // rest starts at field 3 (state); starttime is field 22.
-    fields.nth(18)?.parse().ok()
-}
-
-/// Whether the process `pid` that started at `start_time` still runs.
-/// A `start_time` of 0 means "unknown": only the pid is checked.
-pub fn process_alive(pid: u32, start_time: u64) -> bool {
-    match process_start_time(pid) {
-        Some(t) => start_time == 0 || t == start_time,
-        None => false,
-    }
-}
-
-/// This process's start time (see [`process_start_time`]).
-pub fn own_start_time() -> u64 {
-    process_start_time(std::process::id()).unwrap_or(0)
 }

@@ -29,6 +29,7 @@ fn pinned_store(name: &Name, capacity: usize, max: usize) -> ObjectStore {
 
 /// Child: attach pinned, read one object, report its checksum and pinning.
 #[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_gpu_reader() {
     let Ok(_) = std::env::var("PINSHM_CHILD") else {
         return;

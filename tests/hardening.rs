@@ -1,0 +1,285 @@
+//! Regression tests for the safety promises of the hardening issue, each
+//! with real processes: a slot under a live guard is never reused, and safe
+//! code cannot make anything read freed memory.
+//!
+//! 1. A reader in another PID namespace holds a guard while the writer fills
+//!    the ring (its pid means nothing to the writer).
+//! 2. A writer whose descriptor table is full fills the ring while a reader
+//!    holds a guard (no liveness check may need a new descriptor).
+//! 3. A `PendingGet` is leaked and its reader dropped while a delayed copy
+//!    still reads the slot.
+//! 4. A device put is finished twice.
+//!
+//! In each case the guarded bytes stay intact, the writer gets `Full`
+//! rather than reusing the slot, and nothing crashes.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{checksum, pattern, spawn_child, Name};
+use pinshm::{
+    CopyEngine, CpuEngine, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader,
+};
+
+const KIB: usize = 1024;
+const LEN: usize = 64 * KIB;
+
+/// A writer whose ring holds a few objects of `LEN` bytes, read by one reader.
+fn small_store(name: &Name) -> ObjectStore {
+    ObjectStore::create(StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(&**name))
+        .unwrap()
+}
+
+/// Puts until the ring is full: the writer must fail with `Full` (and reap
+/// nobody), never reuse the guarded slot. Returns the number of puts.
+fn fill_until_full(w: &mut ObjectStore, tag: &str) -> usize {
+    for i in 0..64 {
+        match w.put(&format!("{tag}{i}"), &pattern(1000 + i as u64, LEN)) {
+            Ok(_) => {}
+            Err(Error::Full { .. }) => return i,
+            Err(e) => panic!("put {i}: {e}"),
+        }
+    }
+    panic!("64 puts into a ring of 4 slots never failed: the guarded slot was reused");
+}
+
+fn send(child: &mut Child, line: &str) {
+    let stdin = child.stdin.as_mut().unwrap();
+    writeln!(stdin, "{line}").unwrap();
+    stdin.flush().unwrap();
+}
+
+fn expect_line(lines: &mut impl Iterator<Item = std::io::Result<String>>, prefix: &str) -> String {
+    for line in lines.by_ref() {
+        // libtest prints "test NAME ... " before a child's first line.
+        let line = line.unwrap();
+        if let Some((_, rest)) = line.split_once(prefix) {
+            return rest.trim().to_owned();
+        }
+    }
+    panic!("child ended before printing '{prefix}'");
+}
+
+/// The reader half of tests 1 and 2: attaches, holds a guard on the handle
+/// it is sent, prints the bytes' checksum, and prints it again when asked.
+fn hold_a_guard() {
+    let mut lines = std::io::stdin().lock().lines();
+    let sh: StoreHandle = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let h: ObjectHandle = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let r = StoreReader::attach(&sh).unwrap();
+    let g = r.get(h).unwrap();
+    println!("HOLDING {}", checksum(&g));
+    let _ = lines.next(); // "check"
+    println!("STILL {}", checksum(&g));
+    let _ = lines.next(); // "done"
+}
+
+#[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
+fn child_hardening() {
+    let Ok(role) = std::env::var("PINSHM_CHILD") else {
+        return;
+    };
+    match role.as_str() {
+        "hold" => hold_a_guard(),
+        "emfile_writer" => emfile_writer(),
+        "leak_pending_get" => leak_pending_get(),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn a_reader_in_another_pid_namespace_keeps_its_guard_while_the_ring_fills() {
+    let exe = std::env::current_exe().unwrap();
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .status();
+    if !probe.map(|s| s.success()).unwrap_or(false) {
+        eprintln!("skipped: cannot create a PID namespace here (needs root and unshare)");
+        return;
+    }
+    let name = Name::new("pidns");
+    let mut w = small_store(&name);
+    let data = pattern(7, LEN);
+    let h = w.put("guarded", &data).unwrap();
+    // The reader runs as pid 1 of a new PID namespace: the pid it records
+    // names another process (or none) in ours.
+    let mut child = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc"])
+        .arg(exe)
+        .args(["child_hardening", "--exact", "--ignored", "--nocapture"])
+        .env("PINSHM_CHILD", "hold")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    send(&mut child, &serde_json::to_string(&w.handle()).unwrap());
+    send(&mut child, &serde_json::to_string(&h).unwrap());
+    let before = expect_line(&mut lines, "HOLDING");
+    assert_eq!(before, checksum(&data).to_string());
+
+    let puts = fill_until_full(&mut w, "fill");
+    assert!(puts < 4, "the guarded object kept its slot");
+    assert_eq!(w.stats().dead_readers_reaped, 0, "a live reader was reaped");
+    send(&mut child, "check");
+    assert_eq!(
+        expect_line(&mut lines, "STILL"),
+        before,
+        "the bytes under the guard changed"
+    );
+    send(&mut child, "done");
+    assert!(child.wait().unwrap().success());
+}
+
+/// The writer half of test 2, in a child so that its descriptor limit
+/// touches no other test: fills its descriptor table, then the ring.
+fn emfile_writer() {
+    let name = std::env::var("PINSHM_NAME").unwrap();
+    let mut w = ObjectStore::create(
+        StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name),
+    )
+    .unwrap();
+    let h = w.put("guarded", &pattern(7, LEN)).unwrap();
+    println!("HANDLE {}", serde_json::to_string(&w.handle()).unwrap());
+    println!("OBJECT {}", serde_json::to_string(&h).unwrap());
+    let mut lines = std::io::stdin().lock().lines();
+    let _ = lines.next(); // "fill": the reader holds its guard now
+    // Exhaust the descriptor table: every open from here on fails.
+    let mut held = Vec::new();
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => held.push(f),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(nix::libc::EMFILE), "{e}");
+                break;
+            }
+        }
+        assert!(held.len() < 1 << 20, "no descriptor limit");
+    }
+    let puts = fill_until_full(&mut w, "fill");
+    println!("FULL {puts} {}", w.stats().dead_readers_reaped);
+    drop(held);
+    let _ = lines.next(); // "done"
+}
+
+#[test]
+fn a_writer_out_of_descriptors_never_takes_a_live_readers_slot() {
+    let name = Name::new("emfile");
+    let mut writer = spawn_child(
+        "child_hardening",
+        "emfile_writer",
+        &[("PINSHM_NAME", name.0.clone())],
+    );
+    let mut wlines = BufReader::new(writer.stdout.take().unwrap()).lines();
+    let sh = expect_line(&mut wlines, "HANDLE");
+    let h = expect_line(&mut wlines, "OBJECT");
+    let sh: StoreHandle = serde_json::from_str(&sh).unwrap();
+    let h: ObjectHandle = serde_json::from_str(&h).unwrap();
+    let r = StoreReader::attach(&sh).unwrap();
+    let g = r.get(h).unwrap();
+    let before = checksum(&g);
+    assert_eq!(before, checksum(&pattern(7, LEN)));
+    send(&mut writer, "fill");
+    let full = expect_line(&mut wlines, "FULL");
+    let (puts, reaped) = full.split_once(' ').unwrap();
+    assert!(puts.parse::<usize>().unwrap() < 4, "{full}");
+    assert_eq!(reaped, "0", "a live reader was reaped: {full}");
+    assert_eq!(checksum(&g), before, "the bytes under the guard changed");
+    drop(g);
+    drop(r);
+    send(&mut writer, "done");
+    assert!(writer.wait().unwrap().success());
+}
+
+/// Test 3's reader: starts a slow copy out of a slot, leaks the
+/// `PendingGet`, drops the reader, then checks what the copy delivered.
+fn leak_pending_get() {
+    let mut lines = std::io::stdin().lock().lines();
+    let sh: StoreHandle = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let h: ObjectHandle = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let engine = CpuEngine::with_delay(Duration::from_millis(300));
+    let dst = engine.alloc(LEN).unwrap();
+    let r = StoreReader::attach(&sh).unwrap();
+    let pending = r.get_to_device(h, &dst, &engine).unwrap();
+    std::mem::forget(pending);
+    // Without the copy holding the mapping, this unmapped the slot under
+    // the copy (SIGSEGV).
+    drop(r);
+    println!("LEAKED");
+    // A download is ordered after the copy (as on a stream).
+    let mut out = vec![0u8; LEN];
+    engine.download(&dst, &mut out).unwrap();
+    println!("COPIED {}", checksum(&out));
+    let _ = lines.next(); // "done"
+}
+
+#[test]
+fn a_leaked_pending_get_keeps_its_slot_and_mapping_until_the_copy_is_done() {
+    let name = Name::new("leakget");
+    let mut w = small_store(&name);
+    let data = pattern(11, LEN);
+    let h = w.put("guarded", &data).unwrap();
+    let mut child = spawn_child("child_hardening", "leak_pending_get", &[]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    send(&mut child, &serde_json::to_string(&w.handle()).unwrap());
+    send(&mut child, &serde_json::to_string(&h).unwrap());
+    expect_line(&mut lines, "LEAKED");
+    // The copy is still in flight (300 ms delay): the slot is not reused.
+    let puts = fill_until_full(&mut w, "fill");
+    assert!(puts < 4, "the slot under the copy kept its object");
+    assert_eq!(
+        expect_line(&mut lines, "COPIED"),
+        checksum(&data).to_string(),
+        "the copy read other bytes than the object's"
+    );
+    send(&mut child, "done");
+    assert!(child.wait().unwrap().success(), "the reader process crashed");
+    // Once the copy is done and the process gone, its entry is reaped and
+    // the slot comes back.
+    assert_eq!(w.reap_dead_readers(), vec![0]);
+    w.put("after", &pattern(12, LEN)).unwrap();
+}
+
+#[test]
+fn a_device_put_finished_twice_is_refused_and_changes_nothing() {
+    let name = Name::new("twice");
+    let mut w = small_store(&name);
+    let engine = CpuEngine::new();
+    let src = engine.alloc(LEN).unwrap();
+    engine.upload(&pattern(5, LEN), &src).unwrap();
+    let p = w.put_from_device("dev", &src, &engine).unwrap();
+    let h = loop {
+        if let Some(h) = w.try_finish_put(&p).unwrap() {
+            break h;
+        }
+        std::thread::yield_now();
+    };
+    // The object is read once by a reader process.
+    let mut child = spawn_child("child_hardening", "hold", &[]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    send(&mut child, &serde_json::to_string(&w.handle()).unwrap());
+    send(&mut child, &serde_json::to_string(&h).unwrap());
+    expect_line(&mut lines, "HOLDING");
+    send(&mut child, "check");
+    expect_line(&mut lines, "STILL");
+    send(&mut child, "done");
+    assert!(child.wait().unwrap().success());
+    let before = w.stats();
+    assert_eq!(before.puts, 1);
+    // Finishing again is an error and changes nothing.
+    assert!(matches!(
+        w.try_finish_put(&p),
+        Err(Error::PutNotPending { .. })
+    ));
+    assert!(matches!(
+        w.finish_put(p),
+        Err(Error::PutNotPending { .. })
+    ));
+    assert_eq!(w.stats(), before, "a second finish changed the store");
+    // Its read still counts: the object is reclaimable, not unread again.
+    assert_eq!(w.free_unused(), 1);
+}

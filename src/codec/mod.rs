@@ -21,11 +21,14 @@
 //! object's length before a view is formed: a corrupt header is an error.
 
 mod item;
+mod msgpack;
 mod tensor;
+mod view;
 
-pub use item::{FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots, ItemView};
+pub use item::{FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots};
 pub(crate) use tensor::write_tensor_header;
 pub use tensor::{payload_len, TensorRef, TensorView};
+pub use view::{FieldRef, ItemView};
 
 /// Bumped on every change to the tensor or item layout.
 pub const CODEC_VERSION: u16 = 1;

@@ -17,8 +17,10 @@
 //! ...  payloads, each at a 64-byte aligned offset
 //! ```
 //! The item header is MessagePack (rmp-serde, named fields) so Python can read
-//! it with `msgpack.unpackb`. Everything read back is validated against the
-//! object's length before a view is formed: a corrupt header is an error.
+//! it with `msgpack.unpackb`. Rust reads it back with a strict borrowing
+//! reader (`msgpack`, `view`) that allocates nothing, since it runs on every
+//! `get_item`. Everything read back is validated against the object's length
+//! before a view is formed: a corrupt header is an error.
 
 mod item;
 mod msgpack;

@@ -39,30 +39,36 @@ pub(super) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    #[inline]
     pub(super) fn new(buf: &'a [u8]) -> Self {
         Reader { buf, pos: 0 }
     }
 
     /// A reader over `buf` starting at `pos` (a position this module handed
     /// out earlier, so re-walking a validated region needs no copy).
+    #[inline]
     pub(super) fn at(buf: &'a [u8], pos: usize) -> Self {
         Reader { buf, pos }
     }
 
     /// Bytes consumed so far.
+    #[inline]
     pub(super) fn pos(&self) -> usize {
         self.pos
     }
 
     /// Bytes left.
+    #[inline]
     pub(super) fn remaining(&self) -> usize {
         self.buf.len().saturating_sub(self.pos)
     }
 
+    #[inline]
     pub(super) fn err(&self, what: &'static str) -> Malformed {
         Malformed { what, at: self.pos }
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Parsed<&'a [u8]> {
         let end = self
             .pos
@@ -74,10 +80,12 @@ impl<'a> Reader<'a> {
         Ok(s)
     }
 
+    #[inline]
     fn byte(&mut self) -> Parsed<u8> {
         Ok(self.take(1)?[0])
     }
 
+    #[inline]
     fn be<const N: usize>(&mut self) -> Parsed<[u8; N]> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.take(N)?);
@@ -85,15 +93,18 @@ impl<'a> Reader<'a> {
     }
 
     /// A big-endian length of 2 or 4 bytes, as a usize.
+    #[inline]
     fn len16(&mut self) -> Parsed<usize> {
         Ok(u16::from_be_bytes(self.be()?) as usize)
     }
 
+    #[inline]
     fn len32(&mut self) -> Parsed<usize> {
         usize::try_from(u32::from_be_bytes(self.be()?)).map_err(|_| self.err("length overflows"))
     }
 
     /// An unsigned integer of any MessagePack width.
+    #[inline]
     pub(super) fn uint(&mut self) -> Parsed<u64> {
         let start = self.pos;
         let v = match self.byte()? {
@@ -112,8 +123,10 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
 
-    /// A UTF-8 string, borrowed from the buffer.
-    pub(super) fn str(&mut self) -> Parsed<&'a str> {
+    /// A string's bytes, borrowed from the buffer, not checked as UTF-8:
+    /// for comparing with known names, where a match proves it.
+    #[inline]
+    pub(super) fn raw_str(&mut self) -> Parsed<&'a [u8]> {
         let start = self.pos;
         let n = match self.byte()? {
             b @ 0xa0..=0xbf => usize::from(b & 0x1f),
@@ -127,8 +140,14 @@ impl<'a> Reader<'a> {
                 })
             }
         };
-        let bytes = self.take(n)?;
-        std::str::from_utf8(bytes).map_err(|_| Malformed {
+        self.take(n)
+    }
+
+    /// A UTF-8 string, borrowed from the buffer.
+    #[inline]
+    pub(super) fn str(&mut self) -> Parsed<&'a str> {
+        let start = self.pos;
+        std::str::from_utf8(self.raw_str()?).map_err(|_| Malformed {
             what: "string is not UTF-8",
             at: start,
         })
@@ -137,6 +156,7 @@ impl<'a> Reader<'a> {
     /// An array's element count. Every element takes at least one byte, so
     /// a count larger than the bytes left is rejected here, before a caller
     /// loops over it.
+    #[inline]
     pub(super) fn array_len(&mut self) -> Parsed<usize> {
         let start = self.pos;
         let n = match self.byte()? {
@@ -160,6 +180,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A map's entry count; each entry takes at least two bytes.
+    #[inline]
     pub(super) fn map_len(&mut self) -> Parsed<usize> {
         let start = self.pos;
         let n = match self.byte()? {

@@ -15,8 +15,14 @@ use crate::layout::SLOT_ALIGN;
 /// One field of an item, borrowed from the header in the object's bytes:
 /// the allocation-free counterpart of [`FieldSpec`]. From [`ItemView::fields`].
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct FieldRef<'a> {
-    name: &'a str,
+pub struct FieldRef<'a>(Field<&'a str>);
+
+/// A decoded field, its name as `N`: raw bytes while walking (lookups by
+/// name compare bytes, so the hot path skips UTF-8 checks that `parse`
+/// already made), `&str` once handed out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Field<N> {
+    name: N,
     dtype: DType,
     ndim: u8,
     // Inline, like `TensorView`'s: a Vec per field is what the read path
@@ -29,42 +35,42 @@ pub struct FieldRef<'a> {
 impl<'a> FieldRef<'a> {
     /// Field name.
     pub fn name(&self) -> &'a str {
-        self.name
+        self.0.name
     }
 
     /// Element type.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.0.dtype
     }
 
     /// Shape (empty for a 0-d tensor).
     pub fn shape(&self) -> &[u64] {
-        &self.shape[..usize::from(self.ndim)]
+        &self.0.shape[..usize::from(self.0.ndim)]
     }
 
     /// Payload offset from the object start (64-byte aligned).
     pub fn offset(&self) -> u64 {
-        self.offset
+        self.0.offset
     }
 
     /// Payload bytes.
     pub fn len(&self) -> u64 {
-        self.len
+        self.0.len
     }
 
     /// Whether the payload has no bytes (a dimension of 0).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.len == 0
     }
 
     /// An owned copy, as the header stores it.
     pub fn to_spec(&self) -> FieldSpec {
         FieldSpec {
-            name: self.name.to_owned(),
-            dtype: self.dtype,
+            name: self.0.name.to_owned(),
+            dtype: self.0.dtype,
             shape: self.shape().to_vec(),
-            offset: self.offset,
-            len: self.len,
+            offset: self.0.offset,
+            len: self.0.len,
         }
     }
 }
@@ -72,11 +78,11 @@ impl<'a> FieldRef<'a> {
 impl fmt::Debug for FieldRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FieldRef")
-            .field("name", &self.name)
-            .field("dtype", &self.dtype)
+            .field("name", &self.0.name)
+            .field("dtype", &self.0.dtype)
             .field("shape", &self.shape())
-            .field("offset", &self.offset)
-            .field("len", &self.len)
+            .field("offset", &self.0.offset)
+            .field("len", &self.0.len)
             .finish()
     }
 }
@@ -163,20 +169,24 @@ impl<'a> ItemView<'a> {
         Walk {
             r: Reader::at(self.header, self.at.fields),
             left: self.at.fields_n,
-            read: read_field,
+            read: read_named_field,
         }
     }
 
     /// Field names, in order.
     pub fn names(&self) -> impl Iterator<Item = &'a str> {
-        self.fields().map(|f| f.name)
+        self.fields().map(|f| f.0.name)
     }
 
     /// A field by name (the first with this name), in place.
     pub fn field(&self, name: &str) -> Result<TensorView<'a>> {
-        let f = self
-            .fields()
-            .find(|f| f.name == name)
+        let mut walk = Walk {
+            r: Reader::at(self.header, self.at.fields),
+            left: self.at.fields_n,
+            read: read_field,
+        };
+        let f = walk
+            .find(|f| f.name == name.as_bytes())
             .ok_or_else(|| Error::NoSuchField {
                 name: name.to_owned(),
             })?;
@@ -187,7 +197,11 @@ impl<'a> ItemView<'a> {
             .zip(usize::try_from(f.len).ok())
             .and_then(|(o, l)| self.object.get(o..o.checked_add(l)?))
             .ok_or_else(|| Error::CorruptObject(format!("item: field '{name}' out of bounds")))?;
-        Ok(TensorView::from_parts(f.dtype, f.shape(), data))
+        Ok(TensorView::from_parts(
+            f.dtype,
+            &f.shape[..usize::from(f.ndim)],
+            data,
+        ))
     }
 
     /// An owned copy of the header (allocates; the accessors above do not).
@@ -275,9 +289,9 @@ fn walk_header<'a>(
     let (mut meta, mut fields) = (None, None);
     for _ in 0..r.map_len().map_err(undecodable)? {
         let key_at = r.pos();
-        let key = r.str().map_err(undecodable)?;
-        let (slot, found) = match key {
-            "meta" => {
+        // Keys compare as bytes: one that matches is ASCII, so valid UTF-8.
+        let (slot, found) = match r.raw_str().map_err(undecodable)? {
+            b"meta" => {
                 let n = r.array_len().map_err(undecodable)?;
                 let at = r.pos();
                 for _ in 0..n {
@@ -285,11 +299,11 @@ fn walk_header<'a>(
                 }
                 (&mut meta, (at, n))
             }
-            "fields" => {
+            b"fields" => {
                 let n = r.array_len().map_err(undecodable)?;
                 let at = r.pos();
                 for _ in 0..n {
-                    check(&read_field(&mut r).map_err(undecodable)?)?;
+                    check(&read_named_field(&mut r).map_err(undecodable)?)?;
                 }
                 (&mut fields, (at, n))
             }
@@ -337,7 +351,7 @@ fn read_meta<'a>(r: &mut Reader<'a>) -> Parsed<(&'a str, &'a str)> {
 /// order, each once. `offset` and `len` are `#[serde(default)]` in
 /// `FieldSpec`, but a default of 0 could never pass `check_field` (offset 0
 /// is inside the prefix), so requiring them rejects nothing valid.
-fn read_field<'a>(r: &mut Reader<'a>) -> Parsed<FieldRef<'a>> {
+fn read_field<'a>(r: &mut Reader<'a>) -> Parsed<Field<&'a [u8]>> {
     fn once<T>(slot: &mut Option<T>, v: T, at: usize) -> Parsed<()> {
         match slot.replace(v) {
             None => Ok(()),
@@ -351,12 +365,12 @@ fn read_field<'a>(r: &mut Reader<'a>) -> Parsed<FieldRef<'a>> {
     let (mut name, mut dtype, mut shape, mut offset, mut len) = (None, None, None, None, None);
     for _ in 0..r.map_len()? {
         let at = r.pos();
-        match r.str()? {
-            "name" => once(&mut name, r.str()?, at)?,
-            "dtype" => once(&mut dtype, read_dtype(r)?, at)?,
-            "shape" => once(&mut shape, read_shape(r)?, at)?,
-            "offset" => once(&mut offset, r.uint()?, at)?,
-            "len" => once(&mut len, r.uint()?, at)?,
+        match r.raw_str()? {
+            b"name" => once(&mut name, r.raw_str()?, at)?,
+            b"dtype" => once(&mut dtype, read_dtype(r)?, at)?,
+            b"shape" => once(&mut shape, read_shape(r)?, at)?,
+            b"offset" => once(&mut offset, r.uint()?, at)?,
+            b"len" => once(&mut len, r.uint()?, at)?,
             _ => {
                 return Err(Malformed {
                     what: "unknown key in a field",
@@ -367,7 +381,7 @@ fn read_field<'a>(r: &mut Reader<'a>) -> Parsed<FieldRef<'a>> {
     }
     let missing = |what| Malformed { what, at: start };
     let (ndim, shape) = shape.ok_or(missing("field without 'shape'"))?;
-    Ok(FieldRef {
+    Ok(Field {
         name: name.ok_or(missing("field without 'name'"))?,
         dtype: dtype.ok_or(missing("field without 'dtype'"))?,
         ndim,
@@ -377,23 +391,42 @@ fn read_field<'a>(r: &mut Reader<'a>) -> Parsed<FieldRef<'a>> {
     })
 }
 
-/// A dtype as serde writes a unit variant: its name as a string.
+/// A field, its name checked as UTF-8.
+fn read_named_field<'a>(r: &mut Reader<'a>) -> Parsed<FieldRef<'a>> {
+    let at = r.pos();
+    let f = read_field(r)?;
+    let name = std::str::from_utf8(f.name).map_err(|_| Malformed {
+        what: "field name is not UTF-8",
+        at,
+    })?;
+    Ok(FieldRef(Field {
+        name,
+        dtype: f.dtype,
+        ndim: f.ndim,
+        shape: f.shape,
+        offset: f.offset,
+        len: f.len,
+    }))
+}
+
+/// A dtype as serde writes a unit variant: its name as a string (compared
+/// as bytes: every name is ASCII).
 fn read_dtype(r: &mut Reader<'_>) -> Parsed<DType> {
     let at = r.pos();
-    Ok(match r.str()? {
-        "U8" => DType::U8,
-        "I8" => DType::I8,
-        "I16" => DType::I16,
-        "U16" => DType::U16,
-        "I32" => DType::I32,
-        "U32" => DType::U32,
-        "I64" => DType::I64,
-        "U64" => DType::U64,
-        "F16" => DType::F16,
-        "BF16" => DType::BF16,
-        "F32" => DType::F32,
-        "F64" => DType::F64,
-        "Bool" => DType::Bool,
+    Ok(match r.raw_str()? {
+        b"U8" => DType::U8,
+        b"I8" => DType::I8,
+        b"I16" => DType::I16,
+        b"U16" => DType::U16,
+        b"I32" => DType::I32,
+        b"U32" => DType::U32,
+        b"I64" => DType::I64,
+        b"U64" => DType::U64,
+        b"F16" => DType::F16,
+        b"BF16" => DType::BF16,
+        b"F32" => DType::F32,
+        b"F64" => DType::F64,
+        b"Bool" => DType::Bool,
         _ => {
             return Err(Malformed {
                 what: "unknown dtype",
@@ -427,18 +460,19 @@ fn check_field(
     data_start: u64,
     object_len: usize,
 ) -> std::result::Result<(), String> {
-    let len = payload_len(f.dtype, f.shape()).map_err(|e| format!("field '{}': {e}", f.name))?;
-    let end = f.offset.checked_add(f.len);
-    if len as u64 != f.len
-        || f.offset % SLOT_ALIGN as u64 != 0
-        || f.offset < data_start
+    let len =
+        payload_len(f.dtype(), f.shape()).map_err(|e| format!("field '{}': {e}", f.name()))?;
+    let end = f.offset().checked_add(f.len());
+    if len as u64 != f.len()
+        || f.offset() % SLOT_ALIGN as u64 != 0
+        || f.offset() < data_start
         || end.is_none_or(|e| e > object_len as u64)
     {
         return Err(format!(
             "field '{}' (offset {}, {} bytes, shape {:?}) does not fit the object of {} bytes",
-            f.name,
-            f.offset,
-            f.len,
+            f.name(),
+            f.offset(),
+            f.len(),
             f.shape(),
             object_len
         ));

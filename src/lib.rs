@@ -24,8 +24,8 @@ mod store;
 mod sys;
 
 pub use codec::{
-    payload_len, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots, ItemView,
-    TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
+    payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
+    ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
 };
 pub use copy::{Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, PackDesc, Ticket};
 #[cfg(feature = "cuda")]

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::tensor::{payload_len, TensorRef, TensorView};
+use super::tensor::{payload_len, TensorRef};
 use super::{CODEC_VERSION, ITEM_MAGIC, ITEM_PREFIX_LEN};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -256,107 +256,10 @@ impl<'a> ItemSlots<'a> {
     }
 }
 
-/// A zero-copy view of an item's bytes: its header decoded, each field a
-/// [`TensorView`] over the object. Over a slot it comes from
-/// [`ReadGuard::item`](crate::ReadGuard::item) or
-/// [`StoreReader::get_item`](crate::StoreReader::get_item).
-#[derive(Debug)]
-pub struct ItemView<'a> {
-    header: ItemHeader,
-    object: &'a [u8],
-}
-
-impl<'a> ItemView<'a> {
-    /// Reads an item object, checking every field against its length.
-    pub fn parse(object: &'a [u8]) -> Result<Self> {
-        Ok(ItemView {
-            header: parse_item(object)?,
-            object,
-        })
-    }
-
-    /// The decoded header.
-    pub fn header(&self) -> &ItemHeader {
-        &self.header
-    }
-
-    /// A metadata value.
-    pub fn meta(&self, key: &str) -> Option<&str> {
-        self.header
-            .meta
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// Field names, in order.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.header.fields.iter().map(|f| f.name.as_str())
-    }
-
-    /// A field by name, in place.
-    pub fn field(&self, name: &str) -> Result<TensorView<'a>> {
-        let f = self
-            .header
-            .fields
-            .iter()
-            .find(|f| f.name == name)
-            .ok_or_else(|| Error::NoSuchField {
-                name: name.to_owned(),
-            })?;
-        // In bounds: checked by `parse_item`.
-        let data = &self.object[f.offset as usize..(f.offset + f.len) as usize];
-        Ok(TensorView::from_parts(f.dtype, &f.shape, data))
-    }
-}
-
-fn parse_item(object: &[u8]) -> Result<ItemHeader> {
-    let corrupt = |m: String| Error::CorruptObject(format!("item: {m}"));
-    let prefix = object
-        .get(..ITEM_PREFIX_LEN)
-        .ok_or_else(|| corrupt("shorter than its prefix".into()))?;
-    if prefix[0..4] != ITEM_MAGIC.to_le_bytes() {
-        return Err(corrupt("bad magic".into()));
-    }
-    let version = u16::from_le_bytes([prefix[4], prefix[5]]);
-    if version != CODEC_VERSION {
-        return Err(corrupt(format!(
-            "codec version {version} (this build reads {CODEC_VERSION})"
-        )));
-    }
-    let hlen = u32::from_le_bytes(prefix[8..12].try_into().expect("4 bytes")) as usize;
-    let encoded = object
-        .get(ITEM_PREFIX_LEN..)
-        .and_then(|r| r.get(..hlen))
-        .ok_or_else(|| corrupt(format!("header of {hlen} bytes runs past the object")))?;
-    let header: ItemHeader = rmp_serde::from_slice(encoded)
-        .map_err(|e| corrupt(format!("header does not decode: {e}")))?;
-    let data_start = (ITEM_PREFIX_LEN + hlen) as u64;
-    for f in &header.fields {
-        let len = payload_len(f.dtype, &f.shape)
-            .map_err(|e| corrupt(format!("field '{}': {e}", f.name)))?;
-        let end = f.offset.checked_add(f.len);
-        if len as u64 != f.len
-            || f.offset % SLOT_ALIGN as u64 != 0
-            || f.offset < data_start
-            || end.is_none_or(|e| e > object.len() as u64)
-        {
-            return Err(corrupt(format!(
-                "field '{}' (offset {}, {} bytes, shape {:?}) does not fit the object of {} bytes",
-                f.name,
-                f.offset,
-                f.len,
-                f.shape,
-                object.len()
-            )));
-        }
-    }
-    Ok(header)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::ItemView;
 
     #[test]
     fn item_layout_offsets_are_aligned_and_after_the_header() {
@@ -376,7 +279,7 @@ mod tests {
         assert!(l.len() as u64 >= prev_end);
         let mut buf = vec![0u8; l.len()];
         l.write_header(&mut buf);
-        assert_eq!(parse_item(&buf).unwrap(), l.header);
+        assert_eq!(ItemView::parse(&buf).unwrap().to_header(), l.header);
     }
 
     #[test]

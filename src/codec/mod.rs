@@ -17,15 +17,20 @@
 //! ...  payloads, each at a 64-byte aligned offset
 //! ```
 //! The item header is MessagePack (rmp-serde, named fields) so Python can read
-//! it with `msgpack.unpackb`. Everything read back is validated against the
-//! object's length before a view is formed: a corrupt header is an error.
+//! it with `msgpack.unpackb`. Rust reads it back with a strict borrowing
+//! reader (`msgpack`, `view`) that allocates nothing, since it runs on every
+//! `get_item`. Everything read back is validated against the object's length
+//! before a view is formed: a corrupt header is an error.
 
 mod item;
+mod msgpack;
 mod tensor;
+mod view;
 
-pub use item::{FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots, ItemView};
+pub use item::{FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots};
 pub(crate) use tensor::write_tensor_header;
 pub use tensor::{payload_len, TensorRef, TensorView};
+pub use view::{FieldRef, ItemView};
 
 /// Bumped on every change to the tensor or item layout.
 pub const CODEC_VERSION: u16 = 1;

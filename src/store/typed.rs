@@ -9,8 +9,8 @@ use super::guard::ReadGuard;
 use super::reader::StoreReader;
 use super::writer::ObjectStore;
 use crate::codec::{
-    payload_len, write_tensor_header, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView,
-    TENSOR_HEADER_LEN,
+    payload_len, write_tensor_header, FieldRef, Item, ItemHeader, ItemLayout, ItemSlots, ItemView,
+    TensorRef, TensorView, TENSOR_HEADER_LEN,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -124,8 +124,21 @@ impl<'r> Deref for TensorGuard<'r> {
     }
 }
 
-/// An item in place that owns its read: it derefs to an [`ItemView`], and
+/// An item in place that owns its read: [`ItemView`]'s accessors, and
 /// dropping it acknowledges the read. From [`StoreReader::get_item`].
+///
+/// Not `Deref<Target = ItemView<'r>>`: the view's names, metadata and
+/// fields borrow for `'r`, the reader's lifetime, so they would outlive
+/// the guard and read a slot the writer may reuse. Here they borrow the
+/// guard:
+///
+/// ```compile_fail
+/// # use pinshm::{ObjectHandle, StoreReader};
+/// # fn f(reader: &StoreReader, h: ObjectHandle) -> pinshm::Result<()> {
+/// let modality = reader.get_item(h)?.meta("modality"); // guard dropped here
+/// println!("{modality:?}");
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct ItemGuard<'r> {
     view: ItemView<'r>,
@@ -137,12 +150,40 @@ impl<'r> ItemGuard<'r> {
     pub fn handle(&self) -> ObjectHandle {
         self.guard.handle()
     }
-}
 
-impl<'r> Deref for ItemGuard<'r> {
-    type Target = ItemView<'r>;
-    fn deref(&self) -> &ItemView<'r> {
-        &self.view
+    /// The view, borrowing this guard.
+    pub fn view(&self) -> ItemView<'_> {
+        self.view
+    }
+
+    /// A metadata value: [`ItemView::meta`].
+    pub fn meta(&self, key: &str) -> Option<&str> {
+        self.view().meta(key)
+    }
+
+    /// Metadata entries, in order: [`ItemView::meta_entries`].
+    pub fn meta_entries(&self) -> impl ExactSizeIterator<Item = (&str, &str)> {
+        self.view().meta_entries()
+    }
+
+    /// Field names, in order: [`ItemView::names`].
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.view().names()
+    }
+
+    /// The fields, in order: [`ItemView::fields`].
+    pub fn fields(&self) -> impl ExactSizeIterator<Item = FieldRef<'_>> {
+        self.view().fields()
+    }
+
+    /// A field by name, in place: [`ItemView::field`].
+    pub fn field(&self, name: &str) -> Result<TensorView<'_>> {
+        self.view().field(name)
+    }
+
+    /// An owned copy of the header: [`ItemView::to_header`].
+    pub fn to_header(&self) -> ItemHeader {
+        self.view.to_header()
     }
 }
 

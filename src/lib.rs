@@ -27,7 +27,9 @@ pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
 };
-pub use copy::{Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, PackDesc, Ticket};
+pub use copy::{
+    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, Hold, KeepAlive, PackDesc, Ticket,
+};
 #[cfg(feature = "cuda")]
 pub use cuda::engine::CudaEngine;
 pub use dtype::{DType, Element};

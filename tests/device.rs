@@ -45,7 +45,7 @@ fn a_device_put_is_published_only_when_its_copy_completes() {
 fn several_device_puts_can_be_in_flight() {
     let name = Name::new("devmany");
     let mut w = store(&name, 8 * MIB, MIB);
-    let eng = CpuEngine::with_delay(Duration::from_millis(20));
+    let eng = CpuEngine::new();
     let bufs: Vec<_> = (0..8)
         .map(|i| {
             let b = eng.alloc(100 * KIB + i).unwrap();
@@ -53,16 +53,34 @@ fn several_device_puts_can_be_in_flight() {
             b
         })
         .collect();
-    let t0 = Instant::now();
-    let pending: Vec<_> = bufs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| w.put_from_device(&format!("k{i}"), b, &eng).unwrap())
-        .collect();
-    assert!(
-        t0.elapsed() < Duration::from_millis(100),
-        "starting copies does not wait for them"
-    );
+    // The engine's queue is stopped: had a put waited for its copy, it
+    // would never return (the 60 s bound only turns that hang into a
+    // failure; nothing here depends on timing).
+    let hold = eng.hold().unwrap();
+    let pending = std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (w, bufs, eng) = (&mut w, &bufs, &eng);
+        s.spawn(move || {
+            let p: Vec<_> = bufs
+                .iter()
+                .enumerate()
+                .map(|(i, b)| w.put_from_device(&format!("k{i}"), b, eng).unwrap())
+                .collect();
+            tx.send(p).unwrap();
+        });
+        let p = rx.recv_timeout(Duration::from_secs(60));
+        if p.is_err() {
+            drop(hold); // let the puts finish, so the scope can end
+            panic!("starting device puts waited for their copies");
+        }
+        (p.unwrap(), hold)
+    });
+    let (pending, hold) = pending;
+    for p in &pending {
+        assert_eq!(w.try_finish_put(p).unwrap(), None, "copies are held");
+    }
+    assert_eq!(w.stats().puts, 0, "nothing is published before its copy");
+    drop(hold);
     let r = StoreReader::attach(&w.handle()).unwrap();
     for (i, p) in pending.into_iter().enumerate() {
         let h = w.finish_put(p).unwrap();

@@ -139,16 +139,15 @@ fn a_reader_in_another_pid_namespace_keeps_its_guard_while_the_ring_fills() {
 /// touches no other test: fills its descriptor table, then the ring.
 fn emfile_writer() {
     let name = std::env::var("PINSHM_NAME").unwrap();
-    let mut w = ObjectStore::create(
-        StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name),
-    )
-    .unwrap();
+    let mut w =
+        ObjectStore::create(StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name))
+            .unwrap();
     let h = w.put("guarded", &pattern(7, LEN)).unwrap();
     println!("HANDLE {}", serde_json::to_string(&w.handle()).unwrap());
     println!("OBJECT {}", serde_json::to_string(&h).unwrap());
     let mut lines = std::io::stdin().lock().lines();
     let _ = lines.next(); // "fill": the reader holds its guard now
-    // Exhaust the descriptor table: every open from here on fails.
+                          // Exhaust the descriptor table: every open from here on fails.
     let mut held = Vec::new();
     loop {
         match std::fs::File::open("/dev/null") {
@@ -237,7 +236,10 @@ fn a_leaked_pending_get_keeps_its_slot_and_mapping_until_the_copy_is_done() {
         "the copy read other bytes than the object's"
     );
     send(&mut child, "done");
-    assert!(child.wait().unwrap().success(), "the reader process crashed");
+    assert!(
+        child.wait().unwrap().success(),
+        "the reader process crashed"
+    );
     // Once the copy is done and the process gone, its entry is reaped and
     // the slot comes back.
     assert_eq!(w.reap_dead_readers(), vec![0]);
@@ -275,10 +277,7 @@ fn a_device_put_finished_twice_is_refused_and_changes_nothing() {
         w.try_finish_put(&p),
         Err(Error::PutNotPending { .. })
     ));
-    assert!(matches!(
-        w.finish_put(p),
-        Err(Error::PutNotPending { .. })
-    ));
+    assert!(matches!(w.finish_put(p), Err(Error::PutNotPending { .. })));
     assert_eq!(w.stats(), before, "a second finish changed the store");
     // Its read still counts: the object is reclaimable, not unread again.
     assert_eq!(w.free_unused(), 1);

@@ -107,13 +107,13 @@ impl<'a> TensorView<'a> {
     }
 
     /// Payload bytes, in place.
-    pub fn bytes(&self) -> &[u8] {
+    pub fn bytes(&self) -> &'a [u8] {
         self.data
     }
 
     /// The payload as `&[T]`, in place. Errors (never panics) when `T` does
     /// not match the dtype or the payload is not aligned for `T`.
-    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    pub fn as_slice<T: Element>(&self) -> Result<&'a [T]> {
         if T::DTYPE != self.dtype {
             return Err(Error::DTypeMismatch {
                 expected: self.dtype,
@@ -126,7 +126,7 @@ impl<'a> TensorView<'a> {
     }
 
     /// Bool tensors as bytes that are each 0 or 1 (checked).
-    pub fn as_bools(&self) -> Result<&[bool]> {
+    pub fn as_bools(&self) -> Result<&'a [bool]> {
         if self.dtype != DType::Bool {
             return Err(Error::DTypeMismatch {
                 expected: self.dtype,

@@ -14,6 +14,8 @@ use super::{
 use crate::error::{Error, Result};
 
 enum Job {
+    /// Blocks the worker until the [`Hold`]'s sender is dropped.
+    Hold(Receiver<()>),
     Copy {
         src: usize,
         dst: usize,
@@ -91,6 +93,18 @@ impl CpuEngine {
         }
     }
 
+    /// Stops this engine's queue until the returned [`Hold`] is dropped:
+    /// copies started meanwhile wait, in order, as behind a busy stream.
+    /// For tests that must see copies in flight without relying on time.
+    pub fn hold(&self) -> Result<Hold> {
+        let (release, wait) = crossbeam_channel::bounded(0);
+        let ticket = self.submit(Job::Hold(wait), Vec::new())?;
+        Ok(Hold {
+            _release: release,
+            _ticket: ticket,
+        })
+    }
+
     fn submit(&self, job: Job, keep: Vec<KeepAlive>) -> Result<Ticket> {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.jobs
@@ -105,11 +119,26 @@ impl CpuEngine {
     }
 }
 
+/// A stopped [`CpuEngine`] queue (see [`CpuEngine::hold`]); dropping it
+/// lets the queue run on.
+#[derive(Debug)]
+#[must_use = "the queue runs on as soon as the Hold is dropped"]
+pub struct Hold {
+    _release: Sender<()>,
+    _ticket: Ticket,
+}
+
 fn run_job(job: &Job) -> Result<(), String> {
-    // SAFETY (all arms): the submitter's contract (d2h_async / h2d_async /
-    // pack_async / unpack_async) keeps every range valid and unshared until
-    // this job reports completion.
+    // The submitter's contract (d2h_async / h2d_async / pack_async /
+    // unpack_async) keeps every range valid and unshared until this job
+    // reports completion.
     match *job {
+        Job::Hold(ref wait) => {
+            // Returns when the Hold drops its sender.
+            let _ = wait.recv();
+            Ok(())
+        }
+        // SAFETY: the submitter's contract: both ranges valid, unshared.
         Job::Copy { src, dst, len } => unsafe {
             std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len);
             Ok(())
@@ -118,6 +147,7 @@ fn run_job(job: &Job) -> Result<(), String> {
             ref descs,
             dst,
             len,
+            // SAFETY: the submitter's contract for the pieces and `dst`.
         } => unsafe {
             pack_cpu(descs, std::slice::from_raw_parts_mut(dst as *mut u8, len))
                 .map_err(|e| e.to_string())
@@ -126,6 +156,7 @@ fn run_job(job: &Job) -> Result<(), String> {
             ref descs,
             src,
             len,
+            // SAFETY: the submitter's contract for the pieces and `src`.
         } => unsafe {
             unpack_cpu(descs, std::slice::from_raw_parts(src as *const u8, len))
                 .map_err(|e| e.to_string())

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 
 mod cpu;
-pub use cpu::CpuEngine;
+pub use cpu::{CpuEngine, Hold};
 
 /// Which device an engine or buffer belongs to.
 pub type DeviceId = u64;

@@ -90,9 +90,10 @@ impl ObjectStore {
         engine: &E,
     ) -> Result<PendingPut> {
         engine.check_device(src)?;
-        // SAFETY: the slot is reserved for this put and not published until
-        // finish_put has waited for the ticket; `keep` holds the mapping.
         self.start_put(key, src.len(), ObjectKind::Raw, |p, keep| {
+            // SAFETY: the slot is reserved for this put and not published
+            // until finish_put has waited for the ticket; `keep` holds the
+            // mapping.
             Ok(vec![unsafe { engine.d2h_async(src, p, Some(keep))? }])
         })
     }
@@ -192,9 +193,9 @@ impl ObjectStore {
         engine: &E,
     ) -> Result<PendingPut> {
         check_pack(descs, len)?;
-        // SAFETY: the caller's contract for the pieces; the slot as in
-        // put_from_device.
         self.start_put(key, len, ObjectKind::Raw, |p, keep| {
+            // SAFETY: the caller's contract for the pieces; the slot as in
+            // put_from_device.
             Ok(vec![unsafe {
                 engine.pack_async(descs, p, len, Some(keep))?
             }])

@@ -9,7 +9,7 @@ use super::mapping::Mapping;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, reader_state, ObjectKind};
-use crate::shm::{ReaderPtr, SlotPtr};
+use crate::shm::{copy_racy, ReaderPtr, SlotPtr};
 use crate::sys::clock;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
@@ -198,12 +198,12 @@ impl StoreReader {
         out.clear();
         out.reserve(len);
         // SAFETY: `data..data+len` lies in the data region (validate checked
-        // it against the process-local capacity) and `out` has room for len
-        // bytes. The writer may be rewriting these bytes (only if this read
-        // is not counted); such a copy is detected below and discarded.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data, out.as_mut_ptr(), len);
-        }
+        // it against the process-local capacity), mapped while `self` lives,
+        // and `out` has room for len bytes that nothing else touches. The
+        // writer may be rewriting the source (only if this read is not
+        // counted): copy_racy reads it as atomics, and such a copy is
+        // detected below and discarded.
+        unsafe { copy_racy(data, out.as_mut_ptr(), len) };
         if slot.id_recheck() != h.monotonic_id {
             return Err(self.stale(h, "slot reused during the copy"));
         }

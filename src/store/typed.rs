@@ -2,8 +2,6 @@
 //! here is a thin layer over the writer's one reserve → fill → publish path;
 //! every typed read is a view parsed from a [`ReadGuard`].
 
-use std::ops::Deref;
-
 use super::config::ObjectHandle;
 use super::guard::ReadGuard;
 use super::reader::StoreReader;
@@ -12,7 +10,7 @@ use crate::codec::{
     payload_len, write_tensor_header, FieldRef, Item, ItemHeader, ItemLayout, ItemSlots, ItemView,
     TensorRef, TensorView, TENSOR_HEADER_LEN,
 };
-use crate::dtype::DType;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::ObjectKind;
 
@@ -102,8 +100,20 @@ impl<'r> ReadGuard<'r> {
     }
 }
 
-/// A tensor in place that owns its read: it derefs to a [`TensorView`], and
+/// A tensor in place that owns its read: [`TensorView`]'s accessors, and
 /// dropping it acknowledges the read. From [`StoreReader::get_tensor`].
+///
+/// Not `Deref<Target = TensorView<'r>>`: a `TensorView` is `Copy` and its
+/// bytes borrow for `'r`, so a copy would outlive the guard. Here every
+/// view borrows the guard:
+///
+/// ```compile_fail
+/// # use pinshm::{ObjectHandle, StoreReader};
+/// # fn f(reader: &StoreReader, h: ObjectHandle) -> pinshm::Result<()> {
+/// let view = reader.get_tensor(h)?.view(); // guard dropped here
+/// println!("{:?}", view.bytes());
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct TensorGuard<'r> {
     view: TensorView<'r>,
@@ -115,12 +125,40 @@ impl<'r> TensorGuard<'r> {
     pub fn handle(&self) -> ObjectHandle {
         self.guard.handle()
     }
-}
 
-impl<'r> Deref for TensorGuard<'r> {
-    type Target = TensorView<'r>;
-    fn deref(&self) -> &TensorView<'r> {
-        &self.view
+    /// The view, borrowing this guard.
+    pub fn view(&self) -> TensorView<'_> {
+        self.view
+    }
+
+    /// Element type: [`TensorView::dtype`].
+    pub fn dtype(&self) -> DType {
+        self.view.dtype()
+    }
+
+    /// Shape: [`TensorView::shape`].
+    pub fn shape(&self) -> &[u64] {
+        self.view.shape()
+    }
+
+    /// Number of elements: [`TensorView::numel`].
+    pub fn numel(&self) -> usize {
+        self.view.numel()
+    }
+
+    /// Payload bytes, in place: [`TensorView::bytes`].
+    pub fn bytes(&self) -> &[u8] {
+        self.view().bytes()
+    }
+
+    /// The payload as `&[T]`, in place: [`TensorView::as_slice`].
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.view().as_slice()
+    }
+
+    /// Bool tensors: [`TensorView::as_bools`].
+    pub fn as_bools(&self) -> Result<&[bool]> {
+        self.view().as_bools()
     }
 }
 

@@ -72,10 +72,16 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 pub fn spawn_child(test: &str, role: &str, env: &[(&str, String)]) -> std::process::Child {
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
     // Child entry points are #[ignore]d so they never count as passes.
-    cmd.args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("PINSHM_CHILD", role)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped());
+    cmd.args([
+        test,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("PINSHM_CHILD", role)
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }

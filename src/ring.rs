@@ -133,24 +133,21 @@ impl<T> Ring<T> {
     /// The live slot whose value matches `key`, by binary search on a key
     /// that grows with position (the monotonic id).
     pub fn find_by<K: Ord>(&self, key: K, f: impl Fn(&T) -> K) -> Option<&Span<T>> {
-        let i = self
-            .spans
-            .binary_search_by(|s| f(&s.value).cmp(&key))
-            .ok()?;
-        self.spans.get(i)
+        self.spans.get(self.index_of(key, f)?)
     }
 
     /// As [`Ring::find_by`], mutable.
     pub fn find_by_mut<K: Ord>(&mut self, key: K, f: impl Fn(&T) -> K) -> Option<&mut Span<T>> {
-        // The newest slot is the common case (publishing a put).
-        let i = match self.spans.back() {
-            Some(b) if f(&b.value) == key => self.spans.len() - 1,
-            _ => self
-                .spans
-                .binary_search_by(|s| f(&s.value).cmp(&key))
-                .ok()?,
-        };
+        let i = self.index_of(key, f)?;
         self.spans.get_mut(i)
+    }
+
+    fn index_of<K: Ord>(&self, key: K, f: impl Fn(&T) -> K) -> Option<usize> {
+        match self.spans.back() {
+            // The newest slot is the common case (publishing a put).
+            Some(b) if f(&b.value) == key => Some(self.spans.len() - 1),
+            _ => self.spans.binary_search_by(|s| f(&s.value).cmp(&key)).ok(),
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The segment header's atomic fields.
 
+use super::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::field;
 use crate::layout::{self, SegmentHeader};

@@ -30,7 +30,10 @@
 //! under the copy, which is then thrown away (`Stale`): a torn read is never
 //! returned. This is crossbeam's seqlock read.
 
+pub(crate) mod atomic;
 mod header;
+#[cfg(all(test, loom))]
+mod loom_tests;
 mod reader;
 mod slot;
 
@@ -44,9 +47,9 @@ pub(crate) use slot::SlotPtr;
 /// # Safety
 /// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
 /// live mapping, and that mapping outlives `'a`.
-pub(super) unsafe fn field<'a, A>(base: *mut u8, off: usize) -> &'a A {
-    // SAFETY: the caller's contract; atomics have no invalid bit patterns.
-    unsafe { &*(base.add(off) as *const A) }
+pub(super) unsafe fn field<'a, A: atomic::Word>(base: *mut u8, off: usize) -> &'a A {
+    // SAFETY: the caller's contract, which is `Word::at`'s.
+    unsafe { A::at(base.add(off)) }
 }
 
 /// Copies `len` bytes that a writer may be overwriting at the same time
@@ -156,7 +159,7 @@ mod tests {
             // SAFETY: as above; the boxes outlive the thread (joined below).
             let (slot, me) = unsafe { (SlotPtr::new({ sp }.0), ReaderPtr::new({ rp }.0)) };
             me.set_hazard(0, 7);
-            let ok = slot.id_after_hazard() == 7;
+            let ok = slot.id_acquire() == 7;
             if ok {
                 assert_eq!(slot.meta().1, 10);
             }

@@ -1,7 +1,7 @@
 //! A slot's prefix: header and per-reader read counters.
 
+use super::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use super::field;
 use crate::layout::SlotHeader;
@@ -101,13 +101,9 @@ impl SlotPtr {
 
     // ---- reader ----
 
-    /// The id, for an optimistic read (seqlock begin).
+    /// The id (Acquire): the start of an optimistic read (seqlock begin),
+    /// or the check after a hazard was published (after its SeqCst fence).
     pub fn id_acquire(&self) -> u64 {
-        self.id().load(Ordering::Acquire)
-    }
-
-    /// The id after a hazard was published (after its SeqCst fence).
-    pub fn id_after_hazard(&self) -> u64 {
         self.id().load(Ordering::Acquire)
     }
 

@@ -159,7 +159,7 @@ impl StoreReader {
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
         let checked = self
-            .validate(h, &slot, slot.id_after_hazard())
+            .validate(h, &slot, slot.id_acquire())
             .and_then(|v| self.check_attached().map(|()| v));
         match checked {
             Ok((data, len, kind)) => Ok(ReadGuard {
@@ -334,7 +334,7 @@ impl StoreReader {
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
         let r = self
-            .validate(h, &slot, slot.id_after_hazard())
+            .validate(h, &slot, slot.id_acquire())
             .map(|_| self.ack_held(&slot, h));
         self.release_hazard(k);
         r

@@ -335,14 +335,11 @@ impl ObjectStore {
     fn publish(&mut self, id: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
         let n_readers = self.geo.n_readers;
-        let span = self.ring.find_by_mut(id, |e| e.id)?;
+        let span = self.ring.find_by(id, |e| e.id)?;
         let address = span.pos % self.geo.capacity;
         let e = &span.value;
         let key = e.key.clone()?;
-        let slot = self
-            .geo
-            .slot(address)
-            .expect("ring addresses are in bounds");
+        let slot = self.slot_at(address);
         slot.publish(
             id,
             layout::slot_tag(id, address, epoch, e.size, e.kind as u32),
@@ -507,11 +504,15 @@ impl ObjectStore {
 
     // ---- internals ----
 
-    fn slot_and_payload(&self, address: u64, len: u64) -> (SlotPtr, *mut u8) {
-        let slot = self
-            .geo
+    /// The slot at a ring address (the ring hands out only in-bounds ones).
+    fn slot_at(&self, address: u64) -> SlotPtr {
+        self.geo
             .slot(address)
-            .expect("ring addresses are in bounds");
+            .expect("ring addresses are in bounds")
+    }
+
+    fn slot_and_payload(&self, address: u64, len: u64) -> (SlotPtr, *mut u8) {
+        let slot = self.slot_at(address);
         let payload = self
             .geo
             .payload(address, len)
@@ -617,10 +618,7 @@ impl ObjectStore {
     /// The reclaim protocol of crate::ring: on success the slot is invalid
     /// and no reader can be inside it.
     fn try_free(&self, address: u64, e: &Entry) -> bool {
-        let slot = self
-            .geo
-            .slot(address)
-            .expect("ring addresses are in bounds");
+        let slot = self.slot_at(address);
         if let Some(p) = &e.pending {
             // Never published, so no reader is in it; free it only once the
             // copy into it has stopped and nobody will finish the put.
@@ -653,10 +651,7 @@ impl ObjectStore {
 
     fn blocker(&self, pos: u64, e: &Entry) -> Blocker {
         let address = self.ring.address(pos);
-        let slot = self
-            .geo
-            .slot(address)
-            .expect("ring addresses are in bounds");
+        let slot = self.slot_at(address);
         Blocker {
             address,
             monotonic_id: e.id,

@@ -7,7 +7,10 @@ compile_error!(
     "pinshm needs Linux: POSIX shared memory under /dev/shm and open-file-description locks"
 );
 
-// Layers, lowest first: a module imports only modules above it in this list.
+// Layers, lowest first (a module imports only modules before it here;
+// tools/import_graph.py checks it): dtype, layout, error, sys, shm, ring,
+// geometry, codec, pin, cuda (register), copy, cuda (engine), store,
+// inspect. The modules are private; the public API is the flat page below.
 mod codec;
 mod copy;
 #[cfg(feature = "cuda")]

@@ -18,6 +18,8 @@ pub struct Blocker {
     pub unread_by: Vec<u32>,
     /// Readers that hold a guard or view on it.
     pub held_by: Vec<u32>,
+    /// Whether the writer protects it (`ObjectStore::protect`).
+    pub protected: bool,
 }
 
 impl fmt::Display for Blocker {
@@ -37,6 +39,13 @@ impl fmt::Display for Blocker {
         }
         if !self.held_by.is_empty() {
             write!(f, "{sep} held by a guard of reader(s) {:?}", self.held_by)?;
+            sep = " and";
+        }
+        if self.protected {
+            write!(
+                f,
+                "{sep} protected by the writer (release_protections ends it)"
+            )?;
         }
         Ok(())
     }

@@ -16,18 +16,27 @@ pub(crate) struct Geometry {
     pub(crate) capacity: u64,
     pub(crate) max_object_size: u64,
     pub(crate) prefix_len: u64,
+    /// `flags::AGGREGATE_READS` of the store.
+    pub(crate) aggregate: bool,
     base: *mut u8,
     data: *mut u8,
 }
 
 impl Geometry {
-    pub(crate) fn new(base: *mut u8, n_readers: u32, capacity: u64, max_object_size: u64) -> Self {
+    pub(crate) fn new(
+        base: *mut u8,
+        n_readers: u32,
+        capacity: u64,
+        max_object_size: u64,
+        flags: u64,
+    ) -> Self {
         let header_len = layout::header_len(n_readers);
         Geometry {
             n_readers,
             capacity,
             max_object_size,
             prefix_len: layout::slot_prefix_len(n_readers) as u64,
+            aggregate: flags & layout::flags::AGGREGATE_READS != 0,
             base,
             // SAFETY: callers checked the mapping is header_len + capacity bytes.
             data: unsafe { base.add(header_len) },
@@ -167,10 +176,21 @@ pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
             format!("{} exceeds capacity {}", h.max_object_size, h.capacity),
         ));
     }
+    if h.flags & !layout::flags::KNOWN != 0 {
+        return Err(bad(
+            "flags",
+            format!(
+                "{:#x} has bits this build does not know ({:#x})",
+                h.flags,
+                layout::flags::KNOWN
+            ),
+        ));
+    }
     Ok(Geometry::new(
         seg.as_ptr(),
         h.n_readers,
         h.capacity,
         h.max_object_size,
+        h.flags,
     ))
 }

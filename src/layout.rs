@@ -6,6 +6,8 @@
 //! entry's state word carries an attach generation (so the writer's "dead"
 //! mark cannot hit a reader that re-attached meanwhile), and the pid start
 //! times and the slot's copy of the epoch are gone.
+//! Version 4 added `SegmentHeader::flags` (aggregate read accounting) and
+//! the handle-signing `secret`.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -31,7 +33,7 @@ use bytemuck::{Pod, Zeroable};
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -63,6 +65,16 @@ impl ObjectKind {
             _ => None,
         }
     }
+}
+
+/// Bits of `SegmentHeader::flags`.
+pub mod flags {
+    /// Reads are counted in one counter per slot (`reads[0]`), from any
+    /// reader: an object referenced k times is done after k × readers
+    /// reads (vLLM's accounting). Unset: one counter per reader.
+    pub const AGGREGATE_READS: u64 = 1;
+    /// Every flag this build knows.
+    pub const KNOWN: u64 = AGGREGATE_READS;
 }
 
 /// Reader table entry states: the low byte of `ReaderEntry::state`, whose
@@ -132,8 +144,13 @@ pub struct SegmentHeader {
     pub ring_tail: u64,
     /// Atomic. Ids below this were dropped by the last `clear` (v2).
     pub cleared_below: u64,
+    /// [`flags`] of the store, fixed at create (v4).
+    pub flags: u64,
+    /// Random at create: the key of the handles' HMAC signatures (v4).
+    /// Readers map it; the inspector never prints it.
+    pub secret: [u8; 32],
     /// Zero. Room for fields of later versions.
-    pub reserved: [u64; 18],
+    pub reserved: [u64; 13],
 }
 
 /// One reader's row of the reader table.
@@ -248,6 +265,9 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, ring_head), 88);
         assert_eq!(offset_of!(SegmentHeader, ring_tail), 96);
         assert_eq!(offset_of!(SegmentHeader, cleared_below), 104);
+        assert_eq!(offset_of!(SegmentHeader, flags), 112);
+        assert_eq!(offset_of!(SegmentHeader, secret), 120);
+        assert_eq!(offset_of!(SegmentHeader, reserved), 152);
 
         assert_eq!(size_of::<ReaderEntry>(), 576);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
@@ -267,7 +287,7 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, kind), 36);
         assert_eq!(offset_of!(SlotHeader, reserved), 40);
 
-        assert_eq!(LAYOUT_VERSION, 3);
+        assert_eq!(LAYOUT_VERSION, 4);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 8192);
         assert_eq!(header_len(MAX_READERS), 40960);

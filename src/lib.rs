@@ -42,7 +42,7 @@ pub use layout::ObjectKind;
 pub use pin::PinMode;
 pub use store::{
     ItemGuard, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard, ReaderOptions,
-    StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard,
+    Signature, StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard, SIGNATURE_LEN,
 };
 
 /// Internals that tests, benchmarks and tools reach for: the on-segment

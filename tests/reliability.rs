@@ -594,7 +594,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     assert!(snap.explain(0, 999).contains("never existed"));
     assert!(snap.explain(b.address, b.monotonic_id).starts_with("live"));
     drop(g);
-    w.clear();
+    w.clear_hard();
     let snap = pinshm::inspect(&name).unwrap();
     assert!(snap.explain(c.address, c.monotonic_id).contains("clear"));
     // The binary prints the same.

@@ -276,17 +276,17 @@ fn stale_handles_are_rejected_never_answered_with_other_bytes() {
 }
 
 #[test]
-fn handles_from_before_clear_are_stale() {
+fn handles_from_before_a_hard_clear_are_stale() {
     let name = Name::new("clear");
     let mut w = store(&name, MIB, 4 * KIB, 1);
     let r = StoreReader::attach(&w.handle()).unwrap();
     let a = w.put("a", b"before").unwrap();
-    w.clear();
+    w.clear_hard();
     assert!(!w.is_cached("a"));
     assert_eq!(w.stats().objects, 0, "unread objects are dropped by clear");
     assert_stale(r.get(a), a);
     let a2 = w.put("a", b"after").unwrap();
-    assert_ne!(a2.epoch, a.epoch, "clear starts a new epoch");
+    assert_ne!(a2.epoch, a.epoch, "a hard clear starts a new epoch");
     assert_ne!(a2.monotonic_id, a.monotonic_id, "ids are never reused");
     assert_eq!(&*r.get(a2).unwrap(), b"after");
 }

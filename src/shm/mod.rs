@@ -8,7 +8,7 @@
 //! |---|---|---|---|
 //! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
-//! | `reads[i]` | reader `i` only (Release) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
+//! | `reads[i]` | reader `i` only (Release); in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `ReaderEntry::hazards[k]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!

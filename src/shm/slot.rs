@@ -142,6 +142,13 @@ impl SlotPtr {
         self.reads(i).load(Ordering::Relaxed)
     }
 
+    /// Counts one read in the slot's aggregate counter (`reads[0]`), from
+    /// any reader, under a hazard on the slot (RMW: readers race on it;
+    /// Release: the read happens before the writer's reuse).
+    pub fn acknowledge_aggregate(&self) {
+        self.reads(0).fetch_add(1, Ordering::Release);
+    }
+
     /// Acknowledges one read by reader `i` if it owes one.
     ///
     /// Only reader `i` writes `reads[i]`, and only while the slot cannot be

@@ -4,8 +4,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Blocker, Error, Result};
+use crate::geometry::validate_header;
 use crate::layout;
 use crate::pin::PinMode;
+use crate::sys::segment::Segment;
 
 /// How to create a store.
 #[derive(Clone, Debug)]
@@ -18,6 +20,7 @@ pub struct StoreConfig {
     pub(crate) reserve: bool,
     pub(crate) pin: PinMode,
     pub(crate) reader_timeout: Option<std::time::Duration>,
+    pub(crate) aggregate_reads: bool,
 }
 
 impl StoreConfig {
@@ -33,6 +36,7 @@ impl StoreConfig {
             reserve: true,
             pin: PinMode::Auto,
             reader_timeout: None,
+            aggregate_reads: false,
         }
     }
 
@@ -76,6 +80,16 @@ impl StoreConfig {
     /// honoured: a slot under a guard is never reused.
     pub fn reader_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.reader_timeout = Some(timeout);
+        self
+    }
+
+    /// Aggregate read accounting (off by default), as vLLM counts: one
+    /// counter per object, and an object referenced k times is done after
+    /// k × n_readers reads from any readers (readers that left are not
+    /// counted). The default, one counter per reader, is stricter: each
+    /// reader must read the object as often as it was referenced.
+    pub fn aggregate_reads(mut self, yes: bool) -> Self {
+        self.aggregate_reads = yes;
         self
     }
 
@@ -174,6 +188,22 @@ pub struct StoreHandle {
     pub n_readers: u32,
     /// Layout version of the writer.
     pub layout_version: u32,
+}
+
+impl StoreHandle {
+    /// The handle of the live segment `name`, read from its validated header.
+    pub fn of(name: &str) -> Result<StoreHandle> {
+        let seg = Segment::open_read_only(name)?;
+        let geo = validate_header(&seg, name)?;
+        Ok(StoreHandle {
+            name: seg.name().to_owned(),
+            nonce: geo.header().read().nonce,
+            capacity: geo.capacity,
+            max_object_size: geo.max_object_size,
+            n_readers: geo.n_readers,
+            layout_version: layout::LAYOUT_VERSION,
+        })
+    }
 }
 
 /// Counters of the writer.

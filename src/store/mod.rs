@@ -7,6 +7,7 @@ mod device;
 mod guard;
 mod mapping;
 mod reader;
+mod signature;
 mod typed;
 mod writer;
 
@@ -14,5 +15,6 @@ pub use config::{ObjectHandle, ReaderOptions, StoreConfig, StoreHandle, StoreSta
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;
 pub use reader::StoreReader;
+pub use signature::{Signature, SIGNATURE_LEN};
 pub use typed::{ItemGuard, TensorGuard};
 pub use writer::ObjectStore;

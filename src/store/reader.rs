@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::config::{ObjectHandle, ReaderOptions, StoreHandle};
 use super::guard::ReadGuard;
 use super::mapping::Mapping;
+use super::signature;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, reader_state, ObjectKind};
@@ -66,6 +67,8 @@ pub struct StoreReader {
     counted_from: u64,
     /// Our state word in the reader table while we hold the entry.
     word: u64,
+    /// The segment's signing secret, copied at attach.
+    secret: [u8; 32],
     /// Bit k set: hazard word k is in use by a live guard.
     hazards_used: Cell<u64>,
     /// The segment (our reader lock held through it), shared with copies
@@ -82,6 +85,13 @@ impl StoreReader {
     /// Attaches into the first free reader slot (pinning: `PinMode::Auto`).
     pub fn attach(sh: &StoreHandle) -> Result<StoreReader> {
         Self::attach_with(sh, ReaderOptions::default())
+    }
+
+    /// Attaches to segment `name` knowing nothing else (as vLLM's workers,
+    /// which know the name and size only): the geometry comes from the
+    /// segment's validated header.
+    pub fn attach_by_name(name: &str) -> Result<StoreReader> {
+        Self::attach(&StoreHandle::of(name)?)
     }
 
     /// Attaches as reader `index` (a tensor-parallel rank, say).
@@ -132,6 +142,7 @@ impl StoreReader {
             me: geo.reader(index),
             counted_from,
             word,
+            secret: geo.header().read().secret,
             hazards_used: Cell::new(0),
             map,
         })
@@ -159,7 +170,7 @@ impl StoreReader {
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
         let checked = self
-            .validate(h, &slot, slot.id_acquire())
+            .validate_slot(h, &slot, slot.id_acquire())
             .and_then(|v| self.check_attached().map(|()| v));
         match checked {
             Ok((data, len, kind)) => Ok(ReadGuard {
@@ -194,7 +205,7 @@ impl StoreReader {
     pub fn get_copy_into(&self, h: ObjectHandle, out: &mut Vec<u8>) -> Result<()> {
         self.check_attached()?;
         let slot = self.slot(h)?;
-        let (data, len, _) = self.validate(h, &slot, slot.id_acquire())?;
+        let (data, len, _) = self.validate_slot(h, &slot, slot.id_acquire())?;
         out.clear();
         out.reserve(len);
         // SAFETY: `data..data+len` lies in the data region (validate checked
@@ -218,6 +229,26 @@ impl StoreReader {
     /// Acknowledges one read of `h` without reading it.
     pub fn touch(&self, h: ObjectHandle) -> Result<()> {
         self.acknowledge(h)
+    }
+
+    /// Checks that `h` names a live object of this segment (id, epoch,
+    /// slot tag), acknowledging nothing (vLLM 0.33's reader `touch`).
+    pub fn validate(&self, h: ObjectHandle) -> Result<()> {
+        self.check_attached()?;
+        let slot = self.slot(h)?;
+        self.validate_slot(h, &slot, slot.id_acquire())?;
+        // The tag and size were read between two loads of the id: if the
+        // slot changed meanwhile, they may not be the handle's.
+        if slot.id_recheck() != h.monotonic_id {
+            return Err(self.stale(h, "slot reused during the check"));
+        }
+        Ok(())
+    }
+
+    /// Whether `signature` signs `key` at `h` with this segment's secret
+    /// (see [`ObjectStore::signature`](crate::ObjectStore::signature)).
+    pub fn verify(&self, key: &str, h: ObjectHandle, signature: &[u8]) -> bool {
+        signature::verify(&self.secret, key, h.address, h.monotonic_id, signature)
     }
 
     // ---- internals ----
@@ -284,7 +315,7 @@ impl StoreReader {
 
     /// Given the slot's id as just loaded, checks it, the tag and the size
     /// against the handle and the process-local bounds.
-    fn validate(
+    fn validate_slot(
         &self,
         h: ObjectHandle,
         slot: &SlotPtr,
@@ -334,7 +365,7 @@ impl StoreReader {
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
         let r = self
-            .validate(h, &slot, slot.id_acquire())
+            .validate_slot(h, &slot, slot.id_acquire())
             .map(|_| self.ack_held(&slot, h));
         self.release_hazard(k);
         r
@@ -342,10 +373,17 @@ impl StoreReader {
 
     /// Acknowledges a read of a slot this reader holds a hazard on.
     pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
-        if h.monotonic_id >= self.counted_from
-            && self.check_attached().is_ok()
-            && slot.acknowledge(self.index)
-        {
+        if self.check_attached().is_err() {
+            return;
+        }
+        let counted = if self.geo.aggregate {
+            // vLLM's accounting: every read counts, from any reader.
+            slot.acknowledge_aggregate();
+            true
+        } else {
+            h.monotonic_id >= self.counted_from && slot.acknowledge(self.index)
+        };
+        if counted {
             self.me.set_last_ack_ns(clock::monotonic_ns());
         }
     }

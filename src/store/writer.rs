@@ -15,6 +15,7 @@ use crate::sys::liveness;
 use crate::sys::segment::{self, Segment};
 
 use super::mapping::Mapping;
+use super::signature::{self, Signature};
 
 fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -43,6 +44,11 @@ struct Entry {
     pending: Option<Arc<dyn PendingCopy>>,
     kind: ObjectKind,
     size: u64,
+    /// Protected by `protect` until the next `get_cached` of its key or
+    /// `release_protections`: never reclaimed meanwhile.
+    protected: bool,
+    /// The slot's id was already invalidated (a hard clear).
+    invalid: bool,
 }
 
 /// A copy into a reserved slot (a device-to-host DMA, say), seen by the
@@ -86,6 +92,8 @@ pub struct ObjectStore {
     nonce: u64,
     stats: StoreStats,
     reader_timeout_ns: Option<u64>,
+    /// The key of handle signatures (also in the segment, for readers).
+    secret: [u8; 32],
     /// The segment (its writer lock held through it), shared with copies
     /// in flight: unmapped when the last of them is done.
     map: Arc<Mapping>,
@@ -122,12 +130,19 @@ impl ObjectStore {
                 detail: "another process holds its writer lock".into(),
             });
         }
+        let flags = if cfg.aggregate_reads {
+            layout::flags::AGGREGATE_READS
+        } else {
+            0
+        };
         let geo = Geometry::new(
             seg.as_ptr(),
             cfg.n_readers,
             cfg.capacity as u64,
             cfg.max_object_size as u64,
+            flags,
         );
+        let secret = signature::new_secret()?;
         let nonce = random_u64();
         let epoch = next_epoch(nonce);
         let header = SegmentHeader {
@@ -148,7 +163,9 @@ impl ObjectStore {
             ring_head: 0,
             ring_tail: 0,
             cleared_below: 0,
-            reserved: [0; 18],
+            flags,
+            secret,
+            reserved: [0; 13],
         };
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
@@ -165,6 +182,7 @@ impl ObjectStore {
             nonce,
             stats: StoreStats::default(),
             reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
+            secret,
             map,
         })
     }
@@ -324,6 +342,8 @@ impl ObjectStore {
                 pending,
                 kind,
                 size,
+                protected: false,
+                invalid: false,
             },
         );
         self.publish_progress();
@@ -368,6 +388,7 @@ impl ObjectStore {
 
     /// The handle of `key`, counting one more expected read per reader (the
     /// object then needs one more read from each reader before it can go).
+    /// Ends a [`protect`](Self::protect) of the key.
     pub fn get_cached(&mut self, key: &str) -> Option<ObjectHandle> {
         let h = *self.index.get(key)?;
         let span = self
@@ -375,6 +396,7 @@ impl ObjectStore {
             .find_by_mut(h.monotonic_id, |e| e.id)
             .expect("every indexed key has a live slot");
         span.value.refs = span.value.refs.saturating_add(1);
+        span.value.protected = false;
         let refs = span.value.refs;
         let (slot, _) = self.slot_and_payload(h.address, 0);
         slot.set_refs(refs);
@@ -397,15 +419,61 @@ impl ObjectStore {
         self.reclaim(None)
     }
 
-    /// Forgets every object and starts a new epoch: handles from before are
-    /// stale. Slots under a live guard are freed once the guard drops.
+    /// Keeps `key` from being reclaimed until its next
+    /// [`get_cached`](Self::get_cached) or [`release_protections`](Self::release_protections)
+    /// (vLLM 0.33's writer `touch`). Adds no expected read.
+    pub fn protect(&mut self, key: &str) -> Result<()> {
+        let id = self
+            .index
+            .get(key)
+            .ok_or_else(|| Error::KeyNotFound {
+                key: key.to_owned(),
+            })?
+            .monotonic_id;
+        let span = self
+            .ring
+            .find_by_mut(id, |e| e.id)
+            .expect("every indexed key has a live slot");
+        span.value.protected = true;
+        Ok(())
+    }
+
+    /// Ends every [`protect`](Self::protect) (vLLM 0.33's `release_touches`).
+    pub fn release_protections(&mut self) {
+        for span in self.ring.iter_mut() {
+            span.value.protected = false;
+        }
+    }
+
+    /// Forgets every key (vLLM 0.33's soft clear): `is_cached` is false for
+    /// all, ids keep increasing, and nothing is owed any more. A handle from
+    /// before reads its own bytes until its slot is reused (oldest first, as
+    /// space is needed), then it is stale. Slots under a live guard are
+    /// reused only once the guard drops.
     pub fn clear(&mut self) {
+        for span in self.ring.iter_mut() {
+            span.value.key = None;
+            span.value.protected = false;
+        }
+        self.index.clear();
+        self.pending_keys.clear();
+        tracing::debug!(held = self.ring.len(), "store cleared (soft)");
+    }
+
+    /// Forgets every object and starts a new epoch: every handle from
+    /// before is stale at once. Slots under a live guard are freed once the
+    /// guard drops.
+    pub fn clear_hard(&mut self) {
         let geo = self.geo;
         for span in self.ring.iter_mut() {
-            if span.value.key.take().is_some() {
+            let e = &mut span.value;
+            e.key = None;
+            e.protected = false;
+            if e.pending.is_none() && !e.invalid {
                 geo.slot(span.pos % geo.capacity)
                     .expect("ring slots are in bounds")
                     .invalidate();
+                e.invalid = true;
             }
         }
         self.index.clear();
@@ -414,8 +482,27 @@ impl ObjectStore {
         self.epoch = next_epoch(self.epoch);
         self.geo.header().set_epoch(self.epoch);
         let freed = self.reclaim(None);
-        tracing::debug!(freed, held = self.ring.len(), "store cleared");
+        tracing::debug!(freed, held = self.ring.len(), "store cleared (hard)");
         self.publish_progress();
+    }
+
+    /// The signature of `key`'s handle (vLLM 0.33's `get_signature`): an
+    /// HMAC-SHA256 a reader checks with [`StoreReader::verify`](crate::StoreReader::verify).
+    /// `None` if `key` is not stored.
+    pub fn signature(&self, key: &str) -> Option<Signature> {
+        let h = self.index.get(key)?;
+        Some(signature::sign(
+            &self.secret,
+            key,
+            h.address,
+            h.monotonic_id,
+        ))
+    }
+
+    /// Whether `signature` signs `key` at `h`, and `key` still maps to `h`.
+    pub fn verify(&self, key: &str, h: ObjectHandle, signature: &[u8]) -> bool {
+        self.index.get(key) == Some(&h)
+            && signature::verify(&self.secret, key, h.address, h.monotonic_id, signature)
     }
 
     /// What a reader process needs to attach.
@@ -454,7 +541,7 @@ impl ObjectStore {
     pub fn stats(&self) -> StoreStats {
         let oldest_unread = self.ring.front().and_then(|s| {
             let b = self.blocker(s.pos, &s.value);
-            (!b.unread_by.is_empty() || !b.held_by.is_empty()).then(|| Box::new(b))
+            (!b.unread_by.is_empty() || !b.held_by.is_empty() || b.protected).then(|| Box::new(b))
         });
         StoreStats {
             objects: self.ring.len() as u64,
@@ -584,15 +671,32 @@ impl ObjectStore {
         freed
     }
 
-    /// Whether reader `i` still owes a read of `e`.
+    /// Whether reader `i` still owes a read of `e`. In aggregate mode the
+    /// readers owe together: each counted one owes while the slot's one
+    /// counter is short of `refs` × the readers counted.
     fn owes(&self, i: u32, e: &Entry, slot: &SlotPtr) -> bool {
         let r = self.geo.reader(i);
         let counted = match r.state() {
             reader_state::VACANT => true,
-            reader_state::ATTACHED => e.id >= r.counted_from(),
+            reader_state::ATTACHED => self.geo.aggregate || e.id >= r.counted_from(),
             _ => false,
         };
-        counted && slot.reads_acquire(i) < e.refs && !self.stuck(i)
+        if !counted || self.stuck(i) {
+            return false;
+        }
+        if self.geo.aggregate {
+            let readers = (0..self.geo.n_readers)
+                .filter(|&j| {
+                    matches!(
+                        self.geo.reader(j).state(),
+                        reader_state::VACANT | reader_state::ATTACHED
+                    )
+                })
+                .count() as u64;
+            (slot.reads_acquire(0) as u64) < e.refs as u64 * readers
+        } else {
+            slot.reads_acquire(i) < e.refs
+        }
     }
 
     /// Whether reader `i` is past the stuck-reader timeout.
@@ -624,15 +728,18 @@ impl ObjectStore {
             // copy into it has stopped and nobody will finish the put.
             return p.is_done() && p.abandoned();
         }
-        let live = e.key.is_some();
-        if live {
-            if (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
-                return false;
-            }
+        if e.protected {
+            return false;
+        }
+        // A cleared object (no key) is owed nothing.
+        if e.key.is_some() && (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
+            return false;
+        }
+        if !e.invalid {
             slot.invalidate();
         }
         if self.holders(e.id).next().is_some() {
-            if live {
+            if !e.invalid {
                 slot.restore(e.id);
             }
             return false;
@@ -656,6 +763,7 @@ impl ObjectStore {
             address,
             monotonic_id: e.id,
             key: e.key.as_deref().map(str::to_owned),
+            protected: e.protected,
             unread_by: (0..self.geo.n_readers)
                 .filter(|&i| e.key.is_some() && self.owes(i, e, &slot))
                 .collect(),

@@ -209,6 +209,16 @@ pub enum Error {
         index: u32,
     },
 
+    /// This reader or store was made in a parent process before `fork()`:
+    /// in the child it reads and changes nothing shared (the entry, the
+    /// lock and the ring are the parent's). Attach or create anew in the
+    /// child.
+    #[error("this handle on segment '{name}' belongs to the parent process (made before fork); attach again in this process")]
+    Forked {
+        /// The segment name.
+        name: String,
+    },
+
     /// `attach_as` named an index past `n_readers`.
     #[error("reader index {index} out of range: the store has {n_readers} readers")]
     ReaderIndexOutOfRange {

@@ -87,6 +87,16 @@ fn child_hardening() {
         "hold" => hold_a_guard(),
         "emfile_writer" => emfile_writer(),
         "leak_pending_get" => leak_pending_get(),
+        "die_as_writer" => {
+            let name = std::env::var("PINSHM_NAME").unwrap();
+            let w = ObjectStore::create(
+                StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name),
+            )
+            .unwrap();
+            // Gone without closing the store: as a crash leaves it.
+            std::mem::forget(w);
+            std::process::exit(0);
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -281,4 +291,97 @@ fn a_device_put_finished_twice_is_refused_and_changes_nothing() {
     assert_eq!(w.stats(), before, "a second finish changed the store");
     // Its read still counts: the object is reclaimable, not unread again.
     assert_eq!(w.free_unused(), 1);
+}
+
+/// 5. A forked child holds copies of its parent's reader and store (Python's
+///    `os.fork` and multiprocessing's fork start method make them without
+///    any `unsafe`). Using or dropping them in the child must change nothing
+///    of the parent's: not its hazards, not its lock, not its segment.
+#[test]
+fn a_forked_child_using_and_dropping_inherited_handles_changes_nothing_of_the_parents() {
+    let name = Name::new("fork");
+    let mut w = small_store(&name);
+    let data = pattern(21, LEN);
+    let h = w.put("guarded", &data).unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let g = r.get(h).unwrap();
+    // SAFETY: the child touches only the copies it inherited, allocates
+    // little (glibc's fork keeps malloc usable) and leaves with _exit.
+    match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => {
+            let forked = |e: &Error| matches!(e, Error::Forked { .. });
+            let ok = r.get(h).is_err_and(|e| forked(&e))
+                && r.get_copy(h).is_err_and(|e| forked(&e))
+                && w.put("child", &[1]).is_err_and(|e| forked(&e))
+                && w.free_unused() == 0;
+            // Dropping the guard, the reader and the store in the child.
+            drop(g);
+            drop(r);
+            drop(w);
+            // SAFETY: ends the child at once.
+            unsafe { nix::libc::_exit(if ok { 0 } else { 3 }) };
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            let status = nix::sys::wait::waitpid(child, None).unwrap();
+            assert_eq!(
+                status,
+                nix::sys::wait::WaitStatus::Exited(child, 0),
+                "the child's handles did not refuse"
+            );
+        }
+    }
+    // The parent's reader is alive, its guard holds, its store is whole.
+    assert!(name.exists(), "the child unlinked the parent's segment");
+    let puts = fill_until_full(&mut w, "fill");
+    assert!(puts < 4, "the guarded object kept its slot");
+    assert_eq!(w.stats().dead_readers_reaped, 0);
+    assert_eq!(
+        checksum(&g),
+        checksum(&data),
+        "the bytes under the guard changed"
+    );
+    assert!(r.writer_alive(), "the child closed the parent's store");
+    drop(g);
+    assert_eq!(&*r.get(h).unwrap(), &data[..]);
+}
+
+/// 6. Two writers replace one dead writer's segment at the same time:
+///    exactly one gets the name, the other is told it is in use.
+#[test]
+fn two_writers_replacing_a_dead_ones_segment_do_not_both_win() {
+    for round in 0..100 {
+        let name = Name::new("replace");
+        let child = spawn_child(
+            "child_hardening",
+            "die_as_writer",
+            &[("PINSHM_NAME", name.0.clone())],
+        );
+        assert!(child.wait_with_output().unwrap().status.success());
+        assert!(name.exists(), "the dead writer left its segment");
+        let barrier = std::sync::Barrier::new(2);
+        let results: Vec<_> = std::thread::scope(|s| {
+            let racers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        ObjectStore::create(
+                            StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1)
+                                .name(&*name)
+                                .prefault(false),
+                        )
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let won = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(won, 1, "round {round}: {results:?}");
+        for r in &results {
+            if let Err(e) = r {
+                assert!(matches!(e, Error::InUse { .. }), "round {round}: {e}");
+            }
+        }
+        let winner = results.into_iter().find_map(|r| r.ok()).unwrap();
+        assert_eq!(StoreHandle::of(&name).unwrap(), winner.handle());
+    }
 }

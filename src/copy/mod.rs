@@ -224,7 +224,7 @@ pub fn check_pack(descs: &[PackDesc], len: usize) -> Result<u64> {
         {
             return Err(bad("device range overflows"));
         }
-        total += n;
+        total = total.saturating_add(n);
     }
     Ok(total)
 }

@@ -33,9 +33,11 @@ impl HeaderPtr {
     /// A copy of the whole header for validation (fields may be mid-update;
     /// only the immutable ones are trusted, after checks).
     pub fn read(&self) -> SegmentHeader {
-        // SAFETY: `new`'s contract: 256 readable bytes; `SegmentHeader` is
-        // Pod, so any bytes are a valid value, and read_unaligned needs no
-        // alignment.
+        // SAFETY: `new`'s contract: 256 readable bytes at a page-aligned
+        // address (so aligned for the struct); `SegmentHeader` is Pod, so any
+        // bytes are a valid value. Callers trust only the fields nobody
+        // writes after the stamp (sizes, nonce, flags, secret), and check
+        // them; the live counters are read through the atomics.
         unsafe { std::ptr::read_volatile(self.ptr as *const SegmentHeader) }
     }
 

@@ -53,11 +53,19 @@ pub(super) unsafe fn field<'a, A: atomic::Word>(base: *mut u8, off: usize) -> &'
 }
 
 /// Copies `len` bytes that a writer may be overwriting at the same time
-/// (the optimistic half of a seqlock read), in a way the Rust memory model
-/// allows: as relaxed byte-wise atomic loads (RFC 3301's "atomic memcpy"),
-/// never as a plain read that races. The caller re-checks the slot's id
-/// after an Acquire fence ([`SlotPtr::id_recheck`]) and discards the bytes
-/// if the slot was reused meanwhile.
+/// (the optimistic half of a seqlock read) as relaxed byte-wise atomic
+/// loads (RFC 3301's "atomic memcpy"), never as a plain read the compiler
+/// may assume stable. The caller re-checks the slot's id after an Acquire
+/// fence ([`SlotPtr::id_recheck`]) and discards the bytes if the slot was
+/// reused meanwhile.
+///
+/// Honest limits: the writer's side is plain writes (a `&mut [u8]` handed
+/// to a `put_with` closure), so when writer and reader are threads of one
+/// process this is still a mixed atomic/non-atomic race in Rust's model;
+/// RFC 3301 wants both sides atomic. What this buys is that the reading
+/// side holds no reference to racing bytes and the compiler cannot move or
+/// elide the copy; across processes (the intended use) the model has no
+/// say, and the hardware's is the seqlock's.
 ///
 /// On x86-64 this is one `rep movsb`, opaque to the compiler, which copies
 /// at memcpy speed (measured: within a few per cent of memcpy from 4 KiB to

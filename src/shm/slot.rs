@@ -146,7 +146,10 @@ impl SlotPtr {
     /// any reader, under a hazard on the slot (RMW: readers race on it;
     /// Release: the read happens before the writer's reuse).
     pub fn acknowledge_aggregate(&self) {
-        self.reads(0).fetch_add(1, Ordering::Release);
+        // Saturating: a hot object read 2^32 times must not look unread.
+        let _ = self
+            .reads(0)
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |n| n.checked_add(1));
     }
 
     /// Acknowledges one read by reader `i` if it owes one.

@@ -12,6 +12,7 @@ use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, reader_state, ObjectKind};
 use crate::shm::{copy_racy, ReaderPtr, SlotPtr};
 use crate::sys::clock;
+use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
 
@@ -69,6 +70,9 @@ pub struct StoreReader {
     word: u64,
     /// The segment's signing secret, copied at attach.
     secret: [u8; 32],
+    /// The fork generation this reader attached in (see `sys::fork`): in a
+    /// forked child it reads nothing and writes nothing shared.
+    fork_gen: u64,
     /// Bit k set: hazard word k is in use by a live guard.
     hazards_used: Cell<u64>,
     /// The segment (our reader lock held through it), shared with copies
@@ -101,6 +105,7 @@ impl StoreReader {
 
     /// Attaches with explicit options.
     pub fn attach_with(sh: &StoreHandle, opts: ReaderOptions) -> Result<StoreReader> {
+        let fork_gen = fork::register();
         let (seg, geo) = open_validated(sh, opts.prefault)?;
         // Pinned before an entry is taken, so a failure gives nothing back.
         let map = Mapping::new(seg, opts.pin)?;
@@ -143,6 +148,7 @@ impl StoreReader {
             counted_from,
             word,
             secret: geo.header().read().secret,
+            fork_gen,
             hazards_used: Cell::new(0),
             map,
         })
@@ -166,6 +172,9 @@ impl StoreReader {
     /// A zero-copy view of the object. Its read is acknowledged when the
     /// guard drops; until then the writer cannot reuse the slot.
     pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard<'_>> {
+        // Before any hazard word is written: in a forked child they are
+        // the parent's.
+        self.check_owner()?;
         let slot = self.slot(h)?;
         let k = self.take_hazard()?;
         self.me.set_hazard(k, h.monotonic_id);
@@ -280,10 +289,26 @@ impl StoreReader {
         self.geo.header().writer_pid() != 0 && self.map.seg().held_by_other(liveness::WRITER_SLOT)
     }
 
+    /// Whether this is the process that attached (not a forked child).
+    fn is_owner(&self) -> bool {
+        fork::current() == self.fork_gen
+    }
+
+    fn check_owner(&self) -> Result<()> {
+        if self.is_owner() {
+            Ok(())
+        } else {
+            Err(Error::Forked {
+                name: self.map.seg().name().to_owned(),
+            })
+        }
+    }
+
     /// `Err(ReaderLeft)` if our reader entry is no longer ours: the writer
     /// marks an entry left only once the kernel has released its lock, which
     /// ours never is while we live, so this catches a scribbled table.
     fn check_attached(&self) -> Result<()> {
+        self.check_owner()?;
         if self.me.word() == self.word {
             Ok(())
         } else {
@@ -353,7 +378,10 @@ impl StoreReader {
     }
 
     pub(super) fn release_hazard(&self, k: usize) {
-        self.me.clear_hazard(k);
+        // A forked child's guard: the hazard word is the parent's.
+        if self.is_owner() {
+            self.me.clear_hazard(k);
+        }
         self.hazards_used.set(self.hazards_used.get() & !(1 << k));
     }
 
@@ -391,6 +419,11 @@ impl StoreReader {
 
 impl Drop for StoreReader {
     fn drop(&mut self) {
+        if !self.is_owner() {
+            // A forked child's copy: the entry and its lock are the
+            // parent's. Only our mapping goes.
+            return;
+        }
         if self.hazards_used.get() != 0 {
             // Guards (or a PendingGet) were leaked with mem::forget: keep
             // their hazards and our lock. The lock lives as long as the

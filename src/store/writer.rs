@@ -11,6 +11,7 @@ use crate::layout::{self, reader_state, ObjectKind, SegmentHeader};
 use crate::ring::Ring;
 use crate::shm::SlotPtr;
 use crate::sys::clock;
+use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::{self, Segment};
 
@@ -94,6 +95,9 @@ pub struct ObjectStore {
     reader_timeout_ns: Option<u64>,
     /// The key of handle signatures (also in the segment, for readers).
     secret: [u8; 32],
+    /// The fork generation this store was made in (see `sys::fork`): in a
+    /// forked child it changes nothing shared.
+    fork_gen: u64,
     /// The segment (its writer lock held through it), shared with copies
     /// in flight: unmapped when the last of them is done.
     map: Arc<Mapping>,
@@ -108,19 +112,24 @@ impl ObjectStore {
     /// Creates the segment (exclusively) and an empty store in it.
     pub fn create(cfg: StoreConfig) -> Result<ObjectStore> {
         cfg.validate()?;
+        let fork_gen = fork::register();
         let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
         let header_len = layout::header_len(cfg.n_readers);
         let total = header_len
             .checked_add(cfg.capacity)
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
-        let seg = match Segment::create(&name, total, cfg.prefault, cfg.reserve) {
-            Err(Error::AlreadyExists { .. }) if cfg.name.is_some() => {
-                // A writer that died leaves its segment: replace it, unless
-                // its writer still runs.
-                remove_if_writer_dead(&name)?;
-                Segment::create(&name, total, cfg.prefault, cfg.reserve)?
+        // A writer that died leaves its segment: replace it, unless its
+        // writer still runs. Another process may be replacing it too: the
+        // loop ends when one of us has created the name anew.
+        let mut tries = 0;
+        let seg = loop {
+            match Segment::create(&name, total, cfg.prefault, cfg.reserve) {
+                Err(Error::AlreadyExists { .. }) if cfg.name.is_some() && tries < 8 => {
+                    tries += 1;
+                    remove_if_writer_dead(&name)?;
+                }
+                r => break r?,
             }
-            r => r?,
         };
         // The lock before the stamp: whoever sees the magic sees a writer
         // whose death the kernel will report.
@@ -183,6 +192,7 @@ impl ObjectStore {
             stats: StoreStats::default(),
             reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
             secret,
+            fork_gen,
             map,
         })
     }
@@ -213,8 +223,10 @@ impl ObjectStore {
         let r = self.reserve(key, len)?;
         // SAFETY: `r.payload` spans `len` bytes inside the data region (checked
         // by reserve) in a slot the ring just handed out: no live object and
-        // no guard covers it, so nobody else writes it and no reader trusts
-        // it until it is published.
+        // no guard covers it, so nobody else writes it, and no reader trusts
+        // it until it is published. (A reader's optimistic get_copy of the
+        // object that was here may still be copying it: that copy reads
+        // through copy_racy, never a reference, and is discarded.)
         fill(unsafe { std::slice::from_raw_parts_mut(r.payload, len) });
         let id = self.commit(r, key, len as u64, kind, None);
         Ok(self
@@ -248,6 +260,7 @@ impl ObjectStore {
 
     /// Waits for the pending put `id` and publishes it.
     pub(crate) fn finish_pending(&mut self, id: u64) -> Result<ObjectHandle> {
+        self.check_owner()?;
         let span = self
             .ring
             .find_by_mut(id, |e| e.id)
@@ -281,6 +294,7 @@ impl ObjectStore {
 
     /// Checks and hands out a slot for `len` bytes under `key`.
     fn reserve(&mut self, key: &str, len: usize) -> Result<Reserved> {
+        self.check_owner()?;
         if self.index.contains_key(key)
             || (!self.pending_keys.is_empty() && self.pending_keys.contains(key))
         {
@@ -390,6 +404,9 @@ impl ObjectStore {
     /// object then needs one more read from each reader before it can go).
     /// Ends a [`protect`](Self::protect) of the key.
     pub fn get_cached(&mut self, key: &str) -> Option<ObjectHandle> {
+        if !self.is_owner() {
+            return None;
+        }
         let h = *self.index.get(key)?;
         let span = self
             .ring
@@ -416,6 +433,9 @@ impl ObjectStore {
     /// Frees objects from the oldest end while every reader is done with
     /// them; returns how many were freed.
     pub fn free_unused(&mut self) -> usize {
+        if !self.is_owner() {
+            return 0;
+        }
         self.reclaim(None)
     }
 
@@ -423,6 +443,7 @@ impl ObjectStore {
     /// [`get_cached`](Self::get_cached) or [`release_protections`](Self::release_protections)
     /// (vLLM 0.33's writer `touch`). Adds no expected read.
     pub fn protect(&mut self, key: &str) -> Result<()> {
+        self.check_owner()?;
         let id = self
             .index
             .get(key)
@@ -440,6 +461,9 @@ impl ObjectStore {
 
     /// Ends every [`protect`](Self::protect) (vLLM 0.33's `release_touches`).
     pub fn release_protections(&mut self) {
+        if !self.is_owner() {
+            return;
+        }
         for span in self.ring.iter_mut() {
             span.value.protected = false;
         }
@@ -451,6 +475,9 @@ impl ObjectStore {
     /// space is needed), then it is stale. Slots under a live guard are
     /// reused only once the guard drops.
     pub fn clear(&mut self) {
+        if !self.is_owner() {
+            return;
+        }
         for span in self.ring.iter_mut() {
             span.value.key = None;
             span.value.protected = false;
@@ -464,6 +491,9 @@ impl ObjectStore {
     /// before is stale at once. Slots under a live guard are freed once the
     /// guard drops.
     pub fn clear_hard(&mut self) {
+        if !self.is_owner() {
+            return;
+        }
         let geo = self.geo;
         for span in self.ring.iter_mut() {
             let e = &mut span.value;
@@ -547,9 +577,10 @@ impl ObjectStore {
             objects: self.ring.len() as u64,
             bytes_in_use: self.ring.used(),
             largest_free_block: self.ring.largest_free(),
+            // Read from shared memory: saturate, never overflow.
             stale_reads: (0..self.geo.n_readers)
                 .map(|i| self.geo.reader(i).stale_reads())
-                .sum(),
+                .fold(0u64, u64::saturating_add),
             oldest_unread,
             ..self.stats.clone()
         }
@@ -559,6 +590,9 @@ impl ObjectStore {
     /// waiting for them; returns their indices.
     pub fn reap_dead_readers(&mut self) -> Vec<u32> {
         let mut reaped = Vec::new();
+        if !self.is_owner() {
+            return reaped;
+        }
         for i in 0..self.geo.n_readers {
             let r = self.geo.reader(i);
             let word = r.word();
@@ -590,6 +624,22 @@ impl ObjectStore {
     }
 
     // ---- internals ----
+
+    /// Whether this is the process that made the store (not a forked child
+    /// of it, whose changes would corrupt its parent's ring).
+    fn is_owner(&self) -> bool {
+        fork::current() == self.fork_gen
+    }
+
+    fn check_owner(&self) -> Result<()> {
+        if self.is_owner() {
+            Ok(())
+        } else {
+            Err(Error::Forked {
+                name: self.map.seg().name().to_owned(),
+            })
+        }
+    }
 
     /// The slot at a ring address (the ring hands out only in-bounds ones).
     fn slot_at(&self, address: u64) -> SlotPtr {
@@ -677,7 +727,9 @@ impl ObjectStore {
     fn owes(&self, i: u32, e: &Entry, slot: &SlotPtr) -> bool {
         let r = self.geo.reader(i);
         let counted = match r.state() {
-            reader_state::VACANT => true,
+            // Attaching: its first counted id is being chosen; wait for it
+            // (microseconds; an attacher that dies is reaped).
+            reader_state::VACANT | reader_state::ATTACHING => true,
             reader_state::ATTACHED => self.geo.aggregate || e.id >= r.counted_from(),
             _ => false,
         };
@@ -689,7 +741,7 @@ impl ObjectStore {
                 .filter(|&j| {
                     matches!(
                         self.geo.reader(j).state(),
-                        reader_state::VACANT | reader_state::ATTACHED
+                        reader_state::VACANT | reader_state::ATTACHING | reader_state::ATTACHED
                     )
                 })
                 .count() as u64;
@@ -774,6 +826,11 @@ impl ObjectStore {
 
 impl Drop for ObjectStore {
     fn drop(&mut self) {
+        if !self.is_owner() {
+            // A forked child's copy: the segment, its name and its lock are
+            // the parent's. Only our mapping goes.
+            return;
+        }
         // Readers see the store closed; the name goes now, not when the
         // last copy in flight lets go of the mapping (a new writer may take
         // the name meanwhile, and must not lose it to our unmap).
@@ -797,16 +854,25 @@ fn remove_if_writer_dead(name: &str) -> Result<()> {
         detail: format!("it exists and is not a usable pinshm segment ({e}); remove /dev/shm/{name} if no process uses it"),
     })?;
     let pid = geo.header().writer_pid();
-    if seg.held_by_other(liveness::WRITER_SLOT) {
+    // Taking the dead writer's lock ourselves both proves that no writer
+    // holds it and keeps out anyone else replacing the same segment.
+    if !seg.try_lock(liveness::WRITER_SLOT)? {
         return Err(Error::InUse {
             name: name.to_owned(),
             detail: format!("its writer (pid {pid}) is alive: it holds the writer lock"),
         });
     }
+    if !seg.is_still_named() {
+        // Replaced (or removed) meanwhile by someone else: create again.
+        return Ok(());
+    }
     tracing::warn!(name, pid, "replacing the segment of a writer that is gone");
-    drop(seg);
-    match Segment::unlink(name) {
+    // Unlinked while we hold its lock: nobody else can be unlinking a
+    // newer segment of the name on the strength of this one's death.
+    let r = match Segment::unlink(name) {
         Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(e),
-    }
+    };
+    drop(seg);
+    r
 }

@@ -3,5 +3,6 @@
 //! and memmap2.
 
 pub(crate) mod clock;
+pub(crate) mod fork;
 pub(crate) mod liveness;
 pub(crate) mod segment;

@@ -6,7 +6,7 @@
 //! dropped.
 
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -16,7 +16,7 @@ use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
 use crate::error::{Error, Result};
-use crate::sys::liveness;
+use crate::sys::{fork, liveness};
 
 /// A mapped shared-memory object.
 #[derive(Debug)]
@@ -29,6 +29,9 @@ pub struct Segment {
     /// Whether dropping this handle unlinks the name (the creator's, until
     /// `unlink_now`).
     owner: AtomicBool,
+    /// The fork generation of the creator: a forked child's copy never
+    /// unlinks its parent's name.
+    fork_gen: u64,
 }
 
 // SAFETY: the mapping is shared memory reached only through raw pointers and
@@ -100,6 +103,7 @@ impl Segment {
             map,
             file,
             owner: AtomicBool::new(true),
+            fork_gen: fork::register(),
         })
     }
 
@@ -112,6 +116,7 @@ impl Segment {
             map,
             file,
             owner: AtomicBool::new(false),
+            fork_gen: fork::register(),
         })
     }
 
@@ -131,6 +136,7 @@ impl Segment {
             map,
             file,
             owner: AtomicBool::new(false),
+            fork_gen: fork::register(),
         })
     }
 
@@ -152,10 +158,26 @@ impl Segment {
     /// Unlinks the name now if this handle created it (and not again at
     /// drop); the mapping stays valid.
     pub fn unlink_now(&self) {
-        if self.owner.swap(false, Ordering::Relaxed) {
+        if fork::current() != self.fork_gen {
+            return; // a forked child's copy: the name is the parent's
+        }
+        if self.owner.swap(false, Ordering::Relaxed) && self.is_still_named() {
             if let Err(e) = shm_unlink(self.name.as_str()) {
                 tracing::debug!(name = %self.name, %e, "shm_unlink failed");
             }
+        }
+    }
+
+    /// Whether the name still refers to this segment's file (not to a newer
+    /// segment that replaced it, nor to nothing).
+    pub fn is_still_named(&self) -> bool {
+        let path = format!("/dev/shm{}", self.name);
+        match (
+            nix::sys::stat::stat(path.as_str()),
+            nix::sys::stat::fstat(self.file.as_raw_fd()),
+        ) {
+            (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
+            _ => false,
         }
     }
 
@@ -195,7 +217,7 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        if self.owner.load(Ordering::Relaxed) {
+        if self.owner.load(Ordering::Relaxed) && fork::current() == self.fork_gen {
             if let Err(e) = shm_unlink(self.name.as_str()) {
                 // Never panic in drop: someone else may have removed it.
                 tracing::debug!(name = %self.name, %e, "shm_unlink on drop failed");

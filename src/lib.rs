@@ -7,6 +7,7 @@ compile_error!(
     "pinshm needs Linux: POSIX shared memory under /dev/shm and /proc for liveness checks"
 );
 
+mod channel;
 pub mod codec;
 pub mod copy;
 #[cfg(feature = "cuda")]
@@ -19,6 +20,13 @@ mod ring;
 mod store;
 mod sys;
 
+/// The channel's protocol cores, for the loom models (`cfg(loom)` only).
+#[cfg(loom)]
+#[doc(hidden)]
+pub use channel::loom_api as __loom_channel;
+#[cfg(not(loom))]
+pub use channel::{Broadcast, BroadcastReader, Message};
+pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{DType, Element, Item, ItemLayout, ItemSlots, ItemView, TensorRef, TensorView};
 pub use copy::{CopyEngine, CpuEngine, DeviceBuffer, PackDesc, PendingGet, PendingPut, Ticket};
 #[cfg(feature = "cuda")]

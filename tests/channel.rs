@@ -63,8 +63,8 @@ fn last_result(child: Child) -> String {
         out.status
     );
     text.lines()
-        .filter_map(|l| l.split_once("RESULT ").map(|(_, r)| r.trim().to_owned()))
-        .last()
+        .rev()
+        .find_map(|l| l.split_once("RESULT ").map(|(_, r)| r.trim().to_owned()))
         .unwrap_or_else(|| panic!("child printed no RESULT line:\n{text}"))
 }
 

@@ -28,7 +28,7 @@ pub use writer::Broadcast;
 
 /// Longest a sleeping writer or reader goes without re-checking whether
 /// the other side is alive (a futex wait timeout; a wake ends it sooner).
-pub const LIVENESS_RECHECK: Duration = Duration::from_millis(100);
+pub const LIVENESS_RECHECK: Duration = Duration::from_millis(250);
 
 /// Default spin before sleeping.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(5);

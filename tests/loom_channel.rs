@@ -25,8 +25,14 @@ fn geo(n_readers: u32, slots: u32) -> Geometry {
 }
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
+    model_bounded(3, f);
+}
+
+/// As `model`, with at most `preemptions` forced preemptions per execution
+/// (three threads with two messages each explode otherwise).
+fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
-    b.preemption_bound = Some(3);
+    b.preemption_bound = Some(preemptions);
     b.check(f);
 }
 
@@ -75,6 +81,24 @@ fn a_writer_waiting_for_a_slot_always_wakes_and_never_rewrites_a_held_slot() {
         let mut r = ReaderCore::claim(shm.clone(), 0);
         let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
         assert_eq!(receive(&mut r, 2), 2);
+        w.join().unwrap();
+    });
+}
+
+#[test]
+fn two_sleeping_readers_both_wake_and_the_writer_reuses_the_slot_only_after_both() {
+    model_bounded(2, || {
+        let shm = Shm::heap(geo(2, 1));
+        let r0 = ReaderCore::claim(shm.clone(), 0);
+        let r1 = ReaderCore::claim(shm.clone(), 1);
+        let other = thread::spawn(move || {
+            let mut r1 = r1;
+            receive(&mut r1, 2)
+        });
+        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+        let mut r0 = r0;
+        assert_eq!(receive(&mut r0, 2), 2);
+        assert_eq!(other.join().unwrap(), 2);
         w.join().unwrap();
     });
 }

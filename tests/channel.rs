@@ -490,6 +490,9 @@ fn a_forgotten_message_keeps_its_slot_and_is_never_overwritten() {
     assert_eq!(*rx.recv().unwrap(), *b"next");
     // The forgotten message's slot stays held: the writer cannot reuse it.
     assert!(!tx.try_send(b"x").unwrap());
+    // Holding a message in every slot, waiting could never end: refused.
+    let held = rx.recv().unwrap_err();
+    assert!(matches!(held, Error::TooManyGuards { limit: 2 }), "{held}");
     // A reader that leaves stops holding anything.
     drop(rx);
     assert!(tx.try_send(b"x").unwrap());

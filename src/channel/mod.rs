@@ -14,6 +14,9 @@
 //! reader stops blocking the writer, and a dead writer's readers get
 //! [`Error::WriterGone`](crate::Error::WriterGone), within that bound.
 
+// In loom builds the segment-backed half is compiled out.
+#![cfg_attr(loom, allow(dead_code))]
+
 pub mod layout;
 pub mod reader;
 pub mod shm;
@@ -73,7 +76,6 @@ impl BroadcastConfig {
         self
     }
 
-    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn validate(&self) -> crate::Result<()> {
         let bad = |m: String| Err(crate::Error::InvalidConfig(m));
         if self.n_readers == 0 || self.n_readers > layout::MAX_READERS {

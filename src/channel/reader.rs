@@ -83,6 +83,11 @@ impl ReaderCore {
         self.index
     }
 
+    /// Messages received and not yet released.
+    pub fn held(&self) -> usize {
+        self.outstanding.len()
+    }
+
     /// The next message, if one is published.
     pub fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
         let published = self.shm.published();
@@ -346,7 +351,9 @@ mod shell {
 
         /// The next message, waiting as long as it takes. After the writer
         /// is dropped or dies, every message it sent is still received,
-        /// then [`Error::WriterGone`].
+        /// then [`Error::WriterGone`]. A reader that already holds a
+        /// [`Message`] in every slot gets [`Error::TooManyGuards`] (the
+        /// writer could never send it another one).
         pub fn recv(&self) -> Result<Message<'_>> {
             self.recv_deadline(None, "recv")
         }
@@ -382,6 +389,12 @@ mod shell {
             } else {
                 self.spin
             };
+            // Holding a message in every slot, this reader itself keeps the
+            // writer from sending more: waiting would never end.
+            let slots = self.core.borrow().shm().geometry().slots as usize;
+            if self.core.borrow().held() >= slots {
+                return Err(Error::TooManyGuards { limit: slots });
+            }
             let alive = || self.writer_alive();
             let got = self.core.borrow_mut().wait(deadline, spin, &alive);
             match got.map_err(|c| self.corrupt(c))? {

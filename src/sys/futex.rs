@@ -7,6 +7,9 @@
 //! "nobody sleeps, no syscall" fast path themselves (a sleeper count beside
 //! the word), see `crate::channel::shm`.
 
+// In loom builds the segment-backed half is compiled out.
+#![cfg_attr(loom, allow(dead_code))]
+
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 

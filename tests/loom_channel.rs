@@ -29,7 +29,8 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 }
 
 /// As `model`, with at most `preemptions` forced preemptions per execution
-/// (three threads with two messages each explode otherwise).
+/// (three threads with two messages each explode otherwise; the
+/// three-thread model takes `LOOM_BOUND2=3` for a deeper run of ~90 s).
 fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(preemptions);
@@ -87,20 +88,23 @@ fn a_writer_waiting_for_a_slot_always_wakes_and_never_rewrites_a_held_slot() {
 
 #[test]
 fn two_sleeping_readers_both_wake_and_the_writer_reuses_the_slot_only_after_both() {
-    model_bounded(2, || {
-        let shm = Shm::heap(geo(2, 1));
-        let r0 = ReaderCore::claim(shm.clone(), 0);
-        let r1 = ReaderCore::claim(shm.clone(), 1);
-        let other = thread::spawn(move || {
-            let mut r1 = r1;
-            receive(&mut r1, 2)
-        });
-        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
-        let mut r0 = r0;
-        assert_eq!(receive(&mut r0, 2), 2);
-        assert_eq!(other.join().unwrap(), 2);
-        w.join().unwrap();
-    });
+    model_bounded(
+        std::env::var("LOOM_BOUND2").map_or(2, |v| v.parse().unwrap()),
+        || {
+            let shm = Shm::heap(geo(2, 1));
+            let r0 = ReaderCore::claim(shm.clone(), 0);
+            let r1 = ReaderCore::claim(shm.clone(), 1);
+            let other = thread::spawn(move || {
+                let mut r1 = r1;
+                receive(&mut r1, 2)
+            });
+            let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+            let mut r0 = r0;
+            assert_eq!(receive(&mut r0, 2), 2);
+            assert_eq!(other.join().unwrap(), 2);
+            w.join().unwrap();
+        },
+    );
 }
 
 #[test]

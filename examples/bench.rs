@@ -351,6 +351,12 @@ fn main() {
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
+    if let Some(p) = args.iter().position(|a| a == "--bcast-throughput") {
+        // For strace / perf: the broadcast throughput op alone.
+        let readers: u32 = args[p + 1].parse().unwrap();
+        println!("{:?}", bcast_throughput(readers, false, true));
+        return;
+    }
     if args.iter().any(|a| a == "--bcast-idle") {
         println!("{}", bcast_idle_cpu_ns(false));
         return;

@@ -9,10 +9,13 @@
 //!   and the public types around them.
 //!
 //! Waiting: spin for [`BroadcastConfig::spin`], then sleep on a futex in the
-//! segment. A sleeping party re-checks liveness (the other side's
-//! open-file-description lock) at least every [`LIVENESS_RECHECK`]: a dead
-//! reader stops blocking the writer, and a dead writer's readers get
-//! [`Error::WriterGone`](crate::Error::WriterGone), within that bound.
+//! segment. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
+//! asks the kernel whether the other side's open-file-description lock is
+//! still held (trusting an "alive" answer for one period, so a party that
+//! sleeps and wakes often makes that system call rarely): a dead reader
+//! stops blocking the writer, and a dead writer's readers get
+//! [`Error::WriterGone`](crate::Error::WriterGone), within about two
+//! periods (half a second).
 
 // In loom builds the segment-backed half is compiled out.
 #![cfg_attr(loom, allow(dead_code))]
@@ -29,8 +32,9 @@ pub use reader::{BroadcastReader, Message};
 #[cfg(not(loom))]
 pub use writer::Broadcast;
 
-/// Longest a sleeping writer or reader goes without re-checking whether
-/// the other side is alive (a futex wait timeout; a wake ends it sooner).
+/// Longest a sleeping writer or reader sleeps before re-checking whether
+/// the other side is alive (a futex wait timeout; a wake ends it sooner),
+/// and how long an "alive" answer is trusted.
 pub const LIVENESS_RECHECK: Duration = Duration::from_millis(250);
 
 /// Default spin before sleeping.

@@ -241,13 +241,13 @@ pub use shell::{BroadcastReader, Message};
 
 #[cfg(not(loom))]
 mod shell {
-    use std::cell::RefCell;
+    use std::cell::{Cell, RefCell};
     use std::ops::Deref;
     use std::time::{Duration, Instant};
 
     use super::{Corrupt, ReaderCore, Recv};
     use crate::channel::shm::{self, Geometry, Shm};
-    use crate::channel::{layout, BroadcastHandle};
+    use crate::channel::{layout, BroadcastHandle, LIVENESS_RECHECK};
     use crate::error::{Error, Result};
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
     use crate::sys::segment::Segment;
@@ -272,6 +272,9 @@ mod shell {
     pub struct BroadcastReader {
         core: RefCell<ReaderCore>,
         spin: Duration,
+        /// When the writer's liveness lock was last found held (a system
+        /// call; asked at most once per [`LIVENESS_RECHECK`] while waiting).
+        writer_seen: Cell<Option<Instant>>,
         // Last: unmapped after everything that points into it.
         seg: Segment,
     }
@@ -325,6 +328,7 @@ mod shell {
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
                     spin,
+                    writer_seen: Cell::new(None),
                     seg,
                 });
             }
@@ -395,7 +399,20 @@ mod shell {
             if self.core.borrow().held() >= slots {
                 return Err(Error::TooManyGuards { limit: slots });
             }
-            let alive = || self.writer_alive();
+            // A dead writer is noticed within about two re-check periods
+            // (the last "alive" answer is trusted for one period), so a
+            // reader that sleeps and wakes often asks the kernel rarely.
+            let alive = || {
+                let fresh = self
+                    .writer_seen
+                    .get()
+                    .is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
+                fresh || {
+                    let alive = self.writer_alive();
+                    self.writer_seen.set(alive.then(Instant::now));
+                    alive
+                }
+            };
             let got = self.core.borrow_mut().wait(deadline, spin, &alive);
             match got.map_err(|c| self.corrupt(c))? {
                 Recv::Message(m) => {

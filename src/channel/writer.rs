@@ -168,6 +168,7 @@ mod shell {
     use super::WriterCore;
     use crate::channel::layout::{self, ChannelHeader};
     use crate::channel::shm::{self, Geometry, Shm};
+    use crate::channel::LIVENESS_RECHECK;
     use crate::channel::{BroadcastConfig, BroadcastHandle};
     use crate::error::{Error, Result};
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -180,6 +181,9 @@ mod shell {
     pub struct Broadcast {
         core: WriterCore,
         spin: Duration,
+        /// When each reader's liveness lock was last found held (a system
+        /// call; asked at most once per [`LIVENESS_RECHECK`] per reader).
+        reader_seen: Vec<Option<Instant>>,
         nonce: u64,
         // Last: unmapped (and unlinked) after everything that points into it.
         seg: Segment,
@@ -241,6 +245,7 @@ mod shell {
             Ok(Broadcast {
                 core: WriterCore::new(shm),
                 spin: cfg.spin,
+                reader_seen: vec![None; n as usize],
                 nonce,
                 seg,
             })
@@ -326,7 +331,18 @@ mod shell {
         fn wait(&mut self, timeout: Option<Duration>, op: &'static str) -> Result<()> {
             let deadline = timeout.map(|t| Instant::now() + t);
             let seg = &self.seg;
-            let alive = |i: u32| seg.held_by_other(reader_slot(i));
+            let seen = std::cell::RefCell::new(&mut self.reader_seen);
+            // A dead reader is noticed within about two re-check periods
+            // (the last "alive" answer is trusted for one period).
+            let alive = |i: u32| {
+                let mut seen = seen.borrow_mut();
+                let fresh = seen[i as usize].is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
+                fresh || {
+                    let alive = seg.held_by_other(reader_slot(i));
+                    seen[i as usize] = alive.then(Instant::now);
+                    alive
+                }
+            };
             let spin = if timeout == Some(Duration::ZERO) {
                 Duration::ZERO
             } else {

@@ -351,6 +351,10 @@ fn main() {
     }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
+    if let Some(p) = args.iter().position(|a| a == "--bcast-echo") {
+        bcast_echo(&serde_json::from_str(&args[p + 1]).unwrap());
+        return;
+    }
     if let Some(p) = args.iter().position(|a| a == "--bcast-throughput") {
         // For strace / perf: the broadcast throughput op alone.
         let readers: u32 = args[p + 1].parse().unwrap();
@@ -476,6 +480,57 @@ fn bcast_latency_ns(size: usize, quick: bool) -> f64 {
     }
     echo.join().unwrap();
     median(&mut t)
+}
+
+/// As `bcast_latency_ns`, with the echo in another process (this binary
+/// re-executed with `--bcast-echo`): the channel as tp_workers uses it.
+fn bcast_latency_xproc_ns(size: usize, quick: bool) -> f64 {
+    use pinshm::{Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader};
+    use std::time::Duration;
+    let spin = Duration::from_secs(1);
+    let mut ping = Broadcast::create(BroadcastConfig::new(1, 64, size).spin(spin)).unwrap();
+    let hping = serde_json::to_string(&ping.handle()).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--bcast-echo", &hping])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let hpong: BroadcastHandle = serde_json::from_str(line.trim()).unwrap();
+    let mut rx = BroadcastReader::attach(&hpong).unwrap();
+    rx.set_spin(spin);
+    let (rounds, batch) = if quick { (60, 200) } else { (200, 200) };
+    let data = vec![7u8; size];
+    let mut t = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            ping.send(&data).unwrap();
+            black_box(rx.recv().unwrap().len());
+        }
+        t.push(t0.elapsed().as_nanos() as f64 / batch as f64 / 2.0);
+    }
+    drop(ping);
+    child.wait().unwrap();
+    median(&mut t)
+}
+
+/// The echo process of `bcast_latency_xproc_ns`.
+fn bcast_echo(hping: &pinshm::BroadcastHandle) {
+    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    let spin = std::time::Duration::from_secs(1);
+    let mut rx = BroadcastReader::attach(hping).unwrap();
+    rx.set_spin(spin);
+    let slot = hping.slot_size as usize;
+    let mut pong = Broadcast::create(BroadcastConfig::new(1, 64, slot).spin(spin)).unwrap();
+    println!("{}", serde_json::to_string(&pong.handle()).unwrap());
+    std::io::stdout().flush().unwrap();
+    while let Ok(m) = rx.recv() {
+        pong.send(&m).unwrap();
+    }
 }
 
 /// The hardware floor: the same ping-pong through two atomics on their own
@@ -691,6 +746,14 @@ fn bcast_bench(json: bool, quick: bool) {
             String::new(),
         );
     }
+    line(
+        "bcast_latency_xproc",
+        64,
+        bcast_latency_xproc_ns(64, quick),
+        "atomic_pingpong",
+        floor,
+        String::new(),
+    );
     line(
         "bcast_wake",
         8,

@@ -14,6 +14,16 @@ use pinshm::{Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader, Error
 
 const SECS: Duration = Duration::from_secs(20);
 
+/// The writer and each reader move to another thread; the handle is
+/// `Clone + Send` (and serde, used throughout).
+const _: fn() = || {
+    fn send<T: Send>() {}
+    fn clone_send<T: Clone + Send>() {}
+    send::<Broadcast>();
+    send::<BroadcastReader>();
+    clone_send::<BroadcastHandle>();
+};
+
 /// Re-runs this binary as a child running only `channel_child` with role
 /// `role`, the handle and extra environment.
 fn spawn_role(role: &str, env: &[(&str, String)]) -> Child {

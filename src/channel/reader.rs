@@ -268,6 +268,14 @@ mod shell {
     ///     rx.recv().unwrap()
     /// };
     /// ```
+    ///
+    /// and it is not `Sync` (share it, and two threads could receive the
+    /// same position at once):
+    ///
+    /// ```compile_fail
+    /// fn sync<T: Sync>() {}
+    /// sync::<pinshm::BroadcastReader>();
+    /// ```
     #[derive(Debug)]
     pub struct BroadcastReader {
         core: RefCell<ReaderCore>,

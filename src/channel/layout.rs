@@ -88,19 +88,18 @@ pub struct ChannelHeader {
     pub write_seq: u64,
     /// Atomic. 1 once the writer has dropped its `Broadcast`.
     pub closed: u32,
-    /// Atomic. Futex word readers sleep on; bumped by a waking writer.
-    pub msg_futex: u32,
-    /// Atomic. Readers asleep (or about to be) on `msg_futex`.
-    pub msg_sleepers: u32,
+    /// Atomic. Event count readers sleep on (a futex word): bits 0..8
+    /// count the readers announced as sleepers in the current epoch,
+    /// bits 8.. are the epoch, which the writer bumps when it wakes them.
+    pub msg_event: u32,
     /// Zero.
-    pub pad1: [u32; 11],
+    pub pad1: [u32; 12],
     // ---- line 2: the writer sleeps ----
-    /// Atomic. Futex word the writer sleeps on; bumped by a waking reader.
-    pub slot_futex: u32,
-    /// Atomic. 1 while the writer sleeps (or is about to).
-    pub writer_sleeping: u32,
+    /// Atomic. Event count the writer sleeps on (as `msg_event`; readers
+    /// bump its epoch when they wake the writer).
+    pub slot_event: u32,
     /// Zero.
-    pub pad2: [u64; 7],
+    pub pad2: [u32; 15],
     // ---- line 3 ----
     /// Zero. Room for later versions.
     pub reserved: [u64; 8],
@@ -175,10 +174,8 @@ mod tests {
         assert_eq!(offset_of!(ChannelHeader, spin_ns), 56);
         assert_eq!(offset_of!(ChannelHeader, write_seq), 64);
         assert_eq!(offset_of!(ChannelHeader, closed), 72);
-        assert_eq!(offset_of!(ChannelHeader, msg_futex), 76);
-        assert_eq!(offset_of!(ChannelHeader, msg_sleepers), 80);
-        assert_eq!(offset_of!(ChannelHeader, slot_futex), 128);
-        assert_eq!(offset_of!(ChannelHeader, writer_sleeping), 132);
+        assert_eq!(offset_of!(ChannelHeader, msg_event), 76);
+        assert_eq!(offset_of!(ChannelHeader, slot_event), 128);
         assert_eq!(offset_of!(ChannelHeader, reserved), 192);
         assert_eq!(size_of::<ReaderEntry>(), 64);
         assert_eq!(offset_of!(ReaderEntry, released), 8);

@@ -164,7 +164,7 @@ impl ReaderCore {
             let seen = self.shm.reader_announce();
             let outcome = self.check(deadline, writer_alive);
             let Ok(None) = outcome else {
-                self.shm.reader_awake();
+                self.shm.reader_awake(seen);
                 return outcome.map(|o| o.expect("matched Some"));
             };
             let timeout = deadline.map_or(LIVENESS_RECHECK, |d| {
@@ -172,7 +172,7 @@ impl ReaderCore {
                     .min(LIVENESS_RECHECK)
             });
             self.shm.reader_sleep(seen, Some(timeout));
-            self.shm.reader_awake();
+            self.shm.reader_awake(seen);
             if let Some(m) = self.poll()? {
                 return Ok(Recv::Message(m));
             }

@@ -57,6 +57,9 @@ use super::layout::{self, ChannelHeader, ReaderEntry, SlotHeader};
 #[cfg(not(loom))]
 use std::mem::offset_of;
 
+/// Low bits of an event count: sleepers announced in the current epoch.
+const WAITERS: u32 = 0xff;
+
 /// Process-local, validated bounds of a channel (never re-read from shm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
@@ -119,17 +122,11 @@ impl Shm {
     fn closed(&self) -> &AtomicU32 {
         self.h32(offset_of!(ChannelHeader, closed))
     }
-    fn msg_futex(&self) -> &AtomicU32 {
-        self.h32(offset_of!(ChannelHeader, msg_futex))
+    fn msg_event(&self) -> &AtomicU32 {
+        self.h32(offset_of!(ChannelHeader, msg_event))
     }
-    fn msg_sleepers(&self) -> &AtomicU32 {
-        self.h32(offset_of!(ChannelHeader, msg_sleepers))
-    }
-    fn slot_futex(&self) -> &AtomicU32 {
-        self.h32(offset_of!(ChannelHeader, slot_futex))
-    }
-    fn writer_sleeping(&self) -> &AtomicU32 {
-        self.h32(offset_of!(ChannelHeader, writer_sleeping))
+    fn slot_event(&self) -> &AtomicU32 {
+        self.h32(offset_of!(ChannelHeader, slot_event))
     }
     fn entry(&self, i: u32, off: usize) -> &AtomicU64 {
         assert!(i < self.geo.n_readers, "reader index within the geometry");
@@ -252,10 +249,8 @@ mod heap {
     pub struct Table {
         pub write_seq: AtomicU64,
         pub closed: AtomicU32,
-        pub msg_futex: AtomicU32,
-        pub msg_sleepers: AtomicU32,
-        pub slot_futex: AtomicU32,
-        pub writer_sleeping: AtomicU32,
+        pub msg_event: AtomicU32,
+        pub slot_event: AtomicU32,
         pub msg_kernel: Futex,
         pub slot_kernel: Futex,
         pub entries: Vec<Entry>,
@@ -282,10 +277,8 @@ impl Shm {
             heap: std::sync::Arc::new(Table {
                 write_seq: AtomicU64::new(0),
                 closed: AtomicU32::new(0),
-                msg_futex: AtomicU32::new(0),
-                msg_sleepers: AtomicU32::new(0),
-                slot_futex: AtomicU32::new(0),
-                writer_sleeping: AtomicU32::new(0),
+                msg_event: AtomicU32::new(0),
+                slot_event: AtomicU32::new(0),
                 msg_kernel: futex(),
                 slot_kernel: futex(),
                 entries: (0..geo.n_readers)
@@ -310,17 +303,11 @@ impl Shm {
     fn closed(&self) -> &AtomicU32 {
         &self.heap.closed
     }
-    fn msg_futex(&self) -> &AtomicU32 {
-        &self.heap.msg_futex
+    fn msg_event(&self) -> &AtomicU32 {
+        &self.heap.msg_event
     }
-    fn msg_sleepers(&self) -> &AtomicU32 {
-        &self.heap.msg_sleepers
-    }
-    fn slot_futex(&self) -> &AtomicU32 {
-        &self.heap.slot_futex
-    }
-    fn writer_sleeping(&self) -> &AtomicU32 {
-        &self.heap.writer_sleeping
+    fn slot_event(&self) -> &AtomicU32 {
+        &self.heap.slot_event
     }
     fn state(&self, i: u32) -> &AtomicU64 {
         &self.heap.entries[i as usize].state
@@ -349,7 +336,7 @@ impl Shm {
             .with(|p| unsafe { *p })
     }
     fn kernel(&self, word: &AtomicU32) -> &heap::Futex {
-        if std::ptr::eq(word, &self.heap.msg_futex) {
+        if std::ptr::eq(word, &self.heap.msg_event) {
             &self.heap.msg_kernel
         } else {
             &self.heap.slot_kernel
@@ -396,21 +383,66 @@ impl Shm {
     pub fn publish(&self, count: u64) {
         self.write_seq().store(count, Ordering::Release);
         fence(Ordering::SeqCst);
-        if self.msg_sleepers().load(Ordering::Relaxed) != 0 {
-            self.wake_readers();
-        }
+        self.notify(self.msg_event(), i32::MAX);
     }
 
     /// Marks the channel closed and wakes every reader.
     pub fn close(&self) {
         self.closed().store(1, Ordering::Release);
         fence(Ordering::SeqCst);
-        self.wake_readers();
+        self.notify(self.msg_event(), i32::MAX);
     }
 
-    fn wake_readers(&self) {
-        self.msg_futex().fetch_add(1, Ordering::Release);
-        self.futex_wake(self.msg_futex(), i32::MAX);
+    // ---- event counts (`msg_event`, `slot_event`) ----
+
+    /// Announces a sleeper on `word`, then the SeqCst fence after which the
+    /// caller re-checks its condition. Returns the registration (the word
+    /// with it counted), for [`Shm::sleep_on`] and [`Shm::withdraw`].
+    fn announce(&self, word: &AtomicU32) -> u32 {
+        let reg = word.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        fence(Ordering::SeqCst);
+        reg
+    }
+
+    /// Sleeps on `word` while its epoch is still the registration's: a
+    /// notify since the registration changed the epoch, and the kernel's
+    /// compare then fails (or the wake that follows it ends the sleep).
+    /// Acquire: a waker's writes before its notify are visible after.
+    fn sleep_on(&self, word: &AtomicU32, reg: u32, timeout: Option<Duration>) {
+        let cur = word.load(Ordering::Acquire);
+        if cur & !WAITERS == reg & !WAITERS {
+            self.futex_wait(word, cur, timeout);
+        }
+    }
+
+    /// Withdraws a registration that no notify consumed (same epoch).
+    fn withdraw(&self, word: &AtomicU32, reg: u32) {
+        let mut cur = word.load(Ordering::Acquire);
+        while cur & !WAITERS == reg & !WAITERS && cur & WAITERS != 0 {
+            match word.compare_exchange(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// After the caller's SeqCst fence: if anyone is registered, starts a
+    /// new epoch with no sleepers (Release: the caller's writes before are
+    /// visible to whoever sees it) and wakes up to `n` sleepers. One wake
+    /// serves every registration so far; without registrations, no system
+    /// call.
+    fn notify(&self, word: &AtomicU32, n: i32) {
+        let mut cur = word.load(Ordering::Relaxed);
+        while cur & WAITERS != 0 {
+            let next = (cur & !WAITERS).wrapping_add(WAITERS + 1);
+            match word.compare_exchange(cur, next, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.futex_wake(word, n);
+                    return;
+                }
+                Err(c) => cur = c,
+            }
+        }
     }
 
     /// Fence before a scan of the reader table: pairs with the attaching
@@ -440,22 +472,21 @@ impl Shm {
             .is_ok()
     }
 
-    /// Announces the writer as a sleeper; returns the futex value to wait
-    /// on. The caller re-checks its condition before [`Shm::writer_sleep`].
+    /// Announces the writer as a sleeper on `slot_event`; returns its
+    /// registration. The caller re-checks its condition before
+    /// [`Shm::writer_sleep`].
     pub fn writer_announce(&self) -> u32 {
-        self.writer_sleeping().store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        self.slot_futex().load(Ordering::Acquire)
+        self.announce(self.slot_event())
     }
 
-    /// Sleeps while the slot futex still holds `seen`.
-    pub fn writer_sleep(&self, seen: u32, timeout: Option<Duration>) {
-        self.futex_wait(self.slot_futex(), seen, timeout);
+    /// Sleeps unless a reader woke the writer since `reg`.
+    pub fn writer_sleep(&self, reg: u32, timeout: Option<Duration>) {
+        self.sleep_on(self.slot_event(), reg, timeout);
     }
 
-    /// Withdraws the writer's announcement.
-    pub fn writer_awake(&self) {
-        self.writer_sleeping().store(0, Ordering::Relaxed);
+    /// Withdraws the writer's registration if no reader consumed it.
+    pub fn writer_awake(&self, reg: u32) {
+        self.withdraw(self.slot_event(), reg);
     }
 
     // ---- reader ----
@@ -488,27 +519,23 @@ impl Shm {
 
     fn wake_writer_if_sleeping(&self) {
         fence(Ordering::SeqCst);
-        if self.writer_sleeping().load(Ordering::Relaxed) != 0 {
-            self.slot_futex().fetch_add(1, Ordering::Release);
-            self.futex_wake(self.slot_futex(), 1);
-        }
+        self.notify(self.slot_event(), 1);
     }
 
-    /// Announces a sleeping reader; returns the futex value to wait on.
+    /// Announces a sleeping reader on `msg_event`; returns its
+    /// registration. The caller re-checks before [`Shm::reader_sleep`].
     pub fn reader_announce(&self) -> u32 {
-        self.msg_sleepers().fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        self.msg_futex().load(Ordering::Acquire)
+        self.announce(self.msg_event())
     }
 
-    /// Sleeps while the message futex still holds `seen`.
-    pub fn reader_sleep(&self, seen: u32, timeout: Option<Duration>) {
-        self.futex_wait(self.msg_futex(), seen, timeout);
+    /// Sleeps unless the writer woke readers since `reg`.
+    pub fn reader_sleep(&self, reg: u32, timeout: Option<Duration>) {
+        self.sleep_on(self.msg_event(), reg, timeout);
     }
 
-    /// Withdraws a reader's announcement.
-    pub fn reader_awake(&self) {
-        self.msg_sleepers().fetch_sub(1, Ordering::Relaxed);
+    /// Withdraws a reader's registration if the writer did not consume it.
+    pub fn reader_awake(&self, reg: u32) {
+        self.withdraw(self.msg_event(), reg);
     }
 
     /// Claims entry `i` (the caller holds its liveness lock): the new

@@ -138,11 +138,11 @@ impl WriterCore {
             };
             let seen = self.shm.writer_announce();
             if self.scan(None) {
-                self.shm.writer_awake();
+                self.shm.writer_awake(seen);
                 return Ok(());
             }
             self.shm.writer_sleep(seen, Some(timeout));
-            self.shm.writer_awake();
+            self.shm.writer_awake(seen);
         }
     }
 

@@ -7,23 +7,30 @@
 //! | `SlotHeader::{seq,len}` | writer: Relaxed, before `write_seq` | reader: Relaxed, after its Acquire load of `write_seq` | ordered by `write_seq` |
 //! | `ReaderEntry::released` | reader `i`: Release, then a SeqCst fence | writer: Acquire, after a SeqCst fence | the reader's reads of a slot happen before the writer's rewrite of it |
 //! | `ReaderEntry::state` | reader: CAS to claim (AcqRel), Release store of ATTACHED then a SeqCst fence, Release store of LEFT; writer: CAS ATTACHED→LEFT on the whole word (generation included) | writer: Acquire, after a SeqCst fence | Dekker pair with `write_seq` (attach) and a generation-checked CAS (reaping) |
-//! | `msg_sleepers` | readers: fetch_add (Relaxed) + SeqCst fence before re-checking; fetch_sub after | writer: Relaxed, after the SeqCst fence that follows `write_seq` / `closed` | Dekker pair: a reader that announces itself after the writer looked re-checks and sees the message |
-//! | `msg_futex` | writer: fetch_add (Release) before FUTEX_WAKE | readers: Acquire, after announcing, before re-checking; the kernel compares it in FUTEX_WAIT | a bump between a reader's load and its FUTEX_WAIT makes the wait return at once |
-//! | `writer_sleeping` | writer: 1 (Relaxed) + SeqCst fence before re-checking; 0 after | readers: Relaxed, after the SeqCst fence that follows `released` / `state` | as `msg_sleepers`, for the writer waiting for a slot |
-//! | `slot_futex` | readers: fetch_add (Release) before FUTEX_WAKE | writer: Acquire before re-checking; the kernel in FUTEX_WAIT | as `msg_futex` |
+//! | `msg_event` (event count: bits 0..8 sleepers, 8.. epoch; the futex word readers sleep on) | readers: fetch_add 1 (Relaxed) + SeqCst fence to announce, before re-checking; CAS −1 (AcqRel) to withdraw, only within their epoch; writer: CAS to (epoch + 1, 0 sleepers) (Release) then FUTEX_WAKE, only if sleepers ≠ 0 | writer: Relaxed load after the SeqCst fence that follows `write_seq` / `closed`; readers: Acquire load before FUTEX_WAIT, which the kernel compares again | Dekker pair (fences) between announcing and publishing; the epoch makes any notify after a registration fail the sleeper's compare; the reset makes one wake serve every registration so far |
+//! | `slot_event` | writer: announce / withdraw as readers do on `msg_event`; readers: the notify CAS then FUTEX_WAKE(1) | readers: Relaxed after the SeqCst fence that follows `released` / `state`; writer: Acquire before FUTEX_WAIT | as `msg_event`, for the writer waiting for a slot |
 //! | `closed` | writer: Release store at drop, then a SeqCst fence and a wake of every reader | readers: Acquire before their last poll | a reader that sees it polls after and drains every message sent |
 //!
-//! **No lost wake-up, reader side.** A reader that finds nothing announces
-//! itself (`msg_sleepers += 1`), runs a SeqCst fence, loads `msg_futex`,
-//! then polls `write_seq` once more, and only then calls FUTEX_WAIT with the
-//! value it loaded. The writer stores `write_seq`, runs a SeqCst fence, and
-//! loads `msg_sleepers`. The two fences are ordered one way or the other:
-//! either the writer sees the sleeper (and bumps `msg_futex`, then wakes:
-//! the reader's FUTEX_WAIT either sees the bumped value and returns, or is
-//! queued before the wake and woken by it), or the reader's poll sees the
-//! message and it never sleeps. With no sleeper announced, the writer makes
-//! no system call. The writer waiting for a slot is the mirror image, with
-//! `writer_sleeping`, `slot_futex` and `released`.
+//! **No lost wake-up, reader side.** A reader that finds nothing
+//! registers on the event count `msg_event` (adds one sleeper; the word it
+//! gets back is its registration), runs a SeqCst fence, polls `write_seq`
+//! once more, and only then sleeps: it loads the word and calls FUTEX_WAIT
+//! with it, unless the epoch already differs from its registration's. The
+//! writer stores `write_seq`, runs a SeqCst fence, and loads the word. The
+//! two fences are ordered one way or the other. Either the writer's load
+//! comes before the registration in the word's modification order, and
+//! then the reader's fence came after the writer's and its poll sees the
+//! message; or the writer sees the registration (or a later value: a
+//! count of at least one, or a newer epoch, since only the registrant
+//! withdraws and only a notify resets) and, if it is still counted, starts
+//! a new epoch and wakes: the reader's FUTEX_WAIT then either finds the
+//! word changed and returns, or was queued before the wake and is woken by
+//! it. With no registration, the writer makes no system call; one notify
+//! consumes every registration, so a woken reader that is slow to be
+//! scheduled costs the writer no further calls, and the reader registers
+//! again if it has to sleep again. The writer waiting for a slot is the
+//! mirror image, with `slot_event` and `released` (many notifiers, one
+//! sleeper).
 //!
 //! **Attach.** A reader that takes over an entry (after taking its liveness
 //! lock) marks it ATTACHING (not expected), stores `released = write_seq`,

@@ -4,10 +4,10 @@
 //! a shared futex by the page behind the address (inode and offset for a
 //! shared file mapping), so a waiter and a waker in different processes
 //! that map the same segment at different addresses meet. Callers keep the
-//! "nobody sleeps, no syscall" fast path themselves (a sleeper count beside
-//! the word), see `crate::channel::shm`.
+//! "nobody sleeps, no syscall" fast path themselves (the word is an event
+//! count whose low bits count the sleepers), see `crate::channel::shm`.
 
-// In loom builds the segment-backed half is compiled out.
+// In loom builds the channel's futex is modelled, so this goes unused.
 #![cfg_attr(loom, allow(dead_code))]
 
 use std::sync::atomic::AtomicU32;

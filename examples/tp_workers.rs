@@ -3,16 +3,40 @@
 //! objects through one store, as vLLM's `mm_processor_cache_type=shm` does.
 //!
 //! The writer puts each new image once and re-references repeats with
-//! `get_cached`; only `(address, id, epoch)` travels to the workers, over a
-//! pipe. Every worker reads every object in place, checks every byte, and
-//! reports. Run: `cargo run --release --example tp_workers [-- --workers 2
+//! `get_cached`; only the `ObjectHandle` (a few bytes of MessagePack)
+//! travels to the workers, through a pinshm `Broadcast` channel in shared
+//! memory (no pipe, no socket). Every worker reads every object in place,
+//! checks every byte, and reports the store's figures next to the handle
+//! hand-off latency (send to receive, across processes). Run: `cargo run --release --example tp_workers [-- --workers 2
 //! --requests 2000 --capacity-mib 256 --hit-rate 0.3]`.
 
-use std::io::{BufRead, BufWriter, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader, Error, ObjectHandle, ObjectStore,
+    StoreConfig, StoreHandle, StoreReader,
+};
+
+/// What travels through the channel for each request.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Request {
+    handle: ObjectHandle,
+    len: u64,
+    sum: u64,
+    /// CLOCK_MONOTONIC when the writer sent it (same clock in every process).
+    sent_ns: u64,
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = nix::libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec to a valid pointer.
+    unsafe { nix::libc::clock_gettime(nix::libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 const MIB: usize = 1 << 20;
 
@@ -90,7 +114,8 @@ fn main() {
     if let Some(p) = argv.iter().position(|a| a == "--worker") {
         let rank: u32 = argv[p + 1].parse().unwrap();
         let sh: StoreHandle = serde_json::from_str(&argv[p + 2]).unwrap();
-        std::process::exit(worker(rank, &sh));
+        let ch: BroadcastHandle = serde_json::from_str(&argv[p + 3]).unwrap();
+        std::process::exit(worker(rank, &sh, &ch));
     }
     let a = parse_args();
     std::process::exit(writer(&a));
@@ -107,6 +132,15 @@ fn writer(a: &Args) -> i32 {
         }
     };
     let sh = serde_json::to_string(&store.handle()).unwrap();
+    // Handles go to the workers through a broadcast channel of 256 slots.
+    let mut channel = match Broadcast::create(BroadcastConfig::new(a.workers, 256, 256)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("cannot create the channel: {e}");
+            return 1;
+        }
+    };
+    let ch = serde_json::to_string(&channel.handle()).unwrap();
     println!(
         "pinshm tp_workers: 1 writer, {} worker processes, {} requests, ring {} MiB in /dev/shm/{}, hit rate {:.0}%",
         a.workers,
@@ -116,21 +150,16 @@ fn writer(a: &Args) -> i32 {
         a.hit_rate * 100.0
     );
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..a.workers)
+    let children: Vec<_> = (0..a.workers)
         .map(|rank| {
             Command::new(&exe)
-                .args(["--worker", &rank.to_string(), &sh])
-                .stdin(Stdio::piped())
+                .args(["--worker", &rank.to_string(), &sh, &ch])
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("spawn worker")
         })
         .collect();
-    let mut pipes: Vec<_> = children
-        .iter_mut()
-        .map(|c| BufWriter::new(c.stdin.take().unwrap()))
-        .collect();
-
+    let mut msg = Vec::with_capacity(256);
     let mut rng = 0x1234_5678u64;
     let mut next_image = 0u64;
     let (mut put_bytes, mut puts, mut hits, mut full_waits) = (0u64, 0u64, 0u64, 0u64);
@@ -175,9 +204,6 @@ fn writer(a: &Args) -> i32 {
                     Err(Error::Full { .. }) => {
                         // Workers are behind: let them read.
                         full_waits += 1;
-                        for p in &mut pipes {
-                            p.flush().unwrap();
-                        }
                         std::thread::sleep(Duration::from_micros(100));
                     }
                     Err(e) => {
@@ -192,16 +218,22 @@ fn writer(a: &Args) -> i32 {
                 }
             },
         };
-        for p in &mut pipes {
-            writeln!(
-                p,
-                "{} {} {} {} {}",
-                h.address, h.monotonic_id, h.epoch, len, sum
-            )
-            .unwrap();
+        msg.clear();
+        let req = Request {
+            handle: h,
+            len: len as u64,
+            sum,
+            sent_ns: monotonic_ns(),
+        };
+        rmp_serde::encode::write(&mut msg, &req).unwrap();
+        if let Err(e) = channel.send(&msg) {
+            eprintln!("send failed: {e}");
+            failed = true;
+            break;
         }
     }
-    drop(pipes);
+    // Workers drain the channel, then see the writer gone and report.
+    drop(channel);
     let mut ok = !failed;
     let mut reports = Vec::new();
     for (rank, c) in children.into_iter().enumerate() {
@@ -244,7 +276,7 @@ fn writer(a: &Args) -> i32 {
     }
 }
 
-fn worker(rank: u32, sh: &StoreHandle) -> i32 {
+fn worker(rank: u32, sh: &StoreHandle, ch: &BroadcastHandle) -> i32 {
     let reader = match StoreReader::attach_as(sh, rank) {
         Ok(r) => r,
         Err(e) => {
@@ -252,22 +284,52 @@ fn worker(rank: u32, sh: &StoreHandle) -> i32 {
             return 1;
         }
     };
+    let requests = match BroadcastReader::attach_as(ch, rank) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("cannot attach to the channel: {e}");
+            return 1;
+        }
+    };
     let (mut objects, mut bytes, mut bad, mut stale) = (0u64, 0u64, 0u64, 0u64);
     let mut get_ns = Vec::new();
+    let mut handoff_ns = Vec::new();
     let t0 = Instant::now();
-    for line in std::io::stdin().lock().lines() {
-        let line = line.unwrap();
-        let f: Vec<u64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
-        let h = ObjectHandle {
-            address: f[0],
-            monotonic_id: f[1],
-            epoch: f[2],
+    let mut queued = 0u64;
+    loop {
+        let called = monotonic_ns();
+        let req: Request = match requests.recv() {
+            Ok(m) => {
+                handoff_ns.push(monotonic_ns());
+                match rmp_serde::from_slice(&m) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        println!("bad request: {e}");
+                        return 1;
+                    }
+                }
+            }
+            Err(Error::WriterGone { .. }) => break,
+            Err(e) => {
+                println!("recv failed: {e}");
+                return 1;
+            }
         };
+        // Hand-off latency: send to receive, for requests this worker was
+        // already waiting for; a request sent while the worker was busy
+        // with an earlier one queued in the channel and is only counted.
+        let received = handoff_ns.pop().unwrap();
+        if called <= req.sent_ns {
+            handoff_ns.push(received.saturating_sub(req.sent_ns));
+        } else {
+            queued += 1;
+        }
+        let h = req.handle;
         let t = Instant::now();
         match reader.get(h) {
             Ok(g) => {
                 get_ns.push(t.elapsed().as_nanos() as u64);
-                if g.len() as u64 != f[3] || checksum(&g) != f[4] {
+                if g.len() as u64 != req.len || checksum(&g) != req.sum {
                     bad += 1;
                 }
                 objects += 1;
@@ -282,12 +344,16 @@ fn worker(rank: u32, sh: &StoreHandle) -> i32 {
     }
     let secs = t0.elapsed().as_secs_f64();
     get_ns.sort_unstable();
-    let med = get_ns.get(get_ns.len() / 2).copied().unwrap_or(0);
-    let p99 = get_ns.get(get_ns.len() * 99 / 100).copied().unwrap_or(0);
+    handoff_ns.sort_unstable();
+    let pct = |v: &[u64], p: usize| v.get(v.len() * p / 100).copied().unwrap_or(0);
+    let (med, p99) = (pct(&get_ns, 50), pct(&get_ns, 99));
     println!(
-        "{objects} objects, {:.1} MiB read in place ({:.2} GB/s incl. verification), get median {med} ns, p99 {p99} ns, {stale} stale, {bad} corrupt",
+        "{objects} objects, {:.1} MiB read in place ({:.2} GB/s incl. verification), get median {med} ns, p99 {p99} ns, {stale} stale, {bad} corrupt; handle hand-off through the channel to a waiting worker median {:.1} µs, p99 {:.1} µs ({} requests; {queued} found queued)",
         bytes as f64 / MIB as f64,
-        bytes as f64 / secs / 1e9
+        bytes as f64 / secs / 1e9,
+        pct(&handoff_ns, 50) as f64 / 1e3,
+        pct(&handoff_ns, 99) as f64 / 1e3,
+        handoff_ns.len(),
     );
     i32::from(bad > 0 || stale > 0)
 }

@@ -144,6 +144,20 @@ pub enum Error {
         name: String,
     },
 
+    /// A blocking call gave up after its timeout: the writer's next slot
+    /// was still held by a reader (`send_timeout`), or no message came
+    /// (`recv_timeout`). Nothing was sent or received; call again, or find
+    /// out why the other side is slow.
+    #[error("{op} timed out after {after:?}: {detail}")]
+    Timeout {
+        /// The call that gave up.
+        op: &'static str,
+        /// How long it waited.
+        after: std::time::Duration,
+        /// What it was waiting for.
+        detail: String,
+    },
+
     /// Open found no segment of that name.
     #[error("no shared memory segment named '{name}' (has its writer exited?)")]
     NotFound {

@@ -10,7 +10,9 @@ compile_error!(
 // Layers, lowest first (a module imports only modules before it here;
 // tools/import_graph.py checks it): dtype, layout, error, sys, shm, ring,
 // geometry, codec, pin, cuda (register), copy, cuda (engine), store,
-// inspect. The modules are private; the public API is the flat page below.
+// channel, inspect. The modules are private; the public API is the flat
+// page below.
+mod channel;
 mod codec;
 mod copy;
 #[cfg(feature = "cuda")]
@@ -26,6 +28,13 @@ mod shm;
 mod store;
 mod sys;
 
+/// The channel's protocol cores, for the loom models (`cfg(loom)` only).
+#[cfg(loom)]
+#[doc(hidden)]
+pub use channel::loom_api as __loom_channel;
+#[cfg(not(loom))]
+pub use channel::{Broadcast, BroadcastReader, Message};
+pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,

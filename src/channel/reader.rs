@@ -1,0 +1,623 @@
+//! A reader: [`ReaderCore`] is the protocol over [`Shm`] (run by loom as
+//! is), [`BroadcastReader`] and [`Message`] the segment, liveness and API
+//! around it.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::shm::Shm;
+use super::LIVENESS_RECHECK;
+
+/// A received message: its sequence number, slot and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Received {
+    /// Sequence number (0 for the channel's first message).
+    pub seq: u64,
+    /// Slot index.
+    pub slot: u32,
+    /// Length (checked against the process-local slot size).
+    pub len: usize,
+}
+
+/// What a wait ended with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recv {
+    /// The next message.
+    Message(Received),
+    /// Nothing left: the writer closed or died, and every message it sent
+    /// was received.
+    WriterGone,
+    /// The deadline passed.
+    TimedOut,
+}
+
+/// Shared memory that contradicts the protocol (scribbled): which word,
+/// and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Corrupt {
+    /// The word at fault.
+    pub field: &'static str,
+    /// What was expected and found.
+    pub detail: String,
+}
+
+/// A reader's side of the protocol; its position and release mark live in
+/// its own memory and are only ever written to shared memory.
+#[derive(Debug)]
+pub struct ReaderCore {
+    shm: Shm,
+    index: u32,
+    word: u64,
+    /// Next sequence number to receive, and its slot.
+    next: u64,
+    idx: u32,
+    /// Messages below this are released (and published as the mark).
+    released: u64,
+    /// Received, not yet released: `released + k` done iff `outstanding[k]`.
+    outstanding: VecDeque<bool>,
+}
+
+impl ReaderCore {
+    /// Claims entry `index`; the caller holds its liveness lock.
+    pub fn claim(shm: Shm, index: u32) -> ReaderCore {
+        let (word, start) = shm.claim(index);
+        let slots = shm.geometry().slots as u64;
+        ReaderCore {
+            shm,
+            index,
+            word,
+            next: start,
+            idx: (start % slots) as u32,
+            released: start,
+            outstanding: VecDeque::new(),
+        }
+    }
+
+    /// The shared words.
+    pub fn shm(&self) -> &Shm {
+        &self.shm
+    }
+
+    /// The entry index.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Messages received and not yet released.
+    pub fn held(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// The next message, if one is published.
+    pub fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
+        let published = self.shm.published();
+        if published <= self.next {
+            if published < self.next {
+                return Err(Corrupt {
+                    field: "write_seq",
+                    detail: format!("went back to {published}, this reader is at {}", self.next),
+                });
+            }
+            return Ok(None);
+        }
+        let g = self.shm.geometry();
+        if published - self.released > g.slots as u64 {
+            return Err(Corrupt {
+                field: "write_seq",
+                detail: format!(
+                    "{published} is more than {} slots past this reader's release mark {}",
+                    g.slots, self.released
+                ),
+            });
+        }
+        let (seq, len) = self.shm.slot_meta(self.idx);
+        if seq != self.next || len > g.slot_size as u64 {
+            return Err(Corrupt {
+                field: "slot header",
+                detail: format!(
+                    "slot {} says message {seq} of {len} bytes; expected message {} of at most {} bytes",
+                    self.idx, self.next, g.slot_size
+                ),
+            });
+        }
+        let got = Received {
+            seq,
+            slot: self.idx,
+            len: len as usize,
+        };
+        self.next += 1;
+        self.idx += 1;
+        if self.idx == g.slots {
+            self.idx = 0;
+        }
+        self.outstanding.push_back(false);
+        Ok(Some(got))
+    }
+
+    /// Waits for the next message: spins for `spin`, then sleeps on the
+    /// message futex, re-checking `writer_alive` at least every
+    /// [`LIVENESS_RECHECK`].
+    pub fn wait(
+        &mut self,
+        deadline: Option<Instant>,
+        spin: Duration,
+        writer_alive: &dyn Fn() -> bool,
+    ) -> Result<Recv, Corrupt> {
+        if let Some(m) = self.poll()? {
+            return Ok(Recv::Message(m));
+        }
+        if !spin.is_zero() && deadline.is_none_or(|d| d > Instant::now()) {
+            let t0 = Instant::now();
+            let mut k = 0u32;
+            loop {
+                std::hint::spin_loop();
+                if let Some(m) = self.poll()? {
+                    return Ok(Recv::Message(m));
+                }
+                k = k.wrapping_add(1);
+                if k % 64 == 0 && t0.elapsed() >= spin {
+                    break;
+                }
+            }
+        }
+        loop {
+            let seen = self.shm.reader_announce();
+            let outcome = self.check(deadline, writer_alive);
+            let Ok(None) = outcome else {
+                self.shm.reader_awake(seen);
+                return outcome.map(|o| o.expect("matched Some"));
+            };
+            let timeout = deadline.map_or(LIVENESS_RECHECK, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .min(LIVENESS_RECHECK)
+            });
+            self.shm.reader_sleep(seen, Some(timeout));
+            self.shm.reader_awake(seen);
+            if let Some(m) = self.poll()? {
+                return Ok(Recv::Message(m));
+            }
+        }
+    }
+
+    /// One look after announcing: a message, the end, a timeout, or
+    /// `None` (sleep).
+    fn check(
+        &mut self,
+        deadline: Option<Instant>,
+        writer_alive: &dyn Fn() -> bool,
+    ) -> Result<Option<Recv>, Corrupt> {
+        // `closed` first: a poll after seeing it sees every message sent.
+        let closed = self.shm.is_closed();
+        if let Some(m) = self.poll()? {
+            return Ok(Some(Recv::Message(m)));
+        }
+        if closed {
+            return Ok(Some(Recv::WriterGone));
+        }
+        if !writer_alive() {
+            // Dead: nothing more will be published; drain what was.
+            return Ok(Some(match self.poll()? {
+                Some(m) => Recv::Message(m),
+                None => Recv::WriterGone,
+            }));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(Some(Recv::TimedOut));
+        }
+        Ok(None)
+    }
+
+    /// Releases message `seq` (received, not yet released). The mark
+    /// advances over every message released so far in order.
+    pub fn release(&mut self, seq: u64) {
+        let Some(k) = seq
+            .checked_sub(self.released)
+            .and_then(|k| usize::try_from(k).ok())
+        else {
+            return;
+        };
+        if let Some(done) = self.outstanding.get_mut(k) {
+            *done = true;
+        }
+        let mut advanced = 0u64;
+        while self.outstanding.front() == Some(&true) {
+            self.outstanding.pop_front();
+            advanced += 1;
+        }
+        if advanced > 0 {
+            self.released += advanced;
+            self.shm.release(self.index, self.released);
+        }
+    }
+
+    /// Leaves the entry (not expected any more).
+    pub fn leave(&self) {
+        self.shm.leave(self.index, self.word);
+    }
+}
+
+#[cfg(not(loom))]
+pub use shell::{BroadcastReader, Message};
+
+#[cfg(not(loom))]
+mod shell {
+    use std::cell::{Cell, RefCell};
+    use std::ops::Deref;
+    use std::time::{Duration, Instant};
+
+    use super::{Corrupt, ReaderCore, Recv};
+    use crate::channel::shm::{self, Geometry, Shm};
+    use crate::channel::{layout, BroadcastHandle, LIVENESS_RECHECK};
+    use crate::error::{Error, Result};
+    use crate::sys::liveness::{reader_slot, WRITER_SLOT};
+    use crate::sys::segment::Segment;
+
+    /// One reader of a broadcast channel, in one reader entry until dropped.
+    /// Receives every message sent after the writer created the channel (a
+    /// reader index that was never attached) or after it attached (an index
+    /// taken over from a reader that left or died).
+    ///
+    /// `Send`, not `Sync`: one per thread. A [`Message`] borrows it:
+    ///
+    /// ```compile_fail
+    /// use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    /// let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64)).unwrap();
+    /// tx.send(b"hi").unwrap();
+    /// let m = {
+    ///     let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    ///     rx.recv().unwrap()
+    /// };
+    /// ```
+    ///
+    /// and it is not `Sync` (share it, and two threads could receive the
+    /// same position at once):
+    ///
+    /// ```compile_fail
+    /// fn sync<T: Sync>() {}
+    /// sync::<pinshm::BroadcastReader>();
+    /// ```
+    #[derive(Debug)]
+    pub struct BroadcastReader {
+        core: RefCell<ReaderCore>,
+        spin: Duration,
+        /// When the writer's liveness lock was last found held (a system
+        /// call; asked at most once per [`LIVENESS_RECHECK`] while waiting).
+        writer_seen: Cell<Option<Instant>>,
+        // Last: unmapped after everything that points into it.
+        seg: Segment,
+    }
+
+    // SAFETY: the pointers inside `core` point into `seg`'s mapping, which
+    // moves with the reader; the RefCell makes it !Sync, so one thread at a
+    // time uses it.
+    unsafe impl Send for BroadcastReader {}
+
+    impl BroadcastReader {
+        /// Attaches into the first free reader index.
+        pub fn attach(h: &BroadcastHandle) -> Result<BroadcastReader> {
+            Self::attach_inner(h, None)
+        }
+
+        /// Attaches as reader `index` (a tensor-parallel rank, say).
+        pub fn attach_as(h: &BroadcastHandle, index: u32) -> Result<BroadcastReader> {
+            Self::attach_inner(h, Some(index))
+        }
+
+        fn attach_inner(h: &BroadcastHandle, index: Option<u32>) -> Result<BroadcastReader> {
+            let seg = Segment::open(&h.name, true)?;
+            let (geo, spin) = validate(&seg, h)?;
+            // SAFETY: `validate` checked the header against the mapping's
+            // length; `seg` (dropped last) keeps the mapping alive.
+            let shm = unsafe { Shm::new(seg.as_ptr(), geo) };
+            let candidates = match index {
+                Some(i) if i >= geo.n_readers => {
+                    return Err(Error::ReaderIndexOutOfRange {
+                        index: i,
+                        n_readers: geo.n_readers,
+                    })
+                }
+                Some(i) => i..i + 1,
+                None => 0..geo.n_readers,
+            };
+            for i in candidates {
+                // The lock first: a live reader's entry is never taken over.
+                if !seg.try_lock(reader_slot(i))? {
+                    if index.is_some() {
+                        return Err(Error::ReaderSlotTaken {
+                            index: i,
+                            pid: shm.pid(i),
+                        });
+                    }
+                    continue;
+                }
+                let core = ReaderCore::claim(shm.clone(), i);
+                shm.set_pid(i, std::process::id());
+                tracing::debug!(name = %h.name, index = i, from = core.next, "broadcast reader attached");
+                return Ok(BroadcastReader {
+                    core: RefCell::new(core),
+                    spin,
+                    writer_seen: Cell::new(None),
+                    seg,
+                });
+            }
+            Err(Error::NoReaderSlot {
+                n_readers: geo.n_readers,
+            })
+        }
+
+        /// This reader's index.
+        pub fn index(&self) -> u32 {
+            self.core.borrow().index()
+        }
+
+        /// The channel's segment name.
+        pub fn name(&self) -> &str {
+            self.seg.name()
+        }
+
+        /// How long `recv` spins before sleeping (default: the channel's,
+        /// see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin)).
+        pub fn set_spin(&mut self, spin: Duration) {
+            self.spin = spin;
+        }
+
+        /// The next message, waiting as long as it takes. After the writer
+        /// is dropped or dies, every message it sent is still received,
+        /// then [`Error::WriterGone`]. A reader that already holds a
+        /// [`Message`] in every slot gets [`Error::TooManyGuards`] (the
+        /// writer could never send it another one).
+        pub fn recv(&self) -> Result<Message<'_>> {
+            self.recv_deadline(None, "recv")
+        }
+
+        /// As [`BroadcastReader::recv`], giving up after `timeout` with
+        /// [`Error::Timeout`].
+        pub fn recv_timeout(&self, timeout: Duration) -> Result<Message<'_>> {
+            self.recv_deadline(Some(timeout), "recv_timeout")
+        }
+
+        /// The next message if one is there; `Ok(None)` if not.
+        pub fn try_recv(&self) -> Result<Option<Message<'_>>> {
+            match self.recv_deadline(Some(Duration::ZERO), "try_recv") {
+                Ok(m) => Ok(Some(m)),
+                Err(Error::Timeout { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+
+        /// Whether the writer is still there (holds its liveness lock).
+        pub fn writer_alive(&self) -> bool {
+            self.seg.held_by_other(WRITER_SLOT)
+        }
+
+        fn recv_deadline(
+            &self,
+            timeout: Option<Duration>,
+            op: &'static str,
+        ) -> Result<Message<'_>> {
+            let deadline = timeout.map(|t| Instant::now() + t);
+            let spin = if timeout == Some(Duration::ZERO) {
+                Duration::ZERO
+            } else {
+                self.spin
+            };
+            // Holding a message in every slot, this reader itself keeps the
+            // writer from sending more: waiting would never end.
+            let slots = self.core.borrow().shm().geometry().slots as usize;
+            if self.core.borrow().held() >= slots {
+                return Err(Error::TooManyGuards { limit: slots });
+            }
+            // A dead writer is noticed within about two re-check periods
+            // (the last "alive" answer is trusted for one period), so a
+            // reader that sleeps and wakes often asks the kernel rarely.
+            let alive = || {
+                let fresh = self
+                    .writer_seen
+                    .get()
+                    .is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
+                fresh || {
+                    let alive = self.writer_alive();
+                    self.writer_seen.set(alive.then(Instant::now));
+                    alive
+                }
+            };
+            let got = self.core.borrow_mut().wait(deadline, spin, &alive);
+            match got.map_err(|c| self.corrupt(c))? {
+                Recv::Message(m) => {
+                    let p = self.core.borrow().shm().payload(m.slot);
+                    Ok(Message {
+                        reader: self,
+                        seq: m.seq,
+                        data: p,
+                        len: m.len,
+                    })
+                }
+                Recv::WriterGone => Err(Error::WriterGone {
+                    name: self.seg.name().to_owned(),
+                }),
+                Recv::TimedOut => Err(Error::Timeout {
+                    op,
+                    after: timeout.unwrap_or_default(),
+                    detail: format!(
+                        "no message on channel '{}' (the writer is alive, it sent nothing new)",
+                        self.seg.name()
+                    ),
+                }),
+            }
+        }
+
+        fn corrupt(&self, c: Corrupt) -> Error {
+            tracing::debug!(name = self.seg.name(), field = c.field, detail = %c.detail, "corrupt channel");
+            Error::BadHeader {
+                name: self.seg.name().to_owned(),
+                field: c.field,
+                detail: c.detail,
+            }
+        }
+    }
+
+    impl Drop for BroadcastReader {
+        fn drop(&mut self) {
+            // No Message can be alive (they borrow self): leave, then let
+            // the lock go (closing the segment would too).
+            let core = self.core.get_mut();
+            core.leave();
+            self.seg.unlock(reader_slot(core.index()));
+            tracing::debug!(name = self.seg.name(), "broadcast reader detached");
+        }
+    }
+
+    /// Validates the header against the mapping and the handle.
+    fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, Duration)> {
+        let bad = |field, detail: String| Error::BadHeader {
+            name: h.name.clone(),
+            field,
+            detail,
+        };
+        if seg.len() < size_of::<layout::ChannelHeader>() {
+            return Err(bad(
+                "size",
+                format!("{} bytes is smaller than a header", seg.len()),
+            ));
+        }
+        // SAFETY: the mapping is page aligned and at least 256 bytes long.
+        let magic = unsafe { shm::magic(seg.as_ptr()) };
+        if magic != layout::MAGIC {
+            return Err(bad(
+                "magic",
+                format!("expected {:#x}, found {magic:#x} (not a broadcast channel, or its creator has not finished)", layout::MAGIC),
+            ));
+        }
+        // SAFETY: as above.
+        let c = unsafe { shm::read_header(seg.as_ptr()) };
+        if c.version != layout::VERSION || h.version != layout::VERSION {
+            return Err(bad(
+                "version",
+                format!(
+                    "this build reads channel layout {}, the segment is {} and the handle {}",
+                    layout::VERSION,
+                    c.version,
+                    h.version
+                ),
+            ));
+        }
+        if c.nonce != h.nonce {
+            return Err(Error::SegmentMismatch {
+                name: h.name.clone(),
+                expected: h.nonce,
+                found: c.nonce,
+            });
+        }
+        let want = |field, handle: u64, found: u64| {
+            if handle == found {
+                Ok(())
+            } else {
+                Err(bad(
+                    field,
+                    format!("the handle says {handle}, the segment says {found}"),
+                ))
+            }
+        };
+        want("n_readers", h.n_readers as u64, c.n_readers as u64)?;
+        want("slots", h.slots as u64, c.slots as u64)?;
+        want("slot_size", h.slot_size as u64, c.slot_size as u64)?;
+        if c.n_readers == 0 || c.n_readers > layout::MAX_READERS {
+            return Err(bad(
+                "n_readers",
+                format!("{} is not in 1..={}", c.n_readers, layout::MAX_READERS),
+            ));
+        }
+        if c.slots == 0 || c.slots > layout::MAX_SLOTS {
+            return Err(bad(
+                "slots",
+                format!("{} is not in 1..={}", c.slots, layout::MAX_SLOTS),
+            ));
+        }
+        if c.slot_size == 0 || c.slot_size > layout::MAX_SLOT_SIZE {
+            return Err(bad(
+                "slot_size",
+                format!("{} is not in 1..={}", c.slot_size, layout::MAX_SLOT_SIZE),
+            ));
+        }
+        want(
+            "slot_stride",
+            layout::slot_stride(c.slot_size) as u64,
+            c.slot_stride,
+        )?;
+        want(
+            "header_len",
+            layout::header_len(c.n_readers) as u64,
+            c.header_len,
+        )?;
+        let total = layout::total_len(c.n_readers, c.slots, c.slot_size)
+            .ok_or_else(|| bad("total_len", "overflows".into()))?;
+        want("total_len", total as u64, c.total_len)?;
+        if total > seg.len() {
+            return Err(bad(
+                "total_len",
+                format!(
+                    "{total} bytes exceed the segment's {}: the segment is too small",
+                    seg.len()
+                ),
+            ));
+        }
+        let spin = Duration::from_nanos(c.spin_ns.min(super::super::MAX_SPIN.as_nanos() as u64));
+        Ok((
+            Geometry {
+                n_readers: c.n_readers,
+                slots: c.slots,
+                slot_size: c.slot_size,
+            },
+            spin,
+        ))
+    }
+
+    /// A message, in place in its slot: derefs to its bytes. While it lives
+    /// the writer cannot reuse the slot; dropping it releases it. Soundness
+    /// does not rest on the drop: a forgotten `Message` keeps its slot (the
+    /// writer waits or times out), and it cannot outlive its reader.
+    #[derive(Debug)]
+    pub struct Message<'r> {
+        reader: &'r BroadcastReader,
+        seq: u64,
+        data: *const u8,
+        len: usize,
+    }
+
+    impl Message<'_> {
+        /// Sequence number (0 for the channel's first message).
+        pub fn seq(&self) -> u64 {
+            self.seq
+        }
+    }
+
+    impl Deref for Message<'_> {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            // SAFETY: `data..data+len` is the payload of a slot of the
+            // mapping (`len <= slot_size`, checked against the process-local
+            // geometry), which the borrowed reader keeps mapped. This reader
+            // has not released the message, and the writer rewrites a slot
+            // only after every expected reader released it (and this reader
+            // is expected while attached), so nobody writes these bytes
+            // while the slice lives.
+            unsafe { std::slice::from_raw_parts(self.data, self.len) }
+        }
+    }
+
+    impl AsRef<[u8]> for Message<'_> {
+        fn as_ref(&self) -> &[u8] {
+            self
+        }
+    }
+
+    impl Drop for Message<'_> {
+        fn drop(&mut self) {
+            // Not re-entrant: no borrow of the core is held outside the
+            // reader's own calls, and a Message is dropped outside them.
+            if let Ok(mut core) = self.reader.core.try_borrow_mut() {
+                core.release(self.seq);
+            }
+        }
+    }
+}

@@ -1,0 +1,595 @@
+//! Every atomic access of the channel, and the futex sleeps and wakes.
+//! **Every memory ordering of the channel is chosen here.**
+//!
+//! | word | written by | read by | ordering and why |
+//! |---|---|---|---|
+//! | `write_seq` | writer: Release store after the slot's payload and header | readers: Acquire (poll); writer's SeqCst fence follows the store | Release/Acquire publishes the payload; the fence is the writer's half of the two Dekker pairs below |
+//! | `SlotHeader::{seq,len}` | writer: Relaxed, before `write_seq` | reader: Relaxed, after its Acquire load of `write_seq` | ordered by `write_seq` |
+//! | `ReaderEntry::released` | reader `i`: Release, then a SeqCst fence | writer: Acquire, after a SeqCst fence | the reader's reads of a slot happen before the writer's rewrite of it |
+//! | `ReaderEntry::state` | reader: CAS to claim (AcqRel), Release store of ATTACHED then a SeqCst fence, Release store of LEFT; writer: CAS ATTACHED→LEFT on the whole word (generation included) | writer: Acquire, after a SeqCst fence | Dekker pair with `write_seq` (attach) and a generation-checked CAS (reaping) |
+//! | `msg_event` (event count: bits 0..8 sleepers, 8.. epoch; the futex word readers sleep on) | readers: fetch_add 1 (Relaxed) + SeqCst fence to announce, before re-checking; CAS −1 (AcqRel) to withdraw, only within their epoch; writer: CAS to (epoch + 1, 0 sleepers) (Release) then FUTEX_WAKE, only if sleepers ≠ 0 | writer: Relaxed load after the SeqCst fence that follows `write_seq` / `closed`; readers: Acquire load before FUTEX_WAIT, which the kernel compares again | Dekker pair (fences) between announcing and publishing; the epoch makes any notify after a registration fail the sleeper's compare; the reset makes one wake serve every registration so far |
+//! | `slot_event` | writer: announce / withdraw as readers do on `msg_event`; readers: the notify CAS then FUTEX_WAKE(1) | readers: Relaxed after the SeqCst fence that follows `released` / `state`; writer: Acquire before FUTEX_WAIT | as `msg_event`, for the writer waiting for a slot |
+//! | `closed` | writer: Release store at drop, then a SeqCst fence and a wake of every reader | readers: Acquire before their last poll | a reader that sees it polls after and drains every message sent |
+//!
+//! **No lost wake-up, reader side.** A reader that finds nothing
+//! registers on the event count `msg_event` (adds one sleeper; the word it
+//! gets back is its registration), runs a SeqCst fence, polls `write_seq`
+//! once more, and only then sleeps: it loads the word and calls FUTEX_WAIT
+//! with it, unless the epoch already differs from its registration's. The
+//! writer stores `write_seq`, runs a SeqCst fence, and loads the word. The
+//! two fences are ordered one way or the other. Either the writer's load
+//! comes before the registration in the word's modification order, and
+//! then the reader's fence came after the writer's and its poll sees the
+//! message; or the writer sees the registration (or a later value: a
+//! count of at least one, or a newer epoch, since only the registrant
+//! withdraws and only a notify resets) and, if it is still counted, starts
+//! a new epoch and wakes: the reader's FUTEX_WAIT then either finds the
+//! word changed and returns, or was queued before the wake and is woken by
+//! it. With no registration, the writer makes no system call; one notify
+//! consumes every registration, so a woken reader that is slow to be
+//! scheduled costs the writer no further calls, and the reader registers
+//! again if it has to sleep again. The writer waiting for a slot is the
+//! mirror image, with `slot_event` and `released` (many notifiers, one
+//! sleeper).
+//!
+//! **Attach.** A reader that takes over an entry (after taking its liveness
+//! lock) marks it ATTACHING (not expected), stores `released = write_seq`,
+//! stores ATTACHED, runs a SeqCst fence and loads `write_seq` again (W2);
+//! it receives from W2 on. A writer check that missed ATTACHED had its fence
+//! before the reader's, so the reader's W2 is at least the sequence number
+//! that check was for: everything that check let the writer overwrite is
+//! older than W2.
+//!
+//! **Reaping.** The writer marks reader `i` LEFT only by a CAS from the exact
+//! word it read (generation and ATTACHED) and only after the liveness lock
+//! said nobody holds the entry; a new reader takes the lock before it
+//! touches the word and bumps the generation, so either the writer's
+//! liveness check sees the new holder or its CAS fails.
+//!
+//! In `cfg(loom)` builds the same code runs over a heap table of loom
+//! atomics, and the futex is modelled with a loom mutex and condvar (the
+//! kernel's value check and queueing are atomic with respect to wakes, as
+//! the mutex makes them); `tests/loom_channel.rs` drives the real writer and
+//! reader cores through it.
+
+#[cfg(loom)]
+use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::layout::reader_state;
+#[cfg(not(loom))]
+use super::layout::{self, ChannelHeader, ReaderEntry, SlotHeader};
+#[cfg(not(loom))]
+use std::mem::offset_of;
+
+/// Low bits of an event count: sleepers announced in the current epoch.
+const WAITERS: u32 = 0xff;
+
+/// Process-local, validated bounds of a channel (never re-read from shm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Reader entries.
+    pub n_readers: u32,
+    /// Message slots.
+    pub slots: u32,
+    /// Largest message.
+    pub slot_size: u32,
+}
+
+/// The channel's shared words. Cheap to clone; in normal builds a pointer
+/// into a mapping plus the geometry, in loom builds a shared heap table.
+#[derive(Clone, Debug)]
+pub struct Shm {
+    geo: Geometry,
+    #[cfg(not(loom))]
+    base: *mut u8,
+    #[cfg(loom)]
+    heap: std::sync::Arc<heap::Table>,
+}
+
+// ---------------------------------------------------------------------------
+// The primitive accessors: the only part that differs between the backends.
+// ---------------------------------------------------------------------------
+
+#[cfg(not(loom))]
+impl Shm {
+    /// # Safety
+    /// 1. `base` is 64-byte aligned and `layout::total_len(geo..)` bytes from
+    ///    it are mapped, shared, readable and writable, and stay so while
+    ///    this `Shm` or any clone of it is used.
+    /// 2. `geo` was validated against that length.
+    pub unsafe fn new(base: *mut u8, geo: Geometry) -> Shm {
+        Shm { geo, base }
+    }
+
+    /// The atomic at byte `off`.
+    ///
+    /// # Safety
+    /// `off` is aligned for `A` and `off + size_of::<A>()` lies within the
+    /// mapping (`new`'s contract gives the rest).
+    unsafe fn at<A>(&self, off: usize) -> &A {
+        // SAFETY: the caller's contract plus `new`'s: aligned, in bounds,
+        // alive as long as `self`; atomics accept any bit pattern, and all
+        // access to these words goes through atomics.
+        unsafe { &*(self.base.add(off) as *const A) }
+    }
+
+    fn h32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off < size_of::<ChannelHeader>());
+        // SAFETY: a 4-aligned field offset inside the 256-byte header.
+        unsafe { self.at(off) }
+    }
+
+    fn write_seq(&self) -> &AtomicU64 {
+        // SAFETY: an 8-aligned field of the header.
+        unsafe { self.at(offset_of!(ChannelHeader, write_seq)) }
+    }
+    fn closed(&self) -> &AtomicU32 {
+        self.h32(offset_of!(ChannelHeader, closed))
+    }
+    fn msg_event(&self) -> &AtomicU32 {
+        self.h32(offset_of!(ChannelHeader, msg_event))
+    }
+    fn slot_event(&self) -> &AtomicU32 {
+        self.h32(offset_of!(ChannelHeader, slot_event))
+    }
+    fn entry(&self, i: u32, off: usize) -> &AtomicU64 {
+        assert!(i < self.geo.n_readers, "reader index within the geometry");
+        // SAFETY: entry `i` lies in the header area (validated geometry);
+        // `off` is an 8-aligned field offset inside the 64-byte entry.
+        unsafe { self.at(layout::reader_offset(i) + off) }
+    }
+    fn state(&self, i: u32) -> &AtomicU64 {
+        self.entry(i, offset_of!(ReaderEntry, state))
+    }
+    fn released(&self, i: u32) -> &AtomicU64 {
+        self.entry(i, offset_of!(ReaderEntry, released))
+    }
+    fn slot_offset(&self, idx: u32) -> usize {
+        assert!(idx < self.geo.slots, "slot index within the geometry");
+        layout::header_len(self.geo.n_readers)
+            + idx as usize * layout::slot_stride(self.geo.slot_size)
+    }
+    fn slot_seq(&self, idx: u32) -> &AtomicU64 {
+        // SAFETY: slot `idx` lies inside the mapping; 64-aligned header.
+        unsafe { self.at(self.slot_offset(idx) + offset_of!(SlotHeader, seq)) }
+    }
+    fn slot_len(&self, idx: u32) -> &AtomicU64 {
+        // SAFETY: as `slot_seq`.
+        unsafe { self.at(self.slot_offset(idx) + offset_of!(SlotHeader, len)) }
+    }
+
+    /// Start of slot `idx`'s payload (`slot_size` bytes, 64-aligned).
+    pub fn payload(&self, idx: u32) -> *mut u8 {
+        let off = self.slot_offset(idx) + size_of::<SlotHeader>();
+        // SAFETY: in bounds: the slot's payload lies inside the mapping.
+        unsafe { self.base.add(off) }
+    }
+
+    /// Records reader `i`'s pid (informational).
+    pub fn set_pid(&self, i: u32, pid: u32) {
+        assert!(i < self.geo.n_readers);
+        // SAFETY: the 4-aligned pid field of entry `i`.
+        let w: &AtomicU32 =
+            unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) };
+        w.store(pid, Ordering::Relaxed);
+    }
+
+    /// Reader `i`'s recorded pid.
+    pub fn pid(&self, i: u32) -> u32 {
+        assert!(i < self.geo.n_readers);
+        // SAFETY: as `set_pid`.
+        let w: &AtomicU32 =
+            unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) };
+        w.load(Ordering::Relaxed)
+    }
+
+    fn futex_wait(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+        crate::sys::futex::wait(word, expected, timeout);
+    }
+    fn futex_wake(&self, word: &AtomicU32, n: i32) {
+        crate::sys::futex::wake(word, n);
+    }
+}
+
+/// Writes a fresh header whole, then stamps its magic last (Release).
+///
+/// # Safety
+/// `base` is page aligned, 256 writable bytes from it are mapped, and no
+/// other process trusts them yet (the magic is not stamped).
+#[cfg(not(loom))]
+pub unsafe fn init_header(base: *mut u8, header: &ChannelHeader) {
+    let mut h = *header;
+    h.magic = 0;
+    // SAFETY: the caller's contract: aligned, mapped, not yet shared.
+    unsafe { std::ptr::write_volatile(base as *mut ChannelHeader, h) };
+    // SAFETY: as above; the magic is an aligned u64 at offset 0.
+    let magic: &AtomicU64 = unsafe { &*(base as *const AtomicU64) };
+    // Release: an opener that sees the magic (Acquire) sees the header.
+    magic.store(header.magic, Ordering::Release);
+}
+
+/// The magic (Acquire: pairs with [`init_header`]'s stamp).
+///
+/// # Safety
+/// `base` is 8-aligned and 8 bytes from it are mapped.
+#[cfg(not(loom))]
+pub unsafe fn magic(base: *mut u8) -> u64 {
+    // SAFETY: the caller's contract; any bits are a valid u64.
+    let magic: &AtomicU64 = unsafe { &*(base as *const AtomicU64) };
+    magic.load(Ordering::Acquire)
+}
+
+/// A copy of the whole header, for validation (the live words in it may
+/// be mid-update; only the immutable ones are used, after checks).
+///
+/// # Safety
+/// `base` is 8-aligned and 256 bytes from it are mapped.
+#[cfg(not(loom))]
+pub unsafe fn read_header(base: *mut u8) -> ChannelHeader {
+    // SAFETY: the caller's contract; ChannelHeader is Pod, so any bytes
+    // are a valid value.
+    unsafe { std::ptr::read_volatile(base as *const ChannelHeader) }
+}
+
+#[cfg(loom)]
+mod heap {
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::{AtomicU32, AtomicU64};
+    use loom::sync::{Condvar, Mutex};
+
+    pub struct Futex {
+        pub lock: Mutex<()>,
+        pub cond: Condvar,
+    }
+    pub struct Entry {
+        pub state: AtomicU64,
+        pub released: AtomicU64,
+    }
+    pub struct Slot {
+        pub seq: AtomicU64,
+        pub len: AtomicU64,
+        pub payload: UnsafeCell<u64>,
+    }
+    pub struct Table {
+        pub write_seq: AtomicU64,
+        pub closed: AtomicU32,
+        pub msg_event: AtomicU32,
+        pub slot_event: AtomicU32,
+        pub msg_kernel: Futex,
+        pub slot_kernel: Futex,
+        pub entries: Vec<Entry>,
+        pub slots: Vec<Slot>,
+    }
+    impl std::fmt::Debug for Table {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Table")
+        }
+    }
+}
+
+#[cfg(loom)]
+impl Shm {
+    /// A zeroed channel on the heap (as a fresh segment is).
+    pub fn heap(geo: Geometry) -> Shm {
+        use heap::*;
+        let futex = || Futex {
+            lock: loom::sync::Mutex::new(()),
+            cond: loom::sync::Condvar::new(),
+        };
+        Shm {
+            geo,
+            heap: std::sync::Arc::new(Table {
+                write_seq: AtomicU64::new(0),
+                closed: AtomicU32::new(0),
+                msg_event: AtomicU32::new(0),
+                slot_event: AtomicU32::new(0),
+                msg_kernel: futex(),
+                slot_kernel: futex(),
+                entries: (0..geo.n_readers)
+                    .map(|_| Entry {
+                        state: AtomicU64::new(0),
+                        released: AtomicU64::new(0),
+                    })
+                    .collect(),
+                slots: (0..geo.slots)
+                    .map(|_| Slot {
+                        seq: AtomicU64::new(0),
+                        len: AtomicU64::new(0),
+                        payload: loom::cell::UnsafeCell::new(0),
+                    })
+                    .collect(),
+            }),
+        }
+    }
+    fn write_seq(&self) -> &AtomicU64 {
+        &self.heap.write_seq
+    }
+    fn closed(&self) -> &AtomicU32 {
+        &self.heap.closed
+    }
+    fn msg_event(&self) -> &AtomicU32 {
+        &self.heap.msg_event
+    }
+    fn slot_event(&self) -> &AtomicU32 {
+        &self.heap.slot_event
+    }
+    fn state(&self, i: u32) -> &AtomicU64 {
+        &self.heap.entries[i as usize].state
+    }
+    fn released(&self, i: u32) -> &AtomicU64 {
+        &self.heap.entries[i as usize].released
+    }
+    fn slot_seq(&self, idx: u32) -> &AtomicU64 {
+        &self.heap.slots[idx as usize].seq
+    }
+    fn slot_len(&self, idx: u32) -> &AtomicU64 {
+        &self.heap.slots[idx as usize].len
+    }
+    /// Writes slot `idx`'s payload (loom checks it races with no read).
+    pub fn write_payload(&self, idx: u32, v: u64) {
+        // SAFETY: loom's cell checks the access; nothing else aliases it.
+        self.heap.slots[idx as usize]
+            .payload
+            .with_mut(|p| unsafe { *p = v });
+    }
+    /// Reads slot `idx`'s payload (loom checks it races with no write).
+    pub fn read_payload(&self, idx: u32) -> u64 {
+        // SAFETY: as `write_payload`.
+        self.heap.slots[idx as usize]
+            .payload
+            .with(|p| unsafe { *p })
+    }
+    fn kernel(&self, word: &AtomicU32) -> &heap::Futex {
+        if std::ptr::eq(word, &self.heap.msg_event) {
+            &self.heap.msg_kernel
+        } else {
+            &self.heap.slot_kernel
+        }
+    }
+    /// FUTEX_WAIT: compare and queue atomically (under the bucket lock);
+    /// timeouts are ignored, so a lost wake-up is a deadlock loom reports.
+    fn futex_wait(&self, word: &AtomicU32, expected: u32, _timeout: Option<Duration>) {
+        let k = self.kernel(word);
+        let g = k.lock.lock().unwrap();
+        if word.load(Ordering::Relaxed) == expected {
+            drop(k.cond.wait(g).unwrap());
+        }
+    }
+    /// FUTEX_WAKE: every sleeper (a superset of `n`; wakes are re-checked).
+    fn futex_wake(&self, word: &AtomicU32, _n: i32) {
+        let k = self.kernel(word);
+        let _g = k.lock.lock().unwrap();
+        k.cond.notify_all();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The protocol steps, written once over the accessors above.
+// ---------------------------------------------------------------------------
+
+impl Shm {
+    /// The process-local geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    // ---- writer ----
+
+    /// Stamps slot `idx` with message `seq` of `len` bytes (the payload is
+    /// written already); published by [`Shm::publish`].
+    pub fn stamp_slot(&self, idx: u32, seq: u64, len: u64) {
+        self.slot_len(idx).store(len, Ordering::Relaxed);
+        self.slot_seq(idx).store(seq, Ordering::Relaxed);
+    }
+
+    /// Publishes messages `..count` (Release: their slots are visible to a
+    /// reader that sees it), then wakes sleeping readers if there are any.
+    pub fn publish(&self, count: u64) {
+        self.write_seq().store(count, Ordering::Release);
+        fence(Ordering::SeqCst);
+        self.notify(self.msg_event(), i32::MAX);
+    }
+
+    /// Marks the channel closed and wakes every reader.
+    pub fn close(&self) {
+        self.closed().store(1, Ordering::Release);
+        fence(Ordering::SeqCst);
+        self.notify(self.msg_event(), i32::MAX);
+    }
+
+    // ---- event counts (`msg_event`, `slot_event`) ----
+
+    /// Announces a sleeper on `word`, then the SeqCst fence after which the
+    /// caller re-checks its condition. Returns the registration (the word
+    /// with it counted), for [`Shm::sleep_on`] and [`Shm::withdraw`].
+    fn announce(&self, word: &AtomicU32) -> u32 {
+        let reg = word.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        fence(Ordering::SeqCst);
+        reg
+    }
+
+    /// Sleeps on `word` while its epoch is still the registration's: a
+    /// notify since the registration changed the epoch, and the kernel's
+    /// compare then fails (or the wake that follows it ends the sleep).
+    /// Acquire: a waker's writes before its notify are visible after.
+    fn sleep_on(&self, word: &AtomicU32, reg: u32, timeout: Option<Duration>) {
+        let cur = word.load(Ordering::Acquire);
+        if cur & !WAITERS == reg & !WAITERS {
+            self.futex_wait(word, cur, timeout);
+        }
+    }
+
+    /// Withdraws a registration that no notify consumed (same epoch).
+    fn withdraw(&self, word: &AtomicU32, reg: u32) {
+        let mut cur = word.load(Ordering::Acquire);
+        while cur & !WAITERS == reg & !WAITERS && cur & WAITERS != 0 {
+            match word.compare_exchange(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// After the caller's SeqCst fence: if anyone is registered, starts a
+    /// new epoch with no sleepers (Release: the caller's writes before are
+    /// visible to whoever sees it) and wakes up to `n` sleepers. One wake
+    /// serves every registration so far; without registrations, no system
+    /// call.
+    fn notify(&self, word: &AtomicU32, n: i32) {
+        let mut cur = word.load(Ordering::Relaxed);
+        while cur & WAITERS != 0 {
+            let next = (cur & !WAITERS).wrapping_add(WAITERS + 1);
+            match word.compare_exchange(cur, next, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.futex_wake(word, n);
+                    return;
+                }
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Fence before a scan of the reader table: pairs with the attaching
+    /// reader's fence (already run by the last `publish`, but a writer
+    /// that has sent nothing yet needs it too).
+    pub fn scan_fence(&self) {
+        fence(Ordering::SeqCst);
+    }
+
+    /// Reader `i`'s state word (Acquire; after [`Shm::scan_fence`]).
+    pub fn state_word(&self, i: u32) -> u64 {
+        self.state(i).load(Ordering::Acquire)
+    }
+
+    /// Reader `i`'s release mark (Acquire: its reads of the slots below
+    /// happen before the writer rewrites them).
+    pub fn released_mark(&self, i: u32) -> u64 {
+        self.released(i).load(Ordering::Acquire)
+    }
+
+    /// Marks reader `i` LEFT if its word is still exactly `word` (same
+    /// generation, ATTACHED): a reader that re-attached meanwhile is safe.
+    pub fn reap(&self, i: u32, word: u64) -> bool {
+        let left = reader_state::word(reader_state::generation(word), reader_state::LEFT);
+        self.state(i)
+            .compare_exchange(word, left, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Announces the writer as a sleeper on `slot_event`; returns its
+    /// registration. The caller re-checks its condition before
+    /// [`Shm::writer_sleep`].
+    pub fn writer_announce(&self) -> u32 {
+        self.announce(self.slot_event())
+    }
+
+    /// Sleeps unless a reader woke the writer since `reg`.
+    pub fn writer_sleep(&self, reg: u32, timeout: Option<Duration>) {
+        self.sleep_on(self.slot_event(), reg, timeout);
+    }
+
+    /// Withdraws the writer's registration if no reader consumed it.
+    pub fn writer_awake(&self, reg: u32) {
+        self.withdraw(self.slot_event(), reg);
+    }
+
+    // ---- reader ----
+
+    /// Messages published (Acquire: pairs with [`Shm::publish`]).
+    pub fn published(&self) -> u64 {
+        self.write_seq().load(Ordering::Acquire)
+    }
+
+    /// Slot `idx`'s sequence number and length (after [`Shm::published`]).
+    pub fn slot_meta(&self, idx: u32) -> (u64, u64) {
+        (
+            self.slot_seq(idx).load(Ordering::Relaxed),
+            self.slot_len(idx).load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether the writer closed the channel (Acquire: a poll after this
+    /// sees every message it sent).
+    pub fn is_closed(&self) -> bool {
+        self.closed().load(Ordering::Acquire) != 0
+    }
+
+    /// Publishes reader `i`'s release mark, then wakes the writer if it
+    /// sleeps.
+    pub fn release(&self, i: u32, mark: u64) {
+        self.released(i).store(mark, Ordering::Release);
+        self.wake_writer_if_sleeping();
+    }
+
+    fn wake_writer_if_sleeping(&self) {
+        fence(Ordering::SeqCst);
+        self.notify(self.slot_event(), 1);
+    }
+
+    /// Announces a sleeping reader on `msg_event`; returns its
+    /// registration. The caller re-checks before [`Shm::reader_sleep`].
+    pub fn reader_announce(&self) -> u32 {
+        self.announce(self.msg_event())
+    }
+
+    /// Sleeps unless the writer woke readers since `reg`.
+    pub fn reader_sleep(&self, reg: u32, timeout: Option<Duration>) {
+        self.sleep_on(self.msg_event(), reg, timeout);
+    }
+
+    /// Withdraws a reader's registration if the writer did not consume it.
+    pub fn reader_awake(&self, reg: u32) {
+        self.withdraw(self.msg_event(), reg);
+    }
+
+    /// Claims entry `i` (the caller holds its liveness lock): the new
+    /// state word and the first sequence number this reader receives.
+    pub fn claim(&self, i: u32) -> (u64, u64) {
+        let mut word = self.state(i).load(Ordering::Acquire);
+        loop {
+            let gen = reader_state::generation(word).wrapping_add(1) & (u64::MAX >> 8);
+            if reader_state::of(word) == reader_state::VACANT {
+                // Expected since create: nothing it is owed was overwritten.
+                let attached = reader_state::word(gen, reader_state::ATTACHED);
+                match self.state(i).compare_exchange(
+                    word,
+                    attached,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => return (attached, 0),
+                    Err(w) => word = w,
+                }
+                continue;
+            }
+            let attaching = reader_state::word(gen, reader_state::ATTACHING);
+            if let Err(w) =
+                self.state(i)
+                    .compare_exchange(word, attaching, Ordering::AcqRel, Ordering::Acquire)
+            {
+                word = w; // the writer reaped the previous holder meanwhile
+                continue;
+            }
+            let w1 = self.published();
+            self.released(i).store(w1, Ordering::Release);
+            let attached = reader_state::word(gen, reader_state::ATTACHED);
+            self.state(i).store(attached, Ordering::Release);
+            fence(Ordering::SeqCst);
+            let w2 = self.published().max(w1);
+            // A writer that saw `w1` may be asleep waiting for this mark.
+            self.release(i, w2);
+            return (attached, w2);
+        }
+    }
+
+    /// Leaves entry `i` (state LEFT), then wakes the writer if it sleeps:
+    /// it may have been waiting for this reader.
+    pub fn leave(&self, i: u32, word: u64) {
+        let left = reader_state::word(reader_state::generation(word), reader_state::LEFT);
+        self.state(i).store(left, Ordering::Release);
+        self.wake_writer_if_sleeping();
+    }
+}

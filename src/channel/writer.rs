@@ -1,0 +1,427 @@
+//! The writer: [`WriterCore`] is the protocol over [`Shm`] (run by loom as
+//! is), [`Broadcast`] the segment, liveness and API around it.
+
+use std::time::{Duration, Instant};
+
+use super::layout::reader_state;
+use super::shm::Shm;
+use super::LIVENESS_RECHECK;
+
+/// The writer's side of the protocol: its own position (never read back
+/// from shared memory) and a cached lower bound of the readers' marks.
+#[derive(Debug)]
+pub struct WriterCore {
+    shm: Shm,
+    /// Sequence number of the next message.
+    next: u64,
+    /// Its slot (`next % slots`).
+    idx: u32,
+    /// Every expected reader had released at least this many messages at
+    /// the last scan: slots of messages below `gate` are free.
+    gate: u64,
+}
+
+impl WriterCore {
+    /// A writer at the start of a fresh channel.
+    pub fn new(shm: Shm) -> WriterCore {
+        WriterCore {
+            shm,
+            next: 0,
+            idx: 0,
+            gate: 0,
+        }
+    }
+
+    /// The shared words.
+    pub fn shm(&self) -> &Shm {
+        &self.shm
+    }
+
+    /// Messages sent so far.
+    pub fn sent(&self) -> u64 {
+        self.next
+    }
+
+    /// The slot the next message goes to.
+    pub fn slot(&self) -> u32 {
+        self.idx
+    }
+
+    /// Whether the next message's slot is free: every expected reader has
+    /// released the message that used it last. Scans the reader table only
+    /// when the cached bound says no; collects the readers in the way.
+    fn scan(&mut self, mut blockers: Option<&mut Vec<(u32, u64)>>) -> bool {
+        let slots = self.shm.geometry().slots as u64;
+        if self.next < self.gate + slots {
+            return true;
+        }
+        self.shm.scan_fence();
+        let mut min = self.next;
+        for i in 0..self.shm.geometry().n_readers {
+            let word = self.shm.state_word(i);
+            let s = reader_state::of(word);
+            if s != reader_state::VACANT && s != reader_state::ATTACHED {
+                continue; // attaching, left, or scribbled: not expected
+            }
+            // A mark past what was sent can only be scribbled: clamp it.
+            let mark = self.shm.released_mark(i).min(self.next);
+            min = min.min(mark);
+            if mark + slots <= self.next {
+                if let Some(b) = blockers.as_deref_mut() {
+                    b.push((i, word));
+                }
+            }
+        }
+        self.gate = min;
+        self.next < min + slots
+    }
+
+    /// Waits until the next slot is free: spins for `spin`, then sleeps on
+    /// the slot futex (re-checking who is alive at least every
+    /// [`LIVENESS_RECHECK`]). A reader that `alive` says is dead stops
+    /// being expected. `Err` carries the readers still in the way when
+    /// `deadline` passed.
+    pub fn wait_slot(
+        &mut self,
+        deadline: Option<Instant>,
+        spin: Duration,
+        alive: &dyn Fn(u32) -> bool,
+    ) -> Result<(), Vec<u32>> {
+        if self.scan(None) {
+            return Ok(());
+        }
+        if !spin.is_zero() && deadline.is_none_or(|d| d > Instant::now()) {
+            let t0 = Instant::now();
+            let mut k = 0u32;
+            loop {
+                std::hint::spin_loop();
+                if self.scan(None) {
+                    return Ok(());
+                }
+                k = k.wrapping_add(1);
+                if k % 64 == 0 && t0.elapsed() >= spin {
+                    break;
+                }
+            }
+        }
+        let mut blockers = Vec::new();
+        loop {
+            blockers.clear();
+            if self.scan(Some(&mut blockers)) {
+                return Ok(());
+            }
+            let mut reaped = false;
+            for &(i, word) in &blockers {
+                if reader_state::of(word) == reader_state::ATTACHED
+                    && !alive(i)
+                    && self.shm.reap(i, word)
+                {
+                    tracing::warn!(
+                        reader = i,
+                        "broadcast reader is gone; no longer waiting for it"
+                    );
+                    reaped = true;
+                }
+            }
+            if reaped {
+                continue;
+            }
+            let timeout = match deadline {
+                None => LIVENESS_RECHECK,
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(blockers.iter().map(|b| b.0).collect());
+                    }
+                    (d - now).min(LIVENESS_RECHECK)
+                }
+            };
+            let seen = self.shm.writer_announce();
+            if self.scan(None) {
+                self.shm.writer_awake(seen);
+                return Ok(());
+            }
+            self.shm.writer_sleep(seen, Some(timeout));
+            self.shm.writer_awake(seen);
+        }
+    }
+
+    /// Publishes the message whose payload was written into [`Self::slot`].
+    pub fn commit(&mut self, len: u64) {
+        self.shm.stamp_slot(self.idx, self.next, len);
+        self.next += 1;
+        self.idx += 1;
+        if self.idx == self.shm.geometry().slots {
+            self.idx = 0;
+        }
+        self.shm.publish(self.next);
+    }
+}
+
+#[cfg(not(loom))]
+pub use shell::Broadcast;
+
+#[cfg(not(loom))]
+mod shell {
+    use std::time::{Duration, Instant};
+
+    use super::WriterCore;
+    use crate::channel::layout::{self, ChannelHeader};
+    use crate::channel::shm::{self, Geometry, Shm};
+    use crate::channel::LIVENESS_RECHECK;
+    use crate::channel::{BroadcastConfig, BroadcastHandle};
+    use crate::error::{Error, Result};
+    use crate::sys::liveness::{reader_slot, WRITER_SLOT};
+    use crate::sys::segment::{self, Segment};
+
+    /// The writer of a broadcast channel: one per channel, owner of its
+    /// segment (unlinked on drop). Every message goes to every reader, in
+    /// order; see the [crate docs](crate) for an example.
+    #[derive(Debug)]
+    pub struct Broadcast {
+        core: WriterCore,
+        spin: Duration,
+        /// When each reader's liveness lock was last found held (a system
+        /// call; asked at most once per [`LIVENESS_RECHECK`] per reader).
+        reader_seen: Vec<Option<Instant>>,
+        nonce: u64,
+        // Last: unmapped (and unlinked) after everything that points into it.
+        seg: Segment,
+    }
+
+    // SAFETY: the pointers inside `core` point into `seg`'s mapping, which
+    // moves with the writer; sending takes `&mut self`.
+    unsafe impl Send for Broadcast {}
+
+    impl Broadcast {
+        /// Creates the channel's segment (exclusively; a segment of the same
+        /// name whose writer is dead is replaced) and becomes its writer.
+        pub fn create(cfg: BroadcastConfig) -> Result<Broadcast> {
+            cfg.validate()?;
+            let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
+            let (n, slots, size) = (cfg.n_readers, cfg.slots, cfg.slot_size as u32);
+            let total = layout::total_len(n, slots, size)
+                .ok_or_else(|| Error::InvalidConfig("channel size overflows".into()))?;
+            let seg = match Segment::create(&name, total, true, true) {
+                Err(Error::AlreadyExists { .. }) if cfg.name.is_some() => {
+                    remove_if_writer_dead(&name)?;
+                    Segment::create(&name, total, true, true)?
+                }
+                r => r?,
+            };
+            // Alive from here: nobody may take this segment for abandoned.
+            if !seg.try_lock(WRITER_SLOT)? {
+                return Err(Error::InUse {
+                    name,
+                    detail: "another process holds its writer lock".into(),
+                });
+            }
+            let nonce = random_u64();
+            let header = ChannelHeader {
+                magic: layout::MAGIC,
+                version: layout::VERSION,
+                n_readers: n,
+                slots,
+                slot_size: size,
+                slot_stride: layout::slot_stride(size) as u64,
+                header_len: layout::header_len(n) as u64,
+                total_len: total as u64,
+                nonce,
+                spin_ns: cfg.spin.as_nanos().min(u64::MAX as u128) as u64,
+                ..bytemuck::Zeroable::zeroed()
+            };
+            // SAFETY: the mapping is page aligned and `total` (> 256) bytes
+            // long; nobody trusts it before the magic is stamped.
+            unsafe { shm::init_header(seg.as_ptr(), &header) };
+            let geo = Geometry {
+                n_readers: n,
+                slots,
+                slot_size: size,
+            };
+            // SAFETY: the mapping holds `total_len(geo)` bytes, page aligned,
+            // and `seg` (dropped last) keeps it alive as long as `core`.
+            let shm = unsafe { Shm::new(seg.as_ptr(), geo) };
+            tracing::debug!(name = %name, n_readers = n, slots, slot_size = size, "broadcast channel created");
+            Ok(Broadcast {
+                core: WriterCore::new(shm),
+                spin: cfg.spin,
+                reader_seen: vec![None; n as usize],
+                nonce,
+                seg,
+            })
+        }
+
+        /// Sends `bytes` to every reader; blocks while the slot it needs is
+        /// still unreleased by some expected reader.
+        pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
+            self.send_with(bytes.len(), |b| b.copy_from_slice(bytes))
+        }
+
+        /// As [`Broadcast::send`], giving up after `timeout` with
+        /// [`Error::Timeout`].
+        pub fn send_timeout(&mut self, bytes: &[u8], timeout: Duration) -> Result<()> {
+            self.check_len(bytes.len())?;
+            self.wait(Some(timeout), "send_timeout")?;
+            self.write(bytes.len(), |b| b.copy_from_slice(bytes));
+            Ok(())
+        }
+
+        /// Sends `bytes` if its slot is free now; `Ok(false)` if it would
+        /// block.
+        pub fn try_send(&mut self, bytes: &[u8]) -> Result<bool> {
+            self.check_len(bytes.len())?;
+            match self.wait(Some(Duration::ZERO), "try_send") {
+                Ok(()) => {
+                    self.write(bytes.len(), |b| b.copy_from_slice(bytes));
+                    Ok(true)
+                }
+                Err(Error::Timeout { .. }) => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+
+        /// Sends a message of `len` bytes written in place by `fill` (the
+        /// slot's previous bytes are not cleared).
+        pub fn send_with<F: FnOnce(&mut [u8])>(&mut self, len: usize, fill: F) -> Result<()> {
+            self.check_len(len)?;
+            self.wait(None, "send")?;
+            self.write(len, fill);
+            Ok(())
+        }
+
+        /// What readers need to attach (serde: send it anywhere).
+        pub fn handle(&self) -> BroadcastHandle {
+            let g = self.core.shm().geometry();
+            BroadcastHandle {
+                name: self.seg.name().to_owned(),
+                nonce: self.nonce,
+                version: layout::VERSION,
+                n_readers: g.n_readers,
+                slots: g.slots,
+                slot_size: g.slot_size,
+            }
+        }
+
+        /// The segment's name.
+        pub fn name(&self) -> &str {
+            self.seg.name()
+        }
+
+        /// Messages sent so far.
+        pub fn sent(&self) -> u64 {
+            self.core.sent()
+        }
+
+        /// Largest message.
+        pub fn slot_size(&self) -> usize {
+            self.core.shm().geometry().slot_size as usize
+        }
+
+        fn check_len(&self, len: usize) -> Result<()> {
+            let max = self.slot_size();
+            if len > max {
+                return Err(Error::TooLarge {
+                    size: len as u64,
+                    max: max as u64,
+                });
+            }
+            Ok(())
+        }
+
+        fn wait(&mut self, timeout: Option<Duration>, op: &'static str) -> Result<()> {
+            let deadline = timeout.map(|t| Instant::now() + t);
+            let seg = &self.seg;
+            let seen = std::cell::RefCell::new(&mut self.reader_seen);
+            // A dead reader is noticed within about two re-check periods
+            // (the last "alive" answer is trusted for one period).
+            let alive = |i: u32| {
+                let mut seen = seen.borrow_mut();
+                let fresh = seen[i as usize].is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
+                fresh || {
+                    let alive = seg.held_by_other(reader_slot(i));
+                    seen[i as usize] = alive.then(Instant::now);
+                    alive
+                }
+            };
+            let spin = if timeout == Some(Duration::ZERO) {
+                Duration::ZERO
+            } else {
+                self.spin
+            };
+            self.core
+                .wait_slot(deadline, spin, &alive)
+                .map_err(|blockers| Error::Timeout {
+                    op,
+                    after: timeout.unwrap_or_default(),
+                    detail: format!(
+                        "the next slot is still held by reader(s) {blockers:?} of channel '{}' (slow, stuck, or not attached yet: every reader index counts until it attaches and receives)",
+                        self.seg.name()
+                    ),
+                })
+        }
+
+        fn write<F: FnOnce(&mut [u8])>(&mut self, len: usize, fill: F) {
+            let p = self.core.shm().payload(self.core.slot());
+            // SAFETY: `len <= slot_size` (checked) and the payload of a slot
+            // holds `slot_size` bytes inside the mapping. The slot is free
+            // (wait_slot): every expected reader has released the message
+            // that used it, readers read only published slots they have not
+            // released, and this one is published only by `commit` below;
+            // `&mut self` makes this the only writer.
+            let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
+            fill(buf);
+            self.core.commit(len as u64);
+        }
+    }
+
+    impl Drop for Broadcast {
+        fn drop(&mut self) {
+            // Readers drain what was sent, then see `closed`.
+            self.core.shm().close();
+            tracing::debug!(
+                name = self.seg.name(),
+                sent = self.core.sent(),
+                "broadcast writer closed"
+            );
+        }
+    }
+
+    /// Removes channel segment `name` if its writer is gone (nobody holds
+    /// the writer lock); refuses anything else.
+    fn remove_if_writer_dead(name: &str) -> Result<()> {
+        let seg = match Segment::open(name, false) {
+            Ok(s) => s,
+            Err(Error::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let is_channel = seg.len() >= size_of::<ChannelHeader>()
+            // SAFETY: the mapping is page aligned and at least 256 bytes.
+            && unsafe { shm::magic(seg.as_ptr()) } == layout::MAGIC;
+        if !is_channel {
+            return Err(Error::InUse {
+                name: name.to_owned(),
+                detail: format!("it exists and is not a broadcast channel; remove /dev/shm/{name} if no process uses it"),
+            });
+        }
+        if seg.held_by_other(WRITER_SLOT) {
+            return Err(Error::InUse {
+                name: name.to_owned(),
+                detail: "its writer is alive".into(),
+            });
+        }
+        tracing::warn!(name, "replacing the channel of a writer that is gone");
+        drop(seg);
+        match Segment::unlink(name) {
+            Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn random_u64() -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(crate::sys::clock::monotonic_ns());
+        h.write_u32(std::process::id());
+        h.finish() | 1
+    }
+}

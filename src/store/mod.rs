@@ -7,6 +7,7 @@ mod device;
 mod guard;
 mod mapping;
 mod reader;
+mod reclaim;
 mod signature;
 mod typed;
 mod writer;

@@ -385,3 +385,54 @@ fn two_writers_replacing_a_dead_ones_segment_do_not_both_win() {
         assert_eq!(StoreHandle::of(&name).unwrap(), winner.handle());
     }
 }
+
+/// 7. The same for the broadcast channel: a forked child's copies of the
+///    writer and a reader refuse, and dropping them changes nothing.
+#[test]
+fn a_forked_child_dropping_inherited_channel_handles_changes_nothing() {
+    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    let name = Name::new("forkchan");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    tx.send(b"before").unwrap();
+    let m = rx.recv().unwrap();
+    // SAFETY: the child touches only the copies it inherited and leaves
+    // with _exit.
+    match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => {
+            let forked = |e: &Error| matches!(e, Error::Forked { .. });
+            let ok = tx.send(b"child").is_err_and(|e| forked(&e))
+                && rx.try_recv().is_err_and(|e| forked(&e));
+            drop(m);
+            drop(rx);
+            drop(tx);
+            // SAFETY: ends the child at once.
+            unsafe { nix::libc::_exit(if ok { 0 } else { 3 }) };
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            let status = nix::sys::wait::waitpid(child, None).unwrap();
+            assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0));
+        }
+    }
+    assert_eq!(&*m, b"before", "the message the parent holds is intact");
+    assert!(rx.writer_alive(), "the child closed the parent's channel");
+    drop(m);
+    // The parent's reader still counts: four unread messages fill the ring.
+    for i in 0..4u8 {
+        tx.send(&[i]).unwrap();
+    }
+    assert!(
+        !tx.try_send(b"x").unwrap(),
+        "the writer no longer waits for the reader"
+    );
+    for i in 0..4u8 {
+        assert_eq!(&*rx.recv().unwrap(), &[i]);
+    }
+    assert!(tx.try_send(b"y").unwrap());
+    assert_eq!(
+        &*rx.recv().unwrap(),
+        b"y",
+        "the child closed the parent's channel"
+    );
+    assert!(name.exists());
+}

@@ -249,6 +249,7 @@ mod shell {
     use crate::channel::shm::{self, Geometry, Shm};
     use crate::channel::{layout, BroadcastHandle, LIVENESS_RECHECK};
     use crate::error::{Error, Result};
+    use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
     use crate::sys::segment::Segment;
 
@@ -283,6 +284,9 @@ mod shell {
         /// When the writer's liveness lock was last found held (a system
         /// call; asked at most once per [`LIVENESS_RECHECK`] while waiting).
         writer_seen: Cell<Option<Instant>>,
+        /// The fork generation it attached in: a forked child's copy reads
+        /// and releases nothing (see `sys::fork`).
+        fork_gen: u64,
         // Last: unmapped after everything that points into it.
         seg: Segment,
     }
@@ -304,6 +308,7 @@ mod shell {
         }
 
         fn attach_inner(h: &BroadcastHandle, index: Option<u32>) -> Result<BroadcastReader> {
+            let fork_gen = fork::register();
             let seg = Segment::open(&h.name, true)?;
             let (geo, spin) = validate(&seg, h)?;
             // SAFETY: `validate` checked the header against the mapping's
@@ -337,6 +342,7 @@ mod shell {
                     core: RefCell::new(core),
                     spin,
                     writer_seen: Cell::new(None),
+                    fork_gen,
                     seg,
                 });
             }
@@ -395,6 +401,11 @@ mod shell {
             timeout: Option<Duration>,
             op: &'static str,
         ) -> Result<Message<'_>> {
+            if !self.is_owner() {
+                return Err(Error::Forked {
+                    name: self.seg.name().to_owned(),
+                });
+            }
             let deadline = timeout.map(|t| Instant::now() + t);
             let spin = if timeout == Some(Duration::ZERO) {
                 Duration::ZERO
@@ -446,6 +457,11 @@ mod shell {
             }
         }
 
+        /// Whether this is the process that attached (not a forked child).
+        fn is_owner(&self) -> bool {
+            fork::current() == self.fork_gen
+        }
+
         fn corrupt(&self, c: Corrupt) -> Error {
             tracing::debug!(name = self.seg.name(), field = c.field, detail = %c.detail, "corrupt channel");
             Error::BadHeader {
@@ -458,6 +474,9 @@ mod shell {
 
     impl Drop for BroadcastReader {
         fn drop(&mut self) {
+            if !self.is_owner() {
+                return; // a forked child's copy: the entry is the parent's
+            }
             // No Message can be alive (they borrow self): leave, then let
             // the lock go (closing the segment would too).
             let core = self.core.get_mut();
@@ -615,6 +634,9 @@ mod shell {
         fn drop(&mut self) {
             // Not re-entrant: no borrow of the core is held outside the
             // reader's own calls, and a Message is dropped outside them.
+            if !self.reader.is_owner() {
+                return; // a forked child's copy: the mark is the parent's
+            }
             if let Ok(mut core) = self.reader.core.try_borrow_mut() {
                 core.release(self.seq);
             }

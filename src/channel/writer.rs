@@ -171,6 +171,7 @@ mod shell {
     use crate::channel::LIVENESS_RECHECK;
     use crate::channel::{BroadcastConfig, BroadcastHandle};
     use crate::error::{Error, Result};
+    use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
     use crate::sys::segment::{self, Segment};
 
@@ -185,6 +186,9 @@ mod shell {
         /// call; asked at most once per [`LIVENESS_RECHECK`] per reader).
         reader_seen: Vec<Option<Instant>>,
         nonce: u64,
+        /// The fork generation it was made in: a forked child's copy sends
+        /// nothing and closes nothing (see `sys::fork`).
+        fork_gen: u64,
         // Last: unmapped (and unlinked) after everything that points into it.
         seg: Segment,
     }
@@ -198,16 +202,22 @@ mod shell {
         /// name whose writer is dead is replaced) and becomes its writer.
         pub fn create(cfg: BroadcastConfig) -> Result<Broadcast> {
             cfg.validate()?;
+            let fork_gen = fork::register();
             let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
             let (n, slots, size) = (cfg.n_readers, cfg.slots, cfg.slot_size as u32);
             let total = layout::total_len(n, slots, size)
                 .ok_or_else(|| Error::InvalidConfig("channel size overflows".into()))?;
-            let seg = match Segment::create(&name, total, true, true) {
-                Err(Error::AlreadyExists { .. }) if cfg.name.is_some() => {
-                    remove_if_writer_dead(&name)?;
-                    Segment::create(&name, total, true, true)?
+            // A dead writer's channel is replaced; another process may be
+            // replacing it too: the loop ends when one of us has the name.
+            let mut tries = 0;
+            let seg = loop {
+                match Segment::create(&name, total, true, true) {
+                    Err(Error::AlreadyExists { .. }) if cfg.name.is_some() && tries < 8 => {
+                        tries += 1;
+                        remove_if_writer_dead(&name)?;
+                    }
+                    r => break r?,
                 }
-                r => r?,
             };
             // Alive from here: nobody may take this segment for abandoned.
             if !seg.try_lock(WRITER_SLOT)? {
@@ -247,6 +257,7 @@ mod shell {
                 spin: cfg.spin,
                 reader_seen: vec![None; n as usize],
                 nonce,
+                fork_gen,
                 seg,
             })
         }
@@ -318,6 +329,13 @@ mod shell {
         }
 
         fn check_len(&self, len: usize) -> Result<()> {
+            // Every send checks this first: in a forked child the ring and
+            // the readers' marks are the parent's.
+            if fork::current() != self.fork_gen {
+                return Err(Error::Forked {
+                    name: self.seg.name().to_owned(),
+                });
+            }
             let max = self.slot_size();
             if len > max {
                 return Err(Error::TooLarge {
@@ -376,6 +394,9 @@ mod shell {
 
     impl Drop for Broadcast {
         fn drop(&mut self) {
+            if fork::current() != self.fork_gen {
+                return; // a forked child's copy: the channel is the parent's
+            }
             // Readers drain what was sent, then see `closed`.
             self.core.shm().close();
             tracing::debug!(
@@ -403,18 +424,25 @@ mod shell {
                 detail: format!("it exists and is not a broadcast channel; remove /dev/shm/{name} if no process uses it"),
             });
         }
-        if seg.held_by_other(WRITER_SLOT) {
+        // Taking the dead writer's lock ourselves proves nobody holds it and
+        // keeps out anyone else replacing the same segment; we unlink only
+        // while holding it, and only if the name is still this segment's.
+        if !seg.try_lock(WRITER_SLOT)? {
             return Err(Error::InUse {
                 name: name.to_owned(),
                 detail: "its writer is alive".into(),
             });
         }
+        if !seg.is_still_named() {
+            return Ok(()); // replaced meanwhile: create again
+        }
         tracing::warn!(name, "replacing the channel of a writer that is gone");
-        drop(seg);
-        match Segment::unlink(name) {
+        let r = match Segment::unlink(name) {
             Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(e),
-        }
+        };
+        drop(seg);
+        r
     }
 
     fn random_u64() -> u64 {

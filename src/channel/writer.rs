@@ -413,6 +413,16 @@ mod shell {
         let seg = match Segment::open(name, false) {
             Ok(s) => s,
             Err(Error::NotFound { .. }) => return Ok(()),
+            // Empty: its creator is still sizing it (a live one, or it would
+            // not be empty for long); not ours to remove.
+            Err(Error::BadHeader { field: "size", .. }) => {
+                return Err(Error::InUse {
+                    name: name.to_owned(),
+                    detail: format!(
+                        "it is being created (empty); if nobody is, remove /dev/shm/{name}"
+                    ),
+                })
+            }
             Err(e) => return Err(e),
         };
         let is_channel = seg.len() >= size_of::<ChannelHeader>()

@@ -650,6 +650,16 @@ fn remove_if_writer_dead(name: &str) -> Result<()> {
     let seg = match Segment::open(name, false) {
         Ok(s) => s,
         Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
+        // Empty: its creator is still sizing it (a live one, or it would
+        // not be empty for long); not ours to remove.
+        Err(Error::BadHeader { field: "size", .. }) => {
+            return Err(Error::InUse {
+                name: name.to_owned(),
+                detail: format!(
+                    "it is being created (empty); if nobody is, remove /dev/shm/{name}"
+                ),
+            })
+        }
         Err(e) => return Err(e),
     };
     let geo = validate_header(&seg, name).map_err(|e| Error::InUse {

@@ -53,15 +53,24 @@ pub fn posix_name(name: &str) -> Result<String> {
     Ok(format!("/{bare}"))
 }
 
-/// A name no other live segment has: pid, a process-wide counter and time.
+/// A name no other live segment has: pid, a process-wide counter, time,
+/// and random bits (pids repeat across PID namespaces sharing /dev/shm).
 pub fn unique_name() -> String {
+    use std::hash::{BuildHasher, Hasher};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
-    format!("pinshm-{}-{n}-{:x}", std::process::id(), t & 0xffff_ffff)
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(t ^ n);
+    format!(
+        "pinshm-{}-{n}-{:x}-{:08x}",
+        std::process::id(),
+        t & 0xffff_ffff,
+        h.finish() as u32
+    )
 }
 
 fn sys_err(op: &'static str, name: &str, errno: Errno) -> Error {

@@ -39,25 +39,30 @@ word!(AtomicU32, AtomicU64);
 pub(crate) mod table {
     //! Loom atomics standing in for the words of a mapping.
     use std::any::Any;
+    use std::cell::RefCell;
     use std::collections::HashMap;
-    use std::sync::Mutex;
 
     type Table = HashMap<usize, &'static (dyn Any + Send + Sync)>;
-    static WORDS: Mutex<Option<Table>> = Mutex::new(None);
+    // Per OS thread: loom runs a model's threads on the thread that calls
+    // `loom::model`, and tests running side by side must not share words.
+    std::thread_local! {
+        static WORDS: RefCell<Table> = RefCell::new(HashMap::new());
+    }
 
     /// Forgets every word: call at the start of each loom execution (the
     /// old words belong to the execution that made them; they are leaked).
     pub(crate) fn reset() {
-        *WORDS.lock().unwrap() = Some(HashMap::new());
+        WORDS.with(|w| w.borrow_mut().clear());
     }
 
     /// The loom atomic for the word at `ptr`, made by `make` on first use.
     pub(crate) fn word<A: Any + Send + Sync>(ptr: *mut u8, make: impl FnOnce() -> A) -> &'static A {
-        let mut words = WORDS.lock().unwrap();
-        let words = words.get_or_insert_with(HashMap::new);
-        let w = *words
-            .entry(ptr as usize)
-            .or_insert_with(|| Box::leak(Box::new(make())));
+        let w: &'static (dyn Any + Send + Sync) = WORDS.with(|words| {
+            *words
+                .borrow_mut()
+                .entry(ptr as usize)
+                .or_insert_with(|| Box::leak(Box::new(make())))
+        });
         w.downcast_ref::<A>()
             .expect("one word is always reached as the same type")
     }

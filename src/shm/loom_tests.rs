@@ -156,3 +156,48 @@ fn an_unread_object_is_never_reclaimed() {
         );
     });
 }
+
+/// A new reader claims an entry whose last holder died (its lock is free,
+/// so the writer may be reaping it at the same moment): the writer's "left"
+/// mark never lands on the new reader. The steps are those of
+/// `reap_dead_readers` (read the word, ask the lock, CAS the whole word)
+/// and of `attach_with` + `claim` (take the lock, CAS to the next
+/// generation's ATTACHING, then ATTACHED), on the shipped `ReaderPtr`. The
+/// OFD lock is a SeqCst flag: the kernel orders a lock and a query of it.
+#[test]
+fn reaping_a_dead_reader_never_marks_the_one_that_took_its_entry() {
+    use crate::layout::reader_state::{generation, state, word, ATTACHED, ATTACHING, LEFT, VACANT};
+    use loom::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    loom::model(|| {
+        let w = World::published();
+        // The dead holder's entry: attached, generation 5; its lock is free.
+        w.me.set_word(word(5, ATTACHED));
+        let locked = Arc::new(AtomicBool::new(false));
+        let reaper = {
+            let (w, locked) = (w.clone(), locked.clone());
+            thread::spawn(move || {
+                let seen = w.me.word();
+                if matches!(state(seen), ATTACHED | ATTACHING) && !locked.load(SeqCst) {
+                    w.me.transition(seen, word(generation(seen), LEFT));
+                }
+            })
+        };
+        // attach_with takes the entry's lock before claim touches the word.
+        locked.store(true, SeqCst);
+        let mine = loop {
+            let seen = w.me.word();
+            let next = generation(seen) + 1;
+            if state(seen) == VACANT {
+                if w.me.transition(seen, word(next, ATTACHED)) {
+                    break word(next, ATTACHED);
+                }
+            } else if w.me.transition(seen, word(next, ATTACHING)) {
+                w.me.set_word(word(next, ATTACHED));
+                break word(next, ATTACHED);
+            }
+        };
+        reaper.join().unwrap();
+        assert_eq!(w.me.word(), mine, "the new reader's entry was marked left");
+        assert_eq!(state(mine), ATTACHED);
+    });
+}

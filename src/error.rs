@@ -309,6 +309,19 @@ pub enum Error {
         source: Option<BoxError>,
     },
 
+    /// A device copy whose end cannot be confirmed (the driver failed to
+    /// report it). The engine keeps the copy's memory alive for good, and
+    /// the store never reuses its slot: it is retired, not freed. The
+    /// device is usually unusable after this.
+    #[error("device copy lost: {what}; its memory is kept for good")]
+    DeviceLost {
+        /// What failed.
+        what: String,
+        /// The driver's own error, where there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+
     /// `PinMode::Require` without a way to pin.
     #[error("pinning required but not possible: {what}")]
     PinUnavailable {

@@ -395,3 +395,106 @@ fn pin_modes_behave_without_a_gpu() {
         assert!(StoreReader::attach(&w.handle()).is_ok());
     }
 }
+
+/// An engine whose copies never report their end (a lost device): it keeps
+/// every keep-alive for good, as the `CopyEngine` contract asks.
+struct LostEngine(CpuEngine);
+
+#[derive(Debug)]
+struct Lost;
+
+// SAFETY: never says done (poll is false, wait is DeviceLost); the engine
+// leaks every keep-alive, so the memory stays valid for good.
+unsafe impl pinshm::Completion for Lost {
+    fn poll(&self) -> pinshm::Result<bool> {
+        Ok(false)
+    }
+    fn wait(&self) -> pinshm::Result<()> {
+        Err(Error::DeviceLost {
+            what: "test: the copy's end cannot be confirmed".into(),
+            source: None,
+        })
+    }
+}
+
+// SAFETY: its tickets never say done and it leaks every keep-alive.
+unsafe impl CopyEngine for LostEngine {
+    fn device(&self) -> pinshm::DeviceId {
+        self.0.device()
+    }
+    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::DeviceBuffer> {
+        self.0.alloc(len)
+    }
+    fn upload(&self, src: &[u8], dst: &pinshm::DeviceBuffer) -> pinshm::Result<()> {
+        self.0.upload(src, dst)
+    }
+    fn download(&self, src: &pinshm::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
+        self.0.download(src, dst)
+    }
+    unsafe fn d2h_async(
+        &self,
+        _: &pinshm::DeviceBuffer,
+        _: *mut u8,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        std::mem::forget(keep);
+        Ok(pinshm::Ticket::new(Lost))
+    }
+    unsafe fn h2d_async(
+        &self,
+        _: *const u8,
+        _: usize,
+        _: &pinshm::DeviceBuffer,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        std::mem::forget(keep);
+        Ok(pinshm::Ticket::new(Lost))
+    }
+    unsafe fn pack_async(
+        &self,
+        _: &[PackDesc],
+        _: *mut u8,
+        _: usize,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        std::mem::forget(keep);
+        Ok(pinshm::Ticket::new(Lost))
+    }
+    unsafe fn unpack_async(
+        &self,
+        _: *const u8,
+        _: usize,
+        _: &[PackDesc],
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        std::mem::forget(keep);
+        Ok(pinshm::Ticket::new(Lost))
+    }
+}
+
+#[test]
+fn a_lost_device_copy_retires_its_slot_instead_of_freeing_it() {
+    let name = Name::new("devlost");
+    let len = 64 * KIB;
+    let mut w = store(&name, 3 * layout::slot_len(1, len), len);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let eng = LostEngine(CpuEngine::new());
+    let src = eng.alloc(len).unwrap();
+    // A put whose copy is lost: an error, and its slot is never reused.
+    let p = w.put_from_device("lost", &src, &eng).unwrap();
+    assert!(matches!(w.finish_put(p), Err(Error::DeviceLost { .. })));
+    assert!(!w.is_cached("lost"));
+    // A get whose copy is lost: an error, and the slot stays held.
+    let h = w.put("held", &pattern(1, len)).unwrap();
+    let dst = eng.alloc(len).unwrap();
+    let g = r.get_to_device(h, &dst, &eng).unwrap();
+    assert!(matches!(g.wait(), Err(Error::DeviceLost { .. })));
+    // The ring's third slot is the last one that can be used.
+    w.put("third", &pattern(2, len)).unwrap();
+    drop(r.get(w.get_cached("third").unwrap()).unwrap());
+    for i in 0..4 {
+        let e = w.put(&format!("x{i}"), &pattern(3, len)).unwrap_err();
+        assert!(matches!(e, Error::Full { .. }), "{e}");
+        assert_eq!(w.free_unused(), 0, "a retired or held slot was freed");
+    }
+}

@@ -130,10 +130,13 @@ pub type KeepAlive = Arc<dyn Any + Send + Sync>;
 /// # Safety
 /// The store releases memory on this trait's word, so an implementation
 /// promises:
-/// 1. `poll` returns `Ok(true)`, and `wait` returns (`Ok` or `Err`), only
-///    once the operation will never again read or write any memory it was
-///    started on. `poll` returns `Err` only when it cannot tell; callers
-///    treat that as "not done".
+/// 1. `poll` returns `Ok(true)`, and `wait` returns `Ok` or an error other
+///    than [`Error::DeviceLost`], only once the operation will never again
+///    read or write any memory it was started on. `poll` returns `Err` only
+///    when it cannot tell; callers treat that as "not done". `wait` returns
+///    `Err(DeviceLost)` when it cannot confirm the end: the engine then
+///    keeps the operation's keep-alives for good, and callers never reuse
+///    the memory.
 /// 2. Dropping the completion (or leaking it) before it is done does not
 ///    release the keep-alives the operation was started with while the
 ///    operation may still touch their memory.
@@ -375,12 +378,14 @@ pub unsafe trait CopyEngine: Send + Sync {
 }
 
 /// Waits for every ticket, even after one fails (every copy must have
-/// stopped before its memory is released); the first error.
+/// stopped before its memory is released); the first error, except that a
+/// [`Error::DeviceLost`] wins (the memory must then never be released).
 pub(crate) fn wait_all(tickets: impl IntoIterator<Item = Ticket>) -> Result<()> {
     let mut first = Ok(());
     for t in tickets {
         if let Err(e) = t.wait() {
-            if first.is_ok() {
+            let lost = matches!(e, Error::DeviceLost { .. });
+            if first.is_ok() || lost {
                 first = Err(e);
             }
         }

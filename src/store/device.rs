@@ -260,6 +260,10 @@ impl PendingGet<'_> {
 
     fn finish(&mut self) -> Result<()> {
         let r = wait_all(self.tickets.drain(..));
+        if matches!(r, Err(Error::DeviceLost { .. })) {
+            // The copy may still read the slot: keep the hazard for good.
+            std::mem::forget(self.guard.take());
+        }
         // Only now may the writer reuse the slot.
         self.guard.take();
         r

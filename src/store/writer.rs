@@ -283,7 +283,14 @@ impl ObjectStore {
             if let Some(k) = span.value.key.take() {
                 self.pending_keys.remove(&k);
             }
-            tracing::debug!(id, %e, "pending put failed");
+            if matches!(e, Error::DeviceLost { .. }) {
+                // The copy may still write the slot: it stays pending, and
+                // so never freed, for the life of the store.
+                span.value.pending = Some(pending);
+                tracing::error!(id, %e, "a device copy into a slot was lost; the slot is retired");
+            } else {
+                tracing::debug!(id, %e, "pending put failed");
+            }
             return Err(e);
         }
         self.publish(id).ok_or(Error::Stale {

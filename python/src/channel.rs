@@ -37,7 +37,8 @@ fn wait_loop<R: Send>(
     timeout: Option<Duration>,
     mut step: impl FnMut(Duration) -> PyResult<pinshm::Result<R>> + Send,
 ) -> PyResult<R> {
-    let deadline = timeout.map(|t| Instant::now() + t);
+    // A deadline past what an Instant can hold is no deadline.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
         let d = match deadline {
             Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),

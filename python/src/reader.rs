@@ -338,15 +338,33 @@ impl ReadGuard {
 
     /// A copy of the bytes.
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let st = lock(&self.state);
-        let held = st
-            .held
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err("the ReadGuard has been released"))?;
-        PyBytes::new_with(py, held.len, |dst| {
-            copy(py, held.bytes(), dst);
+        // The copy may run with the GIL released, so it must not hold the
+        // state's mutex (see lib.rs): it counts as an export instead, which
+        // keeps `release()` from ending the read meanwhile.
+        let (data, len) = {
+            let mut st = lock(&self.state);
+            let held = st
+                .held
+                .as_ref()
+                .ok_or_else(|| PyValueError::new_err("the ReadGuard has been released"))?;
+            let span = (held.data, held.len);
+            st.exports += 1;
+            span
+        };
+        let src = if len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the held read's bytes (see `Held::bytes`); the export
+            // counted above keeps the read held until it is uncounted below,
+            // after the last use of `src`.
+            unsafe { std::slice::from_raw_parts(data, len) }
+        };
+        let out = PyBytes::new_with(py, len, |dst| {
+            copy(py, src, dst);
             Ok(())
-        })
+        });
+        lock(&self.state).exports -= 1;
+        out
     }
 
     fn __len__(&self) -> usize {

@@ -137,3 +137,49 @@ def test_a_guard_keeps_its_reader_attached_after_close(store, reader):
     assert arr.tobytes() == b"abc"
     del arr
     g.release()
+
+
+def test_bytes_of_a_large_guard_is_a_copy_made_with_the_gil_released(unique_name, closing):
+    store = closing(pinshm.ObjectStore(1 << 20, 256 * KIB, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    payload = bytes(range(256)) * 1024  # 256 KiB: over the GIL-release size
+    h = store.put("a", payload)
+    with reader.get(h) as g:
+        assert bytes(g) == payload
+        assert not g.released
+    out = bytearray(len(payload))
+    assert reader.get_copy_into(h, out) == len(payload) and out == payload
+    assert reader.get_copy(h) == payload
+
+
+def test_a_guard_copied_in_one_thread_is_not_released_under_the_copy_by_another(
+    unique_name, closing
+):
+    import threading
+
+    store = closing(pinshm.ObjectStore(1 << 20, 256 * KIB, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("a", bytes(256 * KIB))  # copies release the GIL
+    g = reader.get(h)
+    barrier = threading.Barrier(2)
+    out = []
+
+    def copy_many():
+        barrier.wait()
+        for _ in range(200):
+            try:
+                out.append(len(bytes(g)))
+            except ValueError:  # released by the main thread: no bytes
+                out.append(None)
+
+    t = threading.Thread(target=copy_many)
+    t.start()
+    barrier.wait()
+    while True:
+        try:
+            g.release()
+            break
+        except BufferError:  # a copy is in flight: it counts as a view
+            pass
+    t.join()
+    assert set(out) <= {256 * KIB, None}

@@ -13,7 +13,9 @@
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError, PyValueError,
+};
 use pyo3::prelude::*;
 
 mod buffer;
@@ -21,6 +23,7 @@ mod channel;
 mod handles;
 mod reader;
 mod store;
+mod tensor;
 
 create_exception!(
     pinshm,
@@ -63,11 +66,13 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::Timeout { .. } => TimeoutError::new_err(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
         E::KeyNotFound { .. } => PyKeyError::new_err(msg),
+        E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
         E::DuplicateKey { .. }
         | E::TooLarge { .. }
         | E::InvalidConfig(_)
         | E::InvalidName { .. }
-        | E::ReaderIndexOutOfRange { .. } => PyValueError::new_err(msg),
+        | E::ReaderIndexOutOfRange { .. }
+        | E::InvalidTensor(_) => PyValueError::new_err(msg),
         _ => PinshmError::new_err(msg),
     }
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
@@ -52,8 +52,9 @@ struct Held {
 // that mutex), and pointers into the mapping, which the reader keeps
 // mapped and which are only read (`bytes`), never written.
 unsafe impl Send for Held {}
-// SAFETY: `&Held` gives out only `bytes()` (read-only slot memory, valid
-// while the guard lives) and `handle()`; nothing else is reachable.
+// SAFETY: through `&Held` only the guard's own fields are read (its
+// bytes, handle and kind: read-only slot memory, valid while the guard
+// lives, and plain values), never the reader.
 unsafe impl Sync for Held {}
 
 impl Held {
@@ -189,6 +190,29 @@ impl StoreReader {
         })
     }
 
+    /// A tensor (put by `put_tensor`, here or in Rust) as a read-only numpy
+    /// array over the slot, with no copy. The array holds the read (its
+    /// base is a view of a `ReadGuard`) until it is garbage collected.
+    fn get_tensor<'py>(
+        &self,
+        py: Python<'py>,
+        handle: ObjectHandle,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let guard = self.get(py, handle)?;
+        let layout = guard.tensor_layout()?;
+        let dtype = crate::tensor::numpy_dtype(layout.dtype)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("dtype", dtype)?;
+        kwargs.set_item("count", layout.numel)?;
+        kwargs.set_item("offset", layout.offset)?;
+        let array = py.import("numpy")?.call_method(
+            "frombuffer",
+            (Bound::new(py, guard)?,),
+            Some(&kwargs),
+        )?;
+        array.call_method1("reshape", (PyTuple::new(py, layout.shape)?,))
+    }
+
     /// A copy of the object's bytes; the read is acknowledged.
     fn get_copy<'py>(
         &self,
@@ -300,6 +324,26 @@ pub(crate) struct ReadGuard {
     handle: pinshm::ObjectHandle,
     len: usize,
     state: Mutex<GuardState>,
+}
+
+impl ReadGuard {
+    /// Where the tensor's elements lie (TypeError if the object is not a
+    /// tensor).
+    fn tensor_layout(&self) -> PyResult<crate::tensor::Layout> {
+        let st = lock(&self.state);
+        let held = st
+            .held
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the ReadGuard has been released"))?;
+        let found = held.guard.kind();
+        if found != pinshm::ObjectKind::Tensor {
+            return Err(to_py(pinshm::Error::WrongKind {
+                expected: pinshm::ObjectKind::Tensor,
+                found,
+            }));
+        }
+        crate::tensor::layout(held.bytes()).map_err(to_py)
+    }
 }
 
 #[pymethods]

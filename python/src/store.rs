@@ -74,6 +74,26 @@ impl ObjectStore {
         h.map(ObjectHandle).map_err(to_py)
     }
 
+    /// Stores a C-contiguous numpy array (little-endian integers, floats,
+    /// bool) as a tensor: dtype and shape in a header, then the elements,
+    /// 64-byte aligned, in the format Rust's `put_tensor` writes.
+    fn put_tensor(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        array: &Bound<'_, PyAny>,
+    ) -> PyResult<ObjectHandle> {
+        let dtype: String = array.getattr("dtype")?.getattr("str")?.extract()?;
+        let dtype = crate::tensor::from_numpy(&dtype)?;
+        let shape: Vec<u64> = array.getattr("shape")?.extract()?;
+        let buf = Buffer::readable(array)?;
+        let bytes = buf.as_slice();
+        let h = self.with(py, bytes.len() >= RELEASE_GIL_AT, |s| {
+            pinshm::TensorRef::new(dtype, shape, bytes).and_then(|t| s.put_tensor(key, &t))
+        })?;
+        h.map(ObjectHandle).map_err(to_py)
+    }
+
     /// Whether `key` is stored.
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.with(py, false, |s| s.is_cached(key))

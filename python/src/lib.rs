@@ -108,6 +108,21 @@ pub(crate) fn locked<T: Send, R: Send>(
     py.allow_threads(|| f(&mut lock(m)))
 }
 
+/// As [`locked`], giving `f` a shared reference only: for contents that
+/// other references point into (a reader that guards borrow), which a
+/// `&mut` would invalidate.
+pub(crate) fn locked_shared<T: Send, R: Send>(
+    py: Python<'_>,
+    m: &Mutex<T>,
+    f: impl FnOnce(&T) -> R + Send,
+) -> R {
+    match m.try_lock() {
+        Ok(g) => f(&g),
+        Err(TryLockError::Poisoned(p)) => f(&p.into_inner()),
+        Err(TryLockError::WouldBlock) => py.allow_threads(|| f(&lock(m))),
+    }
+}
+
 /// The native module, re-exported by `pinshm/__init__.py`.
 #[pymodule]
 fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {

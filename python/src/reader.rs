@@ -18,21 +18,13 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
 use crate::store::RELEASE_GIL_AT;
-use crate::{closed, lock, locked, to_py};
+use crate::{closed, lock, locked_shared, to_py};
 
-/// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`). Only
-/// shared references to the reader are ever formed (`locked` hands out
-/// `&mut Reader`, and `Reader` gives out `&StoreReader` only), so a
-/// guard's borrow of it is never invalidated by a `&mut`.
-struct Shared(Mutex<Reader>);
-
-struct Reader(pinshm::StoreReader);
-
-impl Reader {
-    fn get(&self) -> &pinshm::StoreReader {
-        &self.0
-    }
-}
+/// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`). It is
+/// reached only through `locked_shared` (a `&StoreReader`) and `lock` (to
+/// serialise a guard's drop): no `&mut` to it is ever formed, so a guard's
+/// shared borrow of it is never invalidated.
+struct Shared(Mutex<pinshm::StoreReader>);
 
 /// One read held open: the core's guard, with its borrow of the reader
 /// erased, and the reader it borrows.
@@ -60,8 +52,8 @@ unsafe impl Sync for Held {}
 impl Held {
     fn new(py: Python<'_>, shared: &Arc<Shared>, h: pinshm::ObjectHandle) -> PyResult<Held> {
         let reader = Arc::clone(shared);
-        locked(py, &shared.0, false, move |r| {
-            let guard = r.get().get(h).map_err(to_py)?;
+        locked_shared(py, &shared.0, move |r| {
+            let guard = r.get(h).map_err(to_py)?;
             let (data, len) = (guard.as_ptr(), guard.len());
             // SAFETY: erasing the guard's borrow of the reader to 'static is
             // sound because the `Held` built here:
@@ -141,14 +133,14 @@ impl StoreReader {
         py: Python<'_>,
         f: impl FnOnce(&pinshm::StoreReader) -> R + Send,
     ) -> PyResult<R> {
-        Ok(locked(py, &self.shared()?.0, false, |r| f(r.get())))
+        Ok(locked_shared(py, &self.shared()?.0, f))
     }
 
     fn wrap(r: pinshm::StoreReader) -> Self {
         StoreReader {
             index: r.index(),
             name: r.name().to_owned(),
-            shared: Some(Arc::new(Shared(Mutex::new(Reader(r))))),
+            shared: Some(Arc::new(Shared(Mutex::new(r)))),
         }
     }
 }

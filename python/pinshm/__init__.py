@@ -1,0 +1,40 @@
+"""pinshm: a single-writer, many-reader object store and a broadcast
+channel in named shared memory (/dev/shm), with zero-copy reads.
+
+The native module is ``pinshm._pinshm``; everything public is re-exported
+here.
+"""
+
+from ._pinshm import (
+    Broadcast,
+    BroadcastHandle,
+    BroadcastReader,
+    FullError,
+    ObjectHandle,
+    ObjectStore,
+    PinshmError,
+    ReadGuard,
+    StaleError,
+    StoreHandle,
+    StoreReader,
+    TimeoutError,
+    WriterGoneError,
+    __version__,
+)
+
+__all__ = [
+    "Broadcast",
+    "BroadcastHandle",
+    "BroadcastReader",
+    "FullError",
+    "ObjectHandle",
+    "ObjectStore",
+    "PinshmError",
+    "ReadGuard",
+    "StaleError",
+    "StoreHandle",
+    "StoreReader",
+    "TimeoutError",
+    "WriterGoneError",
+    "__version__",
+]

@@ -1,0 +1,83 @@
+//! Borrowing the bytes of any Python object that exports a contiguous
+//! buffer (`bytes`, `bytearray`, `memoryview`, a C-contiguous numpy array),
+//! whatever its item format: pinshm stores bytes.
+
+use std::os::raw::c_int;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// A buffer exported by a Python object, released on drop. Not `Send`: it
+/// is released with the GIL held, where it was taken.
+pub(crate) struct Buffer {
+    view: Box<ffi::Py_buffer>,
+}
+
+impl Buffer {
+    /// Asks `obj` for its bytes, read-only (`PyBUF_SIMPLE`: one contiguous
+    /// run of bytes; a non-contiguous exporter refuses with its own error).
+    pub(crate) fn readable(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+        Self::get(obj, ffi::PyBUF_SIMPLE)
+    }
+
+    /// Asks `obj` for its bytes, writable (`bytes` refuses: `BufferError`).
+    pub(crate) fn writable(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+        Self::get(obj, ffi::PyBUF_WRITABLE)
+    }
+
+    fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Buffer> {
+        let mut view = Box::new(std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed());
+        // SAFETY: `obj` is a live object (we hold a reference and the GIL);
+        // `view` points to writable memory for one Py_buffer, which the call
+        // fills on success.
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), flags) };
+        if rc != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        // SAFETY: the call succeeded, so the Py_buffer is initialised (and
+        // the Box<MaybeUninit<T>> has the layout of a Box<T>).
+        let view = unsafe { Box::from_raw(Box::into_raw(view).cast::<ffi::Py_buffer>()) };
+        Ok(Buffer { view })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        // A successful export has len >= 0.
+        usize::try_from(self.view.len).unwrap_or(0)
+    }
+
+    /// The exported bytes. Other Python threads may run while a caller
+    /// reads them with the GIL released (as `hashlib` and `file.write` do):
+    /// a thread that writes the same buffer meanwhile gets unspecified
+    /// bytes stored, as with any C extension that releases the GIL.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        if self.len() == 0 {
+            return &[];
+        }
+        // SAFETY: with PyBUF_SIMPLE or PyBUF_WRITABLE (neither asks for
+        // strides), a successful export is `len` contiguous bytes at `buf`,
+        // valid and not resized until PyBuffer_Release, which runs only when
+        // `self` drops, after this borrow ends.
+        unsafe { std::slice::from_raw_parts(self.view.buf.cast::<u8>(), self.len()) }
+    }
+
+    /// The exported bytes, for writing (only for a buffer from `writable`).
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len() == 0 {
+            return &mut [];
+        }
+        debug_assert!(self.view.readonly == 0);
+        // SAFETY: as in `as_slice`; the export was asked for with
+        // PyBUF_WRITABLE, so the exporter allows writes, and `&mut self`
+        // makes this the only slice of it we hand out.
+        unsafe { std::slice::from_raw_parts_mut(self.view.buf.cast::<u8>(), self.len()) }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and
+        // is released once; `Buffer` is not Send, so the GIL taken where it
+        // was made is held here too.
+        unsafe { ffi::PyBuffer_Release(&mut *self.view) };
+    }
+}

@@ -1,0 +1,258 @@
+//! `pinshm.Broadcast` and `pinshm.BroadcastReader`: the broadcast channel.
+//! Messages are received as `bytes` (a copy: messages are small; a
+//! zero-copy view of the slot is not bound yet).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+
+use crate::buffer::Buffer;
+use crate::handles::BroadcastHandle;
+use crate::{closed, locked, to_py};
+
+/// A blocking call waits in steps this long, GIL released, and checks for
+/// signals (Ctrl-C) between steps.
+const STEP: Duration = Duration::from_millis(100);
+
+fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| {
+            Duration::try_from_secs_f64(t).map_err(|_| {
+                PyValueError::new_err(format!("timeout must be a number of seconds >= 0, not {t}"))
+            })
+        })
+        .transpose()
+}
+
+/// Runs `step(d)` (a wait of at most `d` that fails with `Error::Timeout`
+/// when nothing came) until it succeeds, `timeout` has passed (then the
+/// timeout error names `op` and the whole wait), or a signal handler
+/// raises.
+fn wait_loop<R: Send>(
+    py: Python<'_>,
+    op: &'static str,
+    timeout: Option<Duration>,
+    mut step: impl FnMut(Duration) -> PyResult<pinshm::Result<R>> + Send,
+) -> PyResult<R> {
+    // A deadline past what an Instant can hold is no deadline.
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    loop {
+        let d = match deadline {
+            Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),
+            None => STEP,
+        };
+        match py.allow_threads(|| step(d))? {
+            Ok(r) => return Ok(r),
+            Err(pinshm::Error::Timeout { detail, .. }) => {
+                if let (Some(end), Some(t)) = (deadline, timeout) {
+                    if Instant::now() >= end {
+                        return Err(to_py(pinshm::Error::Timeout {
+                            op,
+                            after: t,
+                            detail,
+                        }));
+                    }
+                }
+                py.check_signals()?;
+            }
+            Err(e) => return Err(to_py(e)),
+        }
+    }
+}
+
+/// The writer of a broadcast channel: every message reaches every reader.
+#[pyclass(module = "pinshm")]
+pub(crate) struct Broadcast {
+    inner: Mutex<Option<pinshm::Broadcast>>,
+    name: String,
+}
+
+#[pymethods]
+impl Broadcast {
+    /// Creates a channel for `n_readers` readers, with `slots` slots of
+    /// messages up to `slot_size` bytes.
+    #[new]
+    #[pyo3(signature = (n_readers, slots, slot_size, name=None))]
+    fn new(
+        py: Python<'_>,
+        n_readers: u32,
+        slots: u32,
+        slot_size: usize,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        let mut cfg = pinshm::BroadcastConfig::new(n_readers, slots, slot_size);
+        if let Some(name) = name {
+            cfg = cfg.name(name);
+        }
+        let b = py
+            .allow_threads(|| pinshm::Broadcast::create(cfg))
+            .map_err(to_py)?;
+        Ok(Broadcast {
+            name: b.name().to_owned(),
+            inner: Mutex::new(Some(b)),
+        })
+    }
+
+    /// Sends the bytes of `data` to every reader, waiting (GIL released)
+    /// while the slot it needs is unreleased; with `timeout` (seconds),
+    /// raises pinshm.TimeoutError after that long.
+    #[pyo3(signature = (data, timeout=None))]
+    fn send(&self, py: Python<'_>, data: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = duration(timeout)?;
+        let buf = Buffer::readable(data)?;
+        let bytes = buf.as_slice();
+        wait_loop(py, "send_timeout", timeout, |d| {
+            Ok(match crate::lock(&self.inner).as_mut() {
+                Some(b) => b.send_timeout(bytes, d),
+                None => return Err(closed("Broadcast")),
+            })
+        })
+    }
+
+    /// Sends `data` if its slot is free now; False if it would block.
+    fn try_send(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let buf = Buffer::readable(data)?;
+        let bytes = buf.as_slice();
+        locked(py, &self.inner, false, |b| match b.as_mut() {
+            Some(b) => b.try_send(bytes).map_err(to_py),
+            None => Err(closed("Broadcast")),
+        })
+    }
+
+    /// What a reader process needs to attach (picklable).
+    fn handle(&self, py: Python<'_>) -> PyResult<BroadcastHandle> {
+        locked(py, &self.inner, false, |b| match b.as_ref() {
+            Some(b) => Ok(BroadcastHandle(b.handle())),
+            None => Err(closed("Broadcast")),
+        })
+    }
+
+    /// Messages sent so far.
+    #[getter]
+    fn sent(&self, py: Python<'_>) -> PyResult<u64> {
+        locked(py, &self.inner, false, |b| match b.as_ref() {
+            Some(b) => Ok(b.sent()),
+            None => Err(closed("Broadcast")),
+        })
+    }
+
+    /// The channel's segment name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Closes the channel: readers receive what was sent, then
+    /// WriterGoneError. Closing twice does nothing.
+    fn close(&self, py: Python<'_>) {
+        let b = locked(py, &self.inner, false, Option::take);
+        py.allow_threads(|| drop(b));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Broadcast(name={:?})", self.name)
+    }
+}
+
+/// One reader of a broadcast channel.
+#[pyclass(module = "pinshm")]
+pub(crate) struct BroadcastReader {
+    inner: Mutex<Option<pinshm::BroadcastReader>>,
+    index: u32,
+    name: String,
+}
+
+#[pymethods]
+impl BroadcastReader {
+    /// Attaches to the channel of `handle` as reader `index` (default: the
+    /// first free one).
+    #[staticmethod]
+    #[pyo3(signature = (handle, index=None))]
+    fn attach(py: Python<'_>, handle: BroadcastHandle, index: Option<u32>) -> PyResult<Self> {
+        let h = handle.0;
+        let r = py
+            .allow_threads(|| match index {
+                Some(i) => pinshm::BroadcastReader::attach_as(&h, i),
+                None => pinshm::BroadcastReader::attach(&h),
+            })
+            .map_err(to_py)?;
+        Ok(BroadcastReader {
+            index: r.index(),
+            name: r.name().to_owned(),
+            inner: Mutex::new(Some(r)),
+        })
+    }
+
+    /// The next message (a copy), waiting with the GIL released; with
+    /// `timeout` (seconds), raises pinshm.TimeoutError after that long.
+    /// After the writer has gone and every message was received:
+    /// WriterGoneError.
+    #[pyo3(signature = (timeout=None))]
+    fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
+        let timeout = duration(timeout)?;
+        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
+            Ok(match crate::lock(&self.inner).as_ref() {
+                Some(r) => r.recv_timeout(d).map(|m| m.to_vec()),
+                None => return Err(closed("BroadcastReader")),
+            })
+        })?;
+        Ok(PyBytes::new(py, &msg))
+    }
+
+    /// The next message if one is there, else None.
+    fn try_recv<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let msg = locked(py, &self.inner, false, |r| match r.as_ref() {
+            Some(r) => r.try_recv().map(|m| m.map(|m| m.to_vec())).map_err(to_py),
+            None => Err(closed("BroadcastReader")),
+        })?;
+        Ok(msg.map(|m| PyBytes::new(py, &m)))
+    }
+
+    /// This reader's index.
+    #[getter]
+    fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The channel's segment name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Detaches. Closing twice does nothing.
+    fn close(&self, py: Python<'_>) {
+        let r = locked(py, &self.inner, false, Option::take);
+        py.allow_threads(|| drop(r));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BroadcastReader(name={:?}, index={})",
+            self.name, self.index
+        )
+    }
+}

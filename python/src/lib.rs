@@ -1,0 +1,145 @@
+//! `pinshm._pinshm`: the Python binding of pinshm, a thin layer over the
+//! crate's public API (re-exported by the pure-Python package `pinshm`).
+//!
+//! Threads and the GIL. Every Rust object is kept behind a `Mutex` (the
+//! readers and writers are `Send`, not `Sync`), so a Python object used from
+//! two threads works, serialised, and is never a data race. One rule keeps
+//! this free of deadlocks: a thread never waits for the GIL while it holds
+//! one of these mutexes. Short operations lock with the GIL held, and only
+//! when the mutex is free (`try_lock`); otherwise, and for every copy and
+//! every wait, they release the GIL first and lock inside `allow_threads`.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+
+use pyo3::create_exception;
+use pyo3::exceptions::{
+    PyException, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError, PyValueError,
+};
+use pyo3::prelude::*;
+
+mod buffer;
+mod channel;
+mod handles;
+mod reader;
+mod store;
+mod tensor;
+
+create_exception!(
+    pinshm,
+    PinshmError,
+    PyException,
+    "Base of pinshm's own errors (those that are not a ValueError, MemoryError, KeyError or TimeoutError)."
+);
+create_exception!(
+    pinshm,
+    StaleError,
+    PyValueError,
+    "The handle names an object that is gone or never existed: treat it as a cache miss."
+);
+create_exception!(
+    pinshm,
+    FullError,
+    PyMemoryError,
+    "The ring is full of objects still owed reads or held by guards."
+);
+create_exception!(
+    pinshm,
+    TimeoutError,
+    PyTimeoutError,
+    "A send or receive gave up after its timeout."
+);
+create_exception!(
+    pinshm,
+    WriterGoneError,
+    PinshmError,
+    "The writer of the segment has exited or died: attach to its successor."
+);
+
+/// The Python exception for a pinshm error, with its message.
+pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
+    use pinshm::Error as E;
+    let msg = e.to_string();
+    match e {
+        E::Stale { .. } => StaleError::new_err(msg),
+        E::Full { .. } => FullError::new_err(msg),
+        E::Timeout { .. } => TimeoutError::new_err(msg),
+        E::WriterGone { .. } => WriterGoneError::new_err(msg),
+        E::KeyNotFound { .. } => PyKeyError::new_err(msg),
+        E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
+        E::DuplicateKey { .. }
+        | E::TooLarge { .. }
+        | E::InvalidConfig(_)
+        | E::InvalidName { .. }
+        | E::ReaderIndexOutOfRange { .. }
+        | E::InvalidTensor(_) => PyValueError::new_err(msg),
+        _ => PinshmError::new_err(msg),
+    }
+}
+
+/// `ValueError` for an operation on a closed object (as on a closed file).
+pub(crate) fn closed(what: &str) -> PyErr {
+    PyValueError::new_err(format!("operation on a closed {what}"))
+}
+
+/// Locks `m`. A poisoned mutex (a panic while it was held, which the core
+/// does not do) is taken as it is: every object here stays consistent
+/// when one of its calls unwinds.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs `f` on the contents of `m`: with the GIL held if the mutex is free
+/// and `release_gil` is false, else with the GIL released (a copy or a wait,
+/// or another thread holds the mutex: see the module docs).
+pub(crate) fn locked<T: Send, R: Send>(
+    py: Python<'_>,
+    m: &Mutex<T>,
+    release_gil: bool,
+    f: impl FnOnce(&mut T) -> R + Send,
+) -> R {
+    if !release_gil {
+        match m.try_lock() {
+            Ok(mut g) => return f(&mut g),
+            Err(TryLockError::Poisoned(p)) => return f(&mut p.into_inner()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+    }
+    py.allow_threads(|| f(&mut lock(m)))
+}
+
+/// As [`locked`], giving `f` a shared reference only: for contents that
+/// other references point into (a reader that guards borrow), which a
+/// `&mut` would invalidate.
+pub(crate) fn locked_shared<T: Send, R: Send>(
+    py: Python<'_>,
+    m: &Mutex<T>,
+    f: impl FnOnce(&T) -> R + Send,
+) -> R {
+    match m.try_lock() {
+        Ok(g) => f(&g),
+        Err(TryLockError::Poisoned(p)) => f(&p.into_inner()),
+        Err(TryLockError::WouldBlock) => py.allow_threads(|| f(&lock(m))),
+    }
+}
+
+/// The native module, re-exported by `pinshm/__init__.py`.
+#[pymodule]
+fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PinshmError", py.get_type::<PinshmError>())?;
+    m.add("StaleError", py.get_type::<StaleError>())?;
+    m.add("FullError", py.get_type::<FullError>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
+    m.add_class::<handles::ObjectHandle>()?;
+    m.add_class::<handles::StoreHandle>()?;
+    m.add_class::<handles::BroadcastHandle>()?;
+    m.add_class::<store::ObjectStore>()?;
+    m.add_class::<reader::StoreReader>()?;
+    m.add_class::<reader::ReadGuard>()?;
+    m.add_class::<channel::Broadcast>()?;
+    m.add_class::<channel::BroadcastReader>()?;
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! `pinshm.ObjectStore`: the writer.
+
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::buffer::Buffer;
+use crate::handles::{ObjectHandle, StoreHandle};
+use crate::{closed, locked, to_py};
+
+/// From this size on, a copy runs with the GIL released: below it, the
+/// release and re-acquire would cost more than the copy.
+pub(crate) const RELEASE_GIL_AT: usize = 64 << 10;
+
+/// The writer of a store: one per segment, in one process.
+#[pyclass(module = "pinshm")]
+pub(crate) struct ObjectStore {
+    inner: Mutex<Option<pinshm::ObjectStore>>,
+    name: String,
+}
+
+impl ObjectStore {
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        release_gil: bool,
+        f: impl FnOnce(&mut pinshm::ObjectStore) -> R + Send,
+    ) -> PyResult<R> {
+        locked(py, &self.inner, release_gil, |s| match s.as_mut() {
+            Some(s) => Ok(f(s)),
+            None => Err(closed("ObjectStore")),
+        })
+    }
+}
+
+#[pymethods]
+impl ObjectStore {
+    /// Creates the store's segment (`capacity` bytes of ring, objects up to
+    /// `max_object_size` bytes, `n_readers` readers) and becomes its writer.
+    #[new]
+    #[pyo3(signature = (capacity, max_object_size, n_readers, name=None, aggregate_reads=false))]
+    fn new(
+        py: Python<'_>,
+        capacity: usize,
+        max_object_size: usize,
+        n_readers: u32,
+        name: Option<String>,
+        aggregate_reads: bool,
+    ) -> PyResult<Self> {
+        let mut cfg = pinshm::StoreConfig::new(capacity, max_object_size, n_readers)
+            .aggregate_reads(aggregate_reads);
+        if let Some(name) = name {
+            cfg = cfg.name(name);
+        }
+        // Reserving and pre-faulting the segment takes a while: no GIL.
+        let store = py
+            .allow_threads(|| pinshm::ObjectStore::create(cfg))
+            .map_err(to_py)?;
+        Ok(ObjectStore {
+            name: store.name().to_owned(),
+            inner: Mutex::new(Some(store)),
+        })
+    }
+
+    /// Stores the bytes of `data` (any object with a contiguous buffer:
+    /// bytes, bytearray, memoryview, a C-contiguous numpy array) under
+    /// `key`, copied once, into the slot. One reference: each reader owes
+    /// one read.
+    fn put(&self, py: Python<'_>, key: &str, data: &Bound<'_, PyAny>) -> PyResult<ObjectHandle> {
+        let buf = Buffer::readable(data)?;
+        let bytes = buf.as_slice();
+        let h = self.with(py, bytes.len() >= RELEASE_GIL_AT, |s| s.put(key, bytes))?;
+        h.map(ObjectHandle).map_err(to_py)
+    }
+
+    /// Stores a C-contiguous numpy array (little-endian integers, floats,
+    /// bool) as a tensor: dtype and shape in a header, then the elements,
+    /// 64-byte aligned, in the format Rust's `put_tensor` writes.
+    fn put_tensor(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        array: &Bound<'_, PyAny>,
+    ) -> PyResult<ObjectHandle> {
+        let dtype: String = array.getattr("dtype")?.getattr("str")?.extract()?;
+        let dtype = crate::tensor::from_numpy(&dtype)?;
+        let shape: Vec<u64> = array.getattr("shape")?.extract()?;
+        let buf = Buffer::readable(array)?;
+        let bytes = buf.as_slice();
+        let h = self.with(py, bytes.len() >= RELEASE_GIL_AT, |s| {
+            pinshm::TensorRef::new(dtype, shape, bytes).and_then(|t| s.put_tensor(key, &t))
+        })?;
+        h.map(ObjectHandle).map_err(to_py)
+    }
+
+    /// Whether `key` is stored.
+    fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        self.with(py, false, |s| s.is_cached(key))
+    }
+
+    /// The handle of `key`, counting one more reference (each reader owes
+    /// one more read), or None if it is not stored.
+    fn get_cached(&self, py: Python<'_>, key: &str) -> PyResult<Option<ObjectHandle>> {
+        Ok(self
+            .with(py, false, |s| s.get_cached(key))?
+            .map(ObjectHandle))
+    }
+
+    /// One more reference to `key` (KeyError if it is not stored).
+    fn touch(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        self.with(py, false, |s| s.touch(key))?.map_err(to_py)
+    }
+
+    /// Protects `key` from eviction until its next `get_cached` or
+    /// `release_protections()` (vLLM 0.33's writer `touch`).
+    fn protect(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        self.with(py, false, |s| s.protect(key))?.map_err(to_py)
+    }
+
+    /// Ends every protection.
+    fn release_protections(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, false, |s| s.release_protections())
+    }
+
+    /// Reclaims every object nobody owes a read of; returns how many.
+    fn free_unused(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, false, |s| s.free_unused())
+    }
+
+    /// Forgets every key; old handles read their own bytes until their
+    /// slot is reused.
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, false, |s| s.clear())
+    }
+
+    /// Forgets every key and makes every old handle stale at once.
+    fn clear_hard(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, false, |s| s.clear_hard())
+    }
+
+    /// The 32-byte signature of `key`'s handle, or None if not stored.
+    fn signature<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let sig = self.with(py, false, |s| s.signature(key))?;
+        Ok(sig.map(|sig| PyBytes::new(py, &sig)))
+    }
+
+    /// Whether `signature` signs `key` at `handle`, and `key` still maps
+    /// to `handle`.
+    fn verify(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        handle: ObjectHandle,
+        signature: &[u8],
+    ) -> PyResult<bool> {
+        self.with(py, false, |s| s.verify(key, handle.0, signature))
+    }
+
+    /// The writer's counters, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.with(py, false, |s| s.stats())?;
+        let d = PyDict::new(py);
+        d.set_item("puts", st.puts)?;
+        d.set_item("hits", st.hits)?;
+        d.set_item("evictions", st.evictions)?;
+        d.set_item("full_errors", st.full_errors)?;
+        d.set_item("objects", st.objects)?;
+        d.set_item("bytes_in_use", st.bytes_in_use)?;
+        d.set_item("largest_free_block", st.largest_free_block)?;
+        d.set_item("dead_readers_reaped", st.dead_readers_reaped)?;
+        d.set_item("stale_reads", st.stale_reads)?;
+        d.set_item("oldest_unread", st.oldest_unread.map(|b| b.to_string()))?;
+        Ok(d)
+    }
+
+    /// What a reader process needs to attach (picklable).
+    fn handle(&self, py: Python<'_>) -> PyResult<StoreHandle> {
+        Ok(StoreHandle(self.with(py, false, |s| s.handle())?))
+    }
+
+    /// The segment's name in /dev/shm.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether `close()` has run.
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        locked(py, &self.inner, false, |s| s.is_none())
+    }
+
+    /// Closes the store and unlinks its segment (readers already attached
+    /// keep their mapping). Closing twice does nothing.
+    fn close(&self, py: Python<'_>) {
+        // Unmapping a large segment takes a while: no GIL.
+        let store = locked(py, &self.inner, false, Option::take);
+        py.allow_threads(|| drop(store));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ObjectStore(name={:?})", self.name)
+    }
+}

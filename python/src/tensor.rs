@@ -1,0 +1,74 @@
+//! Tensors as numpy arrays: dtype names both ways, and the layout of a
+//! tensor object read in place.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use pinshm::DType;
+
+/// The numpy dtype string of `d` (little-endian, as pinshm stores).
+pub(crate) fn numpy_dtype(d: DType) -> PyResult<&'static str> {
+    Ok(match d {
+        DType::U8 => "|u1",
+        DType::I8 => "|i1",
+        DType::I16 => "<i2",
+        DType::U16 => "<u2",
+        DType::I32 => "<i4",
+        DType::U32 => "<u4",
+        DType::I64 => "<i8",
+        DType::U64 => "<u8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        DType::Bool => "|b1",
+        DType::BF16 => {
+            return Err(PyTypeError::new_err(
+                "a bfloat16 tensor has no numpy dtype: read its bytes with get()",
+            ))
+        }
+    })
+}
+
+/// The pinshm dtype of a numpy dtype string (`arr.dtype.str`).
+pub(crate) fn from_numpy(s: &str) -> PyResult<DType> {
+    Ok(match s {
+        "|u1" => DType::U8,
+        "|i1" => DType::I8,
+        "<i2" => DType::I16,
+        "<u2" => DType::U16,
+        "<i4" => DType::I32,
+        "<u4" => DType::U32,
+        "<i8" => DType::I64,
+        "<u8" => DType::U64,
+        "<f2" => DType::F16,
+        "<f4" => DType::F32,
+        "<f8" => DType::F64,
+        "|b1" => DType::Bool,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "numpy dtype {s:?} cannot be stored as a tensor (little-endian \
+                 integers, floats and bool only)"
+            )))
+        }
+    })
+}
+
+/// Where a tensor's elements lie in its object.
+pub(crate) struct Layout {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+    /// Offset of the first element from the start of the object.
+    pub(crate) offset: usize,
+    pub(crate) numel: usize,
+}
+
+/// The layout of the tensor object `object` (its header checked).
+pub(crate) fn layout(object: &[u8]) -> pinshm::Result<Layout> {
+    let view = pinshm::TensorView::parse(object)?;
+    Ok(Layout {
+        dtype: view.dtype(),
+        shape: view.shape().to_vec(),
+        offset: view.bytes().as_ptr() as usize - object.as_ptr() as usize,
+        numel: view.numel(),
+    })
+}

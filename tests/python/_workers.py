@@ -1,0 +1,52 @@
+"""Functions run in spawned processes (importable by name from the
+children, which get the parent's sys.path)."""
+
+import hashlib
+import pickle
+
+import pinshm
+
+
+def read_objects(store_handle, index, handles, results):
+    """Attaches as reader `index`, reads every handle zero-copy and as a
+    copy, and reports (index, [sha256 of each object])."""
+    with pinshm.StoreReader.attach(store_handle, index) as reader:
+        digests = []
+        for h in handles:
+            with reader.get(h) as guard:
+                zero_copy = hashlib.sha256(memoryview(guard)).hexdigest()
+            copy = hashlib.sha256(reader.get_copy(h)).hexdigest()
+            assert zero_copy == copy
+            digests.append(zero_copy)
+    results.put((index, digests))
+
+
+def receive_messages(channel_handle, results):
+    """Receives messages until b"eos" and reports them all."""
+    with pinshm.BroadcastReader.attach(channel_handle, 0) as rx:
+        got = []
+        while True:
+            m = rx.recv()
+            if m == b"eos":
+                break
+            got.append(m)
+    results.put(got)
+
+
+def serve_objects(channel_handle, store_handle, results):
+    """The main job's worker: handles arrive over the channel, objects are
+    read from the store; reports the sha256 of each until b"eos"."""
+    with pinshm.BroadcastReader.attach(channel_handle, 0) as rx, pinshm.StoreReader.attach(
+        store_handle, 0
+    ) as reader:
+        digests = []
+        while True:
+            m = rx.recv()
+            if m == b"eos":
+                break
+            if not m:  # a nudge from a writer waiting for room
+                continue
+            h = pickle.loads(m)
+            with reader.get(h) as guard:
+                digests.append(hashlib.sha256(memoryview(guard)).hexdigest())
+    results.put(digests)

@@ -1,0 +1,84 @@
+"""Readers and channel receivers in other processes (spawn start method)."""
+
+import hashlib
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+
+import _workers
+import pinshm
+
+# A guard against a hang, not a timing assumption: every test finishes in
+# well under a second of work.
+JOIN_S = 120
+
+
+@pytest.fixture
+def ctx():
+    return mp.get_context("spawn")
+
+
+def run(ctx, target, *args):
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def finish(p):
+    p.join(JOIN_S)
+    assert p.exitcode == 0, f"child exited with {p.exitcode}"
+
+
+def test_two_spawned_readers_read_every_byte(ctx, unique_name, closing):
+    store = closing(pinshm.ObjectStore(8 << 20, 1 << 20, 2, name=unique_name()))
+    objects = [os.urandom(n) for n in (0, 1, 4096, 100_000, 1 << 20)]
+    handles = [store.put(f"k{i}", o) for i, o in enumerate(objects)]
+    want = [hashlib.sha256(o).hexdigest() for o in objects]
+    results = ctx.Queue()
+    procs = [run(ctx, _workers.read_objects, store.handle(), i, handles, results) for i in range(2)]
+    got = dict(results.get(timeout=JOIN_S) for _ in procs)
+    for p in procs:
+        finish(p)
+    assert got == {0: want, 1: want}
+    # Both readers read each object twice (guard, copy): nothing is owed.
+    assert store.free_unused() == len(objects)
+
+
+def test_a_spawned_receiver_gets_every_message_in_order(ctx, unique_name, closing):
+    tx = closing(pinshm.Broadcast(1, 8, 256, name=unique_name()))
+    results = ctx.Queue()
+    p = run(ctx, _workers.receive_messages, tx.handle(), results)
+    sent = [f"message {i}".encode() * (i % 7 + 1) for i in range(200)]
+    for m in sent:
+        tx.send(m)  # blocks (GIL released) while the ring is full
+    tx.send(b"eos")
+    assert results.get(timeout=JOIN_S) == sent
+    finish(p)
+
+
+def test_a_spawned_worker_reads_objects_whose_handles_come_over_the_channel(
+    ctx, unique_name, closing
+):
+    store = closing(pinshm.ObjectStore(4 << 20, 256 << 10, 1, name=unique_name("store")))
+    tx = closing(pinshm.Broadcast(1, 4, 256, name=unique_name("chan")))
+    results = ctx.Queue()
+    p = run(ctx, _workers.serve_objects, tx.handle(), store.handle(), results)
+    want = []
+    for i in range(64):  # more than the ring holds: reads free the slots
+        data = os.urandom(200 << 10)
+        want.append(hashlib.sha256(data).hexdigest())
+        while True:
+            try:
+                h = store.put(f"obj-{i}", data)
+                break
+            except pinshm.FullError:
+                # The worker is behind; wait for it on the channel (send
+                # blocks until the worker has taken its messages).
+                tx.send(b"")
+        tx.send(pickle.dumps(h))
+    tx.send(b"eos")
+    got = results.get(timeout=JOIN_S)
+    finish(p)
+    assert got == want

@@ -1,0 +1,185 @@
+"""Zero-copy reads: a guard exports the slot; views keep it; release rules."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import pinshm
+
+KIB = 1024
+
+
+@pytest.fixture
+def store(unique_name, closing):
+    # Room for three objects of 16 KiB: a fourth needs the oldest slot back.
+    return closing(pinshm.ObjectStore(64 * KIB, 16 * KIB, 1, name=unique_name()))
+
+
+@pytest.fixture
+def reader(store, closing):
+    return closing(pinshm.StoreReader.attach(store.handle(), 0))
+
+
+def fill_until_full(store, reader):
+    """Puts 16 KiB objects (each read at once) until the ring is full."""
+    for i in range(20):
+        h = store.put(f"fill-{i}", bytes(16 * KIB))
+        reader.touch(h)
+    raise AssertionError("the ring never filled")
+
+
+def test_a_numpy_view_reads_the_slot_in_place(store, reader):
+    data = np.arange(1000, dtype=np.float32)
+    h = store.put("a", data)
+    g = reader.get(h)
+    arr = np.frombuffer(g, dtype=np.float32)
+    assert np.array_equal(arr, data)
+    assert not arr.flags.writeable
+    # The same memory, not a copy: two views share their address.
+    assert np.frombuffer(g, dtype=np.uint8).ctypes.data == arr.ctypes.data
+    del arr
+    g.release()
+
+
+def test_a_numpy_view_keeps_its_slot_until_released(store, reader):
+    payload = np.full(16 * KIB, 7, dtype=np.uint8)
+    h = store.put("held", payload)
+    g = reader.get(h)
+    arr = np.frombuffer(g, dtype=np.uint8)
+    del g  # only the array keeps the guard now
+    reader.touch(h)  # the read is owed no more: only the view holds the slot
+    with pytest.raises(pinshm.FullError):
+        fill_until_full(store, reader)
+    assert np.array_equal(arr, payload)  # never overwritten
+    del arr
+    gc.collect()
+    store.put("after", bytes(16 * KIB))  # the slot is free again
+
+
+def test_the_exported_buffer_is_read_only(store, reader):
+    h = store.put("a", b"abc")
+    with reader.get(h) as g:
+        mv = memoryview(g)
+        assert mv.readonly
+        with pytest.raises(TypeError):
+            mv[0] = 1
+        mv.release()
+
+
+def test_release_with_a_live_memoryview_raises_buffer_error(store, reader):
+    h = store.put("a", b"abc")
+    g = reader.get(h)
+    mv = memoryview(g)
+    with pytest.raises(BufferError, match="1 exported view"):
+        g.release()
+    assert not g.released
+    assert mv.tobytes() == b"abc"
+    mv.release()
+    g.release()
+    assert g.released
+    g.release()  # twice: nothing
+
+
+def test_release_with_a_live_numpy_array_raises_buffer_error(store, reader):
+    h = store.put("a", b"abcd")
+    g = reader.get(h)
+    arr = np.frombuffer(g, dtype=np.uint8)
+    with pytest.raises(BufferError):
+        g.release()
+    del arr
+    gc.collect()
+    g.release()
+
+
+def test_a_with_block_releases_the_read(store, reader):
+    h = store.put("a", b"abc")
+    with reader.get(h) as g:
+        assert bytes(g) == b"abc"
+        assert store.free_unused() == 0
+    assert g.released
+    assert store.free_unused() == 1
+
+
+def test_a_with_block_refuses_to_end_while_a_view_lives(store, reader):
+    h = store.put("a", b"abc")
+    with pytest.raises(BufferError):
+        with reader.get(h) as g:
+            mv = memoryview(g)
+    mv.release()
+    g.release()
+
+
+def test_garbage_collection_releases_the_read(store, reader):
+    h = store.put("a", b"abc")
+    g = reader.get(h)
+    assert store.free_unused() == 0
+    del g
+    gc.collect()
+    assert store.free_unused() == 1
+
+
+def test_a_released_guard_exports_nothing(store, reader):
+    h = store.put("a", b"abc")
+    g = reader.get(h)
+    g.release()
+    with pytest.raises(BufferError, match="released"):
+        memoryview(g)
+    with pytest.raises(ValueError, match="released"):
+        bytes(g)
+
+
+def test_a_guard_keeps_its_reader_attached_after_close(store, reader):
+    h = store.put("a", b"abc")
+    g = reader.get(h)
+    arr = np.frombuffer(g, dtype=np.uint8)
+    reader.close()
+    assert arr.tobytes() == b"abc"
+    del arr
+    g.release()
+
+
+def test_bytes_of_a_large_guard_is_a_copy_made_with_the_gil_released(unique_name, closing):
+    store = closing(pinshm.ObjectStore(1 << 20, 256 * KIB, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    payload = bytes(range(256)) * 1024  # 256 KiB: over the GIL-release size
+    h = store.put("a", payload)
+    with reader.get(h) as g:
+        assert bytes(g) == payload
+        assert not g.released
+    out = bytearray(len(payload))
+    assert reader.get_copy_into(h, out) == len(payload) and out == payload
+    assert reader.get_copy(h) == payload
+
+
+def test_a_guard_copied_in_one_thread_is_not_released_under_the_copy_by_another(
+    unique_name, closing
+):
+    import threading
+
+    store = closing(pinshm.ObjectStore(1 << 20, 256 * KIB, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("a", bytes(256 * KIB))  # copies release the GIL
+    g = reader.get(h)
+    barrier = threading.Barrier(2)
+    out = []
+
+    def copy_many():
+        barrier.wait()
+        for _ in range(200):
+            try:
+                out.append(len(bytes(g)))
+            except ValueError:  # released by the main thread: no bytes
+                out.append(None)
+
+    t = threading.Thread(target=copy_many)
+    t.start()
+    barrier.wait()
+    while True:
+        try:
+            g.release()
+            break
+        except BufferError:  # a copy is in flight: it counts as a view
+            pass
+    t.join()
+    assert set(out) <= {256 * KIB, None}

@@ -134,6 +134,43 @@ impl Segment {
         })
     }
 
+    /// Whether every page of the segment's file is allocated (its creator
+    /// reserved it with `posix_fallocate`, or it has since been written
+    /// throughout): `st_blocks` covers `st_size`. A sparse segment says
+    /// false. Answers false where it cannot tell.
+    pub fn is_reserved(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.file
+            .metadata()
+            .map(|m| m.blocks().saturating_mul(512) >= m.size())
+            .unwrap_or(false)
+    }
+
+    /// Faults every page of the mapping in now (what `MAP_POPULATE` does at
+    /// map time: read faults, as for any shared mapping), for a mapping made
+    /// without it. `MADV_POPULATE_READ` (Linux 5.14); on older kernels one
+    /// relaxed atomic load per page.
+    pub fn prefault(&self) {
+        let (ptr, len) = (self.as_ptr(), self.len());
+        // SAFETY: ptr..ptr+len is this process's live mapping; the advice
+        // only faults its pages in and changes no byte.
+        let r = unsafe { nix::libc::madvise(ptr.cast(), len, nix::libc::MADV_POPULATE_READ) };
+        if r == 0 {
+            return;
+        }
+        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .unwrap_or(4096) as usize;
+        for off in (0..len).step_by(page) {
+            // SAFETY: in bounds of the live mapping; other processes may
+            // write these bytes, so the load is atomic (u8 needs no
+            // alignment).
+            let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
+            b.load(Ordering::Relaxed);
+        }
+    }
+
     /// Start of the mapping (page aligned).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()

@@ -36,8 +36,7 @@ bench=$(cargo build --release --features cuda --example bench \
 rm -rf "$kit"
 mkdir -p "$kit"
 while read -r name exe; do
-  [ -n "$name" ] || continue
-  cp "$exe" "$kit/$name"
+  case "$name" in gpu | device | bench) cp "$exe" "$kit/$name" ;; esac
 done <<<"$tests
 $bench"
 for want in gpu device bench; do

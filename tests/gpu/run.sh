@@ -20,11 +20,14 @@ driver_lib() {
   done
   return 1
 }
-if ! driver_lib; then
+# PINSHM_KIT_FORCE=1 skips these two checks (to try the steps and the
+# summary on a machine without a GPU: the preflight then fails).
+if [ "${PINSHM_KIT_FORCE:-0}" = 1 ]; then
+  :
+elif ! driver_lib; then
   echo "pinshm GPU kit: NO GPU: no CUDA driver (libcuda.so.1) on this machine; nothing run"
   exit 2
-fi
-if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1 && ! ls /dev/dxg >/dev/null 2>&1; then
+elif ! ls /dev/nvidia[0-9]* >/dev/null 2>&1 && ! ls /dev/dxg >/dev/null 2>&1; then
   echo "pinshm GPU kit: NO GPU: a CUDA driver but no GPU device node (/dev/nvidia0); nothing run"
   exit 2
 fi
@@ -57,6 +60,11 @@ else
   echo "nvidia-smi: not installed (the preflight test below names the device)"
 fi
 df -h /dev/shm || true
+shm_free=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 { print $4 }')
+if [ -n "$shm_free" ] && [ "$shm_free" -lt $((2 * 1024 * 1024)) ]; then
+  echo "WARNING: under 2 GiB free in /dev/shm: the 256 MiB and 1 GiB figures will fail with NoSpace"
+  echo "         (in a container: --shm-size=4g or a larger /dev/shm mount)"
+fi
 if ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
   echo "libnvrtc: loadable ($(ldconfig -p | grep -m1 'libnvrtc\.so' | sed 's/.*=> //'))"
 else

@@ -107,6 +107,13 @@ struct Kernels {
 /// Every method (and dropping the engine, its tickets and buffers) leaves
 /// the calling thread's current CUDA context as it found it. An engine may
 /// be used from any thread.
+///
+/// Both directions share the engine's one stream, on purpose: copies run
+/// in the order they were started, as on [`crate::CpuEngine`], and callers
+/// may rely on it (a get into a buffer, then a put out of it). The writer
+/// (device to slot) and the workers (slot to device) are separate processes
+/// with engines of their own, so their directions overlap anyway; a process
+/// that wants both directions at once makes two engines.
 #[derive(Debug)]
 pub struct CudaEngine {
     // Dropped in this order, each under a ContextGuard: the kernels'

@@ -314,7 +314,7 @@ fn pinning_follows_the_device_option_and_skips_sparse_segments_under_auto() {
     assert!(matches!(e, Error::PinUnavailable { .. }), "{e}");
     let sparse = Name::new("gpu-sparse");
     let ws = ObjectStore::create(
-        StoreConfig::new(64 * MIB, MIB, 1)
+        StoreConfig::new(64 * MIB, MIB, 2)
             .name(&*sparse)
             .reserve(false)
             .prefault(false),
@@ -765,7 +765,10 @@ fn bandwidth_table() {
         s
     });
     let hp = w.get_cached(&format!("p{n}")).unwrap();
-    let got = r.get_copy(hp).unwrap();
+    // Held from here to the end: the separate puts below must not reclaim
+    // the packed object (the guard's hazard keeps it).
+    let g = r.get(hp).unwrap();
+    let got: &[u8] = &g;
     for (i, d) in descs.iter().enumerate() {
         let a = d.offset as usize;
         assert_eq!(
@@ -798,7 +801,6 @@ fn bandwidth_table() {
         r.touch(hs).unwrap();
         s
     });
-    let g = r.get(hp).unwrap();
     let unpack = best(5, || {
         let t = Instant::now();
         // SAFETY: reads the guarded slot, writes the live buffers.

@@ -44,6 +44,8 @@ pub use copy::{
 };
 #[cfg(feature = "cuda")]
 pub use cuda::engine::CudaEngine;
+#[cfg(feature = "cuda")]
+pub use cuda::KernelSource;
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};
 pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
@@ -62,6 +64,9 @@ pub mod testing {
     pub use crate::codec::TENSOR_HEADER_LEN;
     pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};
     #[cfg(feature = "cuda")]
-    pub use crate::cuda::{compile_kernels, driver_present, nvrtc_present};
+    pub use crate::cuda::{
+        compile_kernels, current_context, driver_present, driver_version, kernel_binaries,
+        nvrtc_present, ForeignContext,
+    };
     pub use crate::layout::*;
 }

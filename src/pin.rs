@@ -3,6 +3,15 @@
 //! as DMA with no staging buffer. Without a driver (or without the `cuda`
 //! feature) `PinMode::Auto` carries on unpinned and says so in a tracing
 //! event; `PinMode::Require` fails.
+//!
+//! What pinning costs: `cuMemHostRegister` faults in and page-locks every
+//! page, about 0.1 to 0.3 s per GiB, in each process that maps the segment
+//! (writer and every reader), and the memory can no longer be swapped.
+//! So `PinMode::Auto` pins only segments whose pages are all reserved (the
+//! default, `StoreConfig::reserve(true)`); a sparse segment (`reserve(false)`)
+//! stays sparse and unpinned unless `PinMode::Require` asks for it. Readers
+//! tell a sparse segment from the file's allocated blocks (`st_blocks`),
+//! which the kernel keeps: nothing in the segment header is trusted for it.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,11 +24,19 @@ use crate::error::Result;
 pub enum PinMode {
     /// Never pin.
     Off,
-    /// Pin where a CUDA driver is present; otherwise carry on unpinned.
+    /// Pin a reserved segment where a CUDA driver is present; otherwise
+    /// (no driver, no GPU, a sparse segment) carry on unpinned.
     #[default]
     Auto,
     /// Pin or fail.
     Require,
+}
+
+/// How to pin: the mode and the CUDA device whose context registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PinSpec {
+    pub(crate) mode: PinMode,
+    pub(crate) device: usize,
 }
 
 /// A registered range; unregistered on drop (before the unmap).
@@ -29,16 +46,45 @@ pub(crate) struct Pinned {
     _inner: crate::cuda::register::Registration,
 }
 
-/// Registers `len` bytes at `ptr` according to `mode`.
-pub(crate) fn pin(ptr: *mut u8, len: usize, mode: PinMode) -> Result<Option<Pinned>> {
-    if mode == PinMode::Off {
+/// Whether `pin` might register a segment under `mode` in this process
+/// (whatever the segment): then pre-faulting at map time would fault the
+/// pages twice, since registration faults every page itself.
+pub(crate) fn may_pin(mode: PinMode) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        mode != PinMode::Off && crate::cuda::driver_present()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = mode;
+        false
+    }
+}
+
+/// Registers `len` bytes at `ptr` according to `spec`; `reserved` says
+/// whether every page of the segment is allocated (`Auto` skips sparse
+/// segments).
+pub(crate) fn pin(
+    ptr: *mut u8,
+    len: usize,
+    spec: PinSpec,
+    reserved: bool,
+) -> Result<Option<Pinned>> {
+    if spec.mode == PinMode::Off {
+        return Ok(None);
+    }
+    if spec.mode == PinMode::Auto && !reserved {
+        tracing::debug!(
+            len,
+            "sparse segment (not reserved): not pinned under PinMode::Auto"
+        );
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
     {
-        match crate::cuda::register::Registration::new(ptr, len) {
+        match crate::cuda::register::Registration::new(ptr, len, spec.device) {
             Ok(inner) => Ok(Some(Pinned { _inner: inner })),
-            Err(e) if mode == PinMode::Auto => {
+            Err(e) if spec.mode == PinMode::Auto => {
                 tracing::info!(%e, "shared memory not pinned; device copies will be staged by the driver");
                 Ok(None)
             }
@@ -48,7 +94,7 @@ pub(crate) fn pin(ptr: *mut u8, len: usize, mode: PinMode) -> Result<Option<Pinn
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (ptr, len);
-        if mode == PinMode::Require {
+        if spec.mode == PinMode::Require {
             return Err(Error::pin_unavailable(
                 "pinshm was built without the `cuda` feature",
                 None,

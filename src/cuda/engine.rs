@@ -5,12 +5,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig,
+    result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
 };
 
+use super::kernels::{self, KernelSource, INLINE_DESCS};
 use super::register::context;
-use super::{cuda_err, driver_present, kernel_ptx};
+use super::{cuda_err, driver_present, ContextGuard, Restoring};
 use crate::copy::{
     check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Ticket,
 };
@@ -20,13 +21,15 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 struct DeviceAlloc {
     ptr: sys::CUdeviceptr,
-    ctx: Arc<CudaContext>,
+    ctx: Restoring<Arc<CudaContext>>,
 }
 
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
+        let _g = ContextGuard::save().ok();
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by malloc_sync in this context, freed once.
+        // SAFETY: allocated by malloc_sync in this context, freed once; no
+        // copy uses it any more (copies hold the buffer's keep-alive).
         if let Err(e) = unsafe { cu::free_sync(self.ptr) } {
             tracing::warn!(%e, "cuMemFree failed");
         }
@@ -36,7 +39,7 @@ impl Drop for DeviceAlloc {
 /// An event recorded after a copy, with everything the copy touches.
 #[derive(Debug)]
 struct EventCompletion {
-    event: CudaEvent,
+    event: Restoring<CudaEvent>,
     /// Set once the event was seen complete.
     done: AtomicBool,
     keep: Vec<KeepAlive>,
@@ -49,6 +52,7 @@ struct EventCompletion {
 // leaks its keep-alives if even that fails.
 unsafe impl Completion for EventCompletion {
     fn poll(&self) -> Result<bool> {
+        // cuEventQuery needs no current context: nothing to restore.
         let done = self
             .event
             .try_is_complete()
@@ -59,6 +63,7 @@ unsafe impl Completion for EventCompletion {
         Ok(done)
     }
     fn wait(&self) -> Result<()> {
+        let _g = ContextGuard::save()?;
         self.event
             .synchronize()
             .map_err(|e| cuda_err("cuEventSynchronize", e))?;
@@ -77,39 +82,132 @@ impl Drop for EventCompletion {
     }
 }
 
+/// Up to [`INLINE_DESCS`] descriptors, passed by value as the kernels'
+/// last parameter (`InlineDescs` in kernels/pack.cu: 3,840 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InlineDescs {
+    d: [PackDesc; INLINE_DESCS],
+}
+
+// SAFETY: #[repr(C)], plain u64 fields, the same layout as the kernels'
+// `struct InlineDescs` (96 × 5 unsigned long long).
+unsafe impl DeviceRepr for InlineDescs {}
+
+/// The loaded kernels; the functions hold their module.
+#[derive(Debug)]
+struct Kernels {
+    pack: CudaFunction,
+    unpack: CudaFunction,
+    source: KernelSource,
+}
+
 /// Copies on one CUDA stream of one device; completions are events.
+///
+/// Every method (and dropping the engine, its tickets and buffers) leaves
+/// the calling thread's current CUDA context as it found it. An engine may
+/// be used from any thread.
+///
+/// Both directions share the engine's one stream, on purpose: copies run
+/// in the order they were started, as on [`crate::CpuEngine`], and callers
+/// may rely on it (a get into a buffer, then a put out of it). The writer
+/// (device to slot) and the workers (slot to device) are separate processes
+/// with engines of their own, so their directions overlap anyway; a process
+/// that wants both directions at once makes two engines.
 #[derive(Debug)]
 pub struct CudaEngine {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    // Dropped in this order, each under a ContextGuard: the kernels'
+    // module, the stream, then the context.
+    kernels: Restoring<OnceLock<Result<Kernels, String>>>,
+    stream: Restoring<Arc<CudaStream>>,
+    ctx: Restoring<Arc<CudaContext>>,
     ordinal: usize,
-    kernels: OnceLock<Result<(CudaFunction, CudaFunction), String>>,
+    sm_count: u32,
 }
 
 impl CudaEngine {
     /// An engine on a new stream of device `ordinal`. Errors (never panics)
     /// where there is no driver or no such device.
     pub fn new(ordinal: usize) -> Result<Self> {
+        let _g = ContextGuard::save()?;
         let ctx = context(ordinal)?;
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("cuDeviceGetAttribute", e))?
+            .max(1) as u32;
         Ok(CudaEngine {
-            ctx,
-            stream,
+            kernels: Restoring::new(OnceLock::new()),
+            stream: Restoring::new(stream),
+            ctx: Restoring::new(ctx),
             ordinal,
-            kernels: OnceLock::new(),
+            sm_count,
         })
     }
 
     /// Whether a CUDA device can be used here.
     pub fn available() -> bool {
-        driver_present() && CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+        if !driver_present() {
+            return false;
+        }
+        let Ok(_g) = ContextGuard::save() else {
+            return false;
+        };
+        CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
     }
 
     /// The device's name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "?".into())
+    }
+
+    /// The device's compute capability (major, minor).
+    pub fn compute_capability(&self) -> Result<(i32, i32)> {
+        self.ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("cuDeviceGetAttribute", e))
+    }
+
+    /// The device's number of streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// Which kernel binary this engine runs (loading the kernels if they
+    /// are not loaded yet): an embedded cubin, the embedded PTX, or NVRTC.
+    pub fn kernel_source(&self) -> Result<KernelSource> {
+        let _g = ContextGuard::save()?;
+        Ok(self.kernels()?.source)
+    }
+
+    /// Runs `f`, which starts work on this engine's stream (and may wait
+    /// for it), between two timing events recorded on the stream, and
+    /// waits for the second. Returns what `f` returned and the device time
+    /// between the events, in seconds: the copies' own time, without the
+    /// host's bookkeeping before or after them.
+    pub fn time_on_stream<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+        let _g = ContextGuard::save()?;
+        // Timing events (no CU_EVENT_DISABLE_TIMING) that sleep on wait.
+        let flags = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+        let event = || {
+            self.ctx
+                .new_event(flags)
+                .map(Restoring::new)
+                .map_err(|e| cuda_err("cuEventCreate", e))
+        };
+        let (start, end) = (event()?, event()?);
+        start
+            .record(&self.stream)
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        let v = f()?;
+        end.record(&self.stream)
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| cuda_err("cuEventElapsedTime", e))?;
+        Ok((v, f64::from(ms) / 1e3))
     }
 
     fn bind(&self) -> Result<()> {
@@ -125,35 +223,63 @@ impl CudaEngine {
             .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
             .map_err(|e| cuda_err("cuEventRecord", e))?;
         Ok(Ticket::new(EventCompletion {
-            event,
+            event: Restoring::new(event),
             done: AtomicBool::new(false),
             keep,
         }))
     }
 
-    /// The pack and unpack kernels, compiled once per engine.
-    fn kernels(&self) -> Result<&(CudaFunction, CudaFunction)> {
+    /// The pack and unpack kernels, loaded once per engine from the best
+    /// binary the driver accepts (see `cuda::kernels`). Call under a guard.
+    fn kernels(&self) -> Result<&Kernels> {
         self.kernels
             .get_or_init(|| {
-                // One PTX cache (crate::cuda), which checks NVRTC is present
-                // first: cudarc panics when it calls a missing libnvrtc.
-                let ptx = kernel_ptx().map_err(|e| e.to_string())?;
-                let m = self
+                let cc = self
                     .ctx
-                    .load_module(ptx)
-                    .map_err(|e| format!("cuModuleLoad: {e}"))?;
-                let pack = m.load_function("pinshm_pack").map_err(|e| e.to_string())?;
-                let unpack = m
-                    .load_function("pinshm_unpack")
-                    .map_err(|e| e.to_string())?;
-                Ok((pack, unpack))
+                    .compute_capability()
+                    .map_err(|e| format!("compute capability: {e}"))?;
+                let mut why = Vec::new();
+                for src in kernels::candidates(cc) {
+                    let loaded = kernels::image(src)
+                        .map_err(|e| e.to_string())
+                        .and_then(|img| {
+                            self.ctx
+                                .load_module(img)
+                                .map_err(|e| format!("cuModuleLoadData: {e}"))
+                        })
+                        .and_then(|m| {
+                            let f = |n: &str| m.load_function(n).map_err(|e| format!("{n}: {e}"));
+                            Ok(Kernels {
+                                pack: f("pinshm_pack")?,
+                                unpack: f("pinshm_unpack")?,
+                                source: src,
+                            })
+                        });
+                    match loaded {
+                        Ok(k) => {
+                            tracing::debug!(source = %src, "pack kernels loaded");
+                            return Ok(k);
+                        }
+                        Err(e) => why.push(format!("{src}: {e}")),
+                    }
+                }
+                Err(format!(
+                    "no kernel binary loads on sm_{}{}: {}",
+                    cc.0,
+                    cc.1,
+                    why.join("; ")
+                ))
             })
             .as_ref()
             .map_err(|e| Error::copy(e.clone()))
     }
 
     /// Launches pack (`to_packed`) or unpack over `descs` and `packed`, a
-    /// host pointer into pinned, device-mapped memory.
+    /// host pointer into pinned, device-mapped memory: one launch per
+    /// [`INLINE_DESCS`] pieces, all on the stream, one event after them.
+    ///
+    /// # Safety
+    /// As [`CopyEngine::pack_async`] (or `unpack_async`).
     unsafe fn launch(
         &self,
         descs: &[PackDesc],
@@ -163,7 +289,8 @@ impl CudaEngine {
         keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         check_pack(descs, len)?;
-        let (pack, unpack) = self.kernels()?;
+        let _g = ContextGuard::save()?;
+        let k = self.kernels()?;
         self.bind()?;
         let mut dptr: sys::CUdeviceptr = 0;
         // SAFETY: asks the driver for the device view of a host pointer; it
@@ -176,42 +303,45 @@ impl CudaEngine {
                     e,
                 )
             })?;
-        let table = self.alloc(std::mem::size_of_val(descs).max(1))?;
-        // SAFETY: `table` holds size_of_val(descs) bytes. The copy is on our
-        // stream, so the kernel after it sees the table; from pageable
-        // memory the driver has staged `descs` before the call returns.
-        unsafe {
-            cu::memcpy_htod_async(
-                table.ptr(),
-                bytemuck::cast_slice::<PackDesc, u8>(descs),
-                self.stream.cu_stream(),
-            )
+        let f = if to_packed { &k.pack } else { &k.unpack };
+        for chunk in descs.chunks(INLINE_DESCS) {
+            let mut inl = InlineDescs {
+                d: [PackDesc::default(); INLINE_DESCS],
+            };
+            inl.d[..chunk.len()].copy_from_slice(chunk);
+            let n = chunk.len() as u32;
+            let cfg = grid(chunk, self.sm_count);
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&n).arg(&dptr).arg(&inl);
+            // SAFETY: the kernel reads `n` descriptors from its parameter
+            // and moves bytes between the pieces (the caller's contract) and
+            // `packed` (checked by check_pack, device-mapped). The driver
+            // copies the parameters at launch.
+            unsafe { b.launch(cfg) }.map_err(|e| cuda_err("kernel launch", e))?;
         }
-        .map_err(|e| cuda_err("upload pack table", e))?;
-        let n = descs.len() as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (64, n.clamp(1, 65_535), 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = if to_packed { pack } else { unpack };
-        let table_ptr = table.ptr();
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&table_ptr).arg(&n).arg(&dptr);
-        // SAFETY: the kernel reads `n` descriptors from `table` (kept alive
-        // by the ticket) and moves bytes between the pieces (the caller's
-        // contract) and `packed` (checked by check_pack, device-mapped).
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err("kernel launch", e))?;
-        // The table, the kernel's module and the host memory stay alive
-        // until the kernel is done.
+        // The kernels' module and the host memory stay alive until the last
+        // launch is done.
         let module: KeepAlive = Arc::new(f.clone());
-        let keep = table
-            .keep_alive()
-            .into_iter()
-            .chain([module])
-            .chain(keep)
-            .collect();
-        self.record(keep)
+        self.record([module].into_iter().chain(keep).collect())
+    }
+}
+
+/// The launch shape for `pieces`: y walks the pieces (at most
+/// [`INLINE_DESCS`] < 65,535); x gives each piece blocks enough for its
+/// bytes (16 per thread), so that the whole grid is about 4 blocks per SM.
+fn grid(pieces: &[PackDesc], sm_count: u32) -> LaunchConfig {
+    const THREADS: u32 = 256;
+    let max_bytes = pieces
+        .iter()
+        .map(|d| d.rows.saturating_mul(d.row_bytes))
+        .max()
+        .unwrap_or(0);
+    let want = max_bytes.div_ceil(u64::from(THREADS) * 16).max(1);
+    let budget = u64::from((4 * sm_count) / (pieces.len().max(1) as u32)).max(1);
+    LaunchConfig {
+        grid_dim: (want.min(budget) as u32, pieces.len().max(1) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
@@ -224,18 +354,20 @@ unsafe impl CopyEngine for CudaEngine {
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer> {
+        let _g = ContextGuard::save()?;
         self.bind()?;
         // SAFETY: plain allocation in the bound context.
         let ptr = unsafe { cu::malloc_sync(len.max(1)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
         let keep = Arc::new(DeviceAlloc {
             ptr,
-            ctx: self.ctx.clone(),
+            ctx: Restoring::new(Arc::clone(&self.ctx)),
         });
         Ok(DeviceBuffer::owned(ptr, len, self.device(), keep))
     }
 
     fn upload(&self, src: &[u8], dst: &DeviceBuffer) -> Result<()> {
         self.check_fits(src.len(), dst)?;
+        let _g = ContextGuard::save()?;
         self.bind()?;
         // SAFETY: dst is device memory of this context with room for src,
         // which stays borrowed until the stream has drained below.
@@ -255,6 +387,7 @@ unsafe impl CopyEngine for CudaEngine {
                 dst.len()
             )));
         }
+        let _g = ContextGuard::save()?;
         self.bind()?;
         // SAFETY: src is device memory of this context of src.len() bytes;
         // dst stays mutably borrowed until the stream has drained below.
@@ -272,6 +405,7 @@ unsafe impl CopyEngine for CudaEngine {
         keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         self.check_device(src)?;
+        let _g = ContextGuard::save()?;
         self.bind()?;
         // SAFETY: the caller's contract for dst; src is this device's memory.
         unsafe {
@@ -290,6 +424,7 @@ unsafe impl CopyEngine for CudaEngine {
         keep: Option<KeepAlive>,
     ) -> Result<Ticket> {
         self.check_fits(len, dst)?;
+        let _g = ContextGuard::save()?;
         self.bind()?;
         // SAFETY: the caller's contract for src; dst has room for len bytes.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.cast(), len, self.stream.cu_stream()) }
@@ -318,5 +453,32 @@ unsafe impl CopyEngine for CudaEngine {
     ) -> Result<Ticket> {
         // SAFETY: forwarded contract; unpack only reads `src`.
         unsafe { self.launch(descs, src as *mut u8, len, false, keep) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inline_descriptors_fit_the_4_kib_parameter_limit() {
+        // n (4, padded to 8) + packed (8) + the descriptors.
+        let params = 8 + 8 + std::mem::size_of::<InlineDescs>();
+        assert_eq!(std::mem::size_of::<InlineDescs>(), 3840);
+        assert!(params <= 4096, "{params} bytes of kernel parameters");
+    }
+
+    #[test]
+    fn the_grid_is_sized_from_the_sm_count() {
+        let big = [PackDesc::contiguous(0, 256 << 20, 0)];
+        let g = grid(&big, 132);
+        assert_eq!(g.grid_dim, (528, 1, 1), "one big piece: 4 blocks per SM");
+        let small: Vec<_> = (0..96)
+            .map(|i| PackDesc::contiguous(0, 100, i * 128))
+            .collect();
+        let g = grid(&small, 132);
+        assert_eq!(g.grid_dim, (1, 96, 1), "small pieces: one block each");
+        let g = grid(&[PackDesc::contiguous(0, 1, 0)], 132);
+        assert_eq!(g.grid_dim, (1, 1, 1));
     }
 }

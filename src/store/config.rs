@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Blocker, Error, Result};
 use crate::geometry::validate_header;
 use crate::layout;
-use crate::pin::PinMode;
+use crate::pin::{PinMode, PinSpec};
 use crate::sys::segment::Segment;
 
 /// How to create a store.
@@ -19,6 +19,7 @@ pub struct StoreConfig {
     pub(crate) prefault: bool,
     pub(crate) reserve: bool,
     pub(crate) pin: PinMode,
+    pub(crate) cuda_device: usize,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
 }
@@ -35,6 +36,7 @@ impl StoreConfig {
             prefault: true,
             reserve: true,
             pin: PinMode::Auto,
+            cuda_device: 0,
             reader_timeout: None,
             aggregate_reads: false,
         }
@@ -60,15 +62,33 @@ impl StoreConfig {
         self
     }
 
-    /// Pinning policy (default [`PinMode::Auto`]).
+    /// Pinning policy (default [`PinMode::Auto`]). `Auto` pins only a
+    /// reserved segment (see [`StoreConfig::reserve`]).
     pub fn pin(mut self, mode: PinMode) -> Self {
         self.pin = mode;
         self
     }
 
+    /// The CUDA device (ordinal) whose primary context registers the
+    /// segment when it is pinned (default 0). The registration is portable:
+    /// engines of every device copy from it at DMA speed; the calling
+    /// thread's current CUDA context is left as it was.
+    pub fn cuda_device(mut self, ordinal: usize) -> Self {
+        self.cuda_device = ordinal;
+        self
+    }
+
+    pub(crate) fn pin_spec(&self) -> PinSpec {
+        PinSpec {
+            mode: self.pin,
+            device: self.cuda_device,
+        }
+    }
+
     /// Whether to reserve every page of /dev/shm at create (default true),
     /// so a too-small /dev/shm fails at create instead of with SIGBUS later.
-    /// Off only for sparse segments in tests.
+    /// Off only for sparse segments in tests; `PinMode::Auto` does not pin
+    /// a sparse segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
         self.reserve = yes;
         self
@@ -129,6 +149,7 @@ impl StoreConfig {
 pub struct ReaderOptions {
     pub(crate) index: Option<u32>,
     pub(crate) pin: PinMode,
+    pub(crate) cuda_device: usize,
     pub(crate) prefault: bool,
 }
 
@@ -137,6 +158,7 @@ impl Default for ReaderOptions {
         ReaderOptions {
             index: None,
             pin: PinMode::Auto,
+            cuda_device: 0,
             prefault: true,
         }
     }
@@ -149,10 +171,28 @@ impl ReaderOptions {
         self
     }
 
-    /// Pinning policy (default [`PinMode::Auto`]).
+    /// Pinning policy (default [`PinMode::Auto`]). `Auto` pins only a
+    /// segment whose pages are all allocated (its file's `st_blocks` cover
+    /// its size: the writer reserved it), so a sparse test segment is not
+    /// made whole by every reader.
     pub fn pin(mut self, mode: PinMode) -> Self {
         self.pin = mode;
         self
+    }
+
+    /// The CUDA device (ordinal) whose primary context registers the
+    /// mapping when it is pinned (default 0): a worker on GPU k passes k.
+    /// The calling thread's current CUDA context is left as it was.
+    pub fn cuda_device(mut self, ordinal: usize) -> Self {
+        self.cuda_device = ordinal;
+        self
+    }
+
+    pub(crate) fn pin_spec(&self) -> PinSpec {
+        PinSpec {
+            mode: self.pin,
+            device: self.cuda_device,
+        }
     }
 
     /// Fault the mapping in at attach (default true).

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::pin::{self, PinMode, Pinned};
+use crate::pin::{self, PinSpec, Pinned};
 use crate::sys::segment::Segment;
 
 /// A segment and its pin registration.
@@ -19,10 +19,27 @@ pub(crate) struct Mapping {
     seg: Segment,
 }
 
+/// Whether to pre-fault at map time, when pre-faulting is wanted: not when
+/// the segment may be pinned, since registration faults every page itself
+/// ([`Mapping::new`] pre-faults afterwards if it was not pinned).
+pub(crate) fn prefault_at_map(prefault: bool, spec: PinSpec) -> bool {
+    prefault && !pin::may_pin(spec.mode)
+}
+
 impl Mapping {
-    /// Pins `seg` by `mode` and shares it.
-    pub(crate) fn new(seg: Segment, mode: PinMode) -> Result<Arc<Mapping>> {
-        let pinned = pin::pin(seg.as_ptr(), seg.len(), mode)?;
+    /// Pins `seg` by `spec` (`reserved`: every page of it is allocated),
+    /// then pre-faults it if `prefault` was asked for, it was mapped
+    /// without (see [`prefault_at_map`]) and it was not pinned.
+    pub(crate) fn new(
+        seg: Segment,
+        spec: PinSpec,
+        reserved: bool,
+        prefault: bool,
+    ) -> Result<Arc<Mapping>> {
+        let pinned = pin::pin(seg.as_ptr(), seg.len(), spec, reserved)?;
+        if pinned.is_none() && prefault && !prefault_at_map(prefault, spec) {
+            seg.prefault();
+        }
         Ok(Arc::new(Mapping { pinned, seg }))
     }
 

@@ -106,9 +106,11 @@ impl StoreReader {
     /// Attaches with explicit options.
     pub fn attach_with(sh: &StoreHandle, opts: ReaderOptions) -> Result<StoreReader> {
         let fork_gen = fork::register();
-        let (seg, geo) = open_validated(sh, opts.prefault)?;
+        let prefault = super::mapping::prefault_at_map(opts.prefault, opts.pin_spec());
+        let (seg, geo) = open_validated(sh, prefault)?;
         // Pinned before an entry is taken, so a failure gives nothing back.
-        let map = Mapping::new(seg, opts.pin)?;
+        let reserved = seg.is_reserved();
+        let map = Mapping::new(seg, opts.pin_spec(), reserved, opts.prefault)?;
         let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {

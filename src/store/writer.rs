@@ -118,12 +118,15 @@ impl ObjectStore {
         let total = header_len
             .checked_add(cfg.capacity)
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
+        // Not pre-faulted twice: a segment that will be pinned is faulted
+        // in by the registration (Mapping::new pre-faults it otherwise).
+        let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin_spec());
         // A writer that died leaves its segment: replace it, unless its
         // writer still runs. Another process may be replacing it too: the
         // loop ends when one of us has created the name anew.
         let mut tries = 0;
         let seg = loop {
-            match Segment::create(&name, total, cfg.prefault, cfg.reserve) {
+            match Segment::create(&name, total, prefault, cfg.reserve) {
                 Err(Error::AlreadyExists { .. }) if cfg.name.is_some() && tries < 8 => {
                     tries += 1;
                     remove_if_writer_dead(&name)?;
@@ -179,7 +182,9 @@ impl ObjectStore {
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
         geo.header().stamp();
-        let map = Mapping::new(seg, cfg.pin)?;
+        // The writer knows whether it reserved the pages.
+        let reserved = cfg.reserve;
+        let map = Mapping::new(seg, cfg.pin_spec(), reserved, cfg.prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,

@@ -149,6 +149,43 @@ impl Segment {
         })
     }
 
+    /// Whether every page of the segment's file is allocated (its creator
+    /// reserved it with `posix_fallocate`, or it has since been written
+    /// throughout): `st_blocks` covers `st_size`. A sparse segment says
+    /// false. Answers false where it cannot tell.
+    pub fn is_reserved(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.file
+            .metadata()
+            .map(|m| m.blocks().saturating_mul(512) >= m.size())
+            .unwrap_or(false)
+    }
+
+    /// Faults every page of the mapping in now (what `MAP_POPULATE` does at
+    /// map time: read faults, as for any shared mapping), for a mapping made
+    /// without it. `MADV_POPULATE_READ` (Linux 5.14); on older kernels one
+    /// relaxed atomic load per page.
+    pub fn prefault(&self) {
+        let (ptr, len) = (self.as_ptr(), self.len());
+        // SAFETY: ptr..ptr+len is this process's live mapping; the advice
+        // only faults its pages in and changes no byte.
+        let r = unsafe { nix::libc::madvise(ptr.cast(), len, nix::libc::MADV_POPULATE_READ) };
+        if r == 0 {
+            return;
+        }
+        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .unwrap_or(4096) as usize;
+        for off in (0..len).step_by(page) {
+            // SAFETY: in bounds of the live mapping; other processes may
+            // write these bytes, so the load is atomic (u8 needs no
+            // alignment).
+            let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
+            b.load(Ordering::Relaxed);
+        }
+    }
+
     /// Start of the mapping (page aligned).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
@@ -306,4 +343,29 @@ pub fn shm_free_bytes() -> u64 {
     nix::sys::statvfs::statvfs("/dev/shm")
         .map(|s| s.blocks_available() * s.fragment_size())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `PinMode::Auto` goes by in a reader: a reserved segment's
+    /// blocks cover its size, a sparse one's do not, and pre-faulting a
+    /// mapping (read faults) reads every page without changing a byte.
+    #[test]
+    fn a_reader_tells_a_reserved_segment_from_a_sparse_one() {
+        let len = 4 << 20;
+        let dense = format!("pinshm-unit-dense-{}", std::process::id());
+        let sparse = format!("pinshm-unit-sparse-{}", std::process::id());
+        let d = Segment::create(&dense, len, false, true).unwrap();
+        let s = Segment::create(&sparse, len, false, false).unwrap();
+        assert!(d.is_reserved());
+        assert!(!s.is_reserved());
+        let opened = Segment::open(&sparse, false).unwrap();
+        assert!(!opened.is_reserved(), "as a reader sees it");
+        d.prefault();
+        opened.prefault();
+        // SAFETY: in bounds of the live mapping; nobody else writes it.
+        assert_eq!(unsafe { d.as_ptr().add(len - 1).read() }, 0);
+    }
 }

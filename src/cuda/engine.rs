@@ -42,14 +42,31 @@ struct EventCompletion {
     event: Restoring<CudaEvent>,
     /// Set once the event was seen complete.
     done: AtomicBool,
-    keep: Vec<KeepAlive>,
+    /// Set once its end could not be confirmed: the keep-alives are leaked.
+    lost: AtomicBool,
+    keep: std::sync::Mutex<Vec<KeepAlive>>,
+}
+
+impl EventCompletion {
+    /// The copy's end cannot be confirmed: keep its memory for good.
+    fn lose(&self, e: cudarc::driver::DriverError) -> Error {
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            let keep = std::mem::take(&mut *self.keep.lock().unwrap_or_else(|p| p.into_inner()));
+            std::mem::forget(keep);
+            tracing::error!(%e, "a CUDA copy could not be confirmed finished; its memory is kept for good");
+        }
+        Error::DeviceLost {
+            what: "cuEventSynchronize failed".into(),
+            source: Some(e.into()),
+        }
+    }
 }
 
 // SAFETY: `poll` says done only when cuEventQuery reports the event (recorded
-// after the copy on the same stream) complete, and `wait` returns only after
-// cuEventSynchronize; a driver error is passed up as an error (never "done").
-// Dropped before it was seen done, the completion synchronizes first, and
-// leaks its keep-alives if even that fails.
+// after the copy on the same stream) complete (a driver error is an error,
+// never "done"); `wait` returns Ok only after cuEventSynchronize, and when
+// that fails it leaks the keep-alives and answers DeviceLost. Dropped before
+// it was seen done, the completion waits first (and so leaks if it must).
 unsafe impl Completion for EventCompletion {
     fn poll(&self) -> Result<bool> {
         // cuEventQuery needs no current context: nothing to restore.
@@ -63,10 +80,29 @@ unsafe impl Completion for EventCompletion {
         Ok(done)
     }
     fn wait(&self) -> Result<()> {
-        let _g = ContextGuard::save()?;
-        self.event
-            .synchronize()
-            .map_err(|e| cuda_err("cuEventSynchronize", e))?;
+        if self.lost.load(Ordering::Acquire) {
+            return Err(Error::DeviceLost {
+                what: "an earlier wait could not confirm the copy's end".into(),
+                source: None,
+            });
+        }
+        let _g = match ContextGuard::save() {
+            Ok(g) => g,
+            Err(e) => {
+                // Not even the context can be asked: the end is unknown.
+                return Err(Error::DeviceLost {
+                    what: format!("cannot wait for the copy: {e}"),
+                    source: None,
+                })
+                .inspect_err(|_| {
+                    if !self.lost.swap(true, Ordering::AcqRel) {
+                        let mut k = self.keep.lock().unwrap_or_else(|p| p.into_inner());
+                        std::mem::forget(std::mem::take(&mut *k));
+                    }
+                });
+            }
+        };
+        self.event.synchronize().map_err(|e| self.lose(e))?;
         self.done.store(true, Ordering::Release);
         Ok(())
     }
@@ -74,10 +110,10 @@ unsafe impl Completion for EventCompletion {
 
 impl Drop for EventCompletion {
     fn drop(&mut self) {
-        if !self.done.load(Ordering::Acquire) && self.wait().is_err() {
-            // Cannot tell whether the copy still runs: keep its memory.
-            tracing::warn!("a CUDA copy could not be confirmed finished; leaking its buffers");
-            std::mem::forget(std::mem::take(&mut self.keep));
+        if !self.done.load(Ordering::Acquire) {
+            // Waits; if the end cannot be confirmed, `wait` has leaked the
+            // keep-alives, so the memory stays.
+            let _ = self.wait();
         }
     }
 }
@@ -216,17 +252,39 @@ impl CudaEngine {
             .map_err(|e| cuda_err("bind context", e))
     }
 
+    /// A ticket for the work just enqueued on the stream, holding `keep`.
     fn record(&self, keep: Vec<KeepAlive>) -> Result<Ticket> {
         // Blocking sync: a waiting thread sleeps instead of spinning a core.
-        let event = self
+        match self
             .stream
             .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-            .map_err(|e| cuda_err("cuEventRecord", e))?;
-        Ok(Ticket::new(EventCompletion {
-            event: Restoring::new(event),
-            done: AtomicBool::new(false),
-            keep,
-        }))
+        {
+            Ok(event) => Ok(Ticket::new(EventCompletion {
+                event: Restoring::new(event),
+                done: AtomicBool::new(false),
+                lost: AtomicBool::new(false),
+                keep: std::sync::Mutex::new(keep),
+            })),
+            Err(e) => Err(self.after_enqueue_failure(cuda_err("cuEventRecord", e), keep)),
+        }
+    }
+
+    /// Work is on the stream and something after it failed: its memory
+    /// must not go while it may still run. Drains the stream (then `keep`
+    /// may go, and `err` is the answer) or, if even that fails, leaks
+    /// `keep` and answers DeviceLost.
+    fn after_enqueue_failure(&self, err: Error, keep: Vec<KeepAlive>) -> Error {
+        match self.stream.synchronize() {
+            Ok(()) => err,
+            Err(e) => {
+                std::mem::forget(keep);
+                tracing::error!(%err, %e, "a CUDA copy's end cannot be confirmed; its memory is kept for good");
+                Error::DeviceLost {
+                    what: format!("{err}, then cuStreamSynchronize failed"),
+                    source: Some(e.into()),
+                }
+            }
+        }
     }
 
     /// The pack and unpack kernels, loaded once per engine from the best
@@ -317,7 +375,12 @@ impl CudaEngine {
             // and moves bytes between the pieces (the caller's contract) and
             // `packed` (checked by check_pack, device-mapped). The driver
             // copies the parameters at launch.
-            unsafe { b.launch(cfg) }.map_err(|e| cuda_err("kernel launch", e))?;
+            if let Err(e) = unsafe { b.launch(cfg) } {
+                // Earlier chunks may be running: they keep their memory.
+                let module: KeepAlive = Arc::new(f.clone());
+                let keep = [module].into_iter().chain(keep).collect();
+                return Err(self.after_enqueue_failure(cuda_err("kernel launch", e), keep));
+            }
         }
         // The kernels' module and the host memory stay alive until the last
         // launch is done.

@@ -102,7 +102,12 @@ class ObjectStore:
     ) -> bool: ...
 
 class ReadGuard:
-    """A held read: exports the object's bytes (read-only) through the buffer protocol."""
+    """A held read: exports the object's bytes (read-only) through the buffer protocol.
+
+    Each export holds the read through its owner (`view.obj`), so the read
+    ends when the guard is released and every export is gone. `release()`
+    raises BufferError while an export (or an object keeping its
+    `view.obj`) is alive."""
 
     @property
     def handle(self) -> ObjectHandle: ...

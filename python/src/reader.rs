@@ -38,6 +38,18 @@ struct Held {
     len: usize,
 }
 
+/// The owner of one buffer export of a `ReadGuard`: what the exported
+/// `Py_buffer`'s `obj` points to. Consumers that release the buffer at once
+/// but keep `view.obj` (torch.frombuffer, numpy.frombuffer of a type
+/// without `bf_releasebuffer`) keep this object, and with it the read: the
+/// read's lifetime is tied to `view.obj`, not to a count of
+/// `__releasebuffer__` calls that such consumers make early. It has no
+/// buffer slots of its own, so CPython only decrefs it on release.
+#[pyclass(module = "pinshm", frozen, name = "_SlotExport")]
+pub(crate) struct SlotExport {
+    _held: Arc<Held>,
+}
+
 // SAFETY: the guard's only thread-bound parts are its reference to the
 // reader, used only by the guard's `Drop`, which `Drop for Held` runs with
 // the reader's mutex held (so every use of the reader is serialised, by
@@ -175,10 +187,7 @@ impl StoreReader {
         Ok(ReadGuard {
             handle: handle.0,
             len: held.len,
-            state: Mutex::new(GuardState {
-                held: Some(held),
-                exports: 0,
-            }),
+            held: Mutex::new(Some(Arc::new(held))),
         })
     }
 
@@ -300,33 +309,35 @@ impl StoreReader {
     }
 }
 
-struct GuardState {
-    held: Option<Held>,
-    /// Buffer exports alive (memoryviews, numpy arrays over the slot).
-    exports: usize,
-}
-
 /// A held read of one object: exports the slot's bytes, read-only, through
 /// the buffer protocol (`memoryview(g)`, `numpy.frombuffer(g, ...)`), with
 /// no copy. The read is acknowledged and the slot freed for reuse when the
-/// guard is released: `release()`, the end of a `with` block, or garbage
-/// collection. `release()` refuses with BufferError while views are alive.
+/// guard and every export of it are gone: `release()` (or the end of a
+/// `with` block) drops the guard's own hold, and refuses with BufferError
+/// while an export (a memoryview, an array, any object that kept the
+/// export's `view.obj`) is alive; garbage collection drops it too.
 #[pyclass(module = "pinshm", frozen)]
 pub(crate) struct ReadGuard {
     handle: pinshm::ObjectHandle,
     len: usize,
-    state: Mutex<GuardState>,
+    /// The guard's own hold on the read; each export holds another clone
+    /// (in its `SlotExport`), so the read ends when the last one goes.
+    held: Mutex<Option<Arc<Held>>>,
 }
 
 impl ReadGuard {
+    /// The guard's hold on the read (a clone: the read stays held while it
+    /// lives, whatever `release()` does meanwhile), or `err` if released.
+    fn hold(&self, err: fn(&'static str) -> PyErr) -> PyResult<Arc<Held>> {
+        lock(&self.held)
+            .clone()
+            .ok_or_else(|| err("the ReadGuard has been released"))
+    }
+
     /// Where the tensor's elements lie (TypeError if the object is not a
     /// tensor).
     fn tensor_layout(&self) -> PyResult<crate::tensor::Layout> {
-        let st = lock(&self.state);
-        let held = st
-            .held
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err("the ReadGuard has been released"))?;
+        let held = self.hold(PyValueError::new_err)?;
         let found = held.guard.kind();
         if found != pinshm::ObjectKind::Tensor {
             return Err(to_py(pinshm::Error::WrongKind {
@@ -346,25 +357,31 @@ impl ReadGuard {
         ObjectHandle(self.handle)
     }
 
-    /// Whether the read has been released.
+    /// Whether the guard's hold on the read has been released (exports of
+    /// it may still hold the read).
     #[getter]
     fn released(&self) -> bool {
-        lock(&self.state).held.is_none()
+        lock(&self.held).is_none()
     }
 
-    /// Releases the read (acknowledging it). BufferError while exported
-    /// views of the guard are alive; releasing twice does nothing.
+    /// Releases the read (acknowledging it). BufferError while exports of
+    /// the guard are alive (memoryviews, arrays, or any object keeping an
+    /// export's `view.obj`); releasing twice does nothing.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         let held = {
-            let mut st = lock(&self.state);
-            if st.exports > 0 {
-                return Err(PyBufferError::new_err(format!(
-                    "cannot release a ReadGuard while {} exported view(s) of it are alive \
-                     (release the memoryviews, delete the arrays)",
-                    st.exports
-                )));
+            let mut st = lock(&self.held);
+            if let Some(h) = st.as_ref() {
+                // Clones are made only under this mutex (`hold`), so the
+                // count cannot grow meanwhile; it may only shrink.
+                let others = Arc::strong_count(h) - 1;
+                if others > 0 {
+                    return Err(PyBufferError::new_err(format!(
+                        "cannot release a ReadGuard while {others} exported view(s) of it are \
+                         alive (release the memoryviews, delete the arrays)"
+                    )));
+                }
             }
-            st.held.take()
+            st.take()
         };
         debug_assert!(held.as_ref().is_none_or(|h| h.handle() == self.handle));
         let _ = py;
@@ -375,31 +392,15 @@ impl ReadGuard {
     /// A copy of the bytes.
     fn __bytes__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         // The copy may run with the GIL released, so it must not hold the
-        // state's mutex (see lib.rs): it counts as an export instead, which
-        // keeps `release()` from ending the read meanwhile.
-        let (data, len) = {
-            let mut st = lock(&self.state);
-            let held = st
-                .held
-                .as_ref()
-                .ok_or_else(|| PyValueError::new_err("the ReadGuard has been released"))?;
-            let span = (held.data, held.len);
-            st.exports += 1;
-            span
-        };
-        let src = if len == 0 {
-            &[][..]
-        } else {
-            // SAFETY: the held read's bytes (see `Held::bytes`); the export
-            // counted above keeps the read held until it is uncounted below,
-            // after the last use of `src`.
-            unsafe { std::slice::from_raw_parts(data, len) }
-        };
-        let out = PyBytes::new_with(py, len, |dst| {
+        // guard's mutex (see lib.rs): it holds a clone of the read instead,
+        // which keeps `release()` from ending the read meanwhile.
+        let held = self.hold(PyValueError::new_err)?;
+        let src = held.bytes();
+        let out = PyBytes::new_with(py, src.len(), |dst| {
             copy(py, src, dst);
             Ok(())
         });
-        lock(&self.state).exports -= 1;
+        drop(held);
         out
     }
 
@@ -434,43 +435,44 @@ impl ReadGuard {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let this = slf.get();
-        let mut st = lock(&this.state);
-        let held = st
-            .held
-            .as_ref()
-            .ok_or_else(|| PyBufferError::new_err("the ReadGuard has been released"))?;
+        let py = slf.py();
+        let held = slf.get().hold(PyBufferError::new_err)?;
         if flags & ffi::PyBUF_WRITABLE != 0 {
             return Err(PyBufferError::new_err("a ReadGuard's buffer is read-only"));
         }
         let len = ffi::Py_ssize_t::try_from(held.len)
             .map_err(|_| PyBufferError::new_err("object too large for a buffer"))?;
+        let data = held.data;
+        // The export's owner: `view.obj`, holding the read for as long as
+        // anyone keeps it, whether or not the buffer was released.
+        let owner = Bound::new(py, SlotExport { _held: held })?;
         // SAFETY: `view` is the Py_buffer Python asked us to fill; the bytes
-        // (read-only, `readonly = 1`) stay valid while the guard holds the
-        // read, which `release()` refuses to end while `exports > 0`, and
-        // the view holds a reference to `slf` (set by FillInfo), so the
-        // guard is not collected first.
+        // (read-only, `readonly = 1`) stay valid while the read is held,
+        // which `owner` does (a clone of the `Arc<Held>`) for as long as it
+        // lives; FillInfo stores a new reference to `owner` in `view.obj`,
+        // so it lives at least until the buffer is released and as long as
+        // any consumer keeps `view.obj`.
         let rc = unsafe {
             ffi::PyBuffer_FillInfo(
                 view,
-                slf.as_ptr(),
-                held.data.cast_mut().cast::<c_void>(),
+                owner.as_ptr(),
+                data.cast_mut().cast::<c_void>(),
                 len,
                 1,
                 flags,
             )
         };
         if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
+            return Err(PyErr::fetch(py));
         }
-        st.exports += 1;
         Ok(())
     }
 
     /// # Safety
-    /// Called by Python once per successful `__getbuffer__`.
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
-        let mut st = lock(&self.state);
-        st.exports = st.exports.saturating_sub(1);
-    }
+    /// Never called: an export's `view.obj` is its `_SlotExport`, whose type
+    /// CPython asks on release. Defined only so that the guard's type has a
+    /// `bf_releasebuffer`, which makes numpy.frombuffer wrap the guard in a
+    /// memoryview (that keeps the export's owner) rather than keep the guard
+    /// itself as the array's base, which `release()` could not see.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }

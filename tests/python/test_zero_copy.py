@@ -1,5 +1,6 @@
 """Zero-copy reads: a guard exports the slot; views keep it; release rules."""
 
+import ctypes
 import gc
 
 import numpy as np
@@ -183,3 +184,77 @@ def test_a_guard_copied_in_one_thread_is_not_released_under_the_copy_by_another(
             pass
     t.join()
     assert set(out) <= {256 * KIB, None}
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def export_and_release_keeping_obj(exporter):
+    """What torch.frombuffer does: gets the buffer, keeps `view.obj` and the
+    address, releases the buffer at once. Returns (obj, address, length)."""
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    get.restype = ctypes.c_int
+    release = ctypes.pythonapi.PyBuffer_Release
+    release.argtypes = [ctypes.POINTER(_PyBuffer)]
+    release.restype = None
+    view = _PyBuffer()
+    assert get(exporter, ctypes.byref(view), 0) == 0  # PyBUF_SIMPLE
+    obj = ctypes.cast(ctypes.c_void_p(view.obj), ctypes.py_object).value  # a new reference
+    address, length = view.buf, view.len
+    release(ctypes.byref(view))
+    return obj, address, length
+
+
+def test_an_export_whose_buffer_is_released_but_whose_obj_is_kept_holds_the_read(
+    store, reader
+):
+    payload = bytes(range(256)) * 64  # 16 KiB
+    h = store.put("kept", payload)
+    g = reader.get(h)
+    obj, address, length = export_and_release_keeping_obj(g)
+    assert length == len(payload)
+    with pytest.raises(BufferError):
+        g.release()
+    del g
+    gc.collect()
+    reader.touch(h)  # owed no more: only the kept obj holds the slot
+    with pytest.raises(pinshm.FullError):
+        fill_until_full(store, reader)
+    reader.close()
+    assert ctypes.string_at(address, length) == payload  # never overwritten
+    del obj
+    gc.collect()
+    store.put("after", bytes(16 * KIB))  # the slot is free again
+
+
+def test_a_tensor_array_whose_guard_export_was_released_early_still_holds_the_read(
+    store, reader
+):
+    data = np.arange(1024, dtype=np.int32)
+    h = store.put_tensor("t", data)
+    arr = reader.get_tensor(h)
+    obj, address, length = export_and_release_keeping_obj(arr)
+    del arr
+    gc.collect()
+    reader.touch(h)
+    with pytest.raises(pinshm.FullError):
+        fill_until_full(store, reader)
+    reader.close()
+    assert ctypes.string_at(address, length) == data.tobytes()
+    del obj
+    gc.collect()
+    store.put("after", bytes(16 * KIB))

@@ -107,7 +107,9 @@ class ReadGuard:
     Each export holds the read through its owner (`view.obj`), so the read
     ends when the guard is released and every export is gone. `release()`
     raises BufferError while an export (or an object keeping its
-    `view.obj`) is alive."""
+    `view.obj`) is alive. In a child forked after the guard was made,
+    reading it (`bytes`, new exports) raises PinshmError; exports made
+    before the fork are not protected there."""
 
     @property
     def handle(self) -> ObjectHandle: ...

@@ -82,6 +82,21 @@ pub(crate) fn closed(what: &str) -> PyErr {
     PyValueError::new_err(format!("operation on a closed {what}"))
 }
 
+/// Fails with the Forked error (`PinshmError`, as the core's
+/// `Error::Forked` maps) unless this is the process `pid` names: an object
+/// of segment `name` made before a `fork()` reads and locks nothing in the
+/// child (the core refuses too; this check also covers the binding's own
+/// mutexes, which a thread of the parent may have held at the fork).
+pub(crate) fn not_forked(pid: u32, name: &str) -> PyResult<()> {
+    if std::process::id() == pid {
+        Ok(())
+    } else {
+        Err(to_py(pinshm::Error::Forked {
+            name: name.to_owned(),
+        }))
+    }
+}
+
 /// Locks `m`. A poisoned mutex (a panic while it was held, which the core
 /// does not do) is taken as it is: every object here stays consistent
 /// when one of its calls unwinds.

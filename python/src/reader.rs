@@ -18,13 +18,26 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
 use crate::store::RELEASE_GIL_AT;
-use crate::{closed, lock, locked_shared, to_py};
+use crate::{closed, lock, locked_shared, not_forked, to_py};
 
 /// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`). It is
 /// reached only through `locked_shared` (a `&StoreReader`) and `lock` (to
 /// serialise a guard's drop): no `&mut` to it is ever formed, so a guard's
 /// shared borrow of it is never invalidated.
-struct Shared(Mutex<pinshm::StoreReader>);
+struct Shared {
+    reader: Mutex<pinshm::StoreReader>,
+    /// The process that attached it (see `not_forked`).
+    pid: u32,
+    /// The store's segment name, for errors.
+    name: String,
+}
+
+impl Shared {
+    /// The Forked error in a forked child (see `not_forked`).
+    fn not_forked(&self) -> PyResult<()> {
+        not_forked(self.pid, &self.name)
+    }
+}
 
 /// One read held open: the core's guard, with its borrow of the reader
 /// erased, and the reader it borrows.
@@ -64,7 +77,7 @@ unsafe impl Sync for Held {}
 impl Held {
     fn new(py: Python<'_>, shared: &Arc<Shared>, h: pinshm::ObjectHandle) -> PyResult<Held> {
         let reader = Arc::clone(shared);
-        locked_shared(py, &shared.0, move |r| {
+        locked_shared(py, &shared.reader, move |r| {
             let guard = r.get(h).map_err(to_py)?;
             let (data, len) = (guard.as_ptr(), guard.len());
             // SAFETY: erasing the guard's borrow of the reader to 'static is
@@ -93,6 +106,12 @@ impl Held {
         })
     }
 
+    /// The Forked error in a forked child: there the slot may be reused
+    /// (the parent's read ends without the child), so nothing reads it.
+    fn not_forked(&self) -> PyResult<()> {
+        self.reader.not_forked()
+    }
+
     fn bytes(&self) -> &[u8] {
         // SAFETY: `data..data + len` is the slice the guard derefs to; the
         // guard lives as long as `self` (it is dropped only in `Drop`), and
@@ -110,7 +129,7 @@ impl Drop for Held {
         // The guard's drop uses the reader: under its mutex. Never held
         // long by anyone (no copy runs under it), so waiting for it here,
         // GIL held or not, cannot deadlock.
-        let _reader = lock(&self.reader.0);
+        let _reader = lock(&self.reader.reader);
         // SAFETY: dropped once, here; `self.guard` is not used afterwards,
         // and the reader it borrows is alive (`self.reader` drops later).
         unsafe { ManuallyDrop::drop(&mut self.guard) };
@@ -145,14 +164,18 @@ impl StoreReader {
         py: Python<'_>,
         f: impl FnOnce(&pinshm::StoreReader) -> R + Send,
     ) -> PyResult<R> {
-        Ok(locked_shared(py, &self.shared()?.0, f))
+        Ok(locked_shared(py, &self.shared()?.reader, f))
     }
 
     fn wrap(r: pinshm::StoreReader) -> Self {
         StoreReader {
             index: r.index(),
             name: r.name().to_owned(),
-            shared: Some(Arc::new(Shared(Mutex::new(r)))),
+            shared: Some(Arc::new(Shared {
+                pid: std::process::id(),
+                name: r.name().to_owned(),
+                reader: Mutex::new(r),
+            })),
         }
     }
 }
@@ -328,10 +351,13 @@ pub(crate) struct ReadGuard {
 impl ReadGuard {
     /// The guard's hold on the read (a clone: the read stays held while it
     /// lives, whatever `release()` does meanwhile), or `err` if released.
+    /// In a forked child, the Forked error (`PinshmError`).
     fn hold(&self, err: fn(&'static str) -> PyErr) -> PyResult<Arc<Held>> {
-        lock(&self.held)
+        let held = lock(&self.held)
             .clone()
-            .ok_or_else(|| err("the ReadGuard has been released"))
+            .ok_or_else(|| err("the ReadGuard has been released"))?;
+        held.not_forked()?;
+        Ok(held)
     }
 
     /// Where the tensor's elements lie (TypeError if the object is not a

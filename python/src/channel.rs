@@ -11,7 +11,7 @@ use pyo3::types::{PyBytes, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::BroadcastHandle;
-use crate::{closed, locked, to_py};
+use crate::{closed, locked, to_py, Home};
 
 /// A blocking call waits in steps this long, GIL released, and checks for
 /// signals (Ctrl-C) between steps.
@@ -67,7 +67,7 @@ fn wait_loop<R: Send>(
 #[pyclass(module = "pinshm")]
 pub(crate) struct Broadcast {
     inner: Mutex<Option<pinshm::Broadcast>>,
-    name: String,
+    home: Home,
 }
 
 #[pymethods]
@@ -91,7 +91,7 @@ impl Broadcast {
             .allow_threads(|| pinshm::Broadcast::create(cfg))
             .map_err(to_py)?;
         Ok(Broadcast {
-            name: b.name().to_owned(),
+            home: Home::new(b.name()),
             inner: Mutex::new(Some(b)),
         })
     }
@@ -104,6 +104,7 @@ impl Broadcast {
         let timeout = duration(timeout)?;
         let buf = Buffer::readable(data)?;
         let bytes = buf.as_slice();
+        self.home.not_forked()?;
         wait_loop(py, "send_timeout", timeout, |d| {
             Ok(match crate::lock(&self.inner).as_mut() {
                 Some(b) => b.send_timeout(bytes, d),
@@ -116,39 +117,42 @@ impl Broadcast {
     fn try_send(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<bool> {
         let buf = Buffer::readable(data)?;
         let bytes = buf.as_slice();
-        locked(py, &self.inner, false, |b| match b.as_mut() {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_mut() {
             Some(b) => b.try_send(bytes).map_err(to_py),
             None => Err(closed("Broadcast")),
-        })
+        })?
     }
 
     /// What a reader process needs to attach (picklable).
     fn handle(&self, py: Python<'_>) -> PyResult<BroadcastHandle> {
-        locked(py, &self.inner, false, |b| match b.as_ref() {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_ref() {
             Some(b) => Ok(BroadcastHandle(b.handle())),
             None => Err(closed("Broadcast")),
-        })
+        })?
     }
 
     /// Messages sent so far.
     #[getter]
     fn sent(&self, py: Python<'_>) -> PyResult<u64> {
-        locked(py, &self.inner, false, |b| match b.as_ref() {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_ref() {
             Some(b) => Ok(b.sent()),
             None => Err(closed("Broadcast")),
-        })
+        })?
     }
 
     /// The channel's segment name.
     #[getter]
     fn name(&self) -> &str {
-        &self.name
+        &self.home.name
     }
 
     /// Closes the channel: readers receive what was sent, then
-    /// WriterGoneError. Closing twice does nothing.
+    /// WriterGoneError. Closing twice does nothing, and so does closing in a
+    /// forked child (the channel is the parent's).
     fn close(&self, py: Python<'_>) {
-        let b = locked(py, &self.inner, false, Option::take);
+        let Ok(b) = locked(py, &self.home, &self.inner, false, Option::take) else {
+            return;
+        };
         py.allow_threads(|| drop(b));
     }
 
@@ -163,7 +167,7 @@ impl Broadcast {
     }
 
     fn __repr__(&self) -> String {
-        format!("Broadcast(name={:?})", self.name)
+        format!("Broadcast(name={:?})", self.home.name)
     }
 }
 
@@ -172,7 +176,7 @@ impl Broadcast {
 pub(crate) struct BroadcastReader {
     inner: Mutex<Option<pinshm::BroadcastReader>>,
     index: u32,
-    name: String,
+    home: Home,
 }
 
 #[pymethods]
@@ -191,7 +195,7 @@ impl BroadcastReader {
             .map_err(to_py)?;
         Ok(BroadcastReader {
             index: r.index(),
-            name: r.name().to_owned(),
+            home: Home::new(r.name()),
             inner: Mutex::new(Some(r)),
         })
     }
@@ -203,6 +207,7 @@ impl BroadcastReader {
     #[pyo3(signature = (timeout=None))]
     fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
         let timeout = duration(timeout)?;
+        self.home.not_forked()?;
         let msg = wait_loop(py, "recv_timeout", timeout, |d| {
             Ok(match crate::lock(&self.inner).as_ref() {
                 Some(r) => r.recv_timeout(d).map(|m| m.to_vec()),
@@ -214,10 +219,10 @@ impl BroadcastReader {
 
     /// The next message if one is there, else None.
     fn try_recv<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let msg = locked(py, &self.inner, false, |r| match r.as_ref() {
+        let msg = locked(py, &self.home, &self.inner, false, |r| match r.as_ref() {
             Some(r) => r.try_recv().map(|m| m.map(|m| m.to_vec())).map_err(to_py),
             None => Err(closed("BroadcastReader")),
-        })?;
+        })??;
         Ok(msg.map(|m| PyBytes::new(py, &m)))
     }
 
@@ -230,12 +235,15 @@ impl BroadcastReader {
     /// The channel's segment name.
     #[getter]
     fn name(&self) -> &str {
-        &self.name
+        &self.home.name
     }
 
-    /// Detaches. Closing twice does nothing.
+    /// Detaches. Closing twice does nothing, and so does closing in a
+    /// forked child (the reader is the parent's).
     fn close(&self, py: Python<'_>) {
-        let r = locked(py, &self.inner, false, Option::take);
+        let Ok(r) = locked(py, &self.home, &self.inner, false, Option::take) else {
+            return;
+        };
         py.allow_threads(|| drop(r));
     }
 
@@ -252,7 +260,7 @@ impl BroadcastReader {
     fn __repr__(&self) -> String {
         format!(
             "BroadcastReader(name={:?}, index={})",
-            self.name, self.index
+            self.home.name, self.index
         )
     }
 }

@@ -82,18 +82,40 @@ pub(crate) fn closed(what: &str) -> PyErr {
     PyValueError::new_err(format!("operation on a closed {what}"))
 }
 
-/// Fails with the Forked error (`PinshmError`, as the core's
-/// `Error::Forked` maps) unless this is the process `pid` names: an object
-/// of segment `name` made before a `fork()` reads and locks nothing in the
-/// child (the core refuses too; this check also covers the binding's own
-/// mutexes, which a thread of the parent may have held at the fork).
-pub(crate) fn not_forked(pid: u32, name: &str) -> PyResult<()> {
-    if std::process::id() == pid {
-        Ok(())
-    } else {
-        Err(to_py(pinshm::Error::Forked {
+/// Where an object was made: its process and its segment's name.
+pub(crate) struct Home {
+    pid: u32,
+    pub(crate) name: String,
+}
+
+impl Home {
+    /// An object of segment `name`, made in this process.
+    pub(crate) fn new(name: &str) -> Home {
+        Home {
+            pid: std::process::id(),
             name: name.to_owned(),
-        }))
+        }
+    }
+
+    /// Whether this is a forked child of the process that made the object.
+    pub(crate) fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Fails with the Forked error (`PinshmError`, as the core's
+    /// `Error::Forked` maps) in a forked child: an object made before a
+    /// `fork()` reads and locks nothing in the child. The core refuses too,
+    /// but only once locked: this check comes first, because a mutex that
+    /// a thread of the parent held at the fork stays locked in the child
+    /// forever (that thread does not exist there).
+    pub(crate) fn not_forked(&self) -> PyResult<()> {
+        if self.forked() {
+            Err(to_py(pinshm::Error::Forked {
+                name: self.name.clone(),
+            }))
+        } else {
+            Ok(())
+        }
     }
 }
 
@@ -106,21 +128,24 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Runs `f` on the contents of `m`: with the GIL held if the mutex is free
 /// and `release_gil` is false, else with the GIL released (a copy or a wait,
-/// or another thread holds the mutex: see the module docs).
+/// or another thread holds the mutex: see the module docs). In a forked
+/// child of `home`'s process, the Forked error, before locking.
 pub(crate) fn locked<T: Send, R: Send>(
     py: Python<'_>,
+    home: &Home,
     m: &Mutex<T>,
     release_gil: bool,
     f: impl FnOnce(&mut T) -> R + Send,
-) -> R {
+) -> PyResult<R> {
+    home.not_forked()?;
     if !release_gil {
         match m.try_lock() {
-            Ok(mut g) => return f(&mut g),
-            Err(TryLockError::Poisoned(p)) => return f(&mut p.into_inner()),
+            Ok(mut g) => return Ok(f(&mut g)),
+            Err(TryLockError::Poisoned(p)) => return Ok(f(&mut p.into_inner())),
             Err(TryLockError::WouldBlock) => {}
         }
     }
-    py.allow_threads(|| f(&mut lock(m)))
+    Ok(py.allow_threads(|| f(&mut lock(m))))
 }
 
 /// As [`locked`], giving `f` a shared reference only: for contents that
@@ -128,14 +153,16 @@ pub(crate) fn locked<T: Send, R: Send>(
 /// `&mut` would invalidate.
 pub(crate) fn locked_shared<T: Send, R: Send>(
     py: Python<'_>,
+    home: &Home,
     m: &Mutex<T>,
     f: impl FnOnce(&T) -> R + Send,
-) -> R {
-    match m.try_lock() {
+) -> PyResult<R> {
+    home.not_forked()?;
+    Ok(match m.try_lock() {
         Ok(g) => f(&g),
         Err(TryLockError::Poisoned(p)) => f(&p.into_inner()),
         Err(TryLockError::WouldBlock) => py.allow_threads(|| f(&lock(m))),
-    }
+    })
 }
 
 /// The native module, re-exported by `pinshm/__init__.py`.

@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
 use crate::store::RELEASE_GIL_AT;
-use crate::{closed, lock, locked_shared, not_forked, to_py};
+use crate::{closed, lock, locked_shared, to_py, Home};
 
 /// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`). It is
 /// reached only through `locked_shared` (a `&StoreReader`) and `lock` (to
@@ -26,17 +26,8 @@ use crate::{closed, lock, locked_shared, not_forked, to_py};
 /// shared borrow of it is never invalidated.
 struct Shared {
     reader: Mutex<pinshm::StoreReader>,
-    /// The process that attached it (see `not_forked`).
-    pid: u32,
-    /// The store's segment name, for errors.
-    name: String,
-}
-
-impl Shared {
-    /// The Forked error in a forked child (see `not_forked`).
-    fn not_forked(&self) -> PyResult<()> {
-        not_forked(self.pid, &self.name)
-    }
+    /// The process that attached it (see `Home::not_forked`).
+    home: Home,
 }
 
 /// One read held open: the core's guard, with its borrow of the reader
@@ -77,7 +68,7 @@ unsafe impl Sync for Held {}
 impl Held {
     fn new(py: Python<'_>, shared: &Arc<Shared>, h: pinshm::ObjectHandle) -> PyResult<Held> {
         let reader = Arc::clone(shared);
-        locked_shared(py, &shared.reader, move |r| {
+        locked_shared(py, &shared.home, &shared.reader, move |r| {
             let guard = r.get(h).map_err(to_py)?;
             let (data, len) = (guard.as_ptr(), guard.len());
             // SAFETY: erasing the guard's borrow of the reader to 'static is
@@ -103,13 +94,13 @@ impl Held {
                 data,
                 len,
             })
-        })
+        })?
     }
 
     /// The Forked error in a forked child: there the slot may be reused
     /// (the parent's read ends without the child), so nothing reads it.
     fn not_forked(&self) -> PyResult<()> {
-        self.reader.not_forked()
+        self.reader.home.not_forked()
     }
 
     fn bytes(&self) -> &[u8] {
@@ -126,6 +117,14 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        // In a forked child the guard is the parent's: its drop would lock
+        // the reader's mutex, which a thread of the parent may have held at
+        // the fork (locked forever here), and the core's drop would touch
+        // nothing shared anyway. So it is leaked (`ManuallyDrop`), with the
+        // bytes it points to, which nothing reads any more.
+        if self.reader.home.forked() {
+            return;
+        }
         // The guard's drop uses the reader: under its mutex. Never held
         // long by anyone (no copy runs under it), so waiting for it here,
         // GIL held or not, cannot deadlock.
@@ -164,7 +163,8 @@ impl StoreReader {
         py: Python<'_>,
         f: impl FnOnce(&pinshm::StoreReader) -> R + Send,
     ) -> PyResult<R> {
-        Ok(locked_shared(py, &self.shared()?.reader, f))
+        let shared = self.shared()?;
+        locked_shared(py, &shared.home, &shared.reader, f)
     }
 
     fn wrap(r: pinshm::StoreReader) -> Self {
@@ -172,8 +172,7 @@ impl StoreReader {
             index: r.index(),
             name: r.name().to_owned(),
             shared: Some(Arc::new(Shared {
-                pid: std::process::id(),
-                name: r.name().to_owned(),
+                home: Home::new(r.name()),
                 reader: Mutex::new(r),
             })),
         }

@@ -7,7 +7,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
-use crate::{closed, locked, to_py};
+use crate::{closed, locked, to_py, Home};
 
 /// From this size on, a copy runs with the GIL released: below it, the
 /// release and re-acquire would cost more than the copy.
@@ -17,7 +17,7 @@ pub(crate) const RELEASE_GIL_AT: usize = 64 << 10;
 #[pyclass(module = "pinshm")]
 pub(crate) struct ObjectStore {
     inner: Mutex<Option<pinshm::ObjectStore>>,
-    name: String,
+    home: Home,
 }
 
 impl ObjectStore {
@@ -27,10 +27,12 @@ impl ObjectStore {
         release_gil: bool,
         f: impl FnOnce(&mut pinshm::ObjectStore) -> R + Send,
     ) -> PyResult<R> {
-        locked(py, &self.inner, release_gil, |s| match s.as_mut() {
-            Some(s) => Ok(f(s)),
-            None => Err(closed("ObjectStore")),
-        })
+        locked(py, &self.home, &self.inner, release_gil, |s| {
+            match s.as_mut() {
+                Some(s) => Ok(f(s)),
+                None => Err(closed("ObjectStore")),
+            }
+        })?
     }
 }
 
@@ -58,7 +60,7 @@ impl ObjectStore {
             .allow_threads(|| pinshm::ObjectStore::create(cfg))
             .map_err(to_py)?;
         Ok(ObjectStore {
-            name: store.name().to_owned(),
+            home: Home::new(store.name()),
             inner: Mutex::new(Some(store)),
         })
     }
@@ -182,20 +184,23 @@ impl ObjectStore {
     /// The segment's name in /dev/shm.
     #[getter]
     fn name(&self) -> &str {
-        &self.name
+        &self.home.name
     }
 
     /// Whether `close()` has run.
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
-        locked(py, &self.inner, false, |s| s.is_none())
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
+        locked(py, &self.home, &self.inner, false, |s| s.is_none())
     }
 
     /// Closes the store and unlinks its segment (readers already attached
-    /// keep their mapping). Closing twice does nothing.
+    /// keep their mapping). Closing twice does nothing, and so does closing
+    /// in a forked child (the store is the parent's).
     fn close(&self, py: Python<'_>) {
         // Unmapping a large segment takes a while: no GIL.
-        let store = locked(py, &self.inner, false, Option::take);
+        let Ok(store) = locked(py, &self.home, &self.inner, false, Option::take) else {
+            return;
+        };
         py.allow_threads(|| drop(store));
     }
 
@@ -210,6 +215,6 @@ impl ObjectStore {
     }
 
     fn __repr__(&self) -> String {
-        format!("ObjectStore(name={:?})", self.name)
+        format!("ObjectStore(name={:?})", self.home.name)
     }
 }

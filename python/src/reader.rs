@@ -146,16 +146,22 @@ fn copy(py: Python<'_>, src: &[u8], dst: &mut [u8]) {
 }
 
 /// One reader of a store, attached into a reader slot until closed.
-#[pyclass(module = "pinshm")]
+/// Frozen: a call with the GIL released (a large copy) holds a clone of
+/// the `Arc`, never a borrow of this object, so `close()` from another
+/// thread meanwhile works (the call finishes on its clone).
+#[pyclass(module = "pinshm", frozen)]
 pub(crate) struct StoreReader {
-    shared: Option<Arc<Shared>>,
+    /// Locked only to clone or take the `Arc`, never across a call.
+    shared: Mutex<Option<Arc<Shared>>>,
     index: u32,
     name: String,
 }
 
 impl StoreReader {
-    fn shared(&self) -> PyResult<&Arc<Shared>> {
-        self.shared.as_ref().ok_or_else(|| closed("StoreReader"))
+    fn shared(&self) -> PyResult<Arc<Shared>> {
+        lock(&self.shared)
+            .clone()
+            .ok_or_else(|| closed("StoreReader"))
     }
 
     fn with<R: Send>(
@@ -171,10 +177,10 @@ impl StoreReader {
         StoreReader {
             index: r.index(),
             name: r.name().to_owned(),
-            shared: Some(Arc::new(Shared {
+            shared: Mutex::new(Some(Arc::new(Shared {
                 home: Home::new(r.name()),
                 reader: Mutex::new(r),
-            })),
+            }))),
         }
     }
 }
@@ -205,7 +211,7 @@ impl StoreReader {
     /// A zero-copy view of the object: a `ReadGuard` exporting its bytes
     /// through the buffer protocol, holding the slot until released.
     fn get(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<ReadGuard> {
-        let held = Held::new(py, self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0)?;
         Ok(ReadGuard {
             handle: handle.0,
             len: held.len,
@@ -242,7 +248,7 @@ impl StoreReader {
         py: Python<'py>,
         handle: ObjectHandle,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let held = Held::new(py, self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0)?;
         let out = PyBytes::new_with(py, held.len, |dst| {
             copy(py, held.bytes(), dst);
             Ok(())
@@ -261,7 +267,7 @@ impl StoreReader {
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let mut out = Buffer::writable(buffer)?;
-        let held = Held::new(py, self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0)?;
         let src = held.bytes();
         let dst = out.as_mut_slice();
         if dst.len() < src.len() {
@@ -311,8 +317,8 @@ impl StoreReader {
 
     /// Detaches. Guards still held keep the reader attached until the last
     /// is released. Closing twice does nothing.
-    fn close(&mut self, py: Python<'_>) {
-        let shared = self.shared.take();
+    fn close(&self, py: Python<'_>) {
+        let shared = lock(&self.shared).take();
         py.allow_threads(|| drop(shared));
     }
 
@@ -321,7 +327,7 @@ impl StoreReader {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
         self.close(py);
         false
     }

@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -239,3 +240,33 @@ def test_one_reader_used_from_two_threads_reads_every_object(store, reader):
         t.join()
     assert errors == []
     gc.collect()
+
+
+def test_closing_a_reader_while_another_thread_is_inside_a_copy_on_it_works(
+    unique_name, closing
+):
+    mib = 1 << 20
+    store = closing(pinshm.ObjectStore(64 * mib, 32 * mib, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("big", bytes(32 * mib))
+    store.protect("big")  # never freed by the reads below
+    ended = []
+
+    def copy_until_closed():
+        # Copies of 32 MiB run with the GIL released: the main thread's
+        # close() lands while one is in flight.
+        try:
+            while True:
+                reader.get_copy_into(h, buf)
+        except ValueError as e:
+            ended.append(str(e))
+
+    buf = bytearray(32 * mib)
+    t = threading.Thread(target=copy_until_closed, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    reader.close()  # not RuntimeError('Already borrowed')
+    t.join(30)
+    assert ended and "closed" in ended[0]
+    with reader:  # __exit__ closes again: nothing
+        pass

@@ -109,7 +109,9 @@ class ReadGuard:
     raises BufferError while an export (or an object keeping its
     `view.obj`) is alive. In a child forked after the guard was made,
     reading it (`bytes`, new exports) raises PinshmError; exports made
-    before the fork are not protected there."""
+    before the fork are not protected there. A `with` block left by an
+    exception never raises BufferError from `__exit__`: it drops the
+    guard's hold and lets live exports keep the read."""
 
     @property
     def handle(self) -> ObjectHandle: ...

@@ -380,6 +380,14 @@ impl ReadGuard {
     }
 }
 
+impl ReadGuard {
+    /// Drops the guard's own hold, whatever exports remain (they keep the
+    /// read until they go).
+    fn drop_hold(&self) {
+        drop(lock(&self.held).take());
+    }
+}
+
 #[pymethods]
 impl ReadGuard {
     /// The handle this guard reads.
@@ -443,9 +451,23 @@ impl ReadGuard {
         slf
     }
 
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
-        self.release(py)?;
+    /// Releases the read. Leaving the block by an exception never raises
+    /// here (that exception goes on, not replaced by a BufferError): the
+    /// guard's hold is dropped, and exports still alive keep the read until
+    /// they go.
+    #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if exc_type.is_some_and(|t| !t.is_none()) {
+            self.drop_hold();
+        } else {
+            self.release(py)?;
+        }
         Ok(false)
     }
 

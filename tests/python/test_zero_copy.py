@@ -258,3 +258,16 @@ def test_a_tensor_array_whose_guard_export_was_released_early_still_holds_the_re
     del obj
     gc.collect()
     store.put("after", bytes(16 * KIB))
+
+
+def test_an_exception_leaving_a_with_block_while_a_view_lives_is_not_replaced(store, reader):
+    h = store.put("a", b"abc")
+    with pytest.raises(KeyError, match="mine"):
+        with reader.get(h) as g:
+            mv = memoryview(g)
+            raise KeyError("mine")
+    assert g.released  # the guard's own hold is gone ...
+    assert mv.tobytes() == b"abc"  # ... the view still holds the read
+    assert store.free_unused() == 0
+    mv.release()
+    assert store.free_unused() == 1  # acknowledged when the view went

@@ -2,7 +2,8 @@
 //! Messages are received as `bytes` (a copy: messages are small; a
 //! zero-copy view of the slot is not bound yet).
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -16,6 +17,35 @@ use crate::{closed, locked, to_py, Home};
 /// A blocking call waits in steps this long, GIL released, and checks for
 /// signals (Ctrl-C) between steps.
 const STEP: Duration = Duration::from_millis(100);
+
+/// The thread that ran the interpreter's `atexit` callbacks, once they ran:
+/// the interpreter is shutting down.
+static EXITING: OnceLock<ThreadId> = OnceLock::new();
+
+/// Registered with `atexit` at module init: from now on, a wait in any
+/// other thread (a daemon thread blocked in `recv` or `send`) never retakes
+/// the GIL. During finalization retaking it ends the thread with a forced
+/// unwind through Rust frames, which aborts the process ("FATAL: exception
+/// not rethrown", exit 134).
+#[pyfunction]
+pub(crate) fn at_exit() {
+    let _ = EXITING.set(std::thread::current().id());
+}
+
+/// Called with the GIL released after each wait step: in a thread other
+/// than the exiting one, once the interpreter is exiting, sleeps until the
+/// process ends (whatever the step got is dropped: nobody is left to use
+/// it). The step has returned, so no mutex is held meanwhile.
+fn stay_out_if_exiting() {
+    if EXITING
+        .get()
+        .is_some_and(|&t| t != std::thread::current().id())
+    {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
 
 fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
@@ -44,7 +74,12 @@ fn wait_loop<R: Send>(
             Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),
             None => STEP,
         };
-        match py.allow_threads(|| step(d))? {
+        let r = py.allow_threads(|| {
+            let r = step(d);
+            stay_out_if_exiting();
+            r
+        });
+        match r? {
             Ok(r) => return Ok(r),
             Err(pinshm::Error::Timeout { detail, .. }) => {
                 if let (Some(end), Some(t)) = (deadline, timeout) {

@@ -183,5 +183,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
+    py.import("atexit")?
+        .call_method1("register", (wrap_pyfunction!(channel::at_exit, m)?,))?;
     Ok(())
 }

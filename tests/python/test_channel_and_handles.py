@@ -2,6 +2,8 @@
 
 import builtins
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +73,44 @@ def test_handles_pickle_and_compare_equal(unique_name, closing, proto):
     assert h == pinshm.ObjectHandle(h.address, h.monotonic_id, h.epoch)
     assert repr(h).startswith("ObjectHandle(address=")
     assert {h, pinshm.ObjectHandle(h.address, h.monotonic_id, h.epoch)} == {h}
+
+
+_EXIT_WITH_BLOCKED_DAEMONS = r"""
+import sys, threading, time
+import pinshm
+
+b = pinshm.Broadcast(1, 2, 64, name=sys.argv[1] + "-one")
+r = pinshm.BroadcastReader.attach(b.handle(), 0)
+full = pinshm.Broadcast(1, 2, 64, name=sys.argv[1] + "-two")
+stuck = pinshm.BroadcastReader.attach(full.handle(), 0)
+full.send(b"1")
+full.send(b"2")
+threading.Thread(target=r.recv, daemon=True).start()
+threading.Thread(target=lambda: full.send(b"3"), daemon=True).start()
+time.sleep(0.3)
+
+
+class SlowToFinalize:
+    # Stands for a large program's slow teardown: the daemon threads' waits
+    # end (100 ms steps) while the interpreter is finalizing.
+    def __del__(self):
+        time.sleep(0.5)
+
+
+slow = SlowToFinalize()
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_daemon_threads_wait_in_recv_and_send(
+    unique_name,
+):
+    for _ in range(3):
+        p = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITH_BLOCKED_DAEMONS, unique_name()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == "exiting\n"

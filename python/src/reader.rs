@@ -221,7 +221,8 @@ impl StoreReader {
 
     /// A tensor (put by `put_tensor`, here or in Rust) as a read-only numpy
     /// array over the slot, with no copy. The array holds the read (its
-    /// base is a view of a `ReadGuard`) until it is garbage collected.
+    /// base is a memoryview of a `ReadGuard`'s export, whose `view.obj`
+    /// holds the read) until it is garbage collected.
     fn get_tensor<'py>(
         &self,
         py: Python<'py>,
@@ -234,11 +235,16 @@ impl StoreReader {
         kwargs.set_item("dtype", dtype)?;
         kwargs.set_item("count", layout.numel)?;
         kwargs.set_item("offset", layout.offset)?;
-        let array = py.import("numpy")?.call_method(
-            "frombuffer",
-            (Bound::new(py, guard)?,),
-            Some(&kwargs),
-        )?;
+        // A memoryview, not the guard itself: numpy keeps what it is given
+        // as the array's base, and a memoryview keeps its export (and so
+        // the read) whatever numpy does with the buffer it gets.
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((Bound::new(py, guard)?,))?;
+        let array = py
+            .import("numpy")?
+            .call_method("frombuffer", (view,), Some(&kwargs))?;
         array.call_method1("reshape", (PyTuple::new(py, layout.shape)?,))
     }
 

@@ -3,7 +3,10 @@
 //! A Rust `ReadGuard<'r>` borrows its `StoreReader`; a Python object cannot
 //! hold a borrow. So the reader lives in an `Arc` (`Shared`), and a held
 //! read (`Held`) owns a clone of that `Arc` beside the guard, whose borrow
-//! is erased to `'static`. See `Held::new` for why that is sound.
+//! is erased to `'static`. See `Held::new` for why that is sound. A
+//! `Held` is itself shared, in an `Arc`, by the Python `ReadGuard` and by
+//! each buffer export of it (`SlotExport`, the export's `view.obj`): the
+//! read ends when the last of them goes.
 
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
@@ -34,7 +37,8 @@ struct Shared {
 /// erased, and the reader it borrows.
 struct Held {
     /// Dropped by `Drop for Held`, under the reader's mutex, before
-    /// `reader` (fields drop after `drop` returns).
+    /// `reader` (fields drop after `drop` returns); leaked, never used
+    /// again, in a forked child.
     guard: ManuallyDrop<pinshm::ReadGuard<'static>>,
     reader: Arc<Shared>,
     /// The object's bytes: `guard`'s slice, taken once at `new`.
@@ -76,7 +80,8 @@ impl Held {
             // 1. keeps the borrowed reader alive: it owns a clone of the Arc
             //    that holds it (`reader`), and drops the guard before that
             //    clone (`Drop for Held`); a leaked `Held` leaks its Arc too,
-            //    so the reference can never dangle;
+            //    and a guard leaked by `Drop for Held` (in a forked child)
+            //    is never used again, so the reference can never dangle;
             // 2. keeps it in place: the reader lives inside the Arc's heap
             //    allocation and is never moved out nor borrowed mutably
             //    (see `Shared`), so the shared borrow stays valid;

@@ -1,6 +1,7 @@
 """The broadcast channel in one process, and handles that pickle."""
 
 import builtins
+import os
 import pickle
 import subprocess
 import sys
@@ -106,11 +107,21 @@ def test_the_interpreter_exits_cleanly_while_daemon_threads_wait_in_recv_and_sen
     unique_name,
 ):
     for _ in range(3):
-        p = subprocess.run(
-            [sys.executable, "-c", _EXIT_WITH_BLOCKED_DAEMONS, unique_name()],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        name = unique_name()
+        try:
+            p = subprocess.run(
+                [sys.executable, "-c", _EXIT_WITH_BLOCKED_DAEMONS, name],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            # The channels die with the process, unclosed (that is the
+            # point): their names are ours to remove.
+            for tag in ("-one", "-two"):
+                try:
+                    os.unlink(f"/dev/shm/{name}{tag}")
+                except FileNotFoundError:
+                    pass
         assert p.returncode == 0, p.stderr
         assert p.stdout == "exiting\n"

@@ -207,18 +207,16 @@ mod shell {
             let (n, slots, size) = (cfg.n_readers, cfg.slots, cfg.slot_size as u32);
             let total = layout::total_len(n, slots, size)
                 .ok_or_else(|| Error::InvalidConfig("channel size overflows".into()))?;
-            // A dead writer's channel is replaced; another process may be
-            // replacing it too: the loop ends when one of us has the name.
-            let mut tries = 0;
-            let seg = loop {
-                match Segment::create(&name, total, true, true) {
-                    Err(Error::AlreadyExists { .. }) if cfg.name.is_some() && tries < 8 => {
-                        tries += 1;
-                        remove_if_writer_dead(&name)?;
-                    }
-                    r => break r?,
-                }
-            };
+            // A dead writer's channel is replaced, unless its writer runs.
+            let seg =
+                Segment::create_replacing(&name, total, true, true, cfg.name.is_some(), |old| {
+                    let is_channel = old.len() >= size_of::<ChannelHeader>()
+                    // SAFETY: the mapping is page aligned and at least 256 bytes.
+                    && unsafe { shm::magic(old.as_ptr()) } == layout::MAGIC;
+                    is_channel
+                        .then(String::new)
+                        .ok_or_else(|| "a broadcast channel".to_owned())
+                })?;
             // Alive from here: nobody may take this segment for abandoned.
             if !seg.try_lock(WRITER_SLOT)? {
                 return Err(Error::InUse {
@@ -226,7 +224,7 @@ mod shell {
                     detail: "another process holds its writer lock".into(),
                 });
             }
-            let nonce = random_u64();
+            let nonce = segment::random_u64() | 1;
             let header = ChannelHeader {
                 magic: layout::MAGIC,
                 version: layout::VERSION,
@@ -405,61 +403,5 @@ mod shell {
                 "broadcast writer closed"
             );
         }
-    }
-
-    /// Removes channel segment `name` if its writer is gone (nobody holds
-    /// the writer lock); refuses anything else.
-    fn remove_if_writer_dead(name: &str) -> Result<()> {
-        let seg = match Segment::open(name, false) {
-            Ok(s) => s,
-            Err(Error::NotFound { .. }) => return Ok(()),
-            // Empty: its creator is still sizing it (a live one, or it would
-            // not be empty for long); not ours to remove.
-            Err(Error::BadHeader { field: "size", .. }) => {
-                return Err(Error::InUse {
-                    name: name.to_owned(),
-                    detail: format!(
-                        "it is being created (empty); if nobody is, remove /dev/shm/{name}"
-                    ),
-                })
-            }
-            Err(e) => return Err(e),
-        };
-        let is_channel = seg.len() >= size_of::<ChannelHeader>()
-            // SAFETY: the mapping is page aligned and at least 256 bytes.
-            && unsafe { shm::magic(seg.as_ptr()) } == layout::MAGIC;
-        if !is_channel {
-            return Err(Error::InUse {
-                name: name.to_owned(),
-                detail: format!("it exists and is not a broadcast channel; remove /dev/shm/{name} if no process uses it"),
-            });
-        }
-        // Taking the dead writer's lock ourselves proves nobody holds it and
-        // keeps out anyone else replacing the same segment; we unlink only
-        // while holding it, and only if the name is still this segment's.
-        if !seg.try_lock(WRITER_SLOT)? {
-            return Err(Error::InUse {
-                name: name.to_owned(),
-                detail: "its writer is alive".into(),
-            });
-        }
-        if !seg.is_still_named() {
-            return Ok(()); // replaced meanwhile: create again
-        }
-        tracing::warn!(name, "replacing the channel of a writer that is gone");
-        let r = match Segment::unlink(name) {
-            Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(e),
-        };
-        drop(seg);
-        r
-    }
-
-    fn random_u64() -> u64 {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(crate::sys::clock::monotonic_ns());
-        h.write_u32(std::process::id());
-        h.finish() | 1
     }
 }

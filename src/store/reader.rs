@@ -182,7 +182,7 @@ impl StoreReader {
         self.me.set_hazard(k, h.monotonic_id);
         let checked = self
             .validate_slot(h, &slot, slot.id_acquire())
-            .and_then(|v| self.check_attached().map(|()| v));
+            .and_then(|v| self.check_entry().map(|()| v));
         match checked {
             Ok((data, len, kind)) => Ok(ReadGuard {
                 reader: self,
@@ -306,11 +306,16 @@ impl StoreReader {
         }
     }
 
+    /// `Err(Forked)` in a forked child, else as [`Self::check_entry`].
+    fn check_attached(&self) -> Result<()> {
+        self.check_owner()?;
+        self.check_entry()
+    }
+
     /// `Err(ReaderLeft)` if our reader entry is no longer ours: the writer
     /// marks an entry left only once the kernel has released its lock, which
     /// ours never is while we live, so this catches a scribbled table.
-    fn check_attached(&self) -> Result<()> {
-        self.check_owner()?;
+    fn check_entry(&self) -> Result<()> {
         if self.me.word() == self.word {
             Ok(())
         } else {

@@ -104,23 +104,13 @@ impl ObjectStore {
         freed
     }
 
-    /// Whether reader `i` still owes a read of `e`. In aggregate mode the
-    /// readers owe together: each counted one owes while the slot's one
-    /// counter is short of `refs` × the readers counted.
-    fn owes(&self, i: u32, e: &Entry, slot: &SlotPtr) -> bool {
-        let r = self.geo.reader(i);
-        let counted = match r.state() {
-            // Attaching: its first counted id is being chosen; wait for it
-            // (microseconds; an attacher that dies is reaped).
-            reader_state::VACANT | reader_state::ATTACHING => true,
-            reader_state::ATTACHED => self.geo.aggregate || e.id >= r.counted_from(),
-            _ => false,
-        };
-        if !counted || self.stuck(i) {
-            return false;
-        }
-        if self.geo.aggregate {
-            let readers = (0..self.geo.n_readers)
+    /// The readers that still owe a read of `e`. In aggregate mode they owe
+    /// together: each counted one owes while the slot's one counter is short
+    /// of `refs` × the readers counted (worked out once, not per reader).
+    fn owing<'a>(&'a self, e: &'a Entry, slot: SlotPtr) -> impl Iterator<Item = u32> + 'a {
+        let n = self.geo.n_readers;
+        let short = self.geo.aggregate.then(|| {
+            let readers = (0..n)
                 .filter(|&j| {
                     matches!(
                         self.geo.reader(j).state(),
@@ -129,9 +119,18 @@ impl ObjectStore {
                 })
                 .count() as u64;
             (slot.reads_acquire(0) as u64) < e.refs as u64 * readers
-        } else {
-            slot.reads_acquire(i) < e.refs
-        }
+        });
+        (0..n).filter(move |&i| {
+            let r = self.geo.reader(i);
+            let counted = match r.state() {
+                // Attaching: its first counted id is being chosen; wait for
+                // it (microseconds; an attacher that dies is reaped).
+                reader_state::VACANT | reader_state::ATTACHING => true,
+                reader_state::ATTACHED => short.is_some() || e.id >= r.counted_from(),
+                _ => false,
+            };
+            counted && !self.stuck(i) && short.unwrap_or_else(|| slot.reads_acquire(i) < e.refs)
+        })
     }
 
     /// Whether reader `i` is past the stuck-reader timeout.
@@ -167,7 +166,7 @@ impl ObjectStore {
             return false;
         }
         // A cleared object (no key) is owed nothing.
-        if e.key.is_some() && (0..self.geo.n_readers).any(|i| self.owes(i, e, &slot)) {
+        if e.key.is_some() && self.owing(e, slot).next().is_some() {
             return false;
         }
         if !e.invalid {
@@ -199,9 +198,11 @@ impl ObjectStore {
             monotonic_id: e.id,
             key: e.key.as_deref().map(str::to_owned),
             protected: e.protected,
-            unread_by: (0..self.geo.n_readers)
-                .filter(|&i| e.key.is_some() && self.owes(i, e, &slot))
-                .collect(),
+            // A cleared object (no key) is owed nothing.
+            unread_by: match e.key {
+                Some(_) => self.owing(e, slot).collect(),
+                None => Vec::new(),
+            },
             held_by: self.holders(e.id).collect(),
         }
     }

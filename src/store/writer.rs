@@ -1,7 +1,6 @@
 //! The one writer of a store: [`ObjectStore`].
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use super::config::{ObjectHandle, StoreConfig, StoreHandle, StoreStats};
@@ -10,20 +9,12 @@ use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::Ring;
 use crate::shm::SlotPtr;
-use crate::sys::clock;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::{self, Segment};
 
 use super::mapping::Mapping;
 use super::signature::{self, Signature};
-
-fn random_u64() -> u64 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(clock::monotonic_ns());
-    h.write_u32(std::process::id());
-    h.finish()
-}
 
 fn next_epoch(e: u64) -> u64 {
     layout::slot_tag(e, 0x5eed, e, 0, 0).max(1)
@@ -121,19 +112,20 @@ impl ObjectStore {
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
         let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin_spec());
-        // A writer that died leaves its segment: replace it, unless its
-        // writer still runs. Another process may be replacing it too: the
-        // loop ends when one of us has created the name anew.
-        let mut tries = 0;
-        let seg = loop {
-            match Segment::create(&name, total, prefault, cfg.reserve) {
-                Err(Error::AlreadyExists { .. }) if cfg.name.is_some() && tries < 8 => {
-                    tries += 1;
-                    remove_if_writer_dead(&name)?;
-                }
-                r => break r?,
-            }
-        };
+        // A writer that died leaves its segment: replaced, unless its
+        // writer still runs.
+        let seg = Segment::create_replacing(
+            &name,
+            total,
+            prefault,
+            cfg.reserve,
+            cfg.name.is_some(),
+            |old| {
+                validate_header(old, &name)
+                    .map(|geo| format!(" (pid {})", geo.header().writer_pid()))
+                    .map_err(|e| format!("a usable pinshm segment ({e})"))
+            },
+        )?;
         // The lock before the stamp: whoever sees the magic sees a writer
         // whose death the kernel will report.
         if !seg.try_lock(liveness::WRITER_SLOT)? {
@@ -155,7 +147,7 @@ impl ObjectStore {
             flags,
         );
         let secret = signature::new_secret()?;
-        let nonce = random_u64();
+        let nonce = segment::random_u64();
         let epoch = next_epoch(nonce);
         let header = SegmentHeader {
             magic: layout::MAGIC,
@@ -655,49 +647,4 @@ impl Drop for ObjectStore {
         // Copies still in flight into slots keep the mapping alive by
         // themselves (the engine holds it), so nothing here waits for them.
     }
-}
-
-/// Removes segment `name` if it is a pinshm segment whose writer is dead.
-fn remove_if_writer_dead(name: &str) -> Result<()> {
-    let seg = match Segment::open(name, false) {
-        Ok(s) => s,
-        Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
-        // Empty: its creator is still sizing it (a live one, or it would
-        // not be empty for long); not ours to remove.
-        Err(Error::BadHeader { field: "size", .. }) => {
-            return Err(Error::InUse {
-                name: name.to_owned(),
-                detail: format!(
-                    "it is being created (empty); if nobody is, remove /dev/shm/{name}"
-                ),
-            })
-        }
-        Err(e) => return Err(e),
-    };
-    let geo = validate_header(&seg, name).map_err(|e| Error::InUse {
-        name: name.to_owned(),
-        detail: format!("it exists and is not a usable pinshm segment ({e}); remove /dev/shm/{name} if no process uses it"),
-    })?;
-    let pid = geo.header().writer_pid();
-    // Taking the dead writer's lock ourselves both proves that no writer
-    // holds it and keeps out anyone else replacing the same segment.
-    if !seg.try_lock(liveness::WRITER_SLOT)? {
-        return Err(Error::InUse {
-            name: name.to_owned(),
-            detail: format!("its writer (pid {pid}) is alive: it holds the writer lock"),
-        });
-    }
-    if !seg.is_still_named() {
-        // Replaced (or removed) meanwhile by someone else: create again.
-        return Ok(());
-    }
-    tracing::warn!(name, pid, "replacing the segment of a writer that is gone");
-    // Unlinked while we hold its lock: nobody else can be unlinking a
-    // newer segment of the name on the strength of this one's death.
-    let r = match Segment::unlink(name) {
-        Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
-        Err(e) => Err(e),
-    };
-    drop(seg);
-    r
 }

@@ -261,6 +261,99 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// Creates `name` as [`Segment::create`] does; with `replace`, a
+    /// segment of that name whose writer is gone is replaced first. "Gone"
+    /// is decided by the writer's liveness lock (`liveness::WRITER_SLOT`),
+    /// and `recognise` must accept the old segment as one of ours (it
+    /// returns how to name its writer in messages, e.g. " (pid 12)", or
+    /// what it is not). Several
+    /// processes may replace the same dead segment at once: exactly one
+    /// creates the name anew, the others get `InUse`.
+    pub fn create_replacing(
+        name: &str,
+        len: usize,
+        prefault: bool,
+        reserve_pages: bool,
+        replace: bool,
+        recognise: impl Fn(&Segment) -> std::result::Result<String, String>,
+    ) -> Result<Segment> {
+        let mut tries = 0;
+        loop {
+            match Segment::create(name, len, prefault, reserve_pages) {
+                Err(Error::AlreadyExists { .. }) if replace && tries < 8 => {
+                    tries += 1;
+                    remove_if_abandoned(name, &recognise)?;
+                }
+                r => return r,
+            }
+        }
+    }
+}
+
+/// Removes segment `name` if `recognise` accepts it and nobody holds its
+/// writer lock; `Ok` also when it went (or was replaced) meanwhile, so the
+/// caller creates again.
+fn remove_if_abandoned(
+    name: &str,
+    recognise: &impl Fn(&Segment) -> std::result::Result<String, String>,
+) -> Result<()> {
+    let in_use = |detail: String| Error::InUse {
+        name: name.to_owned(),
+        detail,
+    };
+    let seg = match Segment::open(name, false) {
+        Ok(s) => s,
+        Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
+        // Empty: its creator is still sizing it (a live one, or it would
+        // not be empty for long); not ours to remove.
+        Err(Error::BadHeader { field: "size", .. }) => {
+            return Err(in_use(format!(
+                "it is being created (empty); if nobody is, remove /dev/shm/{name}"
+            )))
+        }
+        Err(e) => return Err(e),
+    };
+    let label = recognise(&seg).map_err(|why| {
+        in_use(format!(
+            "it exists and is not {why}; remove /dev/shm/{name} if no process uses it"
+        ))
+    })?;
+    // Taking the dead writer's lock ourselves both proves that no writer
+    // holds it and keeps out anyone else replacing the same segment.
+    if !seg.try_lock(liveness::WRITER_SLOT)? {
+        return Err(in_use(format!(
+            "its writer{label} is alive: it holds the writer lock"
+        )));
+    }
+    if !seg.is_still_named() {
+        return Ok(()); // replaced (or removed) meanwhile: create again
+    }
+    tracing::warn!(
+        name,
+        label,
+        "replacing the segment of a writer that is gone"
+    );
+    // Unlinked while we hold its lock: nobody else can be unlinking a newer
+    // segment of the name on the strength of this one's death.
+    let r = match Segment::unlink(name) {
+        Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e),
+    };
+    drop(seg);
+    r
+}
+
+/// 64 random bits, for segment nonces (not for secrets: see the store's
+/// signing key, which comes from the OS's generator).
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(crate::sys::clock::monotonic_ns());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
         if self.owner.load(Ordering::Relaxed) && fork::current() == self.fork_gen {

@@ -182,3 +182,43 @@ fn a_reader_attaches_by_name_alone() {
         Err(Error::NotFound { .. })
     ));
 }
+
+#[test]
+fn lookup_and_keys_count_no_read_and_peek_reads_the_writers_own_bytes() {
+    let name = Name::new("peek");
+    let mut w = store(&name, 2, 1, true);
+    let _r = StoreReader::attach_as(&w.handle(), 0).unwrap();
+    let a = w.put("a", &pattern(1, LEN)).unwrap();
+    let b = w.put("b", &pattern(2, 100)).unwrap();
+    assert_eq!((w.lookup("a"), w.lookup("zz")), (Some(a), None));
+    let mut keys: Vec<_> = w.keys().collect();
+    keys.sort_by_key(|&(k, _)| k);
+    assert_eq!(keys, vec![("a", a), ("b", b)]);
+    assert_eq!((w.len(), w.is_empty()), (2, false));
+    assert_eq!(w.peek(a).unwrap(), &pattern(1, LEN)[..]);
+    assert_eq!(w.peek(b).unwrap(), &pattern(2, 100)[..]);
+    // Peeks and lookups count nothing: both still wait for their reads.
+    assert_eq!(w.free_unused(), 0);
+    for bad in [
+        pinshm::ObjectHandle {
+            monotonic_id: a.monotonic_id + 7,
+            ..a
+        },
+        pinshm::ObjectHandle {
+            address: b.address,
+            ..a
+        },
+        pinshm::ObjectHandle {
+            epoch: a.epoch ^ 1,
+            ..a
+        },
+    ] {
+        assert!(w.peek(bad).unwrap_err().is_stale(), "{bad:?}");
+    }
+    // A soft clear keeps the bytes readable until the slot is reused.
+    w.clear();
+    assert_eq!((w.len(), w.lookup("a")), (0, None));
+    assert_eq!(w.peek(a).unwrap(), &pattern(1, LEN)[..]);
+    w.clear_hard();
+    assert!(w.peek(a).unwrap_err().is_stale());
+}

@@ -303,6 +303,14 @@ impl StoreReader {
         self.with(py, |r| r.validate(handle.0))?.map_err(to_py)
     }
 
+    /// The segment's current epoch: every handle issued since the last hard
+    /// clear carries it, so a handle known only by address and id (as vLLM
+    /// sends them) is rebuilt with it.
+    #[getter]
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |r| r.epoch())
+    }
+
     /// Whether `signature` signs `key` at `handle` with this store's secret.
     fn verify(
         &self,

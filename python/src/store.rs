@@ -114,6 +114,34 @@ impl ObjectStore {
         self.with(py, false, |s| s.touch(key))?.map_err(to_py)
     }
 
+    /// The handle of `key`, counting no reference, or None (vLLM's
+    /// `key_index[key]`).
+    fn lookup(&self, py: Python<'_>, key: &str) -> PyResult<Option<ObjectHandle>> {
+        Ok(self.with(py, false, |s| s.lookup(key))?.map(ObjectHandle))
+    }
+
+    /// Every stored `(key, handle)`, in no particular order.
+    fn keys(&self, py: Python<'_>) -> PyResult<Vec<(String, ObjectHandle)>> {
+        self.with(py, false, |s| {
+            s.keys()
+                .map(|(k, h)| (k.to_owned(), ObjectHandle(h)))
+                .collect()
+        })
+    }
+
+    /// How many keys are stored.
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, false, |s| s.len())
+    }
+
+    /// A copy of the bytes of `handle`, read by the writer itself: no read
+    /// is counted (vLLM's writer-side `get`). StaleError if `handle` is not
+    /// a live object of this store.
+    fn peek<'py>(&self, py: Python<'py>, handle: ObjectHandle) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.with(py, false, |s| s.peek(handle.0).map(<[u8]>::to_vec))?;
+        Ok(PyBytes::new(py, &bytes.map_err(to_py)?))
+    }
+
     /// Protects `key` from eviction until its next `get_cached` or
     /// `release_protections()` (vLLM 0.33's writer `touch`).
     fn protect(&self, py: Python<'_>, key: &str) -> PyResult<()> {

@@ -166,6 +166,13 @@ impl StoreReader {
         self.map.seg().name()
     }
 
+    /// The segment's current epoch, which every handle issued since the
+    /// last hard clear carries (a handle known only by address and id, as
+    /// vLLM sends them, is rebuilt with it).
+    pub fn epoch(&self) -> u64 {
+        self.geo.header().epoch()
+    }
+
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
         self.map.is_pinned()

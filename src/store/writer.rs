@@ -404,6 +404,55 @@ impl ObjectStore {
         self.index.contains_key(key)
     }
 
+    /// The handle of `key`, counting nothing (vLLM's `key_index[key]`).
+    pub fn lookup(&self, key: &str) -> Option<ObjectHandle> {
+        self.index.get(key).copied()
+    }
+
+    /// Every stored key with its handle, in no particular order.
+    pub fn keys(&self) -> impl ExactSizeIterator<Item = (&str, ObjectHandle)> + '_ {
+        self.index.iter().map(|(k, h)| (&**k, *h))
+    }
+
+    /// How many keys are stored.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether no key is stored.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The bytes of `h` as the writer sees them (vLLM's writer-side `get`),
+    /// counting no read. A handle from before a soft [`clear`](Self::clear)
+    /// reads until its slot is reused, as a reader's would; anything that
+    /// is not a published object of this store is [`Error::Stale`].
+    pub fn peek(&self, h: ObjectHandle) -> Result<&[u8]> {
+        let stale = || Error::Stale {
+            address: h.address,
+            monotonic_id: h.monotonic_id,
+        };
+        if h.epoch != self.epoch {
+            return Err(stale());
+        }
+        let span = self
+            .ring
+            .find_by(h.monotonic_id, |e| e.id)
+            .ok_or_else(stale)?;
+        let e = &span.value;
+        if span.pos % self.geo.capacity != h.address || e.pending.is_some() || e.invalid {
+            return Err(stale());
+        }
+        let (_, payload) = self.slot_and_payload(h.address, e.size);
+        // SAFETY: the slot is live in this writer's ring and published (found
+        // above, no copy pending, not invalidated), so its `size` bytes are
+        // written and stay so while `&self` is borrowed: only this writer
+        // rewrites or reclaims slots, through `&mut self`, and readers never
+        // write a payload. The mapping lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(payload, e.size as usize) })
+    }
+
     /// The handle of `key`, counting one more expected read per reader (the
     /// object then needs one more read from each reader before it can go).
     /// Ends a [`protect`](Self::protect) of the key.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: the Rust tests, then the Python package built into a
 # throw-away virtualenv and its pytest suite. Needs the Rust toolchain and
-# python3 (3.9 or newer, with venv); fetches maturin, pytest and numpy from
+# python3 (3.9 or newer, with venv); fetches maturin, pytest, msgpack and numpy from
 # PyPI into target/pyenv. Arguments go to pytest (e.g. ./test.sh -k channel).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,6 +19,7 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 python -m pip install --quiet --disable-pip-version-check \
   "maturin==1.16.0" \
   "pytest==8.4.2" \
+  "msgpack>=1.0,<2" \
   "numpy==2.0.2; python_version < '3.10'" \
   "numpy==2.2.6; python_version == '3.10'" \
   "numpy==2.3.5; python_version >= '3.11'"

@@ -222,3 +222,29 @@ fn lookup_and_keys_count_no_read_and_peek_reads_the_writers_own_bytes() {
     w.clear_hard();
     assert!(w.peek(a).unwrap_err().is_stale());
 }
+
+#[test]
+fn a_reader_leaves_a_sparse_segment_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    let name = Name::new("sparse");
+    let cap = 64 << 20;
+    let mut w = ObjectStore::create(
+        StoreConfig::new(cap, LEN, 1)
+            .name(&*name)
+            .reserve(false)
+            .prefault(false)
+            .aggregate_reads(true),
+    )
+    .unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w.put("a", &pattern(3, LEN)).unwrap();
+    assert_eq!(&*r.get(h).unwrap(), &pattern(3, LEN)[..]);
+    let taken = std::fs::metadata(format!("/dev/shm/{}", &*name))
+        .unwrap()
+        .blocks()
+        * 512;
+    assert!(
+        taken < (cap / 8) as u64,
+        "{taken} bytes of a sparse {cap}-byte ring allocated"
+    );
+}

@@ -73,6 +73,9 @@ class ObjectStore:
         n_readers: int,
         name: Optional[str] = None,
         aggregate_reads: bool = False,
+        *,
+        reserve: bool = True,
+        prefault: bool = True,
     ) -> None: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_tensor(self, key: str, array: Any) -> ObjectHandle: ...

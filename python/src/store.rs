@@ -41,7 +41,17 @@ impl ObjectStore {
     /// Creates the store's segment (`capacity` bytes of ring, objects up to
     /// `max_object_size` bytes, `n_readers` readers) and becomes its writer.
     #[new]
-    #[pyo3(signature = (capacity, max_object_size, n_readers, name=None, aggregate_reads=false))]
+    ///
+    /// `reserve` (default true) takes every page of /dev/shm now, so a
+    /// too-small /dev/shm fails here rather than with SIGBUS later;
+    /// `prefault` (default true) also maps every page in. With both false
+    /// the segment is sparse, as Python's `SharedMemory` makes it (and is
+    /// then never pinned).
+    #[pyo3(signature = (
+        capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
+        *, reserve=true, prefault=true
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         capacity: usize,
@@ -49,9 +59,13 @@ impl ObjectStore {
         n_readers: u32,
         name: Option<String>,
         aggregate_reads: bool,
+        reserve: bool,
+        prefault: bool,
     ) -> PyResult<Self> {
         let mut cfg = pinshm::StoreConfig::new(capacity, max_object_size, n_readers)
-            .aggregate_reads(aggregate_reads);
+            .aggregate_reads(aggregate_reads)
+            .reserve(reserve)
+            .prefault(prefault);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

@@ -195,7 +195,9 @@ impl ReaderOptions {
         }
     }
 
-    /// Fault the mapping in at attach (default true).
+    /// Fault the mapping in at attach (default true). A sparse segment (a
+    /// writer made with `reserve(false)`) is never pre-faulted by a reader:
+    /// faulting its holes would allocate every page.
     pub fn prefault(mut self, yes: bool) -> Self {
         self.prefault = yes;
         self

@@ -28,16 +28,16 @@ pub(crate) fn prefault_at_map(prefault: bool, spec: PinSpec) -> bool {
 
 impl Mapping {
     /// Pins `seg` by `spec` (`reserved`: every page of it is allocated),
-    /// then pre-faults it if `prefault` was asked for, it was mapped
-    /// without (see [`prefault_at_map`]) and it was not pinned.
+    /// then pre-faults it if `prefault_after` (pre-faulting was asked for
+    /// and not done at map time) and it was not pinned.
     pub(crate) fn new(
         seg: Segment,
         spec: PinSpec,
         reserved: bool,
-        prefault: bool,
+        prefault_after: bool,
     ) -> Result<Arc<Mapping>> {
         let pinned = pin::pin(seg.as_ptr(), seg.len(), spec, reserved)?;
-        if pinned.is_none() && prefault && !prefault_at_map(prefault, spec) {
+        if pinned.is_none() && prefault_after {
             seg.prefault();
         }
         Ok(Arc::new(Mapping { pinned, seg }))

@@ -106,11 +106,12 @@ impl StoreReader {
     /// Attaches with explicit options.
     pub fn attach_with(sh: &StoreHandle, opts: ReaderOptions) -> Result<StoreReader> {
         let fork_gen = fork::register();
-        let prefault = super::mapping::prefault_at_map(opts.prefault, opts.pin_spec());
-        let (seg, geo) = open_validated(sh, prefault)?;
+        // Mapped without pre-faulting: a sparse segment (a writer's choice)
+        // stays sparse, since faulting a hole of a shared file allocates it.
+        let (seg, geo) = open_validated(sh, false)?;
         // Pinned before an entry is taken, so a failure gives nothing back.
         let reserved = seg.is_reserved();
-        let map = Mapping::new(seg, opts.pin_spec(), reserved, opts.prefault)?;
+        let map = Mapping::new(seg, opts.pin_spec(), reserved, opts.prefault && reserved)?;
         let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {

@@ -176,7 +176,7 @@ impl ObjectStore {
         geo.header().stamp();
         // The writer knows whether it reserved the pages.
         let reserved = cfg.reserve;
-        let map = Mapping::new(seg, cfg.pin_spec(), reserved, cfg.prefault)?;
+        let map = Mapping::new(seg, cfg.pin_spec(), reserved, cfg.prefault && !prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,

@@ -1,0 +1,570 @@
+"""Drop-in replacements for the classes of vLLM 0.33.0's
+``vllm.distributed.device_communicators.shm_object_storage`` that vLLM's
+shared-memory multimodal cache (``vllm.multimodal.cache.shm``) uses,
+backed by a pinshm store.
+
+Same constructors, methods, return values, exception types and messages as
+vLLM's; what differs underneath:
+
+- The ring, the key index and the read accounting live in Rust. Reads are
+  counted by one atomic counter per object (pinshm's aggregate mode, the
+  accounting vLLM uses), not under ``reader_lock``: the lock readers must
+  still pass is never taken.
+- Readers read the slot in place and acknowledge when the serde is done
+  with it; a reader that dies stops counting towards what an object owes.
+- The segment is reserved (and, with CUDA, pinned) at creation: a
+  /dev/shm too small fails then, not with SIGBUS later. Set
+  ``PINSHM_VLLM_RESERVE=0`` for a sparse segment, as vLLM makes.
+
+Handles on the wire
+-------------------
+vLLM passes a handle as ``(address, monotonic_id)``: ``address`` an int in
+[0, 2**64), ``monotonic_id`` in [0, 2**32). A pinshm handle is the slot's
+offset, a 64-bit id that never repeats in a segment's life, and the
+segment's epoch. The wire form is::
+
+    address      = (id >> 32) << 48 | offset     # offset < 2**48
+    monotonic_id = id & 0xFFFF_FFFF
+
+so the full id travels and no handle is ever confused with a later object
+at the same offset, however many puts a store sees (vLLM's own ids wrap at
+2**31). The epoch does not travel: the drop-in never hard-clears, so it is
+constant for a store's life and readers take it from the segment. A store
+refuses puts after 2**48 ids (about 9 years at a million puts a second),
+and rings of 2**48 bytes or more.
+
+Signatures are pinshm's: HMAC-SHA256 keyed by the segment's secret over
+SHA-256(key), the offset (u64 LE) and the id's low 32 bits (u32 LE), which
+is vLLM 0.33.0's construction over pinshm's own address. The secret never
+leaves Rust, so ``get_auth_secret()`` is not offered.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .._pinshm import ObjectHandle, ObjectStore, StaleError, StoreReader
+
+__all__ = [
+    "MsgpackSerde",
+    "ObjectSerde",
+    "ShmObjectStorageHandle",
+    "SingleWriterShmObjectStorage",
+    "SingleWriterShmRingBuffer",
+]
+
+_OFFSET_BITS = 48
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+_LOW_ID_BITS = 32
+_LOW_ID_MASK = (1 << _LOW_ID_BITS) - 1
+# Ids whose high bits fit above the offset: 2**48.
+_MAX_ID = 1 << (_LOW_ID_BITS + 64 - _OFFSET_BITS)
+# vLLM's storage counts a 4-byte in-use flag in every object's size.
+_FLAG_BYTES = 4
+_SIGNATURE_BYTES = 32
+
+_MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
+_INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
+
+
+def _stale(address: Any, monotonic_id: Any) -> StaleError:
+    return StaleError(
+        f"Data for address:id '{address}:{monotonic_id}' has been modified or is invalid."
+    )
+
+
+def to_wire(handle: ObjectHandle) -> tuple[int, int]:
+    """The ``(address, monotonic_id)`` vLLM carries for ``handle``."""
+    return (
+        (handle.monotonic_id >> _LOW_ID_BITS) << _OFFSET_BITS | handle.address,
+        handle.monotonic_id & _LOW_ID_MASK,
+    )
+
+
+def from_wire(address: Any, monotonic_id: Any, epoch: int) -> ObjectHandle:
+    """The handle vLLM's ``(address, monotonic_id)`` stands for; StaleError
+    (vLLM's message) for anything that cannot be one."""
+    if (
+        type(address) is not int
+        or type(monotonic_id) is not int
+        or not 0 <= address < 1 << 64
+        or not 0 <= monotonic_id <= _LOW_ID_MASK
+    ):
+        raise _stale(address, monotonic_id)
+    high = address >> _OFFSET_BITS
+    return ObjectHandle(address & _OFFSET_MASK, high << _LOW_ID_BITS | monotonic_id, epoch)
+
+
+class SingleWriterShmRingBuffer:
+    """The shared memory under a :class:`SingleWriterShmObjectStorage`.
+
+    vLLM makes the ring first and hands it to the storage, which knows the
+    object size limit and the reader count a pinshm store is created with;
+    so the writer's segment is created when the storage is, under the name
+    chosen here, and a reader attaches then. The raw chunk API
+    (``allocate_buf``, ``access_buf``, ``free_buf``) is not offered: the
+    ring is the store's.
+    """
+
+    def __init__(self, data_buffer_size: int, name: Optional[str] = None, create: bool = False):
+        if type(data_buffer_size) is not int or not 0 < data_buffer_size < 1 << _OFFSET_BITS:
+            raise ValueError(
+                f"data_buffer_size must be an int in [1, 2**{_OFFSET_BITS}), "
+                f"not {data_buffer_size!r}"
+            )
+        self.data_buffer_size = data_buffer_size
+        self.is_writer = bool(create)
+        self._store: Optional[ObjectStore] = None
+        self._reader: Optional[StoreReader] = None
+        if create:
+            # As multiprocessing.shared_memory names its segments.
+            self.name = name if name is not None else f"psm_{secrets.token_hex(8)}"
+        else:
+            if name is None:
+                raise ValueError("'name' can only be None if create=True")
+            if not os.path.exists(os.path.join("/dev/shm", name.lstrip("/"))):
+                raise FileNotFoundError(
+                    errno.ENOENT, "No such shared memory segment", name.lstrip("/")
+                )
+            self.name = name.lstrip("/")
+
+    def _open_writer(self, max_object_size: int, n_readers: int) -> ObjectStore:
+        if self._store is None:
+            sparse = os.environ.get("PINSHM_VLLM_RESERVE", "1") == "0"
+            self._store = ObjectStore(
+                self.data_buffer_size,
+                max_object_size,
+                n_readers,
+                name=self.name,
+                aggregate_reads=True,
+                reserve=not sparse,
+                prefault=not sparse,
+            )
+        return self._store
+
+    def _open_reader(self) -> StoreReader:
+        if self._reader is None:
+            self._reader = StoreReader.attach_by_name(self.name)
+        return self._reader
+
+    def handle(self) -> tuple[int, str]:
+        return (self.data_buffer_size, self.name)
+
+    def clear(self) -> None:
+        """Forgets every object (the store's soft clear: ids keep
+        increasing, handles issued before read until their slot is reused)."""
+        assert self.is_writer, "Only the writer can clear the buffer."
+        if self._store is not None:
+            self._store.clear()
+
+    def close(self) -> None:
+        """Detaches; the writer also removes the segment. Twice is fine."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def __del__(self) -> None:
+        # A half-built object (the constructor raised) has no _store.
+        if "_store" in self.__dict__:
+            self.close()
+
+    def get_auth_secret(self) -> bytes:
+        raise NotImplementedError("pinshm keeps the handle-signing secret in Rust")
+
+    def allocate_buf(self, size: int) -> tuple[int, int]:
+        raise NotImplementedError("pinshm's ring is managed by its store: use the storage's put")
+
+    def access_buf(self, address: int):
+        raise NotImplementedError("pinshm's ring is managed by its store: use the storage's get")
+
+    def free_buf(self, is_free_fn, nbytes: Optional[int] = None):
+        raise NotImplementedError(
+            "pinshm's ring is managed by its store: use the storage's free_unused"
+        )
+
+
+class ObjectSerde:
+    """vLLM's serde interface: ``serialize(value)`` returns ``(data,
+    data_bytes, metadata, metadata_bytes)`` where ``data`` is bytes or a
+    list of buffers; ``deserialize(view)`` gets the metadata followed by the
+    data."""
+
+    def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
+        raise NotImplementedError
+
+    def deserialize(self, data: memoryview) -> Any:
+        raise NotImplementedError
+
+
+class _NumpyMsgpackSerde(ObjectSerde):
+    """The serde without vLLM: msgpack for the structure (bytes, str,
+    numbers, None, lists, dicts), numpy arrays out of band, so each array's
+    bytes are copied once into the slot and once out. Tuples come back as
+    lists. Needs the ``msgpack`` package."""
+
+    _EXT_ARRAY = 1
+
+    def __init__(self) -> None:
+        try:
+            import msgpack
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "pinshm.vllm.MsgpackSerde needs vLLM or the msgpack package "
+                "(pip install msgpack)"
+            ) from e
+        self._msgpack = msgpack
+
+    def serialize(self, value: Any) -> tuple[list, int, bytes, int]:
+        import numpy as np
+
+        buffers: list[memoryview] = []
+        offset = 0
+
+        def default(obj: Any) -> Any:
+            nonlocal offset
+            if isinstance(obj, np.ndarray):
+                if obj.dtype.hasobject:
+                    raise TypeError("arrays of Python objects cannot be stored")
+                arr = np.ascontiguousarray(obj)
+                view = memoryview(arr).cast("B") if arr.nbytes else memoryview(b"")
+                buffers.append(view)
+                spec = [arr.dtype.str, list(arr.shape), offset, arr.nbytes]
+                offset += arr.nbytes
+                return self._msgpack.ExtType(self._EXT_ARRAY, self._msgpack.packb(spec))
+            raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+        packed = self._msgpack.packb(value, default=default, use_bin_type=True)
+        metadata = struct.pack("<Q", len(packed)) + packed
+        return buffers, offset, metadata, len(metadata)
+
+    def deserialize(self, data: memoryview) -> Any:
+        import numpy as np
+
+        (length,) = struct.unpack_from("<Q", data)
+        base = 8 + length
+
+        def ext_hook(code: int, payload: bytes) -> Any:
+            if code != self._EXT_ARRAY:
+                return self._msgpack.ExtType(code, payload)
+            dtype, shape, offset, nbytes = self._msgpack.unpackb(payload)
+            start = base + offset
+            if start + nbytes > len(data):
+                raise ValueError("array runs past the object's end")
+            flat = np.frombuffer(data[start : start + nbytes], dtype=np.dtype(dtype))
+            # A copy: the caller's object outlives the read.
+            return flat.reshape(shape).copy()
+
+        return self._msgpack.unpackb(
+            data[8:base], ext_hook=ext_hook, raw=False, strict_map_key=False
+        )
+
+
+class MsgpackSerde(ObjectSerde):
+    """vLLM's ``MsgpackSerde`` (tensors and ``MultiModalKwargsItem`` by
+    msgpack with out-of-band buffers, anything else by pickle) when vLLM is
+    importable; otherwise a msgpack serde for bytes, str, numbers, numpy
+    arrays and dicts and lists of them."""
+
+    def __init__(self) -> None:
+        try:
+            from vllm.distributed.device_communicators.shm_object_storage import (
+                MsgpackSerde as _VllmSerde,
+            )
+        except ImportError:
+            self._inner: ObjectSerde = _NumpyMsgpackSerde()
+        else:
+            self._inner = _VllmSerde()
+
+    def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
+        return self._inner.serialize(value)
+
+    def deserialize(self, data: memoryview) -> Any:
+        return self._inner.deserialize(data)
+
+
+@dataclass
+class ShmObjectStorageHandle:
+    max_object_size: int
+    n_readers: int
+    ring_buffer_handle: tuple[int, str]
+    serde_class: type
+    reader_lock: Any
+
+
+class _KeyIndex(Mapping):
+    """``key -> (address, monotonic_id)``, live and read-only."""
+
+    def __init__(self, store: ObjectStore):
+        self._store = store
+
+    def __getitem__(self, key: str) -> tuple[int, int]:
+        h = self._store.lookup(key) if isinstance(key, str) else None
+        if h is None:
+            raise KeyError(key)
+        return to_wire(h)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._store.is_cached(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k, _ in self._store.keys()])
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class _IdIndex(Mapping):
+    """``monotonic_id -> key``, live and read-only (a scan per lookup)."""
+
+    def __init__(self, store: ObjectStore):
+        self._store = store
+
+    def _ids(self) -> dict[int, str]:
+        return {to_wire(h)[1]: k for k, h in self._store.keys()}
+
+    def __getitem__(self, monotonic_id: int) -> str:
+        return self._ids()[monotonic_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids())
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class SingleWriterShmObjectStorage:
+    """vLLM 0.33.0's shared-memory object storage over a pinshm store: one
+    writer process puts, ``n_readers`` reader processes get; an object
+    referenced k times (one put, k - 1 ``get_cached``) is free after
+    k × n_readers reads from any readers, oldest first."""
+
+    def __init__(
+        self,
+        max_object_size: int,
+        n_readers: int,
+        ring_buffer: SingleWriterShmRingBuffer,
+        serde_class: type = MsgpackSerde,
+        reader_lock: Any = None,
+    ):
+        self.max_object_size = max_object_size
+        self.n_readers = n_readers
+        self.serde_class = serde_class
+        self.ser_de = serde_class()
+        self.ring_buffer = ring_buffer
+        self.is_writer = ring_buffer.is_writer
+        self._reader_lock = reader_lock
+        self._store: Optional[ObjectStore] = None
+        self._reader: Optional[StoreReader] = None
+        self._epoch: Optional[int] = None
+        if self.is_writer:
+            self._store = ring_buffer._open_writer(max_object_size, n_readers)
+            self.key_index: Mapping[str, tuple[int, int]] = _KeyIndex(self._store)
+            self.id_index: Mapping[int, str] = _IdIndex(self._store)
+        else:
+            if reader_lock is None:
+                raise ValueError("Lock must be provided for readers.")
+            self._reader = ring_buffer._open_reader()
+
+    # -- the writer -----------------------------------------------------
+
+    def _writer(self) -> ObjectStore:
+        if self._store is None:
+            raise RuntimeError("only the writer can do this (or the storage is closed)")
+        return self._store
+
+    def put(self, key: str, value: Any) -> tuple[int, int]:
+        """Stores ``value`` under ``key``; returns ``(address,
+        monotonic_id)``. ValueError if the key exists or the object is too
+        large; MemoryError (pinshm.FullError) if unread objects fill the
+        ring."""
+        store = self._writer()
+        if store.is_cached(key):
+            raise ValueError(f"Key '{key}' already exists in the storage.")
+        data, data_bytes, metadata, md_bytes = self.ser_de.serialize(value)
+        buffer_size = _FLAG_BYTES + data_bytes + md_bytes
+        if buffer_size > self.max_object_size:
+            raise ValueError(
+                f"Serialized object size ({buffer_size} bytes) exceeds "
+                f"max object size ({self.max_object_size} bytes)"
+            )
+        parts = [metadata, data] if isinstance(data, (bytes, bytearray, memoryview)) else [
+            metadata,
+            *data,
+        ]
+        h = store.put(key, b"".join(parts))  # TEMP until put_parts lands
+        if h.monotonic_id >= _MAX_ID:
+            raise RuntimeError(
+                f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry"
+            )
+        self._epoch = h.epoch
+        return to_wire(h)
+
+    def is_cached(self, key: str) -> bool:
+        return self._writer().is_cached(key)
+
+    def get_cached(self, key: str) -> tuple[int, int]:
+        """The handle of ``key``, expecting one more read from each reader;
+        ends a ``touch`` protection. KeyError if absent."""
+        h = self._writer().get_cached(key)
+        if h is None:
+            raise KeyError(key)
+        return to_wire(h)
+
+    def get_signature(self, key: str) -> list[int]:
+        signature = self._writer().signature(key)
+        if signature is None:
+            raise KeyError(key)
+        return list(signature)
+
+    def release_touches(self) -> None:
+        self._writer().release_protections()
+
+    def free_unused(self) -> None:
+        self._writer().free_unused()
+
+    def clear(self) -> None:
+        if self.is_writer and self._store is not None:
+            self._store.clear()
+
+    # -- both sides -----------------------------------------------------
+
+    def _current_epoch(self) -> int:
+        if self._reader is not None:
+            return self._reader.epoch
+        # The writer's epoch is its handles'; before its first put no
+        # handle can be good.
+        return self._epoch if self._epoch is not None else 0
+
+    def _handle(self, address: Any, monotonic_id: Any) -> ObjectHandle:
+        return from_wire(address, monotonic_id, self._current_epoch())
+
+    @staticmethod
+    def _check_signature_format(key: Any, signature: Any) -> bytes:
+        if signature is None or key is None:
+            raise ValueError(_MISSING_SIGNATURE)
+        if (
+            not isinstance(signature, list)
+            or len(signature) != _SIGNATURE_BYTES
+            or any(type(b) is not int or not 0 <= b <= 255 for b in signature)
+            or not isinstance(key, str)
+        ):
+            raise ValueError(_INVALID_SIGNATURE)
+        return bytes(signature)
+
+    def verify_signature(
+        self,
+        key: Optional[str],
+        address: int,
+        monotonic_id: int,
+        signature: Optional[list[int]],
+    ) -> None:
+        """ValueError unless ``signature`` was issued for ``key`` at this
+        handle; on the writer the handle must also still be the key's."""
+        if self.is_writer and (
+            key is None or not isinstance(key, str) or self.key_index.get(key) != (
+                address,
+                monotonic_id,
+            )
+        ):
+            raise ValueError(_INVALID_SIGNATURE)
+        sig = self._check_signature_format(key, signature)
+        try:
+            h = self._handle(address, monotonic_id)
+        except StaleError:
+            raise ValueError(_INVALID_SIGNATURE) from None
+        target = self._store if self.is_writer else self._reader
+        if target is None or not target.verify(key, h, sig):
+            raise ValueError(_INVALID_SIGNATURE)
+
+    def get(
+        self,
+        address: int,
+        monotonic_id: int,
+        signature: Optional[list[int]] = None,
+        key: Optional[str] = None,
+    ) -> Any:
+        """The object at the handle, deserialized (a reader checks the
+        signature first and counts one read once the serde is done).
+        ValueError (pinshm.StaleError) with vLLM's message if the handle's
+        object is gone."""
+        if self.is_writer:
+            try:
+                data = self._writer().peek(self._handle(address, monotonic_id))
+            except StaleError:
+                raise _stale(address, monotonic_id) from None
+            return self.ser_de.deserialize(memoryview(data))
+        self.verify_signature(key, address, monotonic_id, signature)
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError("the storage is closed")
+        try:
+            guard = reader.get(self._handle(address, monotonic_id))
+        except StaleError:
+            raise _stale(address, monotonic_id) from None
+        try:
+            return self.ser_de.deserialize(memoryview(guard))
+        finally:
+            try:
+                guard.release()
+            except BufferError:
+                # The result still views the slot: the read ends (and is
+                # counted) when the last view goes.
+                pass
+
+    def touch(
+        self,
+        key: str,
+        address: int = 0,
+        monotonic_id: int = 0,
+        signature: Optional[list[int]] = None,
+    ) -> None:
+        """Writer: protects ``key`` from eviction until its next
+        ``get_cached`` or ``release_touches()``. Reader: checks the handle
+        (signature, then that its object is still there), counting nothing."""
+        if self.is_writer:
+            store = self._writer()
+            if store.is_cached(key):
+                store.protect(key)
+            return
+        self.verify_signature(key, address, monotonic_id, signature)
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError("the storage is closed")
+        try:
+            reader.validate(self._handle(address, monotonic_id))
+        except StaleError:
+            raise _stale(address, monotonic_id) from None
+
+    def close(self) -> None:
+        self._store = None
+        self._reader = None
+        self.ring_buffer.close()
+
+    def handle(self) -> ShmObjectStorageHandle:
+        return ShmObjectStorageHandle(
+            max_object_size=self.max_object_size,
+            n_readers=self.n_readers,
+            ring_buffer_handle=self.ring_buffer.handle(),
+            serde_class=self.serde_class,
+            reader_lock=self._reader_lock,
+        )
+
+    @staticmethod
+    def create_from_handle(handle: ShmObjectStorageHandle) -> "SingleWriterShmObjectStorage":
+        ring_buffer = SingleWriterShmRingBuffer(*handle.ring_buffer_handle)
+        return SingleWriterShmObjectStorage(
+            max_object_size=handle.max_object_size,
+            n_readers=handle.n_readers,
+            ring_buffer=ring_buffer,
+            serde_class=handle.serde_class,
+            reader_lock=handle.reader_lock,
+        )

@@ -1,0 +1,79 @@
+"""The vllm.general_plugins entry point: against a stand-in for vLLM's
+cache module always, and against vLLM itself where it is installed."""
+
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from pinshm.vllm import plugin, storage
+
+
+def stand_in():
+    m = types.ModuleType("fake_vllm_cache_shm")
+    for name in plugin.REBOUND:
+        setattr(m, name, object())
+    return m
+
+
+def test_register_rebinds_the_names_the_cache_looks_up_and_logs_once(caplog, monkeypatch):
+    monkeypatch.setattr(plugin, "_registered", False)
+    # vLLM's own loggers may not propagate to pytest's handler.
+    monkeypatch.setattr(plugin, "_logger", lambda: logging.getLogger("pinshm-test"))
+    m = stand_in()
+    with caplog.at_level(logging.INFO):
+        plugin.register(m)
+        plugin.register(m)  # vLLM may load plugins twice
+    for name in plugin.REBOUND:
+        assert getattr(m, name) is getattr(storage, name)
+    lines = [r for r in caplog.records if "pinshm" in r.getMessage() and "in use" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_register_refuses_a_module_that_is_not_vllm_033s():
+    m = stand_in()
+    del m.MsgpackSerde
+    with pytest.raises(RuntimeError, match="has no MsgpackSerde"):
+        plugin.register(m)
+
+
+def test_the_entry_point_is_declared():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [e.value for e in eps if e.name == "pinshm"] == ["pinshm.vllm.plugin:register"]
+
+
+PROBE = """
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())  # as vLLM's processes do
+import vllm.plugins, vllm.multimodal.cache.shm as shm
+vllm.plugins.load_general_plugins()
+print(shm.SingleWriterShmObjectStorage.__module__)
+"""
+
+
+@pytest.mark.parametrize(
+    "allow, want",
+    [
+        (None, "pinshm.vllm.storage"),
+        ("pinshm", "pinshm.vllm.storage"),
+        ("other", "vllm.distributed.device_communicators.shm_object_storage"),
+    ],
+)
+def test_vllm_loads_it_unless_vllm_plugins_leaves_it_out(allow, want):
+    pytest.importorskip("vllm")
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    if allow is not None:
+        env["VLLM_PLUGINS"] = allow
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == want
+    in_use = "pinshm" in out.stderr + out.stdout and "in use" in out.stderr + out.stdout
+    assert in_use == (want == "pinshm.vllm.storage"), out.stderr[-3000:]

@@ -1,0 +1,331 @@
+"""pinshm.vllm.storage: vLLM 0.33.0's SingleWriterShmObjectStorage API and
+semantics over a pinshm store (runs without vLLM; with vLLM installed the
+serde is vLLM's own)."""
+
+import multiprocessing as mp
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+import _vllm_workers
+import pinshm
+from pinshm.vllm import storage as S
+
+MIB = 1 << 20
+STALE = "Data for address:id '{}:{}' has been modified or is invalid."
+INVALID = "Invalid SHM handle signature for cache key."
+MISSING = "Missing SHM handle signature for cache key."
+
+
+@pytest.fixture
+def make(unique_name):
+    """make(n_readers, size, max_object) -> (writer storage, reader factory);
+    everything is closed at teardown."""
+    opened = []
+
+    def build(n_readers=1, size=4 * MIB, max_object=MIB):
+        ring = S.SingleWriterShmRingBuffer(size, name=unique_name(), create=True)
+        writer = S.SingleWriterShmObjectStorage(max_object, n_readers, ring)
+        opened.append(writer)
+
+        def reader():
+            r = S.SingleWriterShmObjectStorage.create_from_handle(
+                _with_lock(writer.handle())
+            )
+            opened.append(r)
+            return r
+
+        return writer, reader
+
+    yield build
+    for s in reversed(opened):
+        s.close()
+
+
+def _with_lock(handle):
+    handle.reader_lock = threading.Lock()
+    return handle
+
+
+def test_put_get_roundtrip_of_arrays_bytes_and_str(make):
+    w, reader = make()
+    r = reader()
+    value = {"pixels": np.arange(12, dtype=np.float32).reshape(3, 4), "b": b"xy", "s": "z"}
+    address, mid = w.put("k", value)
+    sig = w.get_signature("k")
+    got = r.get(address, mid, sig, "k")
+    np.testing.assert_array_equal(got["pixels"], value["pixels"])
+    assert got["pixels"].dtype == np.float32 and got["pixels"].shape == (3, 4)
+    assert (got["b"], got["s"]) == (b"xy", "z")
+    # The writer reads its own objects too, counting nothing.
+    np.testing.assert_array_equal(w.get(address, mid)["pixels"], value["pixels"])
+
+
+def test_wire_handles_pass_vllms_checks_and_carry_the_whole_id():
+    for offset, mid in [(0, 1), (4096, 2**32 - 1), (2**47, 2**32), (123, 2**48 - 1)]:
+        h = pinshm.ObjectHandle(offset, mid, 7)
+        address, wire_id = S.to_wire(h)
+        assert type(address) is int and 0 <= address < 2**64
+        assert type(wire_id) is int and 0 <= wire_id < 2**32
+        assert S.from_wire(address, wire_id, 7) == h
+    for bad in [(-1, 0), (2**64, 0), (0, 2**32), (0, -1), ("0", 0), (0, 1.0)]:
+        with pytest.raises(pinshm.StaleError, match="has been modified or is invalid"):
+            S.from_wire(*bad, 7)
+
+
+def test_a_reader_without_a_lock_is_refused(make):
+    w, _ = make()
+    handle = w.handle()
+    with pytest.raises(ValueError, match=r"^Lock must be provided for readers\.$"):
+        S.SingleWriterShmObjectStorage.create_from_handle(handle)
+
+
+def test_aggregate_accounting_frees_after_refs_times_readers_reads_from_anyone(make):
+    w, reader = make(n_readers=2)
+    r = reader()
+    a, i = w.put("k", b"x" * 1000)
+    sig = w.get_signature("k")
+    assert w.get_cached("k") == (a, i)  # two references: 2 x 2 reads
+    for n in range(3):
+        r.get(a, i, sig, "k")
+        w.free_unused()
+        assert w.is_cached("k"), f"freed after {n + 1} of 4 reads"
+    r.get(a, i, sig, "k")
+    w.free_unused()
+    assert not w.is_cached("k")
+
+
+def test_writer_touch_protects_until_get_cached_or_release_touches(make):
+    w, reader = make()
+    r = reader()
+    a, i = w.put("k", b"x")
+    sig = w.get_signature("k")
+    r.get(a, i, sig, "k")
+    w.touch("k")
+    w.touch("absent")  # nothing to protect: no error, as in vLLM
+    w.free_unused()
+    assert w.is_cached("k")
+    w.release_touches()
+    w.free_unused()
+    assert not w.is_cached("k")
+
+    a, i = w.put("k2", b"y")
+    r.get(a, i, w.get_signature("k2"), "k2")
+    w.touch("k2")
+    w.get_cached("k2")  # ends the protection, and expects one more read
+    r.get(a, i, w.get_signature("k2"), "k2")
+    w.free_unused()
+    assert not w.is_cached("k2")
+
+
+def test_reader_touch_validates_and_counts_nothing(make):
+    w, reader = make()
+    r = reader()
+    a, i = w.put("k", b"x")
+    sig = w.get_signature("k")
+    r.touch("k", a, i, sig)
+    w.free_unused()
+    assert w.is_cached("k"), "a touch is not a read"
+    with pytest.raises(ValueError, match=INVALID):
+        r.touch("other", a, i, sig)
+
+
+def test_stale_handles_raise_vllms_exact_message(make):
+    w, reader = make(size=64 << 10, max_object=16 << 10)
+    r = reader()
+    a, i = w.put("k", b"x" * 1000)
+    sig = w.get_signature("k")
+    r.get(a, i, sig, "k")
+    w.clear()
+    # Fill the ring until k's slot is reused.
+    for n in range(200):
+        h = w.put(f"f{n}", b"y" * 1000)
+        r.get(*h, w.get_signature(f"f{n}"), f"f{n}")
+    with pytest.raises(pinshm.StaleError) as e:
+        r.get(a, i, sig, "k")
+    assert str(e.value) == STALE.format(a, i)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ValueError) as e:
+        r.touch("k", a, i, sig)
+    assert str(e.value) == STALE.format(a, i)
+    with pytest.raises(ValueError) as e:
+        w.get(a, i)
+    assert str(e.value) == STALE.format(a, i)
+
+
+def test_soft_clear_forgets_keys_keeps_ids_and_old_handles_read(make):
+    w, reader = make()
+    r = reader()
+    a, i = w.put("k", b"old")
+    sig = w.get_signature("k")
+    w.clear()
+    assert not w.is_cached("k") and len(w.key_index) == 0
+    a2, i2 = w.put("k", b"new")
+    assert i2 > i, "ids keep increasing across a clear"
+    assert r.get(a, i, sig, "k") == b"old", "an old handle reads until its slot is reused"
+    assert r.get(a2, i2, w.get_signature("k"), "k") == b"new"
+    r.clear()  # a reader's clear does nothing
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a, i, s, k: (a, i, [s[0] ^ 1] + s[1:], k), INVALID),
+        (lambda a, i, s, k: (a, i, s, k + "x"), INVALID),
+        (lambda a, i, s, k: (a + 64, i, s, k), INVALID),
+        (lambda a, i, s, k: (a, i + 1, s, k), INVALID),
+        (lambda a, i, s, k: (a, i, s[:31], k), INVALID),
+        (lambda a, i, s, k: (a, i, s + [0], k), INVALID),
+        (lambda a, i, s, k: (a, i, [256] + s[1:], k), INVALID),
+        (lambda a, i, s, k: (a, i, bytes(s), k), INVALID),
+        (lambda a, i, s, k: (a, i, None, k), MISSING),
+        (lambda a, i, s, k: (a, i, s, None), MISSING),
+    ],
+)
+def test_signatures_refuse_anything_not_issued_for_the_key(make, mutate, message):
+    w, reader = make()
+    r = reader()
+    a, i = w.put("key", b"x")
+    w.put("key2", b"y")
+    args = mutate(a, i, w.get_signature("key"), "key")
+    for side in (r, w):
+        with pytest.raises(ValueError) as e:
+            side.verify_signature(args[3], args[0], args[1], args[2])
+        # As in vLLM, the writer checks the key's handle first.
+        want = INVALID if side is w and args[3] is None else message
+        assert str(e.value) == want
+    with pytest.raises(ValueError) as e:
+        r.get(*args)
+    assert str(e.value) == message
+    r.verify_signature("key", a, i, w.get_signature("key"))
+    w.verify_signature("key", a, i, w.get_signature("key"))
+
+
+def test_writer_verify_needs_the_keys_current_handle(make):
+    w, _ = make()
+    a, i = w.put("key", b"x")
+    sig = w.get_signature("key")
+    w.clear()
+    w.put("key", b"y")
+    with pytest.raises(ValueError, match=INVALID):
+        w.verify_signature("key", a, i, sig)
+
+
+def test_put_errors_are_vllms(make):
+    w, _ = make(size=256 << 10, max_object=64 << 10)
+    w.put("k", b"x")
+    with pytest.raises(ValueError, match=r"^Key 'k' already exists in the storage\.$"):
+        w.put("k", b"y")
+    with pytest.raises(
+        ValueError, match=r"^Serialized object size \(\d+ bytes\) exceeds max object size \(65536 bytes\)$"
+    ):
+        w.put("big", b"z" * (64 << 10))
+    with pytest.raises(MemoryError):
+        for n in range(100):  # nobody reads: the ring fills
+            w.put(f"f{n}", b"z" * (60 << 10))
+
+
+def test_key_index_is_a_live_read_only_mapping(make):
+    w, reader = make()
+    handles = {k: w.put(k, k.encode()) for k in ("a", "b", "c")}
+    assert dict(w.key_index) == handles
+    assert "a" in w.key_index and "zz" not in w.key_index and 5 not in w.key_index
+    assert len(w.key_index) == 3 and set(w.key_index.keys()) == {"a", "b", "c"}
+    # vLLM's sender does set(...) - key_index.keys().
+    assert {"a", "x"} - w.key_index.keys() == {"x"}
+    assert w.id_index[handles["b"][1]] == "b"
+    with pytest.raises(TypeError):
+        w.key_index["d"] = (0, 0)
+    with pytest.raises(KeyError):
+        w.get_cached("zz")
+    with pytest.raises(KeyError):
+        w.get_signature("zz")
+
+
+def test_the_raw_ring_api_is_not_offered_and_missing_segments_are_not_found(unique_name):
+    ring = S.SingleWriterShmRingBuffer(MIB, name=unique_name(), create=True)
+    try:
+        assert ring.is_writer and ring.handle() == (MIB, ring.name)
+        for call in (
+            lambda: ring.allocate_buf(10),
+            lambda: ring.access_buf(0),
+            lambda: ring.free_buf(lambda i, b: True),
+            ring.get_auth_secret,
+        ):
+            with pytest.raises(NotImplementedError):
+                call()
+    finally:
+        ring.close()
+    with pytest.raises(FileNotFoundError):
+        S.SingleWriterShmRingBuffer(MIB, name=unique_name(), create=False)
+    with pytest.raises(ValueError):
+        S.SingleWriterShmRingBuffer(0, create=True)
+
+
+def test_a_sparse_segment_on_request(make, monkeypatch):
+    monkeypatch.setenv("PINSHM_VLLM_RESERVE", "0")
+    w, reader = make(size=64 * MIB)
+    r = reader()
+    a, i = w.put("k", b"x")
+    assert r.get(a, i, w.get_signature("k"), "k") == b"x"
+    import os
+
+    blocks = os.stat(f"/dev/shm/{w.ring_buffer.name}").st_blocks * 512
+    assert blocks < 8 * MIB, f"{blocks} bytes taken for a sparse 64 MiB ring"
+
+
+def test_spawned_readers_read_every_byte_and_free_the_ring(make):
+    """vLLM's shape: the handle (with a multiprocessing lock) goes to worker
+    processes; the objects come back byte for byte, and once every worker
+    read them the writer can free them all."""
+    ctx = mp.get_context("spawn")
+    w, _ = make(n_readers=2, size=64 * MIB, max_object=8 * MIB)
+    rng = np.random.default_rng(5)
+    values = [
+        {"a": rng.integers(0, 255, size=n, dtype=np.uint8), "meta": f"v{n}"}
+        for n in (1, 4096, 1 << 20, 5 << 20)
+    ]
+    sent = []
+    for n, v in enumerate(values):
+        key = f"mm{n}"
+        sent.append((key, *w.put(key, v), w.get_signature(key)))
+    handle = w.handle()
+    handle.reader_lock = ctx.Lock()
+    pickle.dumps(handle.ring_buffer_handle)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_vllm_workers.read_storage, args=(handle, sent, results))
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    want = [_vllm_workers.digest(v) for v in values]
+    assert got == [want, want]
+    w.free_unused()
+    assert len(w.key_index) == 0, "every object was read by both workers"
+
+
+def test_vllms_own_serde_carries_tensors_and_multimodal_items(make):
+    """Where vLLM is installed, MsgpackSerde is vLLM's: a tensor and a
+    MultiModalKwargsItem come back equal."""
+    torch = pytest.importorskip("torch")
+    inputs = pytest.importorskip("vllm.multimodal.inputs")
+    w, reader = make()
+    r = reader()
+    assert type(w.ser_de._inner).__module__.startswith("vllm.")
+    t = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4)
+    a, i = w.put("t", t)
+    assert torch.equal(r.get(a, i, w.get_signature("t"), "t"), t)
+    elem = inputs.MultiModalFieldElem(
+        data=torch.ones(3, 5), field=inputs.MultiModalBatchedField()
+    )
+    item = inputs.MultiModalKwargsItem({"pixel_values": elem})
+    a, i = w.put("mm", item)
+    got = r.get(a, i, w.get_signature("mm"), "mm")
+    assert torch.equal(got["pixel_values"].data, torch.ones(3, 5))

@@ -77,3 +77,73 @@ def test_vllm_loads_it_unless_vllm_plugins_leaves_it_out(allow, want):
     assert out.stdout.strip().splitlines()[-1] == want
     in_use = "pinshm" in out.stderr + out.stdout and "in use" in out.stderr + out.stdout
     assert in_use == (want == "pinshm.vllm.storage"), out.stderr[-3000:]
+
+
+def test_vllms_own_cache_classes_run_on_pinshm(monkeypatch, unique_name):
+    """vLLM 0.33's ShmObjectStoreSenderCache and ShmObjectStoreReceiverCache,
+    unchanged, after register(): an item goes through the store, a hit
+    sends only a signed handle, and a forged handle is refused."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    import vllm.envs as envs
+    import vllm.multimodal.cache.shm as shm
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+    )
+
+    import vllm.v1.serial_utils as serial_utils
+
+    # vLLM's decoder pins large tensors when it thinks CUDA is there; this
+    # test runs without a GPU.
+    monkeypatch.setattr(serial_utils, "PIN_MEMORY", False)
+    for name in plugin.REBOUND:
+        monkeypatch.setattr(shm, name, getattr(shm, name))  # undone at teardown
+    plugin.register(shm)
+    monkeypatch.setattr(envs, "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", unique_name())
+    mm = types.SimpleNamespace(mm_processor_cache_gb=1 / 64, mm_shm_cache_max_object_size_mb=4)
+    cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(world_size=1),
+        model_config=types.SimpleNamespace(get_multimodal_config=lambda: mm),
+    )
+    sender = shm.ShmObjectStoreSenderCache(cfg)
+    receiver = None
+    try:
+        assert isinstance(sender._shm_cache, storage.SingleWriterShmObjectStorage)
+        receiver = shm.ShmObjectStoreReceiverCache(cfg, threading_lock())
+        pixels = torch.rand(3, 16, 16)
+        item = MultiModalKwargsItem(
+            {"pixel_values": MultiModalFieldElem(data=pixels, field=MultiModalBatchedField())}
+        )
+        sent, _ = sender.get_and_update_item((item, ["updates"]), "hash0")
+        assert set(sent) == {"address", "monotonic_id", "signature"}
+        got = receiver.get_and_update_item(sent, "hash0")
+        assert torch.equal(got["pixel_values"].data, pixels)
+        # A hit: only the handle travels again, and it reads.
+        assert sender.is_cached_item("hash0")
+        again, updates = sender.get_and_update_item(None, "hash0")
+        assert updates == ["updates"]
+        sender.validate_input_item(again, "hash0")
+        receiver.touch_receiver_cache_item("hash0", again)
+        assert torch.equal(receiver.get_and_update_item(again, "hash0")["pixel_values"].data, pixels)
+        forged = MultiModalKwargsItem(dict(again))
+        forged["signature"] = MultiModalFieldElem(
+            data=[0] * 32, field=MultiModalBatchedField()
+        )
+        with pytest.raises(ValueError, match="Invalid SHM handle signature"):
+            receiver.get_and_update_item(forged, "hash0")
+        with pytest.raises(ValueError, match="Invalid SHM handle signature"):
+            sender.validate_input_item(forged, "hash0")
+        sender.clear_cache()
+        assert not sender.is_cached_item("hash0")
+    finally:
+        if receiver is not None:
+            receiver._shm_cache.close()
+        sender.close()
+
+
+def threading_lock():
+    import threading
+
+    return threading.Lock()

@@ -13,7 +13,7 @@ use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
@@ -253,6 +253,51 @@ impl StoreReader {
         array.call_method1("reshape", (PyTuple::new(py, layout.shape)?,))
     }
 
+    /// An item (put by `put_item`, here or in Rust) as `(fields, meta)`:
+    /// `fields` a dict of name → read-only numpy array over the slot (no
+    /// copy), in the item's order; `meta` a dict of str → str (the first
+    /// value where a Rust writer repeated a key, as Rust's `meta(key)`
+    /// reads). Every array holds the read (each one's base is a memoryview
+    /// of one `ReadGuard` export, whose `view.obj` holds the read) until
+    /// the last of them is garbage collected. A bfloat16 field raises
+    /// TypeError (numpy has no such dtype): read the object with `get()`.
+    fn get_item<'py>(
+        &self,
+        py: Python<'py>,
+        handle: ObjectHandle,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let guard = self.get(py, handle)?;
+        let (fields, meta) = guard.item_fields()?;
+        let numpy = py.import("numpy")?;
+        let frombuffer = numpy.getattr("frombuffer")?;
+        // One export for every field: its memoryview is each array's base.
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((Bound::new(py, guard)?,))?;
+        let arrays = PyDict::new(py);
+        for f in fields {
+            let dtype = crate::tensor::numpy_dtype(f.layout.dtype).map_err(|e| {
+                PyTypeError::new_err(format!("item field {:?}: {}", f.name, e.value(py)))
+            })?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("dtype", dtype)?;
+            kwargs.set_item("count", f.layout.numel)?;
+            kwargs.set_item("offset", f.layout.offset)?;
+            let array = frombuffer
+                .call((&view,), Some(&kwargs))?
+                .call_method1("reshape", (PyTuple::new(py, f.layout.shape)?,))?;
+            arrays.set_item(f.name, array)?;
+        }
+        let meta_dict = PyDict::new(py);
+        for (k, v) in meta {
+            if !meta_dict.contains(&k)? {
+                meta_dict.set_item(k, v)?;
+            }
+        }
+        PyTuple::new(py, [arrays.into_any(), meta_dict.into_any()])
+    }
+
     /// A copy of the object's bytes; the read is acknowledged.
     fn get_copy<'py>(
         &self,
@@ -392,6 +437,21 @@ impl ReadGuard {
 }
 
 impl ReadGuard {
+    /// The fields and metadata of the item read (TypeError if the object
+    /// is not an item).
+    #[allow(clippy::type_complexity)]
+    fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, Vec<(String, String)>)> {
+        let held = self.hold(PyValueError::new_err)?;
+        let found = held.guard.kind();
+        if found != pinshm::ObjectKind::Item {
+            return Err(to_py(pinshm::Error::WrongKind {
+                expected: pinshm::ObjectKind::Item,
+                found,
+            }));
+        }
+        crate::tensor::item_fields(held.bytes()).map_err(to_py)
+    }
+
     /// Drops the guard's own hold, whatever exports remain (they keep the
     /// read until they go).
     fn drop_hold(&self) {

@@ -464,8 +464,7 @@ impl ReadGuard {
 impl ReadGuard {
     /// The fields and metadata of the item read (TypeError if the object
     /// is not an item).
-    #[allow(clippy::type_complexity)]
-    fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, Vec<(String, String)>)> {
+    fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, crate::tensor::Meta)> {
         let held = self.hold(PyValueError::new_err)?;
         let found = held.guard.kind();
         if found != pinshm::ObjectKind::Item {

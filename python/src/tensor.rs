@@ -107,11 +107,12 @@ pub(crate) struct ItemField {
     pub(crate) layout: Layout,
 }
 
+/// An item's metadata entries `(key, value)`, in order.
+pub(crate) type Meta = Vec<(String, String)>;
+
 /// The fields and metadata of the item object `object` (its header
 /// checked: every field lies inside the object).
-pub(crate) fn item_fields(
-    object: &[u8],
-) -> pinshm::Result<(Vec<ItemField>, Vec<(String, String)>)> {
+pub(crate) fn item_fields(object: &[u8]) -> pinshm::Result<(Vec<ItemField>, Meta)> {
     let view = pinshm::ItemView::parse(object)?;
     let fields = view
         .fields()

@@ -2,7 +2,7 @@
 
 import builtins
 from types import TracebackType
-from typing import Any, Optional, Type, TypeVar
+from typing import Any, Iterable, Mapping, Optional, Type, TypeVar
 
 from typing_extensions import Buffer
 
@@ -78,7 +78,21 @@ class ObjectStore:
         prefault: bool = True,
     ) -> None: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
+    def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:
+        """Stores the bytes of every part, one after the other, as ONE object
+        (what `put(key, b"".join(parts))` stores), copied once each, straight
+        into the slot. Errors as `put`; a part that is not one contiguous
+        buffer raises its exporter's error (ValueError or BufferError),
+        naming the part."""
     def put_tensor(self, key: str, array: Any) -> ObjectHandle: ...
+    def put_item(
+        self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None
+    ) -> ObjectHandle:
+        """Stores a multimodal item as one object: `fields` maps names to
+        C-contiguous numpy arrays (little-endian integers, floats, bool),
+        kept in the mapping's order; `meta` maps str to str (the item format
+        stores string metadata only: convert numbers yourself). The format
+        is Rust's `put_item`'s, so Rust readers read it too."""
     def is_cached(self, key: str) -> bool: ...
     def get_cached(self, key: str) -> Optional[ObjectHandle]: ...
     def touch(self, key: str) -> None: ...
@@ -143,7 +157,18 @@ class StoreReader:
     @staticmethod
     def attach_by_name(name: str) -> StoreReader: ...
     def get(self, handle: ObjectHandle) -> ReadGuard: ...
-    def get_tensor(self, handle: ObjectHandle) -> Any: ...
+    def get_tensor(self, handle: ObjectHandle) -> Any:
+        """A read-only numpy array over the slot (no copy) that holds the read
+        until it is garbage collected. `torch.from_dlpack(array)` shares the
+        slot too (no copy) and holds the read as long as the tensor lives;
+        torch has no read-only tensors, so never write to that tensor (it
+        would change the object every reader sees)."""
+    def get_item(self, handle: ObjectHandle) -> tuple[dict[str, Any], dict[str, str]]:
+        """An item (from `put_item`, here or in Rust) as `(fields, meta)`:
+        `fields` maps each name, in the item's order, to a read-only numpy
+        array over the slot (no copy); `meta` maps str to str. The arrays
+        hold the read until the last of them is garbage collected.
+        TypeError if the object is not an item, or a field is bfloat16."""
     def get_copy(self, handle: ObjectHandle) -> bytes: ...
     def get_copy_into(self, handle: ObjectHandle, buffer: Buffer) -> int: ...
     def touch(self, handle: ObjectHandle) -> None: ...

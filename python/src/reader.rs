@@ -13,7 +13,7 @@ use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
@@ -150,6 +150,34 @@ fn copy(py: Python<'_>, src: &[u8], dst: &mut [u8]) {
     }
 }
 
+/// A new `bytes` holding a copy of `src` (the GIL released for large
+/// copies). Not `PyBytes::new_with`, which zeroes the new object first: at
+/// 4 MiB that memset made get_copy half again as slow as the copy alone.
+fn bytes_copy<'py>(py: Python<'py>, src: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let len = ffi::Py_ssize_t::try_from(src.len())
+        .map_err(|_| PyValueError::new_err("object too large for a bytes"))?;
+    // SAFETY: a null `v` asks for a new, uninitialised bytes object of
+    // `len` bytes (the documented idiom), which we fill before anyone else
+    // can see it; we hold the GIL.
+    let obj = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), len) };
+    if obj.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `obj` is a new, owned reference to a bytes object.
+    let out = unsafe { Bound::from_owned_ptr(py, obj).downcast_into_unchecked::<PyBytes>() };
+    if !src.is_empty() {
+        // SAFETY: the buffer of a bytes object of `len` bytes has `len`
+        // (+1) bytes; nobody else holds a reference to the new object, so
+        // writing it is ours alone, and it lives (owned by `out`) until
+        // after the copy.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(ffi::PyBytes_AsString(obj).cast::<u8>(), src.len())
+        };
+        copy(py, src, dst);
+    }
+    Ok(out)
+}
+
 /// One reader of a store, attached into a reader slot until closed.
 /// Frozen: a call with the GIL released (a large copy) holds a clone of
 /// the `Arc`, never a borrow of this object, so `close()` from another
@@ -253,6 +281,51 @@ impl StoreReader {
         array.call_method1("reshape", (PyTuple::new(py, layout.shape)?,))
     }
 
+    /// An item (put by `put_item`, here or in Rust) as `(fields, meta)`:
+    /// `fields` a dict of name → read-only numpy array over the slot (no
+    /// copy), in the item's order; `meta` a dict of str → str (the first
+    /// value where a Rust writer repeated a key, as Rust's `meta(key)`
+    /// reads). Every array holds the read (each one's base is a memoryview
+    /// of one `ReadGuard` export, whose `view.obj` holds the read) until
+    /// the last of them is garbage collected. A bfloat16 field raises
+    /// TypeError (numpy has no such dtype): read the object with `get()`.
+    fn get_item<'py>(
+        &self,
+        py: Python<'py>,
+        handle: ObjectHandle,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let guard = self.get(py, handle)?;
+        let (fields, meta) = guard.item_fields()?;
+        let numpy = py.import("numpy")?;
+        let frombuffer = numpy.getattr("frombuffer")?;
+        // One export for every field: its memoryview is each array's base.
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((Bound::new(py, guard)?,))?;
+        let arrays = PyDict::new(py);
+        for f in fields {
+            let dtype = crate::tensor::numpy_dtype(f.layout.dtype).map_err(|e| {
+                PyTypeError::new_err(format!("item field {:?}: {}", f.name, e.value(py)))
+            })?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("dtype", dtype)?;
+            kwargs.set_item("count", f.layout.numel)?;
+            kwargs.set_item("offset", f.layout.offset)?;
+            let array = frombuffer
+                .call((&view,), Some(&kwargs))?
+                .call_method1("reshape", (PyTuple::new(py, f.layout.shape)?,))?;
+            arrays.set_item(f.name, array)?;
+        }
+        let meta_dict = PyDict::new(py);
+        for (k, v) in meta {
+            if !meta_dict.contains(&k)? {
+                meta_dict.set_item(k, v)?;
+            }
+        }
+        PyTuple::new(py, [arrays.into_any(), meta_dict.into_any()])
+    }
+
     /// A copy of the object's bytes; the read is acknowledged.
     fn get_copy<'py>(
         &self,
@@ -260,10 +333,7 @@ impl StoreReader {
         handle: ObjectHandle,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let held = Held::new(py, &self.shared()?, handle.0)?;
-        let out = PyBytes::new_with(py, held.len, |dst| {
-            copy(py, held.bytes(), dst);
-            Ok(())
-        });
+        let out = bytes_copy(py, held.bytes());
         drop(held);
         out
     }
@@ -400,6 +470,20 @@ impl ReadGuard {
 }
 
 impl ReadGuard {
+    /// The fields and metadata of the item read (TypeError if the object
+    /// is not an item).
+    fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, crate::tensor::Meta)> {
+        let held = self.hold(PyValueError::new_err)?;
+        let found = held.guard.kind();
+        if found != pinshm::ObjectKind::Item {
+            return Err(to_py(pinshm::Error::WrongKind {
+                expected: pinshm::ObjectKind::Item,
+                found,
+            }));
+        }
+        crate::tensor::item_fields(held.bytes()).map_err(to_py)
+    }
+
     /// Drops the guard's own hold, whatever exports remain (they keep the
     /// read until they go).
     fn drop_hold(&self) {
@@ -453,11 +537,7 @@ impl ReadGuard {
         // guard's mutex (see lib.rs): it holds a clone of the read instead,
         // which keeps `release()` from ending the read meanwhile.
         let held = self.hold(PyValueError::new_err)?;
-        let src = held.bytes();
-        let out = PyBytes::new_with(py, src.len(), |dst| {
-            copy(py, src, dst);
-            Ok(())
-        });
+        let out = bytes_copy(py, held.bytes());
         drop(held);
         out
     }

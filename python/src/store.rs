@@ -2,6 +2,7 @@
 
 use std::sync::Mutex;
 
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -90,6 +91,106 @@ impl ObjectStore {
         h.map(ObjectHandle).map_err(to_py)
     }
 
+    /// Stores the bytes of every buffer in `parts` (a sequence of bytes,
+    /// bytearray, memoryview, C-contiguous numpy arrays, mixed), one after
+    /// the other, as ONE object: what `put(key, b"".join(parts))` stores,
+    /// without the join. Each part is copied once, straight into the slot.
+    /// A part that is not one contiguous run of bytes (a transposed or
+    /// sliced array) raises the error its exporter gives, naming the part.
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyAny>,
+    ) -> PyResult<ObjectHandle> {
+        let bufs = parts
+            .try_iter()?
+            .enumerate()
+            .map(|(i, part)| {
+                let part = part?;
+                Buffer::readable(&part).map_err(|e| name_part(py, e, i, &part))
+            })
+            .collect::<PyResult<Vec<Buffer>>>()?;
+        // Borrowed slices only (`Buffer` stays here, with the GIL): the
+        // bytes go from each exporter to the slot with no copy between.
+        let slices: Vec<&[u8]> = bufs.iter().map(Buffer::as_slice).collect();
+        let total = slices
+            .iter()
+            .try_fold(0usize, |n, s| n.checked_add(s.len()))
+            .ok_or_else(|| PyValueError::new_err("put_parts: the parts' total size overflows"))?;
+        let h = self.with(py, total >= RELEASE_GIL_AT, |s| {
+            s.put_with(key, total, |slot| {
+                let mut at = 0;
+                for part in &slices {
+                    slot[at..at + part.len()].copy_from_slice(part);
+                    at += part.len();
+                }
+            })
+        })?;
+        h.map(ObjectHandle).map_err(to_py)
+    }
+
+    /// Stores a multimodal item as one object: the C-contiguous numpy
+    /// arrays of `fields` (name → array, in the mapping's order) and the
+    /// string metadata `meta` (key → value, both `str`), in the format
+    /// Rust's `put_item` writes (Rust and Python readers share it).
+    #[pyo3(signature = (key, fields, meta=None))]
+    fn put_item(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        fields: &Bound<'_, PyAny>,
+        meta: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<ObjectHandle> {
+        let mut arrays = Vec::new();
+        for entry in fields.call_method0("items")?.try_iter()? {
+            let (name, array): (Bound<'_, PyAny>, Bound<'_, PyAny>) = entry?.extract()?;
+            let name: String = name.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "put_item: field names must be str, not {}",
+                    type_name(&name)
+                ))
+            })?;
+            let field = crate::tensor::Field::of(&array)
+                .map_err(|e| e_with_context(py, e, &format!("put_item: field {name:?}")))?;
+            arrays.push((name, field));
+        }
+        let mut entries = Vec::new();
+        if let Some(meta) = meta.filter(|m| !m.is_none()) {
+            for entry in meta.call_method0("items")?.try_iter()? {
+                let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = entry?.extract()?;
+                match (k.extract::<String>(), v.extract::<String>()) {
+                    (Ok(k), Ok(v)) => entries.push((k, v)),
+                    _ => {
+                        return Err(PyTypeError::new_err(format!(
+                            "put_item: meta keys and values must be str (the item format \
+                             stores strings), got {} -> {}",
+                            type_name(&k),
+                            type_name(&v)
+                        )))
+                    }
+                }
+            }
+        }
+        let total: usize = arrays.iter().map(|(_, f)| f.bytes().len()).sum();
+        // Borrowed only: the Buffers stay here, with the GIL.
+        let fields: Vec<(&str, pinshm::DType, &[u64], &[u8])> = arrays
+            .iter()
+            .map(|(n, f)| (n.as_str(), f.dtype, f.shape.as_slice(), f.bytes()))
+            .collect();
+        let h = self.with(py, total >= RELEASE_GIL_AT, |s| {
+            let mut item = pinshm::Item::new();
+            for (k, v) in entries {
+                item = item.meta(k, v);
+            }
+            for (name, dtype, shape, bytes) in fields {
+                item = item.field(name, pinshm::TensorRef::new(dtype, shape, bytes)?);
+            }
+            s.put_item(key, &item)
+        })?;
+        h.map(ObjectHandle).map_err(to_py)
+    }
+
     /// Stores a C-contiguous numpy array (little-endian integers, floats,
     /// bool) as a tensor: dtype and shape in a header, then the elements,
     /// 64-byte aligned, in the format Rust's `put_tensor` writes.
@@ -99,11 +200,8 @@ impl ObjectStore {
         key: &str,
         array: &Bound<'_, PyAny>,
     ) -> PyResult<ObjectHandle> {
-        let dtype: String = array.getattr("dtype")?.getattr("str")?.extract()?;
-        let dtype = crate::tensor::from_numpy(&dtype)?;
-        let shape: Vec<u64> = array.getattr("shape")?.extract()?;
-        let buf = Buffer::readable(array)?;
-        let bytes = buf.as_slice();
+        let field = crate::tensor::Field::of(array)?;
+        let (dtype, shape, bytes) = (field.dtype, field.shape.as_slice(), field.bytes());
         let h = self.with(py, bytes.len() >= RELEASE_GIL_AT, |s| {
             pinshm::TensorRef::new(dtype, shape, bytes).and_then(|t| s.put_tensor(key, &t))
         })?;
@@ -259,4 +357,32 @@ impl ObjectStore {
     fn __repr__(&self) -> String {
         format!("ObjectStore(name={:?})", self.home.name)
     }
+}
+
+/// The type name of `obj`, for messages.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+}
+
+/// `e`, of the same type (so `except` clauses keep working), its message
+/// prefixed with `context`, the original as its cause.
+fn e_with_context(py: Python<'_>, e: PyErr, context: &str) -> PyErr {
+    let new = PyErr::from_type(e.get_type(py), format!("{context}: {}", e.value(py)));
+    new.set_cause(py, Some(e));
+    new
+}
+
+/// `put_parts`' error for part `i` that exports no contiguous bytes.
+fn name_part(py: Python<'_>, e: PyErr, i: usize, part: &Bound<'_, PyAny>) -> PyErr {
+    e_with_context(
+        py,
+        e,
+        &format!(
+            "put_parts: part {i} ({}) is not one contiguous buffer (numpy.ascontiguousarray \
+             copies it into one)",
+            type_name(part)
+        ),
+    )
 }

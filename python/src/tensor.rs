@@ -6,6 +6,8 @@ use pyo3::prelude::*;
 
 use pinshm::DType;
 
+use crate::buffer::Buffer;
+
 /// The numpy dtype string of `d` (little-endian, as pinshm stores).
 pub(crate) fn numpy_dtype(d: DType) -> PyResult<&'static str> {
     Ok(match d {
@@ -53,6 +55,32 @@ pub(crate) fn from_numpy(s: &str) -> PyResult<DType> {
     })
 }
 
+/// A numpy array to store: its pinshm dtype, its shape and its bytes
+/// (borrowed from the array until this drops).
+pub(crate) struct Field {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+    buf: Buffer,
+}
+
+impl Field {
+    /// The dtype, shape and bytes of `array` (a C-contiguous numpy array of
+    /// a little-endian integer, float or bool dtype).
+    pub(crate) fn of(array: &Bound<'_, PyAny>) -> PyResult<Field> {
+        let dtype: String = array.getattr("dtype")?.getattr("str")?.extract()?;
+        Ok(Field {
+            dtype: from_numpy(&dtype)?,
+            shape: array.getattr("shape")?.extract()?,
+            buf: Buffer::readable(array)?,
+        })
+    }
+
+    /// The array's bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+}
+
 /// Where a tensor's elements lie in its object.
 pub(crate) struct Layout {
     pub(crate) dtype: DType,
@@ -71,4 +99,42 @@ pub(crate) fn layout(object: &[u8]) -> pinshm::Result<Layout> {
         offset: view.bytes().as_ptr() as usize - object.as_ptr() as usize,
         numel: view.numel(),
     })
+}
+
+/// One field of an item object: where its elements lie.
+pub(crate) struct ItemField {
+    pub(crate) name: String,
+    pub(crate) layout: Layout,
+}
+
+/// An item's metadata entries `(key, value)`, in order.
+pub(crate) type Meta = Vec<(String, String)>;
+
+/// The fields and metadata of the item object `object` (its header
+/// checked: every field lies inside the object).
+pub(crate) fn item_fields(object: &[u8]) -> pinshm::Result<(Vec<ItemField>, Meta)> {
+    let view = pinshm::ItemView::parse(object)?;
+    let fields = view
+        .fields()
+        .map(|f| {
+            // Checked by `parse`: offset + len lies inside the object (so
+            // both fit a usize), and len is numel × the dtype's size.
+            let offset = usize::try_from(f.offset()).unwrap_or(usize::MAX);
+            let len = usize::try_from(f.len()).unwrap_or(usize::MAX);
+            ItemField {
+                name: f.name().to_owned(),
+                layout: Layout {
+                    dtype: f.dtype(),
+                    shape: f.shape().to_vec(),
+                    offset,
+                    numel: len / f.dtype().size(),
+                },
+            }
+        })
+        .collect();
+    let meta = view
+        .meta_entries()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    Ok((fields, meta))
 }

@@ -400,7 +400,7 @@ class SingleWriterShmObjectStorage:
             metadata,
             *data,
         ]
-        h = store.put(key, b"".join(parts))  # TEMP until put_parts lands
+        h = store.put_parts(key, parts)
         if h.monotonic_id >= _MAX_ID:
             raise RuntimeError(
                 f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry"

@@ -33,6 +33,10 @@ What is timed:
                 handle's HMAC, check the id, deserialize (here: `bytes` of
                 the data, a copy; vLLM's own serde copies too), count the
                 read under the reader lock.
+  dropin_put,   the same two calls, with the same serde, on pinshm.vllm's
+  dropin_get    drop-in classes (what the vLLM plugin runs): the HMAC in
+                Rust, the parts written straight into the slot, the read
+                counted by one atomic add.
 """
 
 import argparse
@@ -220,7 +224,9 @@ def raw_serde_class(mod):
     return RawBytesSerde
 
 
-def bench_vllm(mod, size, n_ops, data):
+def bench_vllm(mod, size, n_ops, data, prefix="vllm"):
+    """vLLM's SingleWriterShmObjectStorage API from `mod`: vLLM's own
+    module, or pinshm.vllm.storage (the drop-in), with the same serde."""
     cap = ring_capacity(size)
     batch = batch_size(size)
     fit = max(1, ring_objects(size) // 2)
@@ -238,7 +244,7 @@ def bench_vllm(mod, size, n_ops, data):
     reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
     out = {}
     try:
-        keys = Keys(f"v{size}")
+        keys = Keys(f"{prefix}{size}")
         put, get_cached, sign = writer.put, writer.get_cached, writer.get_signature
         get = reader.get
 
@@ -249,7 +255,7 @@ def bench_vllm(mod, size, n_ops, data):
             for k, (addr, mid) in zip(ks[0], ks[1]):
                 get(addr, mid, sign(k), k)
 
-        out["vllm_put"] = run_batches(
+        out[f"{prefix}_put"] = run_batches(
             n_ops, batch, warm, lambda b: [keys.take(b)], timed_put, read_all
         )
 
@@ -265,7 +271,7 @@ def bench_vllm(mod, size, n_ops, data):
             for addr, mid, sig, k in hs:
                 get(addr, mid, sig, k)
 
-        out["vllm_get"] = run_batches(
+        out[f"{prefix}_get"] = run_batches(
             n_ops, batch, warm, put_handles, timed_get, lambda hs: None
         )
     finally:
@@ -307,6 +313,7 @@ def main():
     args = ap.parse_args()
     sizes = [int(s) * KIB for s in args.sizes.split(",")] if args.sizes else SIZES
     mod = None if args.no_vllm else vllm_storage()
+    from pinshm.vllm import storage as dropin
 
     results = {}
     for size in sizes:
@@ -317,6 +324,7 @@ def main():
         r = {}
         r.update(bench_memcpy(size, n_ops, data))
         r.update(bench_pinshm(size, n_ops, data))
+        r.update(bench_vllm(dropin, size, n_ops, data, prefix="dropin"))
         if mod is not None:
             r.update(bench_vllm(mod, size, n_ops, data))
         r["put_vs_memcpy"] = ratio(r["put"], r["memcpy"])
@@ -324,6 +332,8 @@ def main():
         r["vllm_put_over_put"] = ratio(r.get("vllm_put"), r["put"])
         r["vllm_get_over_get"] = ratio(r.get("vllm_get"), r["get"])
         r["vllm_get_over_get_copy"] = ratio(r.get("vllm_get"), r["get_copy"])
+        r["vllm_put_over_dropin_put"] = ratio(r.get("vllm_put"), r["dropin_put"])
+        r["vllm_get_over_dropin_get"] = ratio(r.get("vllm_get"), r["dropin_get"])
         r["ops"] = n_ops
         results[size] = r
 
@@ -349,6 +359,8 @@ def main():
         ("get_copy", "get_copy"),
         ("memcpy (preallocated)", "memcpy"),
         ("bytes copy (new bytes)", "bytes_copy"),
+        ("pinshm.vllm drop-in put (raw serde)", "dropin_put"),
+        ("pinshm.vllm drop-in get (copies)", "dropin_get"),
     ]
     if mod is not None:
         rows += [("vLLM put (raw serde)", "vllm_put"), ("vLLM get (copies)", "vllm_get")]
@@ -368,6 +380,8 @@ def main():
             ("vLLM put / pinshm put", "vllm_put_over_put"),
             ("vLLM get / pinshm get", "vllm_get_over_get"),
             ("vLLM get / pinshm get_copy", "vllm_get_over_get_copy"),
+            ("vLLM put / drop-in put", "vllm_put_over_dropin_put"),
+            ("vLLM get / drop-in get", "vllm_get_over_dropin_get"),
         ]
     for label, key in ratio_rows:
         print(f"| {label} | " + " | ".join(fmt_ratio(results[s].get(key)) for s in sizes) + " |")

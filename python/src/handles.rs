@@ -224,3 +224,27 @@ impl BroadcastHandle {
         ))
     }
 }
+
+/// The 32 bytes of a handle signature as vLLM carries it (a list of 32
+/// ints, each in 0..=255, `bool` and other int subclasses refused, as
+/// vLLM's check does), or None for anything else. One pass in Rust: the
+/// same check in Python costs more than the HMAC.
+#[pyfunction]
+pub(crate) fn signature_bytes<'py>(
+    py: Python<'py>,
+    signature: &Bound<'py, PyAny>,
+) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+    use pyo3::types::{PyInt, PyList};
+    let list = signature.downcast::<PyList>().ok()?;
+    let mut out = [0u8; 32];
+    if list.len() != out.len() {
+        return None;
+    }
+    for (byte, item) in out.iter_mut().zip(list.iter()) {
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        *byte = item.extract::<u8>().ok()?;
+    }
+    Some(pyo3::types::PyBytes::new(py, &out))
+}

@@ -217,6 +217,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
+    m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(channel::at_exit, m)?,))?;
     Ok(())

@@ -49,7 +49,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .._pinshm import ObjectHandle, ObjectStore, StaleError, StoreReader
+from .._pinshm import ObjectHandle, ObjectStore, StaleError, StoreReader, signature_bytes
 
 __all__ = [
     "MsgpackSerde",
@@ -67,7 +67,6 @@ _LOW_ID_MASK = (1 << _LOW_ID_BITS) - 1
 _MAX_ID = 1 << (_LOW_ID_BITS + 64 - _OFFSET_BITS)
 # vLLM's storage counts a 4-byte in-use flag in every object's size.
 _FLAG_BYTES = 4
-_SIGNATURE_BYTES = 32
 
 _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
@@ -447,18 +446,29 @@ class SingleWriterShmObjectStorage:
     def _handle(self, address: Any, monotonic_id: Any) -> ObjectHandle:
         return from_wire(address, monotonic_id, self._current_epoch())
 
-    @staticmethod
-    def _check_signature_format(key: Any, signature: Any) -> bytes:
+    def _verified(
+        self, key: Any, address: Any, monotonic_id: Any, signature: Any
+    ) -> ObjectHandle:
+        """The handle, once ``signature`` is found to be issued for ``key``
+        at it (and, on the writer, the handle is still the key's);
+        ValueError with vLLM's messages otherwise."""
+        if self.is_writer:
+            h = self._store.lookup(key) if self._store is not None and type(key) is str else None
+            if h is None or to_wire(h) != (address, monotonic_id):
+                raise ValueError(_INVALID_SIGNATURE)
         if signature is None or key is None:
             raise ValueError(_MISSING_SIGNATURE)
-        if (
-            not isinstance(signature, list)
-            or len(signature) != _SIGNATURE_BYTES
-            or any(type(b) is not int or not 0 <= b <= 255 for b in signature)
-            or not isinstance(key, str)
-        ):
+        sig = signature_bytes(signature)
+        if sig is None or not isinstance(key, str):
             raise ValueError(_INVALID_SIGNATURE)
-        return bytes(signature)
+        try:
+            h = self._handle(address, monotonic_id)
+        except StaleError:
+            raise ValueError(_INVALID_SIGNATURE) from None
+        target = self._store if self.is_writer else self._reader
+        if target is None or not target.verify(key, h, sig):
+            raise ValueError(_INVALID_SIGNATURE)
+        return h
 
     def verify_signature(
         self,
@@ -469,21 +479,7 @@ class SingleWriterShmObjectStorage:
     ) -> None:
         """ValueError unless ``signature`` was issued for ``key`` at this
         handle; on the writer the handle must also still be the key's."""
-        if self.is_writer and (
-            key is None or not isinstance(key, str) or self.key_index.get(key) != (
-                address,
-                monotonic_id,
-            )
-        ):
-            raise ValueError(_INVALID_SIGNATURE)
-        sig = self._check_signature_format(key, signature)
-        try:
-            h = self._handle(address, monotonic_id)
-        except StaleError:
-            raise ValueError(_INVALID_SIGNATURE) from None
-        target = self._store if self.is_writer else self._reader
-        if target is None or not target.verify(key, h, sig):
-            raise ValueError(_INVALID_SIGNATURE)
+        self._verified(key, address, monotonic_id, signature)
 
     def get(
         self,
@@ -502,12 +498,12 @@ class SingleWriterShmObjectStorage:
             except StaleError:
                 raise _stale(address, monotonic_id) from None
             return self.ser_de.deserialize(memoryview(data))
-        self.verify_signature(key, address, monotonic_id, signature)
+        h = self._verified(key, address, monotonic_id, signature)
         reader = self._reader
         if reader is None:
             raise RuntimeError("the storage is closed")
         try:
-            guard = reader.get(self._handle(address, monotonic_id))
+            guard = reader.get(h)
         except StaleError:
             raise _stale(address, monotonic_id) from None
         try:
@@ -535,12 +531,12 @@ class SingleWriterShmObjectStorage:
             if store.is_cached(key):
                 store.protect(key)
             return
-        self.verify_signature(key, address, monotonic_id, signature)
+        h = self._verified(key, address, monotonic_id, signature)
         reader = self._reader
         if reader is None:
             raise RuntimeError("the storage is closed")
         try:
-            reader.validate(self._handle(address, monotonic_id))
+            reader.validate(h)
         except StaleError:
             raise _stale(address, monotonic_id) from None
 

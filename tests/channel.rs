@@ -432,7 +432,10 @@ fn blocking_readers_names_the_reader_holding_the_next_slot_and_its_pid() {
     let mut tx = Broadcast::create(BroadcastConfig::new(2, 2, 64).name(&*name)).unwrap();
     let h = tx.handle();
     let rx = BroadcastReader::attach_as(&h, 0).unwrap();
-    assert!(tx.blocking_readers().is_empty(), "an empty ring blocks nobody");
+    assert!(
+        tx.blocking_readers().is_empty(),
+        "an empty ring blocks nobody"
+    );
     tx.send(b"a").unwrap();
     tx.send(b"b").unwrap();
     // Both hold the next slot: reader 0 attached (this process), reader 1

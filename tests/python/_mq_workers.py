@@ -26,8 +26,9 @@ def base():
 
 def message_size(i, n):
     """The schedule of the stream of `n` messages: mostly 1 to 16 KiB,
-    every 100th 1 MiB (an out-of-band buffer in a chunk), every 1000th
-    4 MiB (through the store), and the last one 64 MiB."""
+    every 100th 1 MiB, every 1000th 4 MiB, and the last one 64 MiB (those
+    carry an array out of band, through the store; the rest travel in the
+    channel)."""
     if i == n - 1:
         return 64 * MIB
     if i % 1000 == 999:

@@ -80,9 +80,9 @@ def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, u
         finish(p)
     # Every reader checked every message; no ZMQ was loaded for them.
     assert got == [(0, n, False), (1, n, False), (2, n, False)]
-    # The 4 MiB messages went through a store, the 64 MiB one through a
-    # larger one that replaced it; every object was read.
-    assert mq._store_gen == 2
+    # Arrays of 1 MiB and more went through the store, which grew (was
+    # replaced) for the 4 MiB and the 64 MiB ones; every object was read.
+    assert mq._store_gen >= 2
     mq._store.free_unused()
     assert mq._store.stats()["objects"] == 0
 

@@ -439,7 +439,11 @@ class MessageQueue:
         bufs = _dumps(obj)
         if self._tx is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            if _inline_size(bufs) <= self.max_chunk_bytes:
+            # Out-of-band buffers (1 MiB and more) go to the store even when
+            # they would fit a chunk: there each side copies them once (as
+            # vLLM's ring does), where the channel's binding would copy them
+            # five times (join, slot, recv, bytes, bytearray).
+            if len(bufs) == 1 and _inline_size(bufs) <= self.max_chunk_bytes:
                 self._send(_inline(bufs), deadline)
             else:
                 self._send_stored(bufs, deadline)
@@ -674,15 +678,13 @@ class MessageQueue:
             reader = pinshm.StoreReader.attach(store_handle, self.local_reader_rank)
             self._store_readers[store_handle.name] = reader
         if not zero_copy:
-            # Owned copies; each read is acknowledged when its copy returns.
-            main = bytearray(sizes[0])
-            reader.get_copy_into(handles[0], main)
-            oob = []
-            for h, size in zip(handles[1:], sizes[1:]):
-                b = bytearray(size)
-                reader.get_copy_into(h, b)
-                oob.append(b)
-            return pickle.loads(main, buffers=oob)
+            # Owned, writable copies (one pass each: no zero-filling); each
+            # read is acknowledged as soon as its copy is made.
+            parts = []
+            for h in handles:
+                with reader.get(h) as g:
+                    parts.append(bytearray(g))
+            return pickle.loads(parts[0], buffers=parts[1:])
         # Zero copy: the pickle is read through a guard released below,
         # whatever loads does; each buffer is a view that holds its object
         # until the last array over it is gone.

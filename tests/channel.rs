@@ -427,6 +427,30 @@ fn timeouts_on_both_sides_say_what_they_waited_for() {
 }
 
 #[test]
+fn blocking_readers_names_the_reader_holding_the_next_slot_and_its_pid() {
+    let name = Name::new("bcast-blockers");
+    let mut tx = Broadcast::create(BroadcastConfig::new(2, 2, 64).name(&*name)).unwrap();
+    let h = tx.handle();
+    let rx = BroadcastReader::attach_as(&h, 0).unwrap();
+    assert!(
+        tx.blocking_readers().is_empty(),
+        "an empty ring blocks nobody"
+    );
+    tx.send(b"a").unwrap();
+    tx.send(b"b").unwrap();
+    // Both hold the next slot: reader 0 attached (this process), reader 1
+    // never attached (no pid, expected anyway).
+    let me = std::process::id();
+    assert_eq!(tx.blocking_readers(), vec![(0, Some(me)), (1, None)]);
+    drop(rx.recv().unwrap());
+    assert_eq!(tx.blocking_readers(), vec![(1, None)]);
+    let rx1 = BroadcastReader::attach_as(&h, 1).unwrap();
+    drop(rx1.recv().unwrap());
+    assert!(tx.blocking_readers().is_empty());
+    assert!(tx.try_send(b"c").unwrap());
+}
+
+#[test]
 fn an_idle_reader_uses_almost_no_cpu() {
     let name = Name::new("bcast-idle");
     let tx = Broadcast::create(BroadcastConfig::new(1, 8, 64).name(&*name)).unwrap();

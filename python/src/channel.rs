@@ -2,6 +2,7 @@
 //! Messages are received as `bytes` (a copy: messages are small; a
 //! zero-copy view of the slot is not bound yet).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -12,7 +13,7 @@ use pyo3::types::{PyBytes, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::BroadcastHandle;
-use crate::{closed, locked, to_py, Home};
+use crate::{closed, locked, to_py, CancelledError, Home};
 
 /// A blocking call waits in steps this long, GIL released, and checks for
 /// signals (Ctrl-C) between steps.
@@ -59,17 +60,24 @@ fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
 
 /// Runs `step(d)` (a wait of at most `d` that fails with `Error::Timeout`
 /// when nothing came) until it succeeds, `timeout` has passed (then the
-/// timeout error names `op` and the whole wait), or a signal handler
-/// raises.
+/// timeout error names `op` and the whole wait), a signal handler raises,
+/// or `cancelled` is set (CancelledError, seen within one step: the step
+/// wakes anyway for signals, so watching the flag costs no wake-up).
 fn wait_loop<R: Send>(
     py: Python<'_>,
     op: &'static str,
     timeout: Option<Duration>,
+    cancelled: &AtomicBool,
     mut step: impl FnMut(Duration) -> PyResult<pinshm::Result<R>> + Send,
 ) -> PyResult<R> {
     // A deadline past what an Instant can hold is no deadline.
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
+        if cancelled.load(Ordering::Acquire) {
+            return Err(CancelledError::new_err(format!(
+                "{op} cancelled: cancel() was called on this object"
+            )));
+        }
         let d = match deadline {
             Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),
             None => STEP,
@@ -102,6 +110,8 @@ fn wait_loop<R: Send>(
 #[pyclass(module = "pinshm")]
 pub(crate) struct Broadcast {
     inner: Mutex<Option<pinshm::Broadcast>>,
+    /// Set by `cancel()`: every wait in `send` ends with CancelledError.
+    cancelled: AtomicBool,
     home: Home,
 }
 
@@ -128,6 +138,7 @@ impl Broadcast {
         Ok(Broadcast {
             home: Home::new(b.name()),
             inner: Mutex::new(Some(b)),
+            cancelled: AtomicBool::new(false),
         })
     }
 
@@ -140,12 +151,19 @@ impl Broadcast {
         let buf = Buffer::readable(data)?;
         let bytes = buf.as_slice();
         self.home.not_forked()?;
-        wait_loop(py, "send_timeout", timeout, |d| {
+        wait_loop(py, "send_timeout", timeout, &self.cancelled, |d| {
             Ok(match crate::lock(&self.inner).as_mut() {
                 Some(b) => b.send_timeout(bytes, d),
                 None => return Err(closed("Broadcast")),
             })
         })
+    }
+
+    /// Makes a `send` blocked in another thread, and every later one, raise
+    /// pinshm.CancelledError (within 100 ms: the wait's step). For a
+    /// shutdown; it cannot be undone.
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
     }
 
     /// Sends `data` if its slot is free now; False if it would block.
@@ -154,6 +172,15 @@ impl Broadcast {
         let bytes = buf.as_slice();
         locked(py, &self.home, &self.inner, false, |b| match b.as_mut() {
             Some(b) => b.try_send(bytes).map_err(to_py),
+            None => Err(closed("Broadcast")),
+        })?
+    }
+
+    /// The readers holding up the next send, as (index, pid) pairs (pid
+    /// None: that index never attached); empty when a send would not wait.
+    fn blocking_readers(&self, py: Python<'_>) -> PyResult<Vec<(u32, Option<u32>)>> {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_mut() {
+            Some(b) => Ok(b.blocking_readers()),
             None => Err(closed("Broadcast")),
         })?
     }
@@ -210,6 +237,8 @@ impl Broadcast {
 #[pyclass(module = "pinshm")]
 pub(crate) struct BroadcastReader {
     inner: Mutex<Option<pinshm::BroadcastReader>>,
+    /// Set by `cancel()`: every wait in `recv` ends with CancelledError.
+    cancelled: AtomicBool,
     index: u32,
     home: Home,
 }
@@ -232,6 +261,7 @@ impl BroadcastReader {
             index: r.index(),
             home: Home::new(r.name()),
             inner: Mutex::new(Some(r)),
+            cancelled: AtomicBool::new(false),
         })
     }
 
@@ -243,13 +273,20 @@ impl BroadcastReader {
     fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
         let timeout = duration(timeout)?;
         self.home.not_forked()?;
-        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
+        let msg = wait_loop(py, "recv_timeout", timeout, &self.cancelled, |d| {
             Ok(match crate::lock(&self.inner).as_ref() {
                 Some(r) => r.recv_timeout(d).map(|m| m.to_vec()),
                 None => return Err(closed("BroadcastReader")),
             })
         })?;
         Ok(PyBytes::new(py, &msg))
+    }
+
+    /// Makes a `recv` blocked in another thread, and every later one, raise
+    /// pinshm.CancelledError (within 100 ms: the wait's step). For a
+    /// shutdown; it cannot be undone.
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
     }
 
     /// The next message if one is there, else None.

@@ -57,6 +57,13 @@ create_exception!(
     "The writer of the segment has exited or died: attach to its successor."
 );
 
+create_exception!(
+    pinshm,
+    CancelledError,
+    PinshmError,
+    "A blocking send or receive ended because cancel() was called (a shutdown)."
+);
+
 /// The Python exception for a pinshm error, with its message.
 pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
     use pinshm::Error as E;
@@ -209,6 +216,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FullError", py.get_type::<FullError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
+    m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add_class::<handles::ObjectHandle>()?;
     m.add_class::<handles::StoreHandle>()?;
     m.add_class::<handles::BroadcastHandle>()?;

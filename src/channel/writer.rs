@@ -76,6 +76,14 @@ impl WriterCore {
         self.next < min + slots
     }
 
+    /// The expected readers that still hold the next message's slot (none
+    /// when it is free): who a waiting writer waits for.
+    pub fn blockers(&mut self) -> Vec<u32> {
+        let mut b = Vec::new();
+        self.scan(Some(&mut b));
+        b.into_iter().map(|(i, _)| i).collect()
+    }
+
     /// Waits until the next slot is free: spins for `spin`, then sleeps on
     /// the slot futex (re-checking who is alive at least every
     /// [`LIVENESS_RECHECK`]). A reader that `alive` says is dead stops
@@ -319,6 +327,19 @@ mod shell {
         /// Messages sent so far.
         pub fn sent(&self) -> u64 {
             self.core.sent()
+        }
+
+        /// The readers holding up the next send, with the pid each recorded
+        /// when it attached (`None`: the index was never attached, and is
+        /// expected anyway). Empty when the next slot is free. For a log
+        /// line that names who blocks; the answer may be stale at once.
+        pub fn blocking_readers(&mut self) -> Vec<(u32, Option<u32>)> {
+            let blockers = self.core.blockers();
+            let shm = self.core.shm();
+            blockers
+                .into_iter()
+                .map(|i| (i, Some(shm.pid(i)).filter(|&p| p != 0)))
+                .collect()
         }
 
         /// Largest message.

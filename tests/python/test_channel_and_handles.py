@@ -125,3 +125,32 @@ def test_the_interpreter_exits_cleanly_while_daemon_threads_wait_in_recv_and_sen
                     pass
         assert p.returncode == 0, p.stderr
         assert p.stdout == "exiting\n"
+
+
+def test_cancel_ends_a_blocked_recv_and_a_blocked_send(unique_name, closing):
+    import threading
+
+    tx = closing(pinshm.Broadcast(1, 1, 16, name=unique_name()))
+    rx = closing(pinshm.BroadcastReader.attach(tx.handle(), 0))
+    assert tx.blocking_readers() == []
+    outcome = []
+
+    def run(f):
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test
+            outcome.append(e)
+
+    t = threading.Thread(target=run, args=(rx.recv,))
+    t.start()
+    rx.cancel()
+    t.join(60)
+    tx.send(b"a")  # the ring (one slot) is full now
+    assert tx.blocking_readers() == [(0, os.getpid())]
+    t2 = threading.Thread(target=run, args=(lambda: tx.send(b"b"),))
+    t2.start()
+    tx.cancel()
+    t2.join(60)
+    assert [type(e) for e in outcome] == [pinshm.CancelledError, pinshm.CancelledError]
+    with pytest.raises(pinshm.CancelledError):
+        rx.recv(timeout=1)

@@ -1,0 +1,316 @@
+"""pinshm.vllm.MessageQueue: vLLM 0.33.0's MessageQueue over a pinshm
+broadcast channel and object store. The core tests need numpy alone;
+torch, vLLM and pyzmq tests are skipped where those are not installed."""
+
+import multiprocessing as mp
+import pickle
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import _mq_workers as w
+import pinshm
+from pinshm.vllm.message_queue import MessageQueue
+
+# A guard against a hang, not a timing assumption.
+JOIN_S = 120
+
+
+@pytest.fixture
+def ctx():
+    return mp.get_context("spawn")
+
+
+@pytest.fixture
+def queues():
+    """Registers queues, closed at teardown (last first), failed or not."""
+    opened = []
+
+    def register(mq):
+        opened.append(mq)
+        return mq
+
+    yield register
+    for mq in reversed(opened):
+        mq.close()
+
+
+def start(ctx, target, *args):
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def finish(p):
+    p.join(JOIN_S)
+    assert p.exitcode == 0, f"child exited with {p.exitcode}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _boom(what):
+    raise ValueError(f"boom: {what}")
+
+
+class RaisesWhenRead:
+    """Pickles fine; unpickling it raises (in the reader's read)."""
+
+    def __reduce__(self):
+        return _boom, ("the reader's code raised",)
+
+
+def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, unique_name, queues):
+    n = 10_000
+    mq = queues(MessageQueue(3, 3, max_chunk_bytes=2 * w.MIB, max_chunks=8, name=unique_name()))
+    results = ctx.Queue()
+    procs = [start(ctx, w.read_stream, mq.export_handle(), r, n, r == 2, results) for r in range(3)]
+    mq.wait_until_ready()
+    w.base()
+    for i in range(n):
+        mq.enqueue(w.make_message(i, n), timeout=JOIN_S)
+    got = sorted(results.get(timeout=JOIN_S) for _ in procs)
+    for p in procs:
+        finish(p)
+    # Every reader checked every message; no ZMQ was loaded for them.
+    assert got == [(0, n, False), (1, n, False), (2, n, False)]
+    # Arrays of 1 MiB and more went through the store, which grew (was
+    # replaced) for the 4 MiB and the 64 MiB ones; every object was read.
+    assert mq._store_gen >= 2
+    mq._store.free_unused()
+    assert mq._store.stats()["objects"] == 0
+
+
+def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    outcome = []
+
+    def blocked():
+        try:
+            rd.dequeue()
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test
+            outcome.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)  # let it block (the outcome is the same if it has not)
+    rd.shutdown()
+    t.join(JOIN_S)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert str(outcome[0]) == "cancelled"
+    with pytest.raises(RuntimeError, match="cancelled"):
+        rd.dequeue(timeout=1)
+
+
+def test_dequeue_with_a_short_timeout_raises_timeout_error(unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    with pytest.raises(TimeoutError):
+        rd.dequeue(timeout=0.01)
+    mq.enqueue("after")
+    assert rd.dequeue(timeout=0.01) == "after"
+
+
+def test_enqueue_into_a_full_ring_raises_timeout_error_naming_the_reader(unique_name, queues):
+    mq = queues(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    mq.enqueue(1)
+    mq.enqueue(2)
+    with pytest.raises(TimeoutError, match=r"reader rank 0 \(pid \d+\), reader rank 1 \(not attached yet\)"):
+        mq.enqueue(3, timeout=0.05)
+    assert rd.dequeue() == 1
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_reader_that_raises_inside_its_read_still_releases_its_slot(unique_name, queues, zero_copy):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    big = np.arange(1 << 20, dtype=np.uint32)  # 4 MiB: through the store
+    small = np.arange(1 << 10, dtype=np.uint32)  # in the channel
+    for round_ in range(4):  # more rounds than slots: a leak would block
+        for payload in (small, big):
+            mq.enqueue([payload, RaisesWhenRead()], timeout=10)
+            with pytest.raises(ValueError, match="boom"):
+                rd.dequeue(timeout=10, zero_copy=zero_copy)
+            mq.enqueue(payload, timeout=10)
+            got = rd.dequeue(timeout=10, zero_copy=zero_copy)
+            np.testing.assert_array_equal(got, payload)
+            del got
+    # Every object of the store was released by the reader, raise or not.
+    assert mq._store.free_unused() >= 0
+    assert mq._store.stats()["objects"] == 0
+
+
+def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    big = np.arange(1 << 20, dtype=np.uint32)
+    mq.enqueue(big)
+    got = rd.dequeue(zero_copy=True)
+    assert not got.flags.writeable
+    np.testing.assert_array_equal(got, big)
+    mq._store.free_unused()
+    assert mq._store.stats()["objects"] == 1  # the array holds its object
+    del got
+    mq._store.free_unused()
+    assert mq._store.stats()["objects"] == 0
+    mq.enqueue(big)
+    copy = rd.dequeue()  # the default: an owned, writable copy
+    assert copy.flags.writeable
+    np.testing.assert_array_equal(copy, big)
+
+
+def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, queues):
+    slots = 4
+    mq = queues(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=slots, name=unique_name()))
+    results = ctx.Queue()
+    stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, results)
+    mq.enqueue(-1)
+    kind, pid = results.get(timeout=JOIN_S)
+    assert kind == "stalled"
+    n = 5 * slots
+    reader = start(ctx, w.read_count, mq.export_handle(), 0, n + 1, results)
+    w.kill(pid)
+    stalled.join(JOIN_S)
+    # Without the reaping, the ring would fill after `slots` messages.
+    for i in range(n):
+        mq.enqueue(i, timeout=60)
+    kind, got = results.get(timeout=JOIN_S)
+    finish(reader)
+    assert got == [-1, *range(n)]
+
+
+def test_an_idle_reader_uses_almost_no_cpu(ctx, unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    results = ctx.Queue()
+    p = start(ctx, w.idle_cpu, mq.export_handle(), 0, results)
+    mq.enqueue("first")
+    assert results.get(timeout=JOIN_S) == ("waiting", None)
+    time.sleep(2.0)
+    mq.enqueue("second")
+    kind, (cpu, wall) = results.get(timeout=JOIN_S)
+    finish(p)
+    assert wall >= 1.5
+    # The claim: a reader waiting for the writer sleeps (< 5 % of a core).
+    assert cpu < 0.05 * wall, f"idle reader used {cpu:.3f} s of CPU in {wall:.2f} s"
+
+
+def test_objects_vllm_sends_round_trip(unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=4, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    objs = [
+        None,
+        ("execute_model", (1, 2), {"k": b"x" * 100}, 0),
+        {"ids": list(range(1000)), "mask": np.ones((8, 8), dtype=bool)},
+        np.zeros(0, dtype=np.float32),
+        b"y" * ((1 << 20) - 1),  # in band, larger than a chunk: the store
+    ]
+    for o in objs:
+        assert mq.broadcast_object(o) is o
+        got = rd.broadcast_object()
+        assert pickle.dumps(got) == pickle.dumps(o)
+
+
+def test_a_writer_or_a_non_reader_cannot_do_the_others_job(unique_name, queues):
+    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    with pytest.raises(RuntimeError, match="Only readers"):
+        mq.dequeue()
+    with pytest.raises(RuntimeError, match="Only writers"):
+        rd.enqueue(1)
+
+
+def test_the_module_imports_nothing_optional():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pinshm.vllm.message_queue as m\n"
+        "bad = [x for x in ('torch', 'vllm', 'zmq') if x in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- with torch / vLLM / pyzmq (skipped where they are not installed) ----
+
+
+def test_four_processes_in_a_gloo_group_check_every_byte(ctx):
+    pytest.importorskip("torch")
+    n, world = 2_000, 4
+    port = free_port()
+    results = ctx.Queue()
+    procs = [start(ctx, w.gloo_rank, r, world, port, n, results) for r in range(world)]
+    got = sorted(results.get(timeout=JOIN_S) for _ in procs)
+    for p in procs:
+        finish(p)
+    assert got == [(r, n) for r in range(world)]
+
+
+def test_four_processes_in_a_stateless_process_group_check_every_byte(ctx):
+    pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    n, world = 1_000, 4
+    port = free_port()
+    results = ctx.Queue()
+    procs = [start(ctx, w.stateless_rank, r, world, port, n, results) for r in range(world)]
+    got = sorted(results.get(timeout=JOIN_S) for _ in procs)
+    for p in procs:
+        finish(p)
+    assert got == [(r, n) for r in range(world)]
+
+
+def test_a_remote_reader_over_loopback_zmq_gets_every_byte(ctx, unique_name, queues):
+    pytest.importorskip("zmq")
+    n = 1_000
+    # Rank 0 reads through shared memory, rank 1 through ZMQ over TCP.
+    mq = queues(MessageQueue(2, 1, [0], max_chunk_bytes=2 * w.MIB, max_chunks=8, connect_ip="127.0.0.1", name=unique_name()))
+    h = mq.export_handle()
+    assert h.remote_subscribe_addr.startswith("tcp://127.0.0.1:")
+    results = ctx.Queue()
+    procs = [start(ctx, w.read_stream, h, 0, n, False, results), start(ctx, w.remote_reader, h, 1, n, results)]
+    mq.wait_until_ready()
+    w.base()
+    for i in range(n):
+        mq.enqueue(w.make_message(i, n), timeout=JOIN_S)
+    got = sorted(r[:2] for r in (results.get(timeout=JOIN_S) for _ in procs))
+    for p in procs:
+        finish(p)
+    assert got == [(0, n), (1, n)]
+
+
+def test_install_rebinds_message_queue_inside_vllm():
+    pytest.importorskip("vllm")
+    import importlib
+
+    from pinshm.vllm import message_queue
+
+    names = []
+    for n in message_queue._VLLM_MODULES:
+        try:
+            importlib.import_module(n)
+            names.append(n)
+        except ImportError:  # an optional dependency of that vLLM module
+            pass
+    assert "vllm.distributed.device_communicators.shm_broadcast" in names
+    before = {n: importlib.import_module(n).MessageQueue for n in names}
+    try:
+        done = message_queue.install()
+        for name in names:
+            assert name in done
+            assert importlib.import_module(name).MessageQueue is MessageQueue
+        # parallel_state imports it from shm_broadcast when it makes a queue.
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as looked_up
+
+        assert looked_up is MessageQueue
+    finally:
+        for n, cls in before.items():
+            importlib.import_module(n).MessageQueue = cls

@@ -3,8 +3,7 @@
 //! zero-copy view of the slot is not bound yet).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::thread::ThreadId;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -18,35 +17,6 @@ use crate::{closed, locked, to_py, CancelledError, Home};
 /// A blocking call waits in steps this long, GIL released, and checks for
 /// signals (Ctrl-C) between steps.
 const STEP: Duration = Duration::from_millis(100);
-
-/// The thread that ran the interpreter's `atexit` callbacks, once they ran:
-/// the interpreter is shutting down.
-static EXITING: OnceLock<ThreadId> = OnceLock::new();
-
-/// Registered with `atexit` at module init: from now on, a wait in any
-/// other thread (a daemon thread blocked in `recv` or `send`) never retakes
-/// the GIL. During finalization retaking it ends the thread with a forced
-/// unwind through Rust frames, which aborts the process ("FATAL: exception
-/// not rethrown", exit 134).
-#[pyfunction]
-pub(crate) fn at_exit() {
-    let _ = EXITING.set(std::thread::current().id());
-}
-
-/// Called with the GIL released after each wait step: in a thread other
-/// than the exiting one, once the interpreter is exiting, sleeps until the
-/// process ends (whatever the step got is dropped: nobody is left to use
-/// it). The step has returned, so no mutex is held meanwhile.
-fn stay_out_if_exiting() {
-    if EXITING
-        .get()
-        .is_some_and(|&t| t != std::thread::current().id())
-    {
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
-    }
-}
 
 fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
@@ -82,11 +52,7 @@ fn wait_loop<R: Send>(
             Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),
             None => STEP,
         };
-        let r = py.allow_threads(|| {
-            let r = step(d);
-            stay_out_if_exiting();
-            r
-        });
+        let r = crate::gil::released(py, || step(d));
         match r? {
             Ok(r) => return Ok(r),
             Err(pinshm::Error::Timeout { detail, .. }) => {
@@ -132,9 +98,7 @@ impl Broadcast {
         if let Some(name) = name {
             cfg = cfg.name(name);
         }
-        let b = py
-            .allow_threads(|| pinshm::Broadcast::create(cfg))
-            .map_err(to_py)?;
+        let b = crate::gil::released(py, || pinshm::Broadcast::create(cfg)).map_err(to_py)?;
         Ok(Broadcast {
             home: Home::new(b.name()),
             inner: Mutex::new(Some(b)),
@@ -215,7 +179,7 @@ impl Broadcast {
         let Ok(b) = locked(py, &self.home, &self.inner, false, Option::take) else {
             return;
         };
-        py.allow_threads(|| drop(b));
+        crate::gil::released(py, || drop(b));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -251,12 +215,11 @@ impl BroadcastReader {
     #[pyo3(signature = (handle, index=None))]
     fn attach(py: Python<'_>, handle: BroadcastHandle, index: Option<u32>) -> PyResult<Self> {
         let h = handle.0;
-        let r = py
-            .allow_threads(|| match index {
-                Some(i) => pinshm::BroadcastReader::attach_as(&h, i),
-                None => pinshm::BroadcastReader::attach(&h),
-            })
-            .map_err(to_py)?;
+        let r = crate::gil::released(py, || match index {
+            Some(i) => pinshm::BroadcastReader::attach_as(&h, i),
+            None => pinshm::BroadcastReader::attach(&h),
+        })
+        .map_err(to_py)?;
         Ok(BroadcastReader {
             index: r.index(),
             home: Home::new(r.name()),
@@ -316,7 +279,7 @@ impl BroadcastReader {
         let Ok(r) = locked(py, &self.home, &self.inner, false, Option::take) else {
             return;
         };
-        py.allow_threads(|| drop(r));
+        crate::gil::released(py, || drop(r));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

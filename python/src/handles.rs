@@ -83,7 +83,7 @@ impl StoreHandle {
     /// The handle of the live store segment `name`, read from its header.
     #[staticmethod]
     fn of(py: Python<'_>, name: &str) -> PyResult<Self> {
-        py.allow_threads(|| pinshm::StoreHandle::of(name))
+        crate::gil::released(py, || pinshm::StoreHandle::of(name))
             .map(StoreHandle)
             .map_err(crate::to_py)
     }

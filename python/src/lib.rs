@@ -7,7 +7,8 @@
 //! this free of deadlocks: a thread never waits for the GIL while it holds
 //! one of these mutexes. Short operations lock with the GIL held, and only
 //! when the mutex is free (`try_lock`); otherwise, and for every copy and
-//! every wait, they release the GIL first and lock inside `allow_threads`.
+//! every wait, they release the GIL first and lock inside `gil::released`
+//! (`allow_threads`, made safe at interpreter exit).
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +22,7 @@ use pyo3::prelude::*;
 
 mod buffer;
 mod channel;
+mod gil;
 mod handles;
 mod reader;
 mod store;
@@ -186,7 +188,7 @@ pub(crate) fn locked<T: Send, R: Send>(
             Err(TryLockError::WouldBlock) => {}
         }
     }
-    Ok(py.allow_threads(|| f(&mut lock(m))))
+    Ok(crate::gil::released(py, || f(&mut lock(m))))
 }
 
 /// As [`locked`], giving `f` a shared reference only: for contents that
@@ -202,7 +204,7 @@ pub(crate) fn locked_shared<T: Send, R: Send>(
     Ok(match m.try_lock() {
         Ok(g) => f(&g),
         Err(TryLockError::Poisoned(p)) => f(&p.into_inner()),
-        Err(TryLockError::WouldBlock) => py.allow_threads(|| f(&lock(m))),
+        Err(TryLockError::WouldBlock) => crate::gil::released(py, || f(&lock(m))),
     })
 }
 
@@ -227,6 +229,6 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::BroadcastReader>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     py.import("atexit")?
-        .call_method1("register", (wrap_pyfunction!(channel::at_exit, m)?,))?;
+        .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;
     Ok(())
 }

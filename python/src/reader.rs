@@ -144,7 +144,7 @@ impl Drop for Held {
 /// copies.
 fn copy(py: Python<'_>, src: &[u8], dst: &mut [u8]) {
     if src.len() >= RELEASE_GIL_AT {
-        py.allow_threads(|| dst.copy_from_slice(src));
+        crate::gil::released(py, || dst.copy_from_slice(src));
     } else {
         dst.copy_from_slice(src);
     }
@@ -226,7 +226,7 @@ impl StoreReader {
     #[pyo3(signature = (store_handle, index=None))]
     fn attach(py: Python<'_>, store_handle: StoreHandle, index: Option<u32>) -> PyResult<Self> {
         let sh = store_handle.0;
-        let r = py.allow_threads(|| match index {
+        let r = crate::gil::released(py, || match index {
             Some(i) => pinshm::StoreReader::attach_as(&sh, i),
             None => pinshm::StoreReader::attach(&sh),
         });
@@ -237,7 +237,7 @@ impl StoreReader {
     /// segment's header.
     #[staticmethod]
     fn attach_by_name(py: Python<'_>, name: &str) -> PyResult<Self> {
-        let r = py.allow_threads(|| pinshm::StoreReader::attach_by_name(name));
+        let r = crate::gil::released(py, || pinshm::StoreReader::attach_by_name(name));
         r.map(Self::wrap).map_err(to_py)
     }
 
@@ -408,7 +408,7 @@ impl StoreReader {
     /// is released. Closing twice does nothing.
     fn close(&self, py: Python<'_>) {
         let shared = lock(&self.shared).take();
-        py.allow_threads(|| drop(shared));
+        crate::gil::released(py, || drop(shared));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

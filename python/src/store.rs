@@ -71,9 +71,7 @@ impl ObjectStore {
             cfg = cfg.name(name);
         }
         // Reserving and pre-faulting the segment takes a while: no GIL.
-        let store = py
-            .allow_threads(|| pinshm::ObjectStore::create(cfg))
-            .map_err(to_py)?;
+        let store = crate::gil::released(py, || pinshm::ObjectStore::create(cfg)).map_err(to_py)?;
         Ok(ObjectStore {
             home: Home::new(store.name()),
             inner: Mutex::new(Some(store)),
@@ -341,7 +339,7 @@ impl ObjectStore {
         let Ok(store) = locked(py, &self.home, &self.inner, false, Option::take) else {
             return;
         };
-        py.allow_threads(|| drop(store));
+        crate::gil::released(py, || drop(store));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

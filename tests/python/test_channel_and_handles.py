@@ -127,6 +127,49 @@ def test_the_interpreter_exits_cleanly_while_daemon_threads_wait_in_recv_and_sen
         assert p.stdout == "exiting\n"
 
 
+_EXIT_WITH_COPYING_DAEMONS = r"""
+import os, sys, threading, time
+import pinshm
+
+store = pinshm.ObjectStore(64 << 20, 8 << 20, 1, name=sys.argv[1])
+h = store.put("k", os.urandom(4 << 20))
+reader = pinshm.StoreReader.attach(store.handle(), 0)
+
+
+def copy_forever():
+    while True:
+        reader.get_copy(h)  # 4 MiB: the copy runs with the GIL released
+
+
+for _ in range(3):
+    threading.Thread(target=copy_forever, daemon=True).start()
+time.sleep(0.05)
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreter_exits_cleanly_while_daemon_threads_copy(unique_name):
+    """Daemon threads whose GIL-released copies end while the interpreter
+    exits: none may retake the GIL during finalization (it aborted every
+    time before gil::released)."""
+    for _ in range(5):
+        name = unique_name()
+        try:
+            p = subprocess.run(
+                [sys.executable, "-c", _EXIT_WITH_COPYING_DAEMONS, name],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout == "exiting\n"
+
+
 def test_cancel_ends_a_blocked_recv_and_a_blocked_send(unique_name, closing):
     import threading
 

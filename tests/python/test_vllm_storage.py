@@ -3,8 +3,12 @@ semantics over a pinshm store (runs without vLLM; with vLLM installed the
 serde is vLLM's own)."""
 
 import multiprocessing as mp
+import os
 import pickle
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -264,16 +268,77 @@ def test_the_raw_ring_api_is_not_offered_and_missing_segments_are_not_found(uniq
         S.SingleWriterShmRingBuffer(0, create=True)
 
 
-def test_a_sparse_segment_on_request(make, monkeypatch):
-    monkeypatch.setenv("PINSHM_VLLM_RESERVE", "0")
+@pytest.mark.parametrize("reserve", [None, "1"])
+def test_sparse_as_vllm_by_default_reserved_on_request(make, monkeypatch, reserve):
+    if reserve is None:
+        monkeypatch.delenv("PINSHM_VLLM_RESERVE", raising=False)
+    else:
+        monkeypatch.setenv("PINSHM_VLLM_RESERVE", reserve)
     w, reader = make(size=64 * MIB)
     r = reader()
     a, i = w.put("k", b"x")
     assert r.get(a, i, w.get_signature("k"), "k") == b"x"
-    import os
+    taken = os.stat(f"/dev/shm/{w.ring_buffer.name}").st_blocks * 512
+    if reserve:
+        assert taken >= 64 * MIB
+    else:
+        assert taken < 8 * MIB, f"{taken} bytes taken for a sparse 64 MiB ring"
 
-    blocks = os.stat(f"/dev/shm/{w.ring_buffer.name}").st_blocks * 512
-    assert blocks < 8 * MIB, f"{blocks} bytes taken for a sparse 64 MiB ring"
+
+@pytest.mark.parametrize(
+    "size, max_object", [(1_000_003, 500_000), (MIB, MIB), (MIB, 4 * MIB), (107374182, 128 * MIB)]
+)
+def test_any_size_vllm_takes_works(make, size, max_object):
+    """vLLM accepts any --mm-processor-cache-gb (0.1 GiB is not a multiple
+    of 64 bytes) and an object limit as large as the ring or larger."""
+    w, reader = make(size=size, max_object=max_object)
+    r = reader()
+    a, i = w.put("k", b"v" * 1000)
+    assert r.get(a, i, w.get_signature("k"), "k") == b"v" * 1000
+
+
+def test_a_second_live_writer_of_a_name_gets_file_exists(unique_name):
+    name = unique_name()
+    first = S.SingleWriterShmObjectStorage(MIB, 1, S.SingleWriterShmRingBuffer(4 * MIB, name, True))
+    try:
+        with pytest.raises(FileExistsError):
+            S.SingleWriterShmObjectStorage(MIB, 1, S.SingleWriterShmRingBuffer(4 * MIB, name, True))
+        assert first.put("k", b"still mine") is not None
+    finally:
+        first.close()
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from pinshm.vllm import storage as S
+ring = S.SingleWriterShmRingBuffer(4 << 20, name=sys.argv[1], create=True)
+s = S.SingleWriterShmObjectStorage(1 << 20, 1, ring)
+s.put("k", b"x")
+print("up", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_writer_leaves_no_segment(unique_name):
+    """As with vLLM's SharedMemory, the resource tracker of the writer's
+    process removes the segment when the writer dies without closing."""
+    name = unique_name()
+    path = f"/dev/shm/{name}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", KILLED_WRITER, name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.stdout.strip() == "up", out.stderr
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path), "the killed writer's segment is still in /dev/shm"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def test_spawned_readers_read_every_byte_and_free_the_ring(make):

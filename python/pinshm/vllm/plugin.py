@@ -44,32 +44,37 @@ def _logger() -> logging.Logger:
 def register(module: Optional[ModuleType] = None) -> None:
     """Rebinds vLLM's shared-memory cache classes to pinshm's (in
     ``module``, default :data:`CACHE_MODULE`). Idempotent: vLLM may load
-    plugins more than once in a process. Logs one line."""
+    plugins more than once in a process. Logs one line. Never raises: vLLM
+    calls plugins unguarded in every command, so a vLLM this plugin does
+    not know gets a warning and stays as it is."""
     global _registered
-    if module is None:
-        module = importlib.import_module(CACHE_MODULE)
-    for name in REBOUND:
-        if not hasattr(module, name):
+    try:
+        if module is None:
+            module = importlib.import_module(CACHE_MODULE)
+        missing = [name for name in REBOUND if not hasattr(module, name)]
+        if missing:
             raise RuntimeError(
-                f"{module.__name__} has no {name}: this vLLM is not one pinshm.vllm knows "
-                f"(built for vLLM 0.33); uninstall pinshm or leave it out of VLLM_PLUGINS"
+                f"{module.__name__} has no {', '.join(missing)}: not the vLLM 0.33 "
+                f"layout pinshm.vllm was built for"
             )
-        setattr(module, name, getattr(storage, name))
-    queue = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE") == "1"
-    if queue:
-        try:
+        queue = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE") == "1"
+        if queue:
             from .message_queue import install
-        except ImportError as e:
-            raise RuntimeError(
-                "PINSHM_VLLM_MESSAGE_QUEUE=1, but this pinshm has no MessageQueue"
-            ) from e
-        install()
+
+            install()
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        _logger().warning("pinshm not in use: %s", e)
+        return
+    for name in REBOUND:
+        setattr(module, name, getattr(storage, name))
     if not _registered:
         _registered = True
         from .. import __version__
 
         _logger().info(
-            "pinshm %s in use: the shm multimodal cache%s run on pinshm",
+            "pinshm %s in use: %s on pinshm",
             __version__,
-            " and MessageQueue" if queue else "",
+            "the shm multimodal cache and MessageQueue run"
+            if queue
+            else "the shm multimodal cache (--mm-processor-cache-type shm) runs",
         )

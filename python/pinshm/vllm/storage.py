@@ -12,9 +12,14 @@ vLLM's; what differs underneath:
   still pass is never taken.
 - Readers read the slot in place and acknowledge when the serde is done
   with it; a reader that dies stops counting towards what an object owes.
-- The segment is reserved (and, with CUDA, pinned) at creation: a
-  /dev/shm too small fails then, not with SIGBUS later. Set
-  ``PINSHM_VLLM_RESERVE=0`` for a sparse segment, as vLLM makes.
+- The segment is sparse, as vLLM's is. ``PINSHM_VLLM_RESERVE=1``
+  reserves and pre-faults it at creation instead (a /dev/shm too small
+  then fails at start, not with SIGBUS under load; with a ``cuda`` build
+  it is also pinned, which initializes CUDA in vLLM's API server before
+  it forks the engine core: use it only with spawned processes).
+- The writer registers its segment with multiprocessing's resource
+  tracker, as vLLM's ``SharedMemory`` does: a killed API server does not
+  leave it behind.
 
 Handles on the wire
 -------------------
@@ -26,17 +31,22 @@ segment's epoch. The wire form is::
     address      = (id >> 32) << 48 | offset     # offset < 2**48
     monotonic_id = id & 0xFFFF_FFFF
 
-so the full id travels and no handle is ever confused with a later object
-at the same offset, however many puts a store sees (vLLM's own ids wrap at
-2**31). The epoch does not travel: the drop-in never hard-clears, so it is
-constant for a store's life and readers take it from the segment. A store
-refuses puts after 2**48 ids (about 9 years at a million puts a second),
-and rings of 2**48 bytes or more.
+so the full id travels: a reader checks it against the slot, and no
+handle reads a later object at the same offset, however many puts a store
+sees (vLLM's own ids wrap at 2**31). The epoch does not travel: the
+drop-in never hard-clears, so it is constant for a store's life and
+readers take it from the segment. Past 2**48 ids (about 9 years at a
+million puts a second) ``put`` raises RuntimeError (after storing the
+object); rings of 2**48 bytes or more are refused.
 
 Signatures are pinshm's: HMAC-SHA256 keyed by the segment's secret over
 SHA-256(key), the offset (u64 LE) and the id's low 32 bits (u32 LE), which
-is vLLM 0.33.0's construction over pinshm's own address. The secret never
-leaves Rust, so ``get_auth_secret()`` is not offered.
+is vLLM 0.33.0's construction over pinshm's own address. They do not
+cover the id's high bits: a reader given a signed handle with other high
+bits (possible only after 2**32 puts) reads the object with that full id,
+if one is still there, whatever its key; the writer's check compares the
+whole handle. vLLM's ids wrap at 2**31, with the same exposure. The secret
+never leaves Rust, so ``get_auth_secret()`` is not offered.
 """
 
 from __future__ import annotations
@@ -45,11 +55,19 @@ import errno
 import os
 import secrets
 import struct
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .._pinshm import ObjectHandle, ObjectStore, StaleError, StoreReader, signature_bytes
+from .._pinshm import (
+    ObjectHandle,
+    ObjectStore,
+    PinshmError,
+    StaleError,
+    StoreReader,
+    signature_bytes,
+)
 
 __all__ = [
     "MsgpackSerde",
@@ -67,6 +85,10 @@ _LOW_ID_MASK = (1 << _LOW_ID_BITS) - 1
 _MAX_ID = 1 << (_LOW_ID_BITS + 64 - _OFFSET_BITS)
 # vLLM's storage counts a 4-byte in-use flag in every object's size.
 _FLAG_BYTES = 4
+# pinshm's slot alignment, and room for a slot's header and read counters
+# (at most 64 readers) beside the largest object.
+_SLOT_ALIGN = 64
+_SLOT_OVERHEAD = 4096
 
 _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
@@ -76,6 +98,27 @@ def _stale(address: Any, monotonic_id: Any) -> StaleError:
     return StaleError(
         f"Data for address:id '{address}:{monotonic_id}' has been modified or is invalid."
     )
+
+
+def _track(name: str) -> None:
+    """Registers the writer's segment with multiprocessing's resource
+    tracker, as vLLM's SharedMemory does, so a writer killed without
+    closing does not leave it in /dev/shm (the tracker unlinks it)."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.register("/" + name, "shared_memory")
+    except Exception:  # noqa: BLE001 - best effort, as in the stdlib
+        pass
+
+
+def _untrack(name: str) -> None:
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister("/" + name, "shared_memory")
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
@@ -135,16 +178,35 @@ class SingleWriterShmRingBuffer:
 
     def _open_writer(self, max_object_size: int, n_readers: int) -> ObjectStore:
         if self._store is None:
-            sparse = os.environ.get("PINSHM_VLLM_RESERVE", "1") == "0"
-            self._store = ObjectStore(
-                self.data_buffer_size,
-                max_object_size,
-                n_readers,
-                name=self.name,
-                aggregate_reads=True,
-                reserve=not sparse,
-                prefault=not sparse,
-            )
+            reserve = os.environ.get("PINSHM_VLLM_RESERVE", "0") == "1"
+            # vLLM takes any size: the ring is the size rounded down to
+            # pinshm's 64-byte slot alignment, and the Rust-side object
+            # limit is what fits in it (the storage still checks the user's
+            # limit, with vLLM's message).
+            capacity = self.data_buffer_size - self.data_buffer_size % _SLOT_ALIGN
+            limit = min(max_object_size, capacity - _SLOT_OVERHEAD)
+            if limit <= 0:
+                raise ValueError(
+                    f"data_buffer_size ({self.data_buffer_size}) is too small for a "
+                    f"pinshm store: it needs more than {_SLOT_OVERHEAD} bytes"
+                )
+            try:
+                self._store = ObjectStore(
+                    capacity,
+                    limit,
+                    n_readers,
+                    name=self.name,
+                    aggregate_reads=True,
+                    reserve=reserve,
+                    prefault=reserve,
+                )
+            except PinshmError as e:
+                if os.path.exists(os.path.join("/dev/shm", self.name)):
+                    # A live writer has the name (a dead one's segment is
+                    # replaced): vLLM's SharedMemory says FileExistsError.
+                    raise FileExistsError(errno.EEXIST, str(e), self.name) from e
+                raise
+            _track(self.name)
         return self._store
 
     def _open_reader(self) -> StoreReader:
@@ -170,6 +232,7 @@ class SingleWriterShmRingBuffer:
         store, self._store = self._store, None
         if store is not None:
             store.close()
+            _untrack(self.name)
 
     def __del__(self) -> None:
         # A half-built object (the constructor raised) has no _store.
@@ -282,6 +345,12 @@ class MsgpackSerde(ObjectSerde):
             self._inner: ObjectSerde = _NumpyMsgpackSerde()
         else:
             self._inner = _VllmSerde()
+            # vLLM's decoder calls torch.frombuffer on the slot, which
+            # pinshm exports read-only; the tensors are cloned at once, so
+            # torch's warning about non-writable buffers says nothing here.
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
 
     def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
         return self._inner.serialize(value)

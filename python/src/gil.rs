@@ -1,0 +1,74 @@
+//! Releasing the GIL, safely when the interpreter exits.
+//!
+//! A thread that retakes the GIL once the interpreter is finalizing is
+//! ended by CPython with a forced unwind (`pthread_exit`); through Rust
+//! frames that aborts the process ("FATAL: exception not rethrown", exit
+//! 134). Daemon threads blocked in a wait or a long copy are exactly such
+//! threads. So every release goes through [`released`], and the module's
+//! `atexit` callback, [`at_exit`], closes the door:
+//!
+//! - a thread whose work ends after the door closed never retakes the GIL:
+//!   it sleeps until the process ends (what it got is dropped: nobody is
+//!   left to use it; it holds no lock of ours meanwhile);
+//! - a thread that passed the door before it closed is waiting to retake
+//!   the GIL, or about to: `at_exit` lets go of the GIL until each such
+//!   thread has it back, while the interpreter still runs them.
+//!
+//! The door is a Dekker pair, both sides sequentially consistent: a thread
+//! counts itself in `PASSING`, then looks at `CLOSED`; `at_exit` sets
+//! `CLOSED`, then looks at `PASSING`. At least one of the two sees the
+//! other, so no thread slips through unseen.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::OnceLock;
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+
+/// Set (once) by `at_exit`: the interpreter is shutting down.
+static CLOSED: AtomicBool = AtomicBool::new(false);
+/// The thread that ran `at_exit` (it finalizes: it is never held back).
+static EXITING: OnceLock<ThreadId> = OnceLock::new();
+/// Threads between the door and the GIL.
+static PASSING: AtomicUsize = AtomicUsize::new(0);
+
+/// Longest `at_exit` waits for passing threads to retake the GIL (a thread
+/// stopped in a debugger must not hang the exit).
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// Runs `f` with the GIL released (as `Python::allow_threads`); once the
+/// interpreter is exiting, a thread other than the exiting one does not
+/// come back (see the module doc).
+pub(crate) fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) -> R {
+    let r = py.allow_threads(|| {
+        let r = f();
+        PASSING.fetch_add(1, SeqCst);
+        if CLOSED.load(SeqCst) && EXITING.get() != Some(&std::thread::current().id()) {
+            PASSING.fetch_sub(1, SeqCst);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        r
+    });
+    // The GIL is held again.
+    PASSING.fetch_sub(1, SeqCst);
+    r
+}
+
+/// Registered with `atexit` at module init (see the module doc).
+#[pyfunction]
+pub(crate) fn at_exit(py: Python<'_>) {
+    let _ = EXITING.set(std::thread::current().id());
+    CLOSED.store(true, SeqCst);
+    if PASSING.load(SeqCst) == 0 {
+        return;
+    }
+    py.allow_threads(|| {
+        let end = Instant::now() + DRAIN;
+        while PASSING.load(SeqCst) > 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+}

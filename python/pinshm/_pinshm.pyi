@@ -80,7 +80,7 @@ class ObjectStore:
         aggregate_reads: bool = False,
         *,
         reserve: bool = True,
-        prefault: bool = True,
+        prefault: Optional[bool] = None,
     ) -> None: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:

@@ -45,12 +45,12 @@ impl ObjectStore {
     ///
     /// `reserve` (default true) takes every page of /dev/shm now, so a
     /// too-small /dev/shm fails here rather than with SIGBUS later;
-    /// `prefault` (default true) also maps every page in. With both false
-    /// the segment is sparse, as Python's `SharedMemory` makes it (and is
-    /// then never pinned).
+    /// `prefault` (default: as `reserve`) also maps every page in. With
+    /// `reserve=False` the segment is sparse, as Python's `SharedMemory`
+    /// makes it (and is then never pinned).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=true
+        *, reserve=true, prefault=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -61,12 +61,12 @@ impl ObjectStore {
         name: Option<String>,
         aggregate_reads: bool,
         reserve: bool,
-        prefault: bool,
+        prefault: Option<bool>,
     ) -> PyResult<Self> {
         let mut cfg = pinshm::StoreConfig::new(capacity, max_object_size, n_readers)
             .aggregate_reads(aggregate_reads)
             .reserve(reserve)
-            .prefault(prefault);
+            .prefault(prefault.unwrap_or(reserve));
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

@@ -45,6 +45,20 @@ def test_register_leaves_a_module_that_is_not_vllm_033s_alone_and_warns(caplog, 
     assert any("not in use" in r.getMessage() and "MsgpackSerde" in r.getMessage() for r in caplog.records)
 
 
+def test_the_message_queue_switch_installs_it(monkeypatch):
+    calls = []
+    import pinshm.vllm.message_queue as mq
+
+    monkeypatch.setattr(mq, "install", lambda: calls.append(1))
+    m = stand_in()
+    monkeypatch.delenv("PINSHM_VLLM_MESSAGE_QUEUE", raising=False)
+    plugin.register(m)
+    assert calls == [], "off unless asked for"
+    monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "1")
+    plugin.register(m)
+    assert calls == [1]
+
+
 def test_the_entry_point_is_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert [e.value for e in eps if e.name == "pinshm"] == ["pinshm.vllm.plugin:register"]

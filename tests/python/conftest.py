@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+import pinshm
+
 _counter = itertools.count()
 
 
@@ -35,3 +37,16 @@ def closing():
     yield register
     for obj in reversed(opened):
         obj.close()
+
+
+@pytest.fixture
+def store(unique_name, closing):
+    """A 4 MiB store for objects up to 1 MiB, one reader (tests needing
+    another shape define their own `store`)."""
+    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
+
+
+@pytest.fixture
+def reader(store, closing):
+    """Reader 0 of `store`."""
+    return closing(pinshm.StoreReader.attach(store.handle(), 0))

@@ -11,16 +11,6 @@ import pinshm
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
-
-
 def test_torch_from_dlpack_shares_the_slot_with_no_copy(store, reader):
     a = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
     h = store.put_tensor("t", a)

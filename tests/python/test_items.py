@@ -12,16 +12,6 @@ import pinshm
 KIB = 1024
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
-
-
 def fields_of_several_dtypes():
     rng = np.random.default_rng(3)
     return {

@@ -8,16 +8,6 @@ import pinshm
 KIB = 1024
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
-
-
 def test_parts_of_every_buffer_kind_are_stored_as_their_join(store, reader):
     parts = [
         b"head",

@@ -8,16 +8,6 @@ import pytest
 import pinshm
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
-
-
 @pytest.mark.parametrize(
     "dtype",
     ["u1", "i1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "?"],

@@ -6,7 +6,6 @@ import gc
 import numpy as np
 import pytest
 
-import pinshm
 
 torch = pytest.importorskip("torch")
 

@@ -7,7 +7,6 @@ import struct
 import numpy as np
 import pytest
 
-import pinshm
 
 KIB = 1024
 

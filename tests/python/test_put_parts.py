@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-import pinshm
 
 KIB = 1024
 

@@ -5,7 +5,6 @@ import gc
 import numpy as np
 import pytest
 
-import pinshm
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,9 @@ pub enum PinMode {
     Require,
 }
 
-/// How to pin: the mode and the CUDA device whose context registers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How to pin: the mode and the CUDA device whose context registers
+/// (default: `Auto`, device 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PinSpec {
     pub(crate) mode: PinMode,
     pub(crate) device: usize,

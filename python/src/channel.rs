@@ -176,10 +176,7 @@ impl Broadcast {
     /// WriterGoneError. Closing twice does nothing, and so does closing in a
     /// forked child (the channel is the parent's).
     fn close(&self, py: Python<'_>) {
-        let Ok(b) = locked(py, &self.home, &self.inner, false, Option::take) else {
-            return;
-        };
-        crate::gil::released(py, || drop(b));
+        crate::close_in(py, &self.home, &self.inner);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -276,10 +273,7 @@ impl BroadcastReader {
     /// Detaches. Closing twice does nothing, and so does closing in a
     /// forked child (the reader is the parent's).
     fn close(&self, py: Python<'_>) {
-        let Ok(r) = locked(py, &self.home, &self.inner, false, Option::take) else {
-            return;
-        };
-        crate::gil::released(py, || drop(r));
+        crate::close_in(py, &self.home, &self.inner);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

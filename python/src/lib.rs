@@ -191,6 +191,16 @@ pub(crate) fn locked<T: Send, R: Send>(
     Ok(crate::gil::released(py, || f(&mut lock(m))))
 }
 
+/// `close()` of an object kept as `Mutex<Option<T>>`: takes it out and
+/// drops it with the GIL released (unmapping a large segment takes a
+/// while). Closing twice does nothing, and so does closing in a forked
+/// child (the object is the parent's).
+pub(crate) fn close_in<T: Send>(py: Python<'_>, home: &Home, m: &Mutex<Option<T>>) {
+    if let Ok(Some(t)) = locked(py, home, m, false, Option::take) {
+        gil::released(py, || drop(t));
+    }
+}
+
 /// As [`locked`], giving `f` a shared reference only: for contents that
 /// other references point into (a reader that guards borrow), which a
 /// `&mut` would invalidate.

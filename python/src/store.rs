@@ -335,11 +335,7 @@ impl ObjectStore {
     /// keep their mapping). Closing twice does nothing, and so does closing
     /// in a forked child (the store is the parent's).
     fn close(&self, py: Python<'_>) {
-        // Unmapping a large segment takes a while: no GIL.
-        let Ok(store) = locked(py, &self.home, &self.inner, false, Option::take) else {
-            return;
-        };
-        crate::gil::released(py, || drop(store));
+        crate::close_in(py, &self.home, &self.inner);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

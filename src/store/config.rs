@@ -18,8 +18,7 @@ pub struct StoreConfig {
     pub(crate) name: Option<String>,
     pub(crate) prefault: bool,
     pub(crate) reserve: bool,
-    pub(crate) pin: PinMode,
-    pub(crate) cuda_device: usize,
+    pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
 }
@@ -35,8 +34,7 @@ impl StoreConfig {
             name: None,
             prefault: true,
             reserve: true,
-            pin: PinMode::Auto,
-            cuda_device: 0,
+            pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
         }
@@ -65,7 +63,7 @@ impl StoreConfig {
     /// Pinning policy (default [`PinMode::Auto`]). `Auto` pins only a
     /// reserved segment (see [`StoreConfig::reserve`]).
     pub fn pin(mut self, mode: PinMode) -> Self {
-        self.pin = mode;
+        self.pin.mode = mode;
         self
     }
 
@@ -74,15 +72,8 @@ impl StoreConfig {
     /// engines of every device copy from it at DMA speed; the calling
     /// thread's current CUDA context is left as it was.
     pub fn cuda_device(mut self, ordinal: usize) -> Self {
-        self.cuda_device = ordinal;
+        self.pin.device = ordinal;
         self
-    }
-
-    pub(crate) fn pin_spec(&self) -> PinSpec {
-        PinSpec {
-            mode: self.pin,
-            device: self.cuda_device,
-        }
     }
 
     /// Whether to reserve every page of /dev/shm at create (default true),
@@ -148,8 +139,7 @@ impl StoreConfig {
 #[derive(Clone, Copy, Debug)]
 pub struct ReaderOptions {
     pub(crate) index: Option<u32>,
-    pub(crate) pin: PinMode,
-    pub(crate) cuda_device: usize,
+    pub(crate) pin: PinSpec,
     pub(crate) prefault: bool,
 }
 
@@ -157,8 +147,7 @@ impl Default for ReaderOptions {
     fn default() -> Self {
         ReaderOptions {
             index: None,
-            pin: PinMode::Auto,
-            cuda_device: 0,
+            pin: PinSpec::default(),
             prefault: true,
         }
     }
@@ -176,7 +165,7 @@ impl ReaderOptions {
     /// its size: the writer reserved it), so a sparse test segment is not
     /// made whole by every reader.
     pub fn pin(mut self, mode: PinMode) -> Self {
-        self.pin = mode;
+        self.pin.mode = mode;
         self
     }
 
@@ -184,15 +173,8 @@ impl ReaderOptions {
     /// mapping when it is pinned (default 0): a worker on GPU k passes k.
     /// The calling thread's current CUDA context is left as it was.
     pub fn cuda_device(mut self, ordinal: usize) -> Self {
-        self.cuda_device = ordinal;
+        self.pin.device = ordinal;
         self
-    }
-
-    pub(crate) fn pin_spec(&self) -> PinSpec {
-        PinSpec {
-            mode: self.pin,
-            device: self.cuda_device,
-        }
     }
 
     /// Fault the mapping in at attach (default true). A sparse segment (a

@@ -111,7 +111,7 @@ impl StoreReader {
         let (seg, geo) = open_validated(sh, false)?;
         // Pinned before an entry is taken, so a failure gives nothing back.
         let reserved = seg.is_reserved();
-        let map = Mapping::new(seg, opts.pin_spec(), reserved, opts.prefault && reserved)?;
+        let map = Mapping::new(seg, opts.pin, reserved, opts.prefault && reserved)?;
         let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {

@@ -111,7 +111,7 @@ impl ObjectStore {
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
-        let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin_spec());
+        let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin);
         // A writer that died leaves its segment: replaced, unless its
         // writer still runs.
         let seg = Segment::create_replacing(
@@ -176,7 +176,7 @@ impl ObjectStore {
         geo.header().stamp();
         // The writer knows whether it reserved the pages.
         let reserved = cfg.reserve;
-        let map = Mapping::new(seg, cfg.pin_spec(), reserved, cfg.prefault && !prefault)?;
+        let map = Mapping::new(seg, cfg.pin, reserved, cfg.prefault && !prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,

@@ -72,6 +72,37 @@ def _warning_interval() -> float:
         return 60.0
 
 
+class _Wait:
+    """A blocking wait taken in steps: until `deadline` (time.monotonic();
+    None: none), logging vLLM's long-wait line every
+    VLLM_RINGBUFFER_WARNING_INTERVAL seconds unless `quiet`."""
+
+    def __init__(self, deadline: Optional[float], quiet: bool = False) -> None:
+        self.started = time.monotonic()
+        self.deadline = deadline
+        self.interval = None if quiet else _warning_interval()
+        self.n_warning = 1
+
+    def step(self) -> Optional[float]:
+        """How long the next wait may last (None: as long as it takes):
+        until the next warning or the deadline."""
+        now = time.monotonic()
+        step = None if self.interval is None else self.started + self.interval * self.n_warning - now
+        if self.deadline is not None:
+            left = self.deadline - now
+            step = left if step is None else min(step, left)
+        return None if step is None else max(step, 0.0)
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def warn_if_due(self, waiting_for: Any) -> None:
+        """Logs the long-wait line naming `waiting_for()` once per interval."""
+        if self.interval is not None and time.monotonic() - self.started >= self.interval * self.n_warning:
+            logger.info(LONG_WAIT_TIME_LOG_MSG, self.interval, waiting_for())
+            self.n_warning += 1
+
+
 # ---------------------------------------------------------------------------
 # Encoding: vLLM's pickle with out-of-band buffers, CPU tensors included.
 # ---------------------------------------------------------------------------
@@ -231,13 +262,9 @@ class MessageQueue:
         self.local_reader_rank = -1
         self._init_common()
 
-        self._tx: Optional[pinshm.Broadcast] = None
         if n_local_reader > 0:
-            # A message needs its 3 + 4 bytes of framing besides the pickle.
             self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
-        self._store: Optional[pinshm.ObjectStore] = None  # made on the first overflow
         self._store_gen = 0
-        self._retired: list = []  # replaced stores with objects still unread
         self._seq = 0
 
         remote_subscribe_addr = None
@@ -271,9 +298,9 @@ class MessageQueue:
     def _init_common(self) -> None:
         self._rx: Optional[pinshm.BroadcastReader] = None
         self._store_readers: dict = {}
-        self._tx = None
-        self._store = None
-        self._retired = []
+        self._tx: Optional[pinshm.Broadcast] = None
+        self._store: Optional[pinshm.ObjectStore] = None  # made on the first overflow
+        self._retired: list = []  # replaced stores with objects still unread
         self._zmq_context = None
         self.remote_socket = None
         self.local_socket = None  # vLLM's overflow socket: not used
@@ -525,25 +552,17 @@ class MessageQueue:
                 return
         except pinshm.CancelledError:
             raise RuntimeError("cancelled") from None
-        interval = _warning_interval()
-        started = time.monotonic()
-        n_warning = 1
+        wait = _Wait(deadline)
         while True:
-            now = time.monotonic()
-            step = started + interval * n_warning - now
-            if deadline is not None:
-                if now >= deadline:
-                    raise TimeoutError(f"enqueue: no free slot, waiting for {self._channel_blockers()}")
-                step = min(step, deadline - now)
+            if wait.expired():
+                raise TimeoutError(f"enqueue: no free slot, waiting for {self._channel_blockers()}")
             try:
-                tx.send(data, timeout=max(step, 0.0))
+                tx.send(data, timeout=wait.step())
                 return
             except pinshm.CancelledError:
                 raise RuntimeError("cancelled") from None
             except pinshm.TimeoutError:
-                if time.monotonic() - started >= interval * n_warning:
-                    logger.info(LONG_WAIT_TIME_LOG_MSG, interval, self._channel_blockers())
-                    n_warning += 1
+                wait.warn_if_due(self._channel_blockers)
 
     def _channel_blockers(self) -> str:
         try:
@@ -563,31 +582,20 @@ class MessageQueue:
         rx = self._rx
         if self.shutting_down:
             raise RuntimeError("cancelled")
-        interval = None if indefinite else _warning_interval()
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        n_warning = 1
+        # A message already there needs no wait to be set up.
+        data = rx.try_recv()
+        if data is not None:
+            return data
+        wait = _Wait(None if timeout is None else time.monotonic() + timeout, quiet=indefinite)
         while True:
-            now = time.monotonic()
-            step = None if interval is None else started + interval * n_warning - now
-            if deadline is not None:
-                left = deadline - now
-                step = left if step is None else min(step, left)
             try:
-                return rx.recv(timeout=None if step is None else max(step, 0.0))
+                return rx.recv(timeout=wait.step())
             except pinshm.CancelledError:
                 raise RuntimeError("cancelled") from None
             except pinshm.TimeoutError:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
+                if wait.expired():
                     raise TimeoutError(f"dequeue: nothing from the writer in {timeout} s") from None
-                if interval is not None and now - started >= interval * n_warning:
-                    logger.info(
-                        LONG_WAIT_TIME_LOG_MSG,
-                        interval,
-                        f"the writer (pid {self.handle.writer_pid}) to send",
-                    )
-                    n_warning += 1
+                wait.warn_if_due(lambda: f"the writer (pid {self.handle.writer_pid}) to send")
 
     # ---- the store, for messages larger than a chunk ----
 
@@ -633,20 +641,15 @@ class MessageQueue:
             return store.put(key, buf)
         except pinshm.FullError:
             pass
-        interval = _warning_interval()
-        started = time.monotonic()
-        n_warning = 1
+        wait = _Wait(deadline)
         pause = 50e-6
         while True:
             try:
                 return store.put(key, buf)
             except pinshm.FullError as e:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
+                if wait.expired():
                     raise TimeoutError(f"enqueue: the store is full: {e}") from None
-                if now - started >= interval * n_warning:
-                    logger.info(LONG_WAIT_TIME_LOG_MSG, interval, f"the store to free room: {e}")
-                    n_warning += 1
+                wait.warn_if_due(lambda: f"the store to free room: {e}")
                 if self.shutting_down:
                     raise RuntimeError("cancelled") from None
                 time.sleep(pause)

@@ -441,6 +441,8 @@ class SingleWriterShmObjectStorage:
             if reader_lock is None:
                 raise ValueError("Lock must be provided for readers.")
             self._reader = ring_buffer._open_reader()
+            # Constant for the store's life: the drop-in never hard-clears.
+            self._epoch = self._reader.epoch
 
     # -- the writer -----------------------------------------------------
 
@@ -505,15 +507,10 @@ class SingleWriterShmObjectStorage:
 
     # -- both sides -----------------------------------------------------
 
-    def _current_epoch(self) -> int:
-        if self._reader is not None:
-            return self._reader.epoch
-        # The writer's epoch is its handles'; before its first put no
-        # handle can be good.
-        return self._epoch if self._epoch is not None else 0
-
     def _handle(self, address: Any, monotonic_id: Any) -> ObjectHandle:
-        return from_wire(address, monotonic_id, self._current_epoch())
+        # A writer learns its epoch from its first put; before it, no
+        # handle can be good.
+        return from_wire(address, monotonic_id, self._epoch or 0)
 
     def _verified(
         self, key: Any, address: Any, monotonic_id: Any, signature: Any

@@ -21,6 +21,25 @@ pub struct StoreConfig {
     pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
+    pub(crate) eviction: Eviction,
+}
+
+/// Which reclaimable objects the writer's allocator lets go when it needs
+/// room ([`StoreConfig::eviction`]). Objects still in use (unread, held,
+/// protected) always stay where they are, and the allocator places new
+/// objects around them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Eviction {
+    /// Oldest first: every reclaimable object the allocator's sweep meets
+    /// goes (the reference's order, minus its stall behind objects in use).
+    #[default]
+    Fifo,
+    /// CLOCK: an object hit ([`ObjectStore::get_cached`](crate::ObjectStore::get_cached))
+    /// since the sweep last passed it stays for one more lap, in place (no
+    /// copy, its handles stay valid). Better hit rates for a cache with
+    /// popular keys; see the README's hit-rate table.
+    SecondChance,
 }
 
 impl StoreConfig {
@@ -37,7 +56,15 @@ impl StoreConfig {
             pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
+            eviction: Eviction::default(),
         }
+    }
+
+    /// What the allocator lets go when it needs room (default
+    /// [`Eviction::Fifo`]).
+    pub fn eviction(mut self, policy: Eviction) -> Self {
+        self.eviction = policy;
+        self
     }
 
     /// Ring bytes one object of `payload` bytes takes with `n_readers`
@@ -77,9 +104,12 @@ impl StoreConfig {
     }
 
     /// Whether to reserve every page of /dev/shm at create (default true),
-    /// so a too-small /dev/shm fails at create instead of with SIGBUS later.
-    /// Off only for sparse segments in tests; `PinMode::Auto` does not pin
-    /// a sparse segment (pinning would allocate every page).
+    /// so a too-small /dev/shm fails at create. Off: a sparse segment that
+    /// costs the pages its objects touch; the writer backs pages
+    /// (`fallocate`) just before it first writes them, so a full /dev/shm is
+    /// an [`Error::NoSpace`] from that put, never a SIGBUS, and readers never
+    /// fault on unbacked pages. `PinMode::Auto` does not pin a sparse
+    /// segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
         self.reserve = yes;
         self

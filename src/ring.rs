@@ -122,22 +122,35 @@ impl<T> Ring<T> {
     /// about each span the walk meets, in order, and may update it (clear a
     /// second-chance bit, say); a span it refuses ends the run. `None` when
     /// no such run exists (or `len` is 0 or larger than the ring).
-    pub fn plan(&mut self, len: u64, mut may_go: impl FnMut(&mut Span<T>) -> bool) -> Option<Plan> {
-        if len == 0 || len > self.capacity {
+    #[cfg(test)]
+    pub fn plan(&mut self, len: u64, may_go: impl FnMut(&mut Span<T>) -> bool) -> Option<Plan> {
+        self.plan_within(len, self.capacity, may_go)
+    }
+
+    /// As [`Ring::plan`], for a run that ends at or below `limit` (the
+    /// part of a sparse region already backed, say).
+    pub fn plan_within(
+        &mut self,
+        len: u64,
+        limit: u64,
+        mut may_go: impl FnMut(&mut Span<T>) -> bool,
+    ) -> Option<Plan> {
+        let limit = limit.min(self.capacity);
+        if len == 0 || len > limit {
             return None;
         }
         // Runs starting at or after the cursor first, then (one wrap) those
         // starting before it. The walk is greedy and complete: a run that
         // would start before a refused span would cover its start, so the
         // next candidate is just past it.
-        let origin = self.cursor.min(self.capacity);
+        let origin = self.cursor.min(limit);
         let mut start = origin;
         let mut wrapped = false;
         let mut victims = Vec::new();
         // The walk point inside the run being built.
         let mut at = start;
         loop {
-            if start + len > self.capacity {
+            if start + len > limit {
                 if wrapped || origin == 0 {
                     return None;
                 }
@@ -318,6 +331,10 @@ mod tests {
         // 701 bytes cannot fit anywhere while it stays.
         assert_eq!(r.plan(701, |s| !s.value), None);
         assert!(r.plan(600, |s| !s.value).is_some());
+        // Within the first 300 bytes only: at most what lies below it.
+        let p = r.plan_within(200, 300, |s| !s.value).unwrap();
+        assert!(p.pos + 200 <= 300);
+        assert_eq!(r.plan_within(301, 300, |_| true), None);
     }
 
     #[test]

@@ -198,9 +198,20 @@ class StoreReader:
 
 class Broadcast:
     def __init__(
-        self, n_readers: int, slots: int, slot_size: int, name: Optional[str] = None
+        self,
+        n_readers: int,
+        slots: int,
+        slot_size: int,
+        name: Optional[str] = None,
+        *,
+        reserve: bool = False,
     ) -> None: ...
     def send(self, data: Buffer, timeout: Optional[float] = None) -> None: ...
+    def unlink(self) -> None:
+        """Removes the channel's name from /dev/shm now; the channel keeps
+        working for the readers already attached (no new reader can attach).
+        Call it once every reader has attached, and a crash of any process
+        leaves nothing behind. Idempotent."""
     def try_send(self, data: Buffer) -> bool: ...
     def cancel(self) -> None: ...
     def blocking_readers(self) -> list[tuple[int, Optional[int]]]: ...

@@ -81,7 +81,8 @@ impl StoreConfig {
     }
 
     /// Whether to fault every page in at create (default true), so the first
-    /// pass over the ring runs at the speed of later ones.
+    /// pass over the ring runs at the speed of later ones. Only a reserved
+    /// segment is pre-faulted (see [`StoreConfig::reserve`]).
     pub fn prefault(mut self, yes: bool) -> Self {
         self.prefault = yes;
         self
@@ -273,7 +274,7 @@ pub struct StoreStats {
     pub full_errors: u64,
     /// Live objects (cleared ones still held by a guard included).
     pub objects: u64,
-    /// Bytes between the ring's head and tail.
+    /// Bytes the live objects' slots span.
     pub bytes_in_use: u64,
     /// Largest object slot a put could take now.
     pub largest_free_block: u64,
@@ -281,7 +282,10 @@ pub struct StoreStats {
     pub dead_readers_reaped: u64,
     /// Stale handles met by readers (summed over the reader table).
     pub stale_reads: u64,
-    /// The oldest object, if a reader still owes it a read or holds it:
-    /// the slot and readers that block reclamation.
+    /// Puts placed in the part of a sparse ring already backed because
+    /// /dev/shm had no room for new pages.
+    pub nospace_fallbacks: u64,
+    /// The oldest object that may not be reclaimed now (a reader owes it
+    /// a read, holds it, or the writer protects it), and who blocks.
     pub oldest_unread: Option<Box<Blocker>>,
 }

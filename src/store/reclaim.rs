@@ -207,7 +207,7 @@ impl ObjectStore {
     /// Finds room for `slot_len` bytes, reclaiming the objects in the way
     /// that may go and allocating around those that must stay. Returns the
     /// position, free (not yet committed).
-    pub(super) fn allocate(&mut self, slot_len: u64) -> Result<u64> {
+    pub(super) fn allocate(&mut self, slot_len: u64, limit: u64) -> Result<u64> {
         let mut reaped = false;
         let mut passes = 0;
         let mut replans = 0;
@@ -219,7 +219,7 @@ impl ObjectStore {
             let policy = self.eviction;
             let plan = self
                 .ring
-                .plan(slot_len, |span| judge.may_go_in_walk(span, policy));
+                .plan_within(slot_len, limit, |span| judge.may_go_in_walk(span, policy));
             match plan {
                 Some(plan) => {
                     if self.free_all(&plan.victims) {

@@ -117,7 +117,10 @@ impl ObjectStore {
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
-        let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin);
+        // Only a reserved segment is pre-faulted: faulting a hole of a
+        // sparse one would allocate it (and, past /dev/shm's size, fault).
+        let want_prefault = cfg.prefault && cfg.reserve;
+        let prefault = super::mapping::prefault_at_map(want_prefault, cfg.pin);
         // A writer that died leaves its segment: replaced, unless its
         // writer still runs.
         let seg = Segment::create_replacing(
@@ -186,7 +189,7 @@ impl ObjectStore {
         geo.header().stamp();
         // The writer knows whether it reserved the pages.
         let reserved = cfg.reserve;
-        let map = Mapping::new(seg, cfg.pin, reserved, cfg.prefault && !prefault)?;
+        let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,
@@ -323,12 +326,24 @@ impl ObjectStore {
             });
         }
         let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
-        let pos = self.allocate(slot_len)?;
+        let mut pos = self.allocate(slot_len, self.geo.capacity)?;
         // Pages never written before are backed first: a full /dev/shm is
-        // this error, never a SIGBUS in the fill below. The run stays free.
+        // an error, never a SIGBUS in the fill below.
         let header_len = layout::header_len(self.geo.n_readers) as u64;
-        self.backing
-            .ensure(self.map.seg(), header_len + pos, slot_len)?;
+        if let Err(e) = self
+            .backing
+            .ensure(self.map.seg(), header_len + pos, slot_len)
+        {
+            // /dev/shm is full: the store carries on in the part of the
+            // ring it already has (below the high-water mark, all backed),
+            // as a smaller cache, and tries the rest again on later puts.
+            let backed = self.ring.high_water();
+            pos = match self.allocate(slot_len, backed) {
+                Ok(p) if p + slot_len <= backed => p,
+                _ => return Err(e),
+            };
+            self.stats.nospace_fallbacks += 1;
+        }
         let (slot, payload) = self.slot_and_payload(pos, len as u64);
         // Being written: id 0, and the span marked for the inspector's walk.
         slot.mark_skip(slot_len);

@@ -94,23 +94,58 @@ def zipf_trace(n_keys, alpha, length, seed):
 
 
 class IdealFifo:
+    """`request` returns (hit, token): with `keep`, the object stays in use
+    until `finish(token)`, and eviction passes over it (it keeps its age)."""
+
     name = "ideal_fifo"
+    clock = False
 
     def __init__(self, capacity):
         self.capacity = capacity
         self.used = 0
         self.q = OrderedDict()  # key -> size, oldest first
+        self.bit = {}
+        self.in_use = {}  # key -> reads outstanding
         self.full = 0
 
-    def request(self, key, size):
+    def request(self, key, size, keep=False):
         if key in self.q:
-            return True
+            self.bit[key] = True
+            hit = True
+        else:
+            hit = False
+            if not self._make_room(size):
+                self.full += 1
+                return False, None
+            self.q[key] = size
+            self.used += size
+        if keep:
+            self.in_use[key] = self.in_use.get(key, 0) + 1
+            return hit, key
+        return hit, None
+
+    def _make_room(self, size):
         while self.used + size > self.capacity:
-            _, s = self.q.popitem(last=False)
-            self.used -= s
-        self.q[key] = size
-        self.used += size
-        return False
+            progress = False
+            for k in list(self.q):
+                if self.used + size <= self.capacity:
+                    break
+                if self.in_use.get(k):
+                    continue
+                if self.clock and self.bit.pop(k, False):
+                    self.q.move_to_end(k)  # one more lap, bit cleared
+                else:
+                    self.used -= self.q.pop(k)
+                    self.bit.pop(k, None)
+                progress = True
+            if not progress:
+                return False
+        return True
+
+    def finish(self, key):
+        self.in_use[key] -= 1
+        if not self.in_use[key]:
+            del self.in_use[key]
 
     def close(self):
         pass
@@ -118,24 +153,7 @@ class IdealFifo:
 
 class IdealClock(IdealFifo):
     name = "ideal_clock"
-
-    def __init__(self, capacity):
-        super().__init__(capacity)
-        self.bit = {}
-
-    def request(self, key, size):
-        if key in self.q:
-            self.bit[key] = True
-            return True
-        while self.used + size > self.capacity:
-            k, s = self.q.popitem(last=False)
-            if self.bit.pop(k, False):
-                self.q[k] = s  # one more lap, bit cleared
-            else:
-                self.used -= s
-        self.q[key] = size
-        self.used += size
-        return False
+    clock = True
 
 
 # --- the stores, driven as vLLM's sender cache and one worker drive them -----
@@ -148,6 +166,9 @@ def key_name(key):
 
 
 class Pinshm:
+    """With `keep`, the worker holds the zero-copy read (a guard) until
+    `finish`, as a worker keeps a request's inputs for its lifetime."""
+
     def __init__(self, capacity, policy):
         import pinshm
 
@@ -157,7 +178,7 @@ class Pinshm:
         self.reader = pinshm.StoreReader.attach(self.store.handle(), 0)
         self.full = 0
 
-    def request(self, key, size):
+    def request(self, key, size, keep=False):
         k = key_name(key)
         if self.store.is_cached(k):
             h = self.store.get_cached(k)
@@ -168,9 +189,15 @@ class Pinshm:
                 h = self.store.put(k, PAYLOAD[:size])
             except self.FullError:
                 self.full += 1
-                return False
-        self.reader.get(h).release()  # the worker reads what it was sent
-        return hit
+                return False, None
+        g = self.reader.get(h)  # the worker reads what it was sent
+        if keep:
+            return hit, g
+        g.release()
+        return hit, None
+
+    def finish(self, guard):
+        guard.release()
 
     def close(self):
         self.reader.close()
@@ -201,6 +228,10 @@ def raw_serde_class(mod):
 
 
 class Vllm:
+    """With `keep`, the worker's read comes at `finish` (vLLM's reader
+    copies out at get, so an item a worker is not done with is one it has
+    not read yet: the writer may not free it, nor anything younger)."""
+
     def __init__(self, capacity, mod, max_object_size, name):
         self.name = name
         ring = mod.SingleWriterShmRingBuffer(capacity, create=True)
@@ -215,7 +246,7 @@ class Vllm:
         self.reader = mod.SingleWriterShmObjectStorage.create_from_handle(handle)
         self.full = 0
 
-    def request(self, key, size):
+    def request(self, key, size, keep=False):
         w = self.writer
         k = key_name(key)
         if w.is_cached(k):
@@ -227,26 +258,45 @@ class Vllm:
                 addr, mid = w.put(k, PAYLOAD[:size])
             except MemoryError:
                 self.full += 1
-                return False
-        self.reader.get(addr, mid, w.get_signature(k), k)
-        return hit
+                return False, None
+        sent = (addr, mid, w.get_signature(k), k)
+        if keep:
+            return hit, sent
+        self.reader.get(*sent)
+        return hit, None
+
+    def finish(self, sent):
+        self.reader.get(*sent)
 
     def close(self):
         self.reader.close()
         self.writer.close()
 
 
-def run(cache, trace, sizes, warmup):
+def run(cache, trace, sizes, warmup, keeps):
+    """Drives `cache` with `trace`; `keeps[i]` > 0: request i's item stays
+    in use for that many later requests."""
     hits = hit_bytes = req_bytes = 0
+    pending = []  # (due, token)
     t0 = time.perf_counter()
     try:
         for i, key in enumerate(trace):
-            hit = cache.request(key, sizes[key])
+            if pending:
+                due = [t for d, t in pending if d <= i]
+                if due:
+                    pending = [(d, t) for d, t in pending if d > i]
+                    for t in due:
+                        cache.finish(t)
+            hit, token = cache.request(key, sizes[key], keeps[i] > 0)
+            if token is not None:
+                pending.append((i + keeps[i], token))
             if i >= warmup:
                 req_bytes += sizes[key]
                 if hit:
                     hits += 1
                     hit_bytes += sizes[key]
+        for _, t in pending:
+            cache.finish(t)
     finally:
         cache.close()
     n = len(trace) - warmup
@@ -258,6 +308,13 @@ def run(cache, trace, sizes, warmup):
         "full": cache.full,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def keep_schedule(length, frac, longest, seed):
+    """For each request, 0 or how many later requests its item stays in use
+    (uniform in 1..=longest for a fraction `frac` of requests)."""
+    rng = random.Random(seed)
+    return [rng.randint(1, longest) if rng.random() < frac else 0 for _ in range(length)]
 
 
 def main():
@@ -272,6 +329,10 @@ def main():
     ap.add_argument("--alphas", type=float, nargs="+", default=list(ALPHAS))
     ap.add_argument("--capacities", type=float, nargs="+", default=list(CAPACITY_FRACTIONS),
                     help="fractions of the catalog's bytes")
+    ap.add_argument("--in-use", type=float, default=0.0,
+                    help="fraction of requests whose item the worker keeps in use for a while")
+    ap.add_argument("--in-use-for", type=int, default=200,
+                    help="an item kept stays in use for 1..=N later requests")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's store")
     ap.add_argument("--ideal-only", action="store_true", help="only the offline references")
     args = ap.parse_args()
@@ -308,6 +369,8 @@ def main():
         "warmup": args.warmup,
         "requests": args.requests,
         "sizes": f"log-uniform {MIN_SIZE // KIB} KiB - {MAX_SIZE // MIB} MiB",
+        "in_use": args.in_use,
+        "in_use_for": args.in_use_for if args.in_use else 0,
         "seeds": {"catalog": CATALOG_SEED, "trace": f"{args.trace_seed} + round(100 * alpha)"},
     }
     if mod is not None:
@@ -325,12 +388,15 @@ def main():
     for alpha in args.alphas:
         trace = zipf_trace(args.keys, alpha, args.warmup + args.requests,
                            args.trace_seed + round(100 * alpha))
+        keeps = keep_schedule(len(trace), args.in_use, args.in_use_for,
+                              args.trace_seed + round(100 * alpha) + 1)
         for frac in args.capacities:
             cap = int(total * frac) // 64 * 64  # pinshm wants a multiple of 64
             for name, make in makers:
-                r = run(make(cap), trace, sizes, args.warmup)
+                r = run(make(cap), trace, sizes, args.warmup, keeps)
                 row = {"alpha": alpha, "capacity_frac": frac, "capacity_bytes": cap,
-                       "store": name, **r}
+                       "store": name, "in_use": args.in_use,
+                       "in_use_for": args.in_use_for if args.in_use else 0, **r}
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row), flush=True)
@@ -344,6 +410,8 @@ def main():
     print(f"catalog {args.keys} objects, {total / MIB:,.0f} MiB "
           f"(mean {total / args.keys / MIB:.2f} MiB, {meta['sizes']}); "
           f"trace {args.warmup} warm-up + {args.requests} counted requests")
+    if args.in_use:
+        print(f"{args.in_use:.0%} of items kept in use for 1..={args.in_use_for} later requests")
     for n in notes:
         print(f"note: {n}")
     print("hit rate (%), counted requests; [n] = puts refused as full")

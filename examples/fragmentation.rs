@@ -147,7 +147,11 @@ fn ideal(s: &[Put], capacity: u64) -> Outcome {
 }
 
 fn check(bytes: &[u8], i: usize) {
-    assert_eq!(bytes[..8], (i as u64).to_le_bytes(), "object {i} read back wrong");
+    assert_eq!(
+        bytes[..8],
+        (i as u64).to_le_bytes(),
+        "object {i} read back wrong"
+    );
 }
 
 /// The same stream on pinshm's store, one reader in this process.
@@ -179,7 +183,9 @@ fn pinshm_run(s: &[Put], capacity: u64, mode: Mode) -> Outcome {
         sum += used as f64;
         max = max.max(used);
         let key = format!("o{i}");
-        let h = match w.put_with(&key, p.size, |buf| buf[..8].copy_from_slice(&(i as u64).to_le_bytes())) {
+        let h = match w.put_with(&key, p.size, |buf| {
+            buf[..8].copy_from_slice(&(i as u64).to_le_bytes())
+        }) {
             Ok(h) => h,
             Err(Error::Full { .. }) => {
                 failed += 1;
@@ -279,7 +285,13 @@ fn main() {
     );
     println!(
         "{:<7} {:>7} {:>9} {:>12} {:>11} {:>14} {:>13}",
-        "in use", "target", "capacity", "in use mean", "in use max", "failed pinshm", "failed ideal"
+        "in use",
+        "target",
+        "capacity",
+        "in use mean",
+        "in use max",
+        "failed pinshm",
+        "failed ideal"
     );
     for (mode, target, runs) in &cells {
         let col = |j: usize| median(runs.iter().map(|r| r[j]).collect());

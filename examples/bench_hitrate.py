@@ -55,7 +55,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import os
 import random
 import sys
 import time

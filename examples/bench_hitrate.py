@@ -275,7 +275,7 @@ class Vllm:
 def run(cache, trace, sizes, warmup, keeps):
     """Drives `cache` with `trace`; `keeps[i]` > 0: request i's item stays
     in use for that many later requests."""
-    hits = hit_bytes = req_bytes = 0
+    hits = hit_bytes = req_bytes = full_before = 0
     pending = []  # (due, token)
     t0 = time.perf_counter()
     try:
@@ -286,6 +286,8 @@ def run(cache, trace, sizes, warmup, keeps):
                     pending = [(d, t) for d, t in pending if d > i]
                     for t in due:
                         cache.finish(t)
+            if i == warmup:
+                full_before = cache.full
             hit, token = cache.request(key, sizes[key], keeps[i] > 0)
             if token is not None:
                 pending.append((i + keeps[i], token))
@@ -304,7 +306,7 @@ def run(cache, trace, sizes, warmup, keeps):
         "requests": n,
         "hit_rate": hits / n,
         "byte_hit_rate": hit_bytes / req_bytes,
-        "full": cache.full,
+        "full": cache.full - full_before,  # counted requests only
         "seconds": round(time.perf_counter() - t0, 2),
     }
 

@@ -27,6 +27,14 @@ once (pinshm: get + release; vLLM: its reader-side get under a
 multiprocessing.Lock), so no object stays owed or held: the writer is free
 to evict any object, and the figures are the eviction policy plus placement.
 
+With --in-use F (and --in-use-for N), a fraction F of requests' items stay
+in use for 1..=N later requests, as a worker keeps a request's inputs for its
+lifetime: pinshm's reader holds its zero-copy guard that long; vLLM's reader
+reads the item only then (its get copies out, so "in use" there is "not read
+yet"). vLLM's writer frees from the oldest end only, so it stalls behind such
+an item; pinshm allocates around it. The column [n] counts the puts refused
+as full (served uncached) among the counted requests.
+
 Columns:
   ideal_fifo    offline: FIFO over a byte budget with no placement (an
                 object fits whenever the bytes of the objects kept plus its

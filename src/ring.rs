@@ -16,13 +16,17 @@
 //! Positions below [`Ring::high_water`] are all either an object or free,
 //! and every free run is a chain of headers whose lengths cover it: a freed
 //! slot keeps its header (id 0, its length), and where a new slot takes
-//! only the start of a free run the writer marks the rest
-//! ([`Ring::free_run_end`]), so an inspector can walk the region.
+//! only the start of a free run the writer marks the rest (the end of that
+//! run is what [`Ring::commit`] returns), so an inspector can walk the
+//! region.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 /// Ids are the writer's own counter: a fast non-cryptographic hash is enough.
 type IdHasher = foldhash::fast::RandomState;
+
+/// No node.
+const NIL: u32 = u32::MAX;
 
 /// One allocation.
 #[derive(Debug, Clone)]
@@ -44,27 +48,49 @@ impl<T> Span<T> {
     }
 }
 
+/// A live span's place in the ring (valid until that span is removed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpanId(u32);
+
 /// Where [`Ring::plan`] would put an allocation, and what must go first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     /// Start position of the allocation.
     pub pos: u64,
-    /// Positions of the spans inside it that must be freed first, in order.
-    pub victims: Vec<u64>,
+    /// The spans inside it that must be freed first, in order.
+    pub victims: Vec<SpanId>,
+    /// The first span after the run (it stays), if any.
+    next: Option<SpanId>,
 }
 
-/// Next-fit allocator over `capacity` bytes (writer memory only).
+#[derive(Debug)]
+struct Node<T> {
+    span: Span<T>,
+    prev: u32,
+    next: u32,
+}
+
+/// Next-fit allocator over `capacity` bytes (writer memory only): the
+/// spans form a list in position order (nodes in a slab, linked by index),
+/// so a put walks, unlinks and links in O(1) per span it meets, with no
+/// search; ids map to nodes through a hash map.
 #[derive(Debug)]
 pub struct Ring<T> {
     capacity: u64,
     /// Where the next walk starts: the end of the last allocation.
     cursor: u64,
+    /// The first node at or after the cursor (NIL: none).
+    cursor_node: u32,
     /// One past the furthest byte ever allocated.
     high: u64,
     used: u64,
-    spans: BTreeMap<u64, Span<T>>,
-    /// id → position.
-    ids: HashMap<u64, u64, IdHasher>,
+    nodes: Vec<Option<Node<T>>>,
+    free_nodes: Vec<u32>,
+    /// Lowest and highest node by position.
+    head: u32,
+    tail: u32,
+    /// id → node.
+    ids: HashMap<u64, u32, IdHasher>,
 }
 
 impl<T> Ring<T> {
@@ -74,9 +100,13 @@ impl<T> Ring<T> {
         Ring {
             capacity,
             cursor: 0,
+            cursor_node: NIL,
             high: 0,
             used: 0,
-            spans: BTreeMap::new(),
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            head: NIL,
+            tail: NIL,
             ids: HashMap::default(),
         }
     }
@@ -92,7 +122,7 @@ impl<T> Ring<T> {
     }
 
     /// One past the furthest byte ever allocated: below it, every position
-    /// is an object or a gap (with a marker).
+    /// is an object or free.
     pub fn high_water(&self) -> u64 {
         self.high
     }
@@ -104,22 +134,25 @@ impl<T> Ring<T> {
 
     /// Number of live spans.
     pub fn len(&self) -> usize {
-        self.spans.len()
+        self.ids.len()
     }
 
-    /// The span that covers `pos`, if any.
-    fn covering(&self, pos: u64) -> Option<&Span<T>> {
-        self.spans
-            .range(..=pos)
-            .next_back()
-            .map(|(_, s)| s)
-            .filter(|s| s.end() > pos)
+    fn node(&self, n: u32) -> &Node<T> {
+        self.nodes[n as usize].as_ref().expect("a live node")
     }
 
-    /// The first span that ends after `pos` (covering it, or after it).
-    fn first_after(&self, pos: u64) -> Option<&Span<T>> {
-        self.covering(pos)
-            .or_else(|| self.spans.range(pos..).next().map(|(_, s)| s))
+    fn node_mut(&mut self, n: u32) -> &mut Node<T> {
+        self.nodes[n as usize].as_mut().expect("a live node")
+    }
+
+    /// The first node that ends after `pos` (a linear walk: only for a walk
+    /// that does not start at the cursor, the rare case).
+    fn first_ending_after(&self, pos: u64) -> u32 {
+        let mut n = self.head;
+        while n != NIL && self.node(n).span.end() <= pos {
+            n = self.node(n).next;
+        }
+        n
     }
 
     /// Where `len` bytes would go: a run from the cursor onwards (wrapping
@@ -152,8 +185,12 @@ impl<T> Ring<T> {
         let mut start = origin;
         let mut wrapped = false;
         let mut victims = Vec::new();
-        // The walk point inside the run being built.
-        let mut at = start;
+        // The first node ending after the walk point.
+        let mut node = if origin == self.cursor {
+            self.cursor_node
+        } else {
+            self.first_ending_after(origin)
+        };
         loop {
             if start + len > limit {
                 if wrapped || origin == 0 {
@@ -161,122 +198,183 @@ impl<T> Ring<T> {
                 }
                 wrapped = true;
                 start = 0;
-                at = 0;
+                node = self.head;
                 victims.clear();
             }
             let end = start + len;
-            let next = self.first_after(at).map(|s| (s.pos, s.end()));
-            match next {
-                Some((pos, span_end)) if pos < end => {
-                    let span = self.spans.get_mut(&pos).expect("found above");
-                    if may_go(span) {
-                        victims.push(pos);
-                        at = span_end;
-                    } else {
-                        start = span_end;
-                        at = start;
-                        victims.clear();
-                        if wrapped && start >= origin {
-                            // Every start from here on was tried before the wrap.
-                            return None;
-                        }
-                    }
-                }
-                _ => {
-                    return Some(Plan {
-                        pos: start,
-                        victims,
-                    })
+            if node == NIL || self.node(node).span.pos >= end {
+                let next = (node != NIL).then_some(SpanId(node));
+                return Some(Plan {
+                    pos: start,
+                    victims,
+                    next,
+                });
+            }
+            let n = self.node_mut(node);
+            let next = n.next;
+            if may_go(&mut n.span) {
+                victims.push(SpanId(node));
+            } else {
+                start = n.span.end();
+                victims.clear();
+                if wrapped && start >= origin {
+                    // Every start from here on was tried before the wrap.
+                    return None;
                 }
             }
+            node = next;
         }
     }
 
-    /// Takes `len` bytes at `pos` for object `id`. The range must be free
-    /// (its victims removed).
-    pub fn commit(&mut self, pos: u64, len: u64, id: u64, value: T) {
+    /// Takes `len` bytes at `plan.pos` for object `id`, once the plan's
+    /// victims are removed. Returns where the free run after it ends (the
+    /// next span's start, bounded by the high-water mark as it was).
+    pub fn commit(&mut self, plan: &Plan, len: u64, id: u64, value: T) -> u64 {
+        let pos = plan.pos;
         debug_assert!(pos + len <= self.capacity);
+        let next = plan.next.map_or(NIL, |s| s.0);
+        let prev = if next == NIL {
+            self.tail
+        } else {
+            self.node(next).prev
+        };
         debug_assert!(
-            self.first_after(pos).is_none_or(|s| s.pos >= pos + len),
-            "committing over a live span"
+            prev == NIL || self.node(prev).span.end() <= pos,
+            "overlaps the span before"
         );
-        self.used += len;
-        self.high = self.high.max(pos + len);
-        self.cursor = pos + len;
-        self.ids.insert(id, pos);
-        self.spans.insert(
-            pos,
-            Span {
+        debug_assert!(
+            next == NIL || self.node(next).span.pos >= pos + len,
+            "overlaps the span after"
+        );
+        let run_end = if next == NIL {
+            self.high
+        } else {
+            self.node(next).span.pos
+        }
+        .min(self.high);
+        let node = Node {
+            span: Span {
                 pos,
                 len,
                 id,
                 value,
             },
-        );
+            prev,
+            next,
+        };
+        let n = match self.free_nodes.pop() {
+            Some(n) => {
+                self.nodes[n as usize] = Some(node);
+                n
+            }
+            None => {
+                self.nodes.push(Some(node));
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        if prev == NIL {
+            self.head = n;
+        } else {
+            self.node_mut(prev).next = n;
+        }
+        if next == NIL {
+            self.tail = n;
+        } else {
+            self.node_mut(next).prev = n;
+        }
+        self.used += len;
+        self.high = self.high.max(pos + len);
+        self.cursor = pos + len;
+        self.cursor_node = next;
+        self.ids.insert(id, n);
+        run_end
     }
 
-    /// Frees the span at `pos`.
-    pub fn remove(&mut self, pos: u64) -> Option<Span<T>> {
-        let span = self.spans.remove(&pos)?;
-        self.ids.remove(&span.id);
-        self.used -= span.len;
-        Some(span)
+    /// Frees span `s` if `may_go` accepts it.
+    pub fn remove_if(
+        &mut self,
+        s: SpanId,
+        may_go: impl FnOnce(&Span<T>) -> bool,
+    ) -> Option<Span<T>> {
+        let n = s.0;
+        if !may_go(&self.node(n).span) {
+            return None;
+        }
+        let node = self.nodes[n as usize].take().expect("a live node");
+        if node.prev == NIL {
+            self.head = node.next;
+        } else {
+            self.node_mut(node.prev).next = node.next;
+        }
+        if node.next == NIL {
+            self.tail = node.prev;
+        } else {
+            self.node_mut(node.next).prev = node.prev;
+        }
+        if self.cursor_node == n {
+            self.cursor_node = node.next;
+        }
+        self.free_nodes.push(n);
+        self.ids.remove(&node.span.id);
+        self.used -= node.span.len;
+        Some(node.span)
+    }
+
+    /// Frees span `s`.
+    #[cfg(test)]
+    pub fn remove(&mut self, s: SpanId) -> Option<Span<T>> {
+        self.remove_if(s, |_| true)
     }
 
     /// Largest run of free bytes.
     pub fn largest_free(&self) -> u64 {
         let mut best = 0;
         let mut prev = 0;
-        for s in self.spans.values() {
+        for s in self.iter() {
             best = best.max(s.pos - prev);
             prev = s.end();
         }
         best.max(self.capacity - prev)
     }
 
-    /// The span that starts at `pos`.
-    pub fn find_at(&self, pos: u64) -> Option<&Span<T>> {
-        self.spans.get(&pos)
+    /// The span `s`.
+    pub fn get(&self, s: SpanId) -> &Span<T> {
+        &self.node(s.0).span
     }
 
     /// The span of object `id`.
     pub fn find(&self, id: u64) -> Option<&Span<T>> {
-        self.spans.get(self.ids.get(&id)?)
+        Some(&self.node(*self.ids.get(&id)?).span)
     }
 
     /// As [`Ring::find`], mutable.
     pub fn find_mut(&mut self, id: u64) -> Option<&mut Span<T>> {
-        let pos = *self.ids.get(&id)?;
-        self.spans.get_mut(&pos)
+        let n = *self.ids.get(&id)?;
+        Some(&mut self.node_mut(n).span)
     }
 
-    /// Positions of the live spans, oldest first.
-    pub fn positions_by_age(&self) -> Vec<u64> {
-        let mut by_id: Vec<(u64, u64)> = self.ids.iter().map(|(&id, &pos)| (id, pos)).collect();
+    /// The live spans, oldest first.
+    pub fn by_age(&self) -> Vec<SpanId> {
+        let mut by_id: Vec<(u64, u32)> = self.ids.iter().map(|(&id, &n)| (id, n)).collect();
         by_id.sort_unstable();
-        by_id.into_iter().map(|(_, pos)| pos).collect()
-    }
-
-    /// Where the free run that starts at `pos` ends: the next span's start,
-    /// bounded by the high-water mark (`pos` itself if a span starts there).
-    pub fn free_run_end(&self, pos: u64) -> u64 {
-        self.spans
-            .range(pos..)
-            .next()
-            .map_or(self.high, |(_, s)| s.pos)
-            .min(self.high)
-            .max(pos)
+        by_id.into_iter().map(|(_, n)| SpanId(n)).collect()
     }
 
     /// Live spans in position order.
-    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = &Span<T>> {
-        self.spans.values()
+        let mut n = self.head;
+        std::iter::from_fn(move || {
+            (n != NIL).then(|| {
+                let node = self.node(n);
+                n = node.next;
+                &node.span
+            })
+        })
     }
 
-    /// Live spans in position order, mutable bookkeeping.
+    /// Live spans (in no particular order), mutable bookkeeping.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Span<T>> {
-        self.spans.values_mut()
+        self.nodes.iter_mut().flatten().map(|n| &mut n.span)
     }
 }
 
@@ -287,10 +385,10 @@ mod tests {
     /// Allocates with every span in the way allowed to go (FIFO-like).
     fn put(r: &mut Ring<bool>, id: u64, len: u64, keep: bool) -> Option<u64> {
         let plan = r.plan(len, |s| !s.value)?;
-        for v in plan.victims {
+        for &v in &plan.victims {
             r.remove(v).expect("victim is live");
         }
-        r.commit(plan.pos, len, id, keep);
+        r.commit(&plan, len, id, keep);
         Some(plan.pos)
     }
 
@@ -352,7 +450,7 @@ mod tests {
         for id in 0..10 {
             let p = r.plan(100, |_| true).unwrap();
             assert!(p.victims.is_empty());
-            r.commit(p.pos, 100, id, 0);
+            r.commit(&p, 100, id, 0);
         }
         // A second chance: refuse a span once, then let it go.
         let p = r
@@ -362,30 +460,34 @@ mod tests {
             })
             .unwrap();
         assert_eq!(p.pos, 100, "the run restarts after the refused span");
-        assert_eq!(p.victims, vec![100, 200, 300]);
+        let at: Vec<u64> = p.victims.iter().map(|&v| r.get(v).pos).collect();
+        assert_eq!(at, vec![100, 200, 300]);
         assert_eq!(r.find(0).unwrap().value, 1);
     }
 
     #[test]
-    fn free_runs_end_at_the_next_span_or_the_high_water_mark() {
+    fn a_commit_reports_where_the_free_run_after_it_ends() {
         let mut r: Ring<bool> = Ring::new(1024);
         for id in 0..4 {
             put(&mut r, id, 128, false).unwrap();
         }
         assert_eq!(r.high_water(), 512);
-        assert_eq!(r.free_run_end(0), 0, "a span starts there");
-        r.remove(128);
-        r.remove(256);
-        assert_eq!(r.free_run_end(128), 384);
-        r.remove(384);
-        assert_eq!(r.free_run_end(128), 512, "bounded by the high-water mark");
-        assert_eq!(
-            r.free_run_end(600),
-            600,
-            "past the high-water mark: nothing"
-        );
-        assert_eq!(r.largest_free(), 1024 - 128);
-        assert_eq!(r.positions_by_age().first(), Some(&0));
+        // Free 1 and 2 (positions 128 and 256), then put 64 bytes after 0.
+        let by_age = r.by_age();
+        r.remove(by_age[1]);
+        r.remove(by_age[2]);
+        assert_eq!(r.largest_free(), 1024 - 512);
+        // A walk from position 128: only the free run up to 384 is needed.
+        r.cursor = 128;
+        r.cursor_node = r.first_ending_after(128);
+        let plan = r.plan(64, |_| false).unwrap();
+        assert_eq!((plan.pos, plan.victims.len()), (128, 0));
+        assert_eq!(r.commit(&plan, 64, 9, false), 384, "up to the span at 384");
+        // At the end: bounded by the high-water mark.
+        let plan = r.plan(64, |_| false).unwrap();
+        assert_eq!(plan.pos, 192);
+        assert_eq!(r.by_age().first().map(|&s| r.get(s).id), Some(0));
+        assert_eq!(r.find(9).map(|s| s.pos), Some(128));
     }
 
     #[test]
@@ -404,9 +506,9 @@ mod tests {
             let keep = next() % 5 == 0;
             if next() % 7 == 0 {
                 // A kept object is let go.
-                let kept: Vec<u64> = r.iter().filter(|s| s.value).map(|s| s.pos).collect();
-                if let Some(&p) = kept.first() {
-                    r.spans.get_mut(&p).unwrap().value = false;
+                let kept: Vec<u64> = r.iter().filter(|s| s.value).map(|s| s.id).collect();
+                if let Some(&id) = kept.first() {
+                    r.find_mut(id).unwrap().value = false;
                 }
             }
             let got = put(&mut r, id, len, keep);
@@ -431,7 +533,8 @@ mod tests {
                 sum += s.len;
             }
             assert_eq!(sum, r.used());
-            assert_eq!(r.ids.len(), r.spans.len());
+            assert_eq!(r.ids.len(), r.iter().count());
+            assert_eq!(r.iter().count(), r.nodes.iter().flatten().count());
             let lf = r.largest_free();
             assert!(r.plan(lf, |_| false).is_some() || lf == 0);
             assert!(r.plan(lf + 64, |_| false).is_none());

@@ -53,7 +53,7 @@ fn a_sparse_channel_costs_the_pages_its_messages_touch() {
     let name = Name::new("sparsechan");
     // vLLM's default queue: 10 slots of 24 MiB.
     let mut tx = Broadcast::create(BroadcastConfig::new(1, 10, 24 * MIB).name(&*name)).unwrap();
-    let mut rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
     for i in 0..100u64 {
         tx.send(&pattern(i, 200)).unwrap();
         assert_eq!(&*rx.recv().unwrap(), &pattern(i, 200)[..]);
@@ -174,7 +174,7 @@ fn child_channel_on_small_shm() {
     let mut tx =
         Broadcast::create(BroadcastConfig::new(1, 10, 24 * MIB).name("pinshm-test-small-chan"))
             .unwrap();
-    let mut rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
     for i in 0..100u64 {
         tx.send(&pattern(i, KIB)).unwrap();
         assert_eq!(&*rx.recv().unwrap(), &pattern(i, KIB)[..]);

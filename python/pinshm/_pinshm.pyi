@@ -82,7 +82,7 @@ class ObjectStore:
         *,
         reserve: bool = True,
         prefault: Optional[bool] = None,
-        eviction: Literal["fifo", "second_chance"] = "fifo",
+        eviction: Literal["fifo", "second_chance"] = "second_chance",
     ) -> None: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:

@@ -51,12 +51,12 @@ impl ObjectStore {
     /// they are first written, so a full /dev/shm raises `NoSpaceError`
     /// (a `MemoryError`) from that put, never SIGBUS.
     ///
-    /// `eviction` is `"fifo"` (default: the oldest reclaimable object goes)
-    /// or `"second_chance"` (CLOCK: an object hit by `get_cached` since the
-    /// allocator last passed it stays one more lap).
+    /// `eviction` is `"second_chance"` (default; CLOCK: an object hit by
+    /// `get_cached` since the allocator last passed it stays one more lap)
+    /// or `"fifo"` (the oldest reclaimable object goes).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=None, eviction="fifo"
+        *, reserve=true, prefault=None, eviction="second_chance"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(

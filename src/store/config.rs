@@ -33,12 +33,14 @@ pub struct StoreConfig {
 pub enum Eviction {
     /// Oldest first: every reclaimable object the allocator's sweep meets
     /// goes (the reference's order, minus its stall behind objects in use).
-    #[default]
     Fifo,
-    /// CLOCK: an object hit ([`ObjectStore::get_cached`](crate::ObjectStore::get_cached))
-    /// since the sweep last passed it stays for one more lap, in place (no
-    /// copy, its handles stay valid). Better hit rates for a cache with
-    /// popular keys; see the README's hit-rate table.
+    /// CLOCK (the default): an object hit
+    /// ([`ObjectStore::get_cached`](crate::ObjectStore::get_cached)) since
+    /// the sweep last passed it stays for one more lap, in place (no copy,
+    /// its handles stay valid). On a Zipf trace of multimodal-sized objects
+    /// it beat FIFO at equal capacity in every cell measured, by 1.3 to 6.2
+    /// points of hit rate (docs/hit_rate.md). Without `get_cached` it is FIFO.
+    #[default]
     SecondChance,
 }
 
@@ -61,7 +63,7 @@ impl StoreConfig {
     }
 
     /// What the allocator lets go when it needs room (default
-    /// [`Eviction::Fifo`]).
+    /// [`Eviction::SecondChance`]).
     pub fn eviction(mut self, policy: Eviction) -> Self {
         self.eviction = policy;
         self

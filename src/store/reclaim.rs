@@ -7,7 +7,7 @@ use super::writer::{Entry, ObjectStore};
 use crate::error::{Blocker, Error, Result};
 use crate::geometry::Geometry;
 use crate::layout::reader_state;
-use crate::ring::Span;
+use crate::ring::{Plan, Span, SpanId};
 use crate::shm::SlotPtr;
 use crate::sys::clock;
 use crate::sys::liveness;
@@ -243,10 +243,10 @@ impl ObjectStore {
         reaped
     }
 
-    /// Finds room for `slot_len` bytes, reclaiming the objects in the way
-    /// that may go and allocating around those that must stay. Returns the
-    /// position, free (not yet committed).
-    pub(super) fn allocate(&mut self, slot_len: u64, limit: u64) -> Result<u64> {
+    /// Finds room for `slot_len` bytes below `limit`, reclaiming the
+    /// objects in the way that may go and allocating around those that must
+    /// stay. Returns the plan, its run free (not yet committed).
+    pub(super) fn allocate(&mut self, slot_len: u64, limit: u64) -> Result<Plan> {
         let mut reaped = false;
         let mut passes = 0;
         let mut replans = 0;
@@ -262,7 +262,7 @@ impl ObjectStore {
             match plan {
                 Some(plan) => {
                     if self.free_all(&plan.victims) {
-                        return Ok(plan.pos);
+                        return Ok(plan);
                     }
                     // A reader took a hold after the plan: plan again.
                     replans += 1;
@@ -289,9 +289,9 @@ impl ObjectStore {
 
     /// Frees the spans at `victims` (in order), stopping at the first that
     /// may not go after all; whether all went.
-    fn free_all(&mut self, victims: &[u64]) -> bool {
-        for &pos in victims {
-            if !self.free_at(pos, true) {
+    fn free_all(&mut self, victims: &[SpanId]) -> bool {
+        for &s in victims {
+            if !self.free_at(s, true) {
                 return false;
             }
         }
@@ -302,12 +302,17 @@ impl ObjectStore {
     }
 
     /// Frees the span at `pos` if it may go, and forgets its key.
-    fn free_at(&mut self, pos: u64, owed_checked: bool) -> bool {
-        let span = self.ring.find_at(pos).expect("victims are live spans");
-        if !self.judge().try_free(pos, &span.value, owed_checked) {
+    fn free_at(&mut self, s: SpanId, owed_checked: bool) -> bool {
+        let judge = Judge {
+            geo: &self.geo,
+            reader_timeout_ns: self.reader_timeout_ns,
+        };
+        let Some(span) = self
+            .ring
+            .remove_if(s, |s| judge.try_free(s.pos, &s.value, owed_checked))
+        else {
             return false;
-        }
-        let span = self.ring.remove(pos).expect("found above");
+        };
         if let Some(key) = span.value.key {
             self.index.remove(&key);
             if !self.pending_keys.is_empty() {
@@ -323,8 +328,8 @@ impl ObjectStore {
     /// must stay; returns how many went.
     pub(super) fn reclaim_all(&mut self) -> usize {
         let mut freed = 0;
-        for pos in self.ring.positions_by_age() {
-            if self.free_at(pos, false) {
+        for s in self.ring.by_age() {
+            if self.free_at(s, false) {
                 freed += 1;
             }
         }
@@ -354,17 +359,16 @@ impl ObjectStore {
     pub(super) fn oldest_blocker(&self) -> Option<Blocker> {
         let judge = self.judge();
         self.ring
-            .positions_by_age()
+            .by_age()
             .into_iter()
-            .filter_map(|pos| self.ring.find_at(pos))
+            .map(|s| self.ring.get(s))
             .find(|s| !judge.may_go(s.pos, &s.value))
             .map(|s| judge.blocker(s.pos, &s.value))
     }
 
-    /// Marks the free run that starts at `pos` with its length, where one
-    /// starts there below the high-water mark (for the inspector's walk).
-    pub(super) fn mark_free_run(&self, pos: u64) {
-        let end = self.ring.free_run_end(pos);
+    /// Marks the free run `pos..end` with its length, if it is not empty
+    /// (for the inspector's walk).
+    pub(super) fn mark_free_run(&self, pos: u64, end: u64) {
         if end > pos {
             if let Some(s) = self.geo.slot(pos) {
                 s.mark_skip(end - pos);

@@ -7,7 +7,7 @@ use super::config::{Eviction, ObjectHandle, StoreConfig, StoreHandle, StoreStats
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
-use crate::ring::Ring;
+use crate::ring::{Plan, Ring};
 use crate::shm::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
@@ -59,7 +59,7 @@ pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
 
 /// A slot handed out by the ring, not yet published.
 struct Reserved {
-    pos: u64,
+    plan: Plan,
     slot_len: u64,
     payload: *mut u8,
 }
@@ -240,9 +240,10 @@ impl ObjectStore {
         // object that was here may still be copying it: that copy reads
         // through copy_racy, never a reference, and is discarded.)
         fill(unsafe { std::slice::from_raw_parts_mut(r.payload, len) });
+        let pos = r.plan.pos;
         let id = self.commit(r, key, len as u64, kind, None);
         Ok(self
-            .publish(id)
+            .publish(id, pos)
             .expect("a slot committed without a pending copy publishes"))
     }
 
@@ -302,7 +303,7 @@ impl ObjectStore {
             }
             return Err(e);
         }
-        self.publish(id).ok_or(Error::Stale {
+        self.publish(id, address).ok_or(Error::Stale {
             address,
             monotonic_id: id,
         })
@@ -326,29 +327,29 @@ impl ObjectStore {
             });
         }
         let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
-        let mut pos = self.allocate(slot_len, self.geo.capacity)?;
+        let mut plan = self.allocate(slot_len, self.geo.capacity)?;
         // Pages never written before are backed first: a full /dev/shm is
         // an error, never a SIGBUS in the fill below.
         let header_len = layout::header_len(self.geo.n_readers) as u64;
         if let Err(e) = self
             .backing
-            .ensure(self.map.seg(), header_len + pos, slot_len)
+            .ensure(self.map.seg(), header_len + plan.pos, slot_len)
         {
             // /dev/shm is full: the store carries on in the part of the
             // ring it already has (below the high-water mark, all backed),
             // as a smaller cache, and tries the rest again on later puts.
             let backed = self.ring.high_water();
-            pos = match self.allocate(slot_len, backed) {
-                Ok(p) if p + slot_len <= backed => p,
+            plan = match self.allocate(slot_len, backed) {
+                Ok(p) if p.pos + slot_len <= backed => p,
                 _ => return Err(e),
             };
             self.stats.nospace_fallbacks += 1;
         }
-        let (slot, payload) = self.slot_and_payload(pos, len as u64);
+        let (slot, payload) = self.slot_and_payload(plan.pos, len as u64);
         // Being written: id 0, and the span marked for the inspector's walk.
         slot.mark_skip(slot_len);
         Ok(Reserved {
-            pos,
+            plan,
             slot_len,
             payload,
         })
@@ -369,8 +370,8 @@ impl ObjectStore {
         if pending.is_some() {
             self.pending_keys.insert(key.clone());
         }
-        self.ring.commit(
-            r.pos,
+        let run_end = self.ring.commit(
+            &r.plan,
             r.slot_len,
             id,
             Entry {
@@ -387,17 +388,17 @@ impl ObjectStore {
         );
         // A run starts at a span's end or at 0, so only the rest of the free
         // run after the new slot may need a marker.
-        self.mark_free_run(r.pos + r.slot_len);
+        self.mark_free_run(r.plan.pos + r.slot_len, run_end);
         self.publish_progress();
         id
     }
 
-    /// Publishes committed slot `id` (its bytes are complete): readers may
-    /// get it from now on. `None` if it was cleared meanwhile.
-    fn publish(&mut self, id: u64) -> Option<ObjectHandle> {
+    /// Publishes committed slot `id` at `pos` (its bytes are complete):
+    /// readers may get it from now on. `None` if it was cleared meanwhile.
+    fn publish(&mut self, id: u64, pos: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
         let n_readers = self.geo.n_readers;
-        let span = self.ring.find(id)?;
+        let span = self.ring.find(id).filter(|s| s.pos == pos)?;
         let address = span.pos;
         let e = &span.value;
         let key = e.key.clone()?;

@@ -22,6 +22,8 @@ from ._pinshm import (
     TimeoutError,
     WriterGoneError,
     __version__,
+    flush_releases,
+    set_release_gate,
 )
 
 __all__ = [
@@ -41,4 +43,6 @@ __all__ = [
     "TimeoutError",
     "WriterGoneError",
     "__version__",
+    "flush_releases",
+    "set_release_gate",
 ]

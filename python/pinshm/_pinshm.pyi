@@ -2,7 +2,7 @@
 
 import builtins
 from types import TracebackType
-from typing import Any, Iterable, Literal, Mapping, Optional, Type, TypeVar
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Protocol, Type, TypeVar
 
 from typing_extensions import Buffer
 
@@ -247,3 +247,18 @@ class BroadcastReader:
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+def set_release_gate(gate: Optional[Callable[[], Optional[_Event]]]) -> None:
+    """Sets (None: clears) the release gate: called when a read's last view
+    goes; it returns None (release now) or an event whose `query()` says
+    when a device copy from the slot has completed (a torch.cuda.Event
+    recorded on the current stream, say). The read is acknowledged, and
+    its slot given back, only then: pending reads are polled on later gets
+    and by `flush_releases()`, never waited for."""
+
+def flush_releases() -> int:
+    """Ends every pending gated read whose event has completed; returns how
+    many are still pending. Never waits."""

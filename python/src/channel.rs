@@ -97,8 +97,7 @@ impl Broadcast {
         name: Option<String>,
         reserve: bool,
     ) -> PyResult<Self> {
-        let mut cfg =
-            pinshm::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
+        let mut cfg = pinshm::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

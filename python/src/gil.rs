@@ -57,6 +57,11 @@ pub(crate) fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) ->
     r
 }
 
+/// Whether the interpreter is shutting down (`at_exit` has run).
+pub(crate) fn exiting() -> bool {
+    CLOSED.load(SeqCst)
+}
+
 /// Registered with `atexit` at module init (see the module doc).
 #[pyfunction]
 pub(crate) fn at_exit(py: Python<'_>) {

@@ -25,6 +25,7 @@ mod channel;
 mod gil;
 mod handles;
 mod reader;
+mod release;
 mod store;
 mod tensor;
 
@@ -247,6 +248,8 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(release::set_release_gate, m)?)?;
+    m.add_function(wrap_pyfunction!(reader::flush_releases, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;
     Ok(())

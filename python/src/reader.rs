@@ -71,6 +71,7 @@ unsafe impl Sync for Held {}
 
 impl Held {
     fn new(py: Python<'_>, shared: &Arc<Shared>, h: pinshm::ObjectHandle) -> PyResult<Held> {
+        flush_releases(py);
         let reader = Arc::clone(shared);
         locked_shared(py, &shared.home, &shared.reader, move |r| {
             let guard = r.get(h).map_err(to_py)?;
@@ -130,6 +131,39 @@ impl Drop for Held {
         if self.reader.home.forked() {
             return;
         }
+        // SAFETY: taken once, here; `self.guard` is not used afterwards.
+        // The `Release` keeps its own clone of the reader's Arc, so the
+        // reader the guard borrows outlives the guard (Held's argument).
+        let guard = unsafe { ManuallyDrop::take(&mut self.guard) };
+        let read = Release {
+            guard: ManuallyDrop::new(guard),
+            reader: Arc::clone(&self.reader),
+        };
+        // The last view is gone; a device copy from it may not be.
+        match crate::release::event_for_release() {
+            Some(event) => lock(&PENDING).push((event, read)),
+            None => drop(read),
+        }
+    }
+}
+
+/// A read none of whose views is left: dropping it ends the read (the
+/// core's guard drops, acknowledging it and giving the slot back).
+struct Release {
+    guard: ManuallyDrop<pinshm::ReadGuard<'static>>,
+    reader: Arc<Shared>,
+}
+
+// SAFETY: as for `Held`: the guard touches its reader only in its drop,
+// which runs under the reader's mutex (`Drop for Release`).
+unsafe impl Send for Release {}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        // A forked child's: leaked, as in `Drop for Held`.
+        if self.reader.home.forked() {
+            return;
+        }
         // The guard's drop uses the reader: under its mutex. Never held
         // long by anyone (no copy runs under it), so waiting for it here,
         // GIL held or not, cannot deadlock.
@@ -138,6 +172,26 @@ impl Drop for Held {
         // and the reader it borrows is alive (`self.reader` drops later).
         unsafe { ManuallyDrop::drop(&mut self.guard) };
     }
+}
+
+/// Reads waiting for their gate's event (see `crate::release`).
+static PENDING: Mutex<Vec<(Py<PyAny>, Release)>> = Mutex::new(Vec::new());
+
+/// Ends every pending read whose event has completed; returns how many
+/// are still pending. Never waits. Called on every get, and by
+/// `pinshm.flush_releases()`.
+#[pyfunction]
+pub(crate) fn flush_releases(py: Python<'_>) -> usize {
+    let mut pending = std::mem::take(&mut *lock(&PENDING));
+    if pending.is_empty() {
+        return 0;
+    }
+    // Outside the lock: `query()` is Python code, which may drop views
+    // (and so push to PENDING) itself.
+    pending.retain(|(event, _)| !crate::release::completed(py, event));
+    let mut p = lock(&PENDING);
+    p.extend(pending);
+    p.len()
 }
 
 /// Copies `src` into `dst` (same length), with the GIL released for large

@@ -129,3 +129,72 @@ def test_a_sparse_channel_on_a_small_dev_shm_raises_nospace_not_sigbus():
     )
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
     assert out.stdout.startswith("OK"), out.stdout
+
+
+class FakeEvent:
+    """Stands for a torch.cuda.Event: `query()` is True once `done` is set."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+@pytest.fixture
+def gate():
+    """A release gate handing out FakeEvents (cleared at teardown)."""
+    events = []
+
+    def make():
+        ev = FakeEvent()
+        events.append(ev)
+        return ev
+
+    pinshm.set_release_gate(make)
+    yield events
+    pinshm.set_release_gate(None)
+    for ev in events:
+        ev.done = True
+    pinshm.flush_releases()
+
+
+def test_a_gated_slot_is_not_reused_while_its_event_is_pending(unique_name, closing, gate):
+    # Room for three objects: a lap of puts would reuse `a`'s slot.
+    store = closing(pinshm.ObjectStore(3 * 64 * 1024, 60 * 1024, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("a", b"a" * 60 * 1024)
+    g = reader.get(h)
+    view = memoryview(g)
+    del view
+    g.release()  # the last view is gone: the gate's event decides now
+    assert len(gate) == 1
+    for i in range(10):  # laps of puts, each read at once
+        reader.get(store.put(f"k{i}", b"k" * 60 * 1024)).release()
+        gate[-1].done = True  # their own events complete at once
+    assert store.is_cached("a"), "reused while its copy may be in flight"
+    assert pinshm.flush_releases() == 1
+    gate[0].done = True
+    assert pinshm.flush_releases() == 0
+    for i in range(10, 14):
+        reader.get(store.put(f"k{i}", b"k" * 60 * 1024)).release()
+        gate[-1].done = True
+    assert not store.is_cached("a"), "released, its slot is reused"
+
+
+def test_a_gate_returning_none_releases_at_once(unique_name, closing):
+    store = closing(pinshm.ObjectStore(1 << 20, 4096, 1, name=unique_name()))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    pinshm.set_release_gate(lambda: None)
+    try:
+        reader.get(store.put("a", b"x")).release()
+        assert pinshm.flush_releases() == 0
+        assert store.free_unused() == 1
+    finally:
+        pinshm.set_release_gate(None)
+
+
+def test_the_torch_gate_releases_at_once_without_cuda():
+    from pinshm import cuda_release
+
+    assert cuda_release.torch_cuda_event() is None

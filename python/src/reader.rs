@@ -446,6 +446,15 @@ impl StoreReader {
         self.with(py, |r| r.verify(key, handle.0, signature))
     }
 
+    /// Whether this process's mapping of the store is page-locked (CUDA
+    /// host-registered): a `cuda` build with a driver, and a reserved
+    /// segment under the default pin mode. Then a tensor viewing a slot is
+    /// pinned memory: `.to(device, non_blocking=True)` is a DMA from it.
+    #[getter]
+    fn is_pinned(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |r| r.is_pinned())
+    }
+
     /// This reader's index.
     #[getter]
     fn index(&self) -> u32 {

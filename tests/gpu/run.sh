@@ -4,7 +4,9 @@
 #   1. preflight: GPU, driver, /dev/shm, NVRTC, which kernel binary is used;
 #   2. every GPU test binary (--include-ignored --test-threads=1 --nocapture);
 #   3. the bandwidth table (pinned vs pageable, registration, pack/unpack);
-#   4. the bench (examples/bench.rs, --quick).
+#   4. the bench (examples/bench.rs, --quick);
+#   5. the Python side with the machine's torch (py_pinned.py): vLLM's path
+#      to the GPU against the pinned slot's, and the event-gated release.
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail
@@ -75,10 +77,15 @@ fi
 step "preflight (CUDA driver and device)" 20 "$here/gpu" --exact preflight_reports_the_device_and_the_kernel_binary --include-ignored --nocapture --test-threads=1
 
 if [ "${#failed[@]}" -eq 0 ]; then
-  step "tests/gpu.rs" 110 "$here/gpu" --include-ignored --test-threads=1 --nocapture --skip bandwidth_table --skip preflight_reports
+  step "tests/gpu.rs" 90 "$here/gpu" --include-ignored --test-threads=1 --nocapture --skip bandwidth_table --skip preflight_reports
   step "tests/device.rs" 40 "$here/device" --include-ignored --test-threads=1 --nocapture
   step "bandwidth table" 70 "$here/gpu" --exact bandwidth_table --include-ignored --test-threads=1 --nocapture
   step "bench --quick" 30 "$here/bench" --quick
+  if python3 -c 'import torch, numpy' 2>/dev/null; then
+    step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
+  else
+    echo "=== python: skipped (python3 has no torch or numpy)"
+  fi
 fi
 
 echo

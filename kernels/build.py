@@ -10,7 +10,7 @@ fetches it into ~/.cache/pinshm-nvrtc). Writes:
                                  driver), its ISA version lowered (see below)
   kernels/bin/pack.cu.hash       hashes of the source these were built from
 
-src/cuda/kernels.rs embeds them with include_bytes!; a test checks the
+src/copy/kernels.rs embeds them with include_bytes!; a test checks the
 FNV-1a hash against kernels/pack.cu, and `build.py --check` (run by
 .ci/run) checks the SHA-256 and, with NVRTC, rebuilds and compares bytes.
 

@@ -9,8 +9,8 @@ compile_error!(
 
 // Layers, lowest first (a module imports only modules before it here;
 // tools/import_graph.py checks it): dtype, layout, error, sys, shm, ring,
-// geometry, codec, pin, cuda (register), copy, cuda (engine), store,
-// channel, inspect. The modules are private; the public API is the flat
+// geometry, codec, cuda (the driver wrapper), pin, copy, store, channel,
+// inspect. The modules are private; the public API is the flat
 // page below.
 mod channel;
 mod codec;
@@ -39,13 +39,13 @@ pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
 };
+#[cfg(feature = "cuda")]
+pub use copy::cuda::CudaEngine;
+#[cfg(feature = "cuda")]
+pub use copy::kernels::KernelSource;
 pub use copy::{
     Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, Hold, KeepAlive, PackDesc, Ticket,
 };
-#[cfg(feature = "cuda")]
-pub use cuda::engine::CudaEngine;
-#[cfg(feature = "cuda")]
-pub use cuda::KernelSource;
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};
 pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
@@ -63,11 +63,13 @@ pub use store::{
 #[doc(hidden)]
 pub mod testing {
     pub use crate::codec::TENSOR_HEADER_LEN;
+    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda")]
+    pub use crate::copy::kernels::{compile_kernels, kernel_binaries};
     pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};
     #[cfg(feature = "cuda")]
     pub use crate::cuda::{
-        compile_kernels, current_context, driver_present, driver_version, kernel_binaries,
-        nvrtc_present, ForeignContext,
+        current_context, driver_present, driver_version, nvrtc_present, ForeignContext,
     };
     pub use crate::layout::*;
 }

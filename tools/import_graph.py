@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Import graph of src/: one node per top-level module (a file or folder
-under src/), an edge for every `crate::X` / `super::X` path that leaves the
-module. Prints the edges and any cycle; exits 1 on a cycle or a file over
-800 lines."""
+under src/), an edge for every `crate::X` path that leaves the module.
+Prints the edges; exits 1 on an edge that does not point down the layer
+order below (DESIGN.md's layers, as src/lib.rs lists them), on a module
+missing from that order, on a cycle, or on a file over 800 lines."""
 import os, re, sys
+
+# Lowest first: a module may import only modules before it.
+LAYERS = ["dtype", "layout", "error", "sys", "shm", "ring", "geometry", "codec",
+          "cuda", "pin", "copy", "store", "channel", "inspect"]
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 mods = sorted(n[:-3] if n.endswith(".rs") else n for n in os.listdir(SRC)
@@ -40,6 +45,16 @@ for m in mods:
         visit(m)
 for c in cycles:
     print("CYCLE:", " -> ".join(c))
+upward = []
+for m in mods:
+    if m not in LAYERS:
+        upward.append(f"{m} is not in the layer order (add it to LAYERS and src/lib.rs)")
+        continue
+    for n in sorted(edges[m]):
+        if n in LAYERS and LAYERS.index(n) >= LAYERS.index(m):
+            upward.append(f"{m} -> {n} points up the layer order")
+for u in upward:
+    print("LAYER:", u)
 for p, n in too_long:
     print(f"TOO LONG: {p} has {n} lines")
-sys.exit(1 if cycles or too_long else 0)
+sys.exit(1 if cycles or too_long or upward else 0)

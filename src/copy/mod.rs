@@ -22,6 +22,10 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(feature = "cuda")]
+pub(crate) mod kernels;
 pub use cpu::{CpuEngine, Hold};
 
 /// Which device an engine or buffer belongs to.

@@ -1,8 +1,10 @@
-//! The CUDA backend (feature `cuda`): host registration for [`crate::pin`]
-//! (`register`, below the store) and [`CudaEngine`] (`engine`, above the
-//! copy layer: a stream, async copies, events, the pack/unpack kernels of
-//! `kernels/pack.cu`). The driver is loaded at run time: nothing here runs,
-//! or panics, where no driver is installed.
+//! The CUDA driver, wrapped once (feature `cuda`): loading it, errors,
+//! devices' primary contexts, and the guard that leaves the caller's
+//! current context as it was. Its users sit above it: host registration in
+//! [`crate::pin`] (`pin/register.rs`) and the `CudaEngine` copy engine in
+//! [`crate::copy`] (`copy/cuda.rs`, with the pack/unpack kernels of
+//! `kernels/pack.cu` in `copy/kernels.rs`). The driver is loaded at run
+//! time: nothing here runs, or panics, where no driver is installed.
 //!
 //! **The caller's context is left as it was.** cudarc binds a context to
 //! the calling thread (`cuCtxSetCurrent`) on nearly every call, and never
@@ -17,15 +19,11 @@ use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::OnceLock;
 
-use cudarc::driver::{result as cu, sys};
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
 
 use crate::error::{Error, Result};
-
-pub(crate) mod engine;
-pub(crate) mod kernels;
-pub(crate) mod register;
-
-pub use kernels::{compile_kernels, kernel_binaries, KernelSource};
 
 pub(crate) fn cuda_err(what: &str, e: cudarc::driver::DriverError) -> Error {
     tracing::debug!(what, %e, "CUDA call failed");
@@ -169,4 +167,18 @@ impl ForeignContext {
     pub fn id(&self) -> usize {
         self.0.cu_ctx() as usize
     }
+}
+
+/// The primary context of device `ordinal`, or why there is none. Binds it
+/// to the calling thread: call under a [`ContextGuard`].
+pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver_present() {
+        return Err(Error::pin_unavailable(
+            "no CUDA driver (libcuda.so) found",
+            None,
+        ));
+    }
+    CudaContext::new(ordinal).map_err(|e| {
+        Error::pin_unavailable(format!("no usable CUDA device {ordinal}"), Some(e.into()))
+    })
 }

@@ -1,12 +1,12 @@
-//! Host registration (`cuMemHostRegister`) of a mapped segment, used by
-//! [`crate::pin`] below the store.
+//! Host registration (`cuMemHostRegister`) of a mapped segment: what
+//! [`crate::pin`] does with the `cuda` feature.
 //!
 //! The registration is made in the primary context of the configured
 //! device (`StoreConfig::cuda_device`, `ReaderOptions::cuda_device`;
 //! default 0) with `CU_MEMHOSTREGISTER_PORTABLE`, which makes the pinned
 //! range usable from every CUDA context of the process, so engines of other
 //! devices copy from it at DMA speed too. The calling thread's current
-//! context is left as it was (see [`super::ContextGuard`]).
+//! context is left as it was (see [`crate::cuda::ContextGuard`]).
 //!
 //! `cuMemHostRegister` page-locks the range: the driver faults in (and
 //! allocates, on tmpfs) every page and pins it, which takes about 0.1 to
@@ -18,22 +18,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::{driver_present, ContextGuard, Restoring};
+use crate::cuda::{context, driver_present, ContextGuard, Restoring};
 use crate::error::{Error, Result};
-
-/// The primary context of device `ordinal`, or why there is none. Binds it
-/// to the calling thread: call under a [`ContextGuard`].
-pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-    if !driver_present() {
-        return Err(Error::pin_unavailable(
-            "no CUDA driver (libcuda.so) found",
-            None,
-        ));
-    }
-    CudaContext::new(ordinal).map_err(|e| {
-        Error::pin_unavailable(format!("no usable CUDA device {ordinal}"), Some(e.into()))
-    })
-}
 
 /// A host range registered with `cuMemHostRegister` (portable, device-mapped).
 #[derive(Debug)]

@@ -15,6 +15,9 @@
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+mod register;
+
 #[cfg(not(feature = "cuda"))]
 use crate::error::Error;
 use crate::error::Result;
@@ -44,7 +47,7 @@ pub(crate) struct PinSpec {
 #[derive(Debug)]
 pub(crate) struct Pinned {
     #[cfg(feature = "cuda")]
-    _inner: crate::cuda::register::Registration,
+    _inner: register::Registration,
 }
 
 /// Whether `pin` might register a segment under `mode` in this process
@@ -83,7 +86,7 @@ pub(crate) fn pin(
     }
     #[cfg(feature = "cuda")]
     {
-        match crate::cuda::register::Registration::new(ptr, len, spec.device) {
+        match register::Registration::new(ptr, len, spec.device) {
             Ok(inner) => Ok(Some(Pinned { _inner: inner })),
             Err(e) if spec.mode == PinMode::Auto => {
                 tracing::info!(%e, "shared memory not pinned; device copies will be staged by the driver");

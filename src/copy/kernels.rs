@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
-use super::nvrtc_present;
+use crate::cuda::nvrtc_present;
 use crate::error::{Error, Result};
 
 /// The kernels' source.

@@ -10,11 +10,10 @@ use cudarc::driver::{
 };
 
 use super::kernels::{self, KernelSource, INLINE_DESCS};
-use super::register::context;
-use super::{cuda_err, driver_present, ContextGuard, Restoring};
 use crate::copy::{
     check_pack, Completion, CopyEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Ticket,
 };
+use crate::cuda::{context, cuda_err, driver_present, ContextGuard, Restoring};
 use crate::error::{Error, Result};
 
 /// Device memory from `cuMemAlloc`, freed when the last buffer using it goes.

@@ -1,13 +1,9 @@
-//! How a store is created and attached, what travels between processes
-//! (handles), and what the writer counts.
+//! How a store is created and attached: [`StoreConfig`], [`Eviction`],
+//! [`ReaderOptions`].
 
-use serde::{Deserialize, Serialize};
-
-use crate::error::{Blocker, Error, Result};
-use crate::geometry::validate_header;
+use crate::error::{Error, Result};
 use crate::layout;
 use crate::pin::{PinMode, PinSpec};
-use crate::sys::segment::Segment;
 
 /// How to create a store.
 #[derive(Clone, Debug)]
@@ -217,77 +213,4 @@ impl ReaderOptions {
         self.prefault = yes;
         self
     }
-}
-
-/// Where an object lives: what travels from the writer to the readers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct ObjectHandle {
-    /// Offset of the slot in the data region.
-    pub address: u64,
-    /// The object's id, never reused within a segment's life.
-    pub monotonic_id: u64,
-    /// Epoch at put time (changes on create and `clear`).
-    pub epoch: u64,
-}
-
-/// Everything a reader process needs to attach.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct StoreHandle {
-    /// Segment name (without the leading `/`).
-    pub name: String,
-    /// The segment's creation nonce.
-    pub nonce: u64,
-    /// Ring bytes.
-    pub capacity: u64,
-    /// Largest object.
-    pub max_object_size: u64,
-    /// Reader slots.
-    pub n_readers: u32,
-    /// Layout version of the writer.
-    pub layout_version: u32,
-}
-
-impl StoreHandle {
-    /// The handle of the live segment `name`, read from its validated header.
-    pub fn of(name: &str) -> Result<StoreHandle> {
-        let seg = Segment::open_read_only(name)?;
-        let geo = validate_header(&seg, name)?;
-        Ok(StoreHandle {
-            name: seg.name().to_owned(),
-            nonce: geo.header().read().nonce,
-            capacity: geo.capacity,
-            max_object_size: geo.max_object_size,
-            n_readers: geo.n_readers,
-            layout_version: layout::LAYOUT_VERSION,
-        })
-    }
-}
-
-/// Counters of the writer.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StoreStats {
-    /// Successful puts.
-    pub puts: u64,
-    /// `get_cached` / `touch` hits.
-    pub hits: u64,
-    /// Objects reclaimed.
-    pub evictions: u64,
-    /// Puts that failed with `Full`.
-    pub full_errors: u64,
-    /// Live objects (cleared ones still held by a guard included).
-    pub objects: u64,
-    /// Bytes the live objects' slots span.
-    pub bytes_in_use: u64,
-    /// Largest object slot a put could take now.
-    pub largest_free_block: u64,
-    /// Dead readers found and released.
-    pub dead_readers_reaped: u64,
-    /// Stale handles met by readers (summed over the reader table).
-    pub stale_reads: u64,
-    /// Puts placed in the part of a sparse ring already backed because
-    /// /dev/shm had no room for new pages.
-    pub nospace_fallbacks: u64,
-    /// The oldest object that may not be reclaimed now (a reader owes it
-    /// a read, holds it, or the writer protects it), and who blocks.
-    pub oldest_unread: Option<Box<Blocker>>,
 }

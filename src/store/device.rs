@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::config::ObjectHandle;
+use super::handle::ObjectHandle;
 use super::guard::ReadGuard;
 use super::reader::StoreReader;
 use super::writer::{ObjectStore, PendingCopy};

@@ -2,7 +2,7 @@
 
 use std::ops::Deref;
 
-use super::config::ObjectHandle;
+use super::handle::ObjectHandle;
 use super::reader::StoreReader;
 use crate::layout::ObjectKind;
 use crate::shm::SlotPtr;

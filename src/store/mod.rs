@@ -5,14 +5,18 @@
 mod config;
 mod device;
 mod guard;
+mod handle;
 mod mapping;
 mod reader;
 mod reclaim;
 mod signature;
+mod stats;
 mod typed;
 mod writer;
 
-pub use config::{Eviction, ObjectHandle, ReaderOptions, StoreConfig, StoreHandle, StoreStats};
+pub use config::{Eviction, ReaderOptions, StoreConfig};
+pub use handle::{ObjectHandle, StoreHandle};
+pub use stats::StoreStats;
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;
 pub use reader::StoreReader;

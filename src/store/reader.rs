@@ -3,7 +3,8 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use super::config::{ObjectHandle, ReaderOptions, StoreHandle};
+use super::config::ReaderOptions;
+use super::handle::{ObjectHandle, StoreHandle};
 use super::guard::ReadGuard;
 use super::mapping::Mapping;
 use super::signature;

@@ -2,7 +2,7 @@
 //! here is a thin layer over the writer's one reserve → fill → publish path;
 //! every typed read is a view parsed from a [`ReadGuard`].
 
-use super::config::ObjectHandle;
+use super::handle::ObjectHandle;
 use super::guard::ReadGuard;
 use super::reader::StoreReader;
 use super::writer::ObjectStore;

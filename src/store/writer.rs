@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::config::{Eviction, ObjectHandle, StoreConfig, StoreHandle, StoreStats};
+use super::config::{Eviction, StoreConfig};
+use super::handle::{ObjectHandle, StoreHandle};
+use super::stats::StoreStats;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};

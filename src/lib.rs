@@ -57,6 +57,15 @@ pub use store::{
     SIGNATURE_LEN,
 };
 
+/// This process's fork generation (registering the `pthread_atfork` child
+/// handler on first use): it changes in every forked child. For bindings
+/// that must tell a forked child's inherited objects apart the way the
+/// crate does for its own handles. Not semver API.
+#[doc(hidden)]
+pub fn fork_generation() -> u64 {
+    sys::fork::register()
+}
+
 /// Internals that tests, benchmarks and tools reach for: the on-segment
 /// layout, the CPU references of the kernels, kernel compilation. Not
 /// semver API: the on-segment format may change with any release.

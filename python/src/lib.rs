@@ -11,8 +11,7 @@
 //! (`allow_threads`, made safe at interpreter exit).
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use pyo3::create_exception;
 use pyo3::exceptions::{
@@ -101,35 +100,11 @@ pub(crate) fn closed(what: &str) -> PyErr {
     PyValueError::new_err(format!("operation on a closed {what}"))
 }
 
-/// This process's fork generation: a counter that a `pthread_atfork`
-/// child handler bumps in every forked child (libc's `fork`, so Python's
-/// `os.fork` and multiprocessing's fork start method), as the core does for
-/// its own handles. Checking it is one relaxed load; `std::process::id()`
-/// is a `getpid` system call, and every call paid one (a get and its
-/// release two), about 75 ns each.
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn in_forked_child() {
-    // Async-signal-safe: one atomic add.
-    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Registers the child handler once; false if that failed (then forks are
-/// told apart by pid, a system call each time).
-fn atfork_registered() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        // SAFETY: `in_forked_child` is an `extern "C" fn()` that lives
-        // forever and only does an atomic add, which is safe in a forked
-        // child; the other two handlers are none.
-        unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) == 0 }
-    })
-}
-
-/// Where an object was made: its process (pid and fork generation) and
-/// its segment's name.
+/// Where an object was made: its process's fork generation (the crate's
+/// `pthread_atfork` counter, which changes in every forked child: one
+/// relaxed load to check, where a pid would be a system call) and its
+/// segment's name.
 pub(crate) struct Home {
-    pid: u32,
     generation: u64,
     pub(crate) name: String,
 }
@@ -137,21 +112,15 @@ pub(crate) struct Home {
 impl Home {
     /// An object of segment `name`, made in this process.
     pub(crate) fn new(name: &str) -> Home {
-        atfork_registered();
         Home {
-            pid: std::process::id(),
-            generation: FORK_GENERATION.load(Ordering::Relaxed),
+            generation: pinshm::fork_generation(),
             name: name.to_owned(),
         }
     }
 
     /// Whether this is a forked child of the process that made the object.
     pub(crate) fn forked(&self) -> bool {
-        if atfork_registered() {
-            FORK_GENERATION.load(Ordering::Relaxed) != self.generation
-        } else {
-            std::process::id() != self.pid
-        }
+        pinshm::fork_generation() != self.generation
     }
 
     /// Fails with the Forked error (`PinshmError`, as the core's

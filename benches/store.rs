@@ -67,7 +67,7 @@ fn bench(c: &mut Criterion) {
                     } else {
                         store.put_with(key, size, |s| s[0] = i as u8).unwrap()
                     };
-                    reader.touch(h).unwrap();
+                    reader.acknowledge(h).unwrap();
                 })
             });
         }
@@ -145,7 +145,7 @@ fn bench(c: &mut Criterion) {
                         let mut s = store_for(size, 4, true);
                         let r = StoreReader::attach(&s.handle()).unwrap();
                         let h = s.put("k", &src).unwrap();
-                        r.touch(h).unwrap();
+                        r.acknowledge(h).unwrap();
                         (s, r)
                     },
                     |(mut s, r)| {

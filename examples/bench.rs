@@ -120,7 +120,7 @@ fn put_readers_ns(size: usize, n_readers: u32, quick: bool) -> f64 {
         }
         for h in &handles {
             for reader in &readers {
-                reader.touch(*h).unwrap();
+                reader.acknowledge(*h).unwrap();
             }
         }
     }

@@ -119,10 +119,10 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
     let eng = CpuEngine::with_delay(Duration::from_millis(300));
     let a = w.put("a", &pattern(1, len)).unwrap();
     w.put("b", &pattern(2, len)).unwrap();
-    r.touch(w.get_cached("b").unwrap()).unwrap();
-    r.touch(w.get_cached("b").unwrap()).unwrap();
-    r.touch(w.get_cached("b").unwrap()).unwrap(); // b: fully read
-    r.touch(a).unwrap(); // a is fully read: only the pending copy holds it
+    r.acknowledge(w.get_cached("b").unwrap()).unwrap();
+    r.acknowledge(w.get_cached("b").unwrap()).unwrap();
+    r.acknowledge(w.get_cached("b").unwrap()).unwrap(); // b: fully read
+    r.acknowledge(a).unwrap(); // a is fully read: only the pending copy holds it
     let dst = eng.alloc(len).unwrap();
     let pg = r.get_to_device(a, &dst, &eng).unwrap();
     // The copy is queued, not done: `a` must not be reclaimed, although

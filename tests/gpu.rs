@@ -680,7 +680,7 @@ fn bandwidth_table() {
             let p = w.put_from_device(&format!("k{i}"), &dev, &eng).unwrap();
             let hk = w.finish_put(p).unwrap();
             let s = t.elapsed().as_secs_f64();
-            r.touch(hk).unwrap();
+            r.acknowledge(hk).unwrap();
             s
         });
         let hk = w.get_cached(&format!("k{i}")).unwrap();
@@ -761,7 +761,7 @@ fn bandwidth_table() {
         let p = unsafe { w.put_packed_from_device(&format!("p{n}"), &descs, total, &eng) }.unwrap();
         let hp = w.finish_put(p).unwrap();
         let s = t.elapsed().as_secs_f64();
-        r.touch(hp).unwrap();
+        r.acknowledge(hp).unwrap();
         s
     });
     let hp = w.get_cached(&format!("p{n}")).unwrap();
@@ -798,7 +798,7 @@ fn bandwidth_table() {
             })
             .unwrap();
         let s = t.elapsed().as_secs_f64();
-        r.touch(hs).unwrap();
+        r.acknowledge(hs).unwrap();
         s
     });
     let unpack = best(5, || {

@@ -256,7 +256,7 @@ fn child_reader() {
                 }
                 let (h, seed, len) = parse(&l);
                 // Acknowledge it at once, so the writer may reclaim it...
-                r.touch(h).unwrap();
+                r.acknowledge(h).unwrap();
                 recent.push((h, seed, len));
                 if recent.len() > 32 {
                     recent.remove(0);

@@ -48,7 +48,7 @@ fn check_read(r: &StoreReader, h: ObjectHandle, known: &[ObjectHandle]) {
     }
     let _ = r.get_item(h);
     let _ = r.get_tensor(h);
-    let _ = r.touch(h);
+    let _ = r.acknowledge(h);
 }
 
 proptest! {
@@ -84,7 +84,7 @@ proptest! {
             }
             let _ = r.get_copy(*h);
             let _ = r.get_item(*h);
-            let _ = r.touch(*h);
+            let _ = r.acknowledge(*h);
         }
     }
 
@@ -111,7 +111,7 @@ proptest! {
                 _ => {
                     let h = ObjectHandle { address: a % (cap as u64 + 128), monotonic_id: b % 64, epoch: hs[0].epoch };
                     let _ = r.get(h).map(|g| g.len());
-                    let _ = r.touch(h);
+                    let _ = r.acknowledge(h);
                 }
             }
         }

@@ -417,7 +417,7 @@ fn a_hostile_process_flipping_bytes_causes_errors_only() {
         }
         let _ = r.get_item(h).map(|v| v.names().count());
         let _ = r.get_tensor(h).map(|v| v.numel());
-        if let Err(Error::ReaderLeft { .. }) = r.touch(h) {
+        if let Err(Error::ReaderLeft { .. }) = r.acknowledge(h) {
             // The flipper hit our reader entry: we are told, and start over
             // (the header may be scribbled too: then attach fails cleanly).
             drop(r);
@@ -532,7 +532,7 @@ fn a_stuck_reader_is_not_waited_for_once_the_timeout_passes_but_its_guard_is_hon
     let r1 = StoreReader::attach_as(&w.handle(), 1).unwrap(); // never reads
     let a = w.put("a", &pattern(1, len)).unwrap();
     w.put("b", &pattern(2, len)).unwrap();
-    r0.touch(a).unwrap();
+    r0.acknowledge(a).unwrap();
     let held = r0.get(a).unwrap();
     match w.put("c", &pattern(3, len)).unwrap_err() {
         Error::Full {
@@ -569,7 +569,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
             .unwrap();
     let r = StoreReader::attach(&w.handle()).unwrap();
     let a = w.put("a", &pattern(1, len)).unwrap();
-    r.touch(a).unwrap();
+    r.acknowledge(a).unwrap();
     let b = w.put("b", &pattern(2, len)).unwrap();
     let c = w.put("c", &pattern(3, len)).unwrap();
     let d = w.put("d", &pattern(4, len)).unwrap(); // reuses a's slot

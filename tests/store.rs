@@ -160,7 +160,7 @@ fn every_reader_must_read_before_reclaim() {
     drop(r0.get(a).unwrap());
     // Reader 0 reading twice does not stand in for reader 1.
     drop(r0.get(a).unwrap());
-    r0.touch(a).unwrap();
+    r0.acknowledge(a).unwrap();
     match w.put("c", &pattern(3, len)).unwrap_err() {
         Error::Full {
             blocker: Some(b), ..
@@ -190,7 +190,10 @@ fn get_cached_asks_every_reader_for_one_more_read() {
     w.put("c", &pattern(3, len)).unwrap();
     assert!(!w.is_cached("a"));
     assert_eq!(w.get_cached("a"), None);
-    assert!(matches!(w.touch("a"), Err(Error::KeyNotFound { .. })));
+    assert!(matches!(
+        w.add_reference("a"),
+        Err(Error::KeyNotFound { .. })
+    ));
 }
 
 #[test]
@@ -200,16 +203,16 @@ fn touch_on_the_writer_counts_like_get_cached_and_on_the_reader_like_a_read() {
     let mut w = store(&name, 2 * slot(1, len), len, 1);
     let r = StoreReader::attach(&w.handle()).unwrap();
     let a = w.put("a", &pattern(1, len)).unwrap();
-    w.touch("a").unwrap();
-    r.touch(a).unwrap();
+    w.add_reference("a").unwrap();
+    r.acknowledge(a).unwrap();
     w.put("b", &pattern(2, len)).unwrap();
     assert!(
         w.put("c", &pattern(3, len)).is_err(),
         "one acknowledgement of two is not enough"
     );
-    r.touch(a).unwrap();
+    r.acknowledge(a).unwrap();
     w.put("c", &pattern(3, len)).unwrap();
-    assert_stale(r.touch(a), a);
+    assert_stale(r.acknowledge(a), a);
 }
 
 #[test]
@@ -221,9 +224,9 @@ fn free_unused_frees_everything_all_readers_are_done_with_around_the_rest() {
         .map(|i| w.put(&format!("k{i}"), b"x").unwrap())
         .collect();
     for h in &hs[..2] {
-        r.touch(*h).unwrap();
+        r.acknowledge(*h).unwrap();
     }
-    r.touch(hs[3]).unwrap();
+    r.acknowledge(hs[3]).unwrap();
     assert_eq!(w.free_unused(), 3, "k2, unread, stays; k3 goes around it");
     assert_eq!(w.stats().objects, 2);
     assert_eq!(w.stats().evictions, 3);
@@ -237,7 +240,7 @@ fn stale_handles_are_rejected_never_answered_with_other_bytes() {
     let mut w = store(&name, 2 * slot(1, len), len, 1);
     let r = StoreReader::attach(&w.handle()).unwrap();
     let a = w.put("a", &pattern(1, len)).unwrap();
-    r.touch(a).unwrap();
+    r.acknowledge(a).unwrap();
     w.put("b", &pattern(2, len)).unwrap();
     // Reclaims `a` and reuses its slot for `c`.
     let c = w.put("c", &pattern(3, len)).unwrap();
@@ -338,7 +341,7 @@ fn a_guard_keeps_its_slot_even_after_the_read_is_acknowledged() {
     let r = StoreReader::attach(&w.handle()).unwrap();
     let a = w.put("a", &pattern(1, len)).unwrap();
     let g = r.get(a).unwrap();
-    r.touch(a).unwrap(); // the read is counted; only the guard holds it now
+    r.acknowledge(a).unwrap(); // the read is counted; only the guard holds it now
     w.put("b", &pattern(2, len)).unwrap();
     match w.put("c", &pattern(3, len)).unwrap_err() {
         Error::Full {
@@ -428,7 +431,7 @@ fn a_slot_reused_during_a_copy_gives_stale_never_mixed_bytes() {
             let t0 = std::time::Instant::now();
             while t0.elapsed().as_secs() < 30 && (stale < 20 || whole < 20) {
                 while let Ok(h) = rx.try_recv() {
-                    let _ = r.touch(h);
+                    let _ = r.acknowledge(h);
                     (older, newest) = (newest, h);
                 }
                 match r.get_copy(older) {
@@ -499,20 +502,20 @@ fn a_detached_reader_stops_blocking_and_its_successor_inherits_no_counts() {
     let r1 = StoreReader::attach_as(&sh, 1).unwrap();
     let put = |w: &mut ObjectStore, k: &str| w.put(k, &pattern(k.len() as u64, len));
     let a = put(&mut w, "a").unwrap();
-    r0.touch(a).unwrap();
+    r0.acknowledge(a).unwrap();
     drop(r1); // leaves without reading a
     let b = put(&mut w, "b").unwrap();
     let c = put(&mut w, "c").unwrap();
-    r0.touch(b).unwrap();
-    r0.touch(c).unwrap();
+    r0.acknowledge(b).unwrap();
+    r0.acknowledge(c).unwrap();
     let d = put(&mut w, "d").unwrap(); // a goes: reader 1 left
     assert!(!w.is_cached("a"));
     // A new reader 1 owes nothing for objects put before it came...
     let r1 = StoreReader::attach_as(&sh, 1).unwrap();
     let e = put(&mut w, "e").unwrap(); // b goes: only reader 0 counts for it
     assert!(!w.is_cached("b"));
-    r0.touch(d).unwrap();
-    r0.touch(e).unwrap();
+    r0.acknowledge(d).unwrap();
+    r0.acknowledge(e).unwrap();
     put(&mut w, "f").unwrap(); // c goes
     put(&mut w, "g").unwrap(); // d goes
                                // ...but does for objects put after it came.
@@ -739,7 +742,7 @@ fn a_corrupted_segment_gives_errors_never_panics_or_wild_reads() {
                 std::hint::black_box(g.iter().fold(0u8, |a, &b| a ^ b));
             }
             let _ = r.get_copy(h);
-            let _ = r.touch(h);
+            let _ = r.acknowledge(h);
         }
         // The writer keeps working over corrupted counters.
         let _ = w.put(&format!("n{round}"), &pattern(round, 100));

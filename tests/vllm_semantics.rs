@@ -59,7 +59,7 @@ fn aggregate_counting_with_get_cached_expects_refs_times_readers() {
         drop(r1.get(h).unwrap());
     }
     assert_eq!(w.free_unused(), 0, "3 reads of 2 refs x 2 readers");
-    r0.touch(h).unwrap();
+    r0.acknowledge(h).unwrap();
     assert_eq!(w.free_unused(), 1);
 }
 

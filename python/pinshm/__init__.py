@@ -19,7 +19,8 @@ from ._pinshm import (
     StaleError,
     StoreHandle,
     StoreReader,
-    TimeoutError,
+    TimeoutError,  # the old name of WaitTimeoutError, not in __all__
+    WaitTimeoutError,
     WriterGoneError,
     __version__,
     flush_releases,
@@ -40,7 +41,7 @@ __all__ = [
     "StaleError",
     "StoreHandle",
     "StoreReader",
-    "TimeoutError",
+    "WaitTimeoutError",
     "WriterGoneError",
     "__version__",
     "flush_releases",

@@ -123,7 +123,7 @@ impl Broadcast {
 
     /// Sends the bytes of `data` to every reader, waiting (GIL released)
     /// while the slot it needs is unreleased; with `timeout` (seconds),
-    /// raises pinshm.TimeoutError after that long.
+    /// raises pinshm.WaitTimeoutError after that long.
     #[pyo3(signature = (data, timeout=None))]
     fn send(&self, py: Python<'_>, data: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = duration(timeout)?;
@@ -241,7 +241,7 @@ impl BroadcastReader {
     }
 
     /// The next message (a copy), waiting with the GIL released; with
-    /// `timeout` (seconds), raises pinshm.TimeoutError after that long.
+    /// `timeout` (seconds), raises pinshm.WaitTimeoutError after that long.
     /// After the writer has gone and every message was received:
     /// WriterGoneError.
     #[pyo3(signature = (timeout=None))]

@@ -55,9 +55,9 @@ create_exception!(
 );
 create_exception!(
     pinshm,
-    TimeoutError,
+    WaitTimeoutError,
     PyTimeoutError,
-    "A send or receive gave up after its timeout."
+    "A send or receive gave up after its timeout (a builtin TimeoutError)."
 );
 create_exception!(
     pinshm,
@@ -81,7 +81,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::Stale { .. } => StaleError::new_err(msg),
         E::Full { .. } => FullError::new_err(msg),
         E::NoSpace { .. } => NoSpaceError::new_err(msg),
-        E::Timeout { .. } => TimeoutError::new_err(msg),
+        E::Timeout { .. } => WaitTimeoutError::new_err(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
         E::KeyNotFound { .. } => PyKeyError::new_err(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
@@ -93,6 +93,17 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         | E::InvalidTensor(_) => PyValueError::new_err(msg),
         _ => PinshmError::new_err(msg),
     }
+}
+
+/// Warns (DeprecationWarning) that `old` is now `new`.
+pub(crate) fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(),
+        &std::ffi::CString::new(format!("{old} is deprecated: use {new} (same meaning)"))
+            .expect("no NUL in the names"),
+        2,
+    )
 }
 
 /// `ValueError` for an operation on a closed object (as on a closed file).
@@ -205,7 +216,10 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleError", py.get_type::<StaleError>())?;
     m.add("FullError", py.get_type::<FullError>())?;
     m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
-    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("WaitTimeoutError", py.get_type::<WaitTimeoutError>())?;
+    // The old name, kept as an alias (not in `__all__`: `import *` must
+    // not shadow the builtin).
+    m.add("TimeoutError", py.get_type::<WaitTimeoutError>())?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add_class::<handles::ObjectHandle>()?;

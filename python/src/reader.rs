@@ -417,8 +417,14 @@ impl StoreReader {
     }
 
     /// Acknowledges one read of `handle` without reading it.
+    fn acknowledge(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<()> {
+        self.with(py, |r| r.acknowledge(handle.0))?.map_err(to_py)
+    }
+
+    /// Deprecated name of `acknowledge` (one release).
     fn touch(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<()> {
-        self.with(py, |r| r.touch(handle.0))?.map_err(to_py)
+        crate::deprecated(py, "StoreReader.touch", "StoreReader.acknowledge")?;
+        self.acknowledge(py, handle)
     }
 
     /// Checks that `handle` names a live object (StaleError if not),

@@ -236,9 +236,17 @@ impl ObjectStore {
             .map(ObjectHandle))
     }
 
-    /// One more reference to `key` (KeyError if it is not stored).
+    /// One more reference to `key`: each reader owes one more read
+    /// (KeyError if it is not stored).
+    fn add_reference(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        self.with(py, false, |s| s.add_reference(key))?
+            .map_err(to_py)
+    }
+
+    /// Deprecated name of `add_reference` (one release).
     fn touch(&self, py: Python<'_>, key: &str) -> PyResult<()> {
-        self.with(py, false, |s| s.touch(key))?.map_err(to_py)
+        crate::deprecated(py, "ObjectStore.touch", "ObjectStore.add_reference")?;
+        self.add_reference(py, key)
     }
 
     /// The handle of `key`, counting no reference, or None (vLLM's

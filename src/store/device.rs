@@ -5,8 +5,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::handle::ObjectHandle;
 use super::guard::ReadGuard;
+use super::handle::ObjectHandle;
 use super::reader::StoreReader;
 use super::writer::{ObjectStore, PendingCopy};
 use crate::codec::{self, ItemLayout, TENSOR_HEADER_LEN};

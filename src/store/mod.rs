@@ -15,11 +15,11 @@ mod typed;
 mod writer;
 
 pub use config::{Eviction, ReaderOptions, StoreConfig};
-pub use handle::{ObjectHandle, StoreHandle};
-pub use stats::StoreStats;
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;
+pub use handle::{ObjectHandle, StoreHandle};
 pub use reader::StoreReader;
 pub use signature::{Signature, SIGNATURE_LEN};
+pub use stats::StoreStats;
 pub use typed::{ItemGuard, TensorGuard};
 pub use writer::ObjectStore;

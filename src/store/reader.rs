@@ -4,8 +4,8 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use super::config::ReaderOptions;
-use super::handle::{ObjectHandle, StoreHandle};
 use super::guard::ReadGuard;
+use super::handle::{ObjectHandle, StoreHandle};
 use super::mapping::Mapping;
 use super::signature;
 use crate::error::{Error, Result};
@@ -246,13 +246,14 @@ impl StoreReader {
         unsafe { out.set_len(len) };
         // The bytes are whole; if the slot has gone since, there is nothing
         // left to acknowledge.
-        let _ = self.acknowledge(h);
+        let _ = self.ack_read(h);
         Ok(())
     }
 
-    /// Acknowledges one read of `h` without reading it.
-    pub fn touch(&self, h: ObjectHandle) -> Result<()> {
-        self.acknowledge(h)
+    /// Acknowledges one read of `h` without reading it (what dropping a
+    /// guard of it does).
+    pub fn acknowledge(&self, h: ObjectHandle) -> Result<()> {
+        self.ack_read(h)
     }
 
     /// Checks that `h` names a live object of this segment (id, epoch,
@@ -401,7 +402,7 @@ impl StoreReader {
 
     /// Counts one read of `h`, under the hazard so the slot cannot be
     /// reused while the counter is written.
-    fn acknowledge(&self, h: ObjectHandle) -> Result<()> {
+    fn ack_read(&self, h: ObjectHandle) -> Result<()> {
         self.check_attached()?;
         let slot = self.slot(h)?;
         self.me.set_hazard(0, h.monotonic_id);

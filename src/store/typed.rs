@@ -2,8 +2,8 @@
 //! here is a thin layer over the writer's one reserve → fill → publish path;
 //! every typed read is a view parsed from a [`ReadGuard`].
 
-use super::handle::ObjectHandle;
 use super::guard::ReadGuard;
+use super::handle::ObjectHandle;
 use super::reader::StoreReader;
 use super::writer::ObjectStore;
 use crate::codec::{

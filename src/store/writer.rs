@@ -498,8 +498,9 @@ impl ObjectStore {
         Some(h)
     }
 
-    /// As `get_cached`, without returning the handle; errors if `key` is absent.
-    pub fn touch(&mut self, key: &str) -> Result<()> {
+    /// One more reference to `key` (each reader owes one more read): as
+    /// `get_cached`, without returning the handle; errors if `key` is absent.
+    pub fn add_reference(&mut self, key: &str) -> Result<()> {
         self.get_cached(key)
             .map(|_| ())
             .ok_or_else(|| Error::KeyNotFound {

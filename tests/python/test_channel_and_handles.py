@@ -32,7 +32,7 @@ def test_a_full_channel_refuses_try_send_and_times_out_send(channel):
     tx, rx = channel
     assert tx.try_send(b"a") and tx.try_send(b"b")
     assert not tx.try_send(b"c")
-    with pytest.raises(pinshm.TimeoutError) as e:
+    with pytest.raises(pinshm.WaitTimeoutError) as e:
         tx.send(b"c", timeout=0)
     assert isinstance(e.value, builtins.TimeoutError)
     assert rx.recv() == b"a"
@@ -41,7 +41,7 @@ def test_a_full_channel_refuses_try_send_and_times_out_send(channel):
 
 def test_an_empty_channel_times_out_recv(channel):
     _, rx = channel
-    with pytest.raises(pinshm.TimeoutError, match="recv"):
+    with pytest.raises(pinshm.WaitTimeoutError, match="recv"):
         rx.recv(timeout=0)
     with pytest.raises(ValueError, match="timeout"):
         rx.recv(timeout=-1)
@@ -197,3 +197,11 @@ def test_cancel_ends_a_blocked_recv_and_a_blocked_send(unique_name, closing):
     assert [type(e) for e in outcome] == [pinshm.CancelledError, pinshm.CancelledError]
     with pytest.raises(pinshm.CancelledError):
         rx.recv(timeout=1)
+
+
+def test_star_import_does_not_shadow_the_builtin_timeout_error():
+    scope = {}
+    exec("from pinshm import *", scope)
+    assert "TimeoutError" not in scope
+    assert issubclass(pinshm.WaitTimeoutError, TimeoutError)
+    assert pinshm.TimeoutError is pinshm.WaitTimeoutError, "the old name still works"

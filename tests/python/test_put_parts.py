@@ -69,5 +69,5 @@ def test_parts_larger_than_the_largest_object_raise_value_error(store):
 def test_put_parts_counts_one_reference_like_put(store, reader):
     h = store.put_parts("k", [b"a", b"b"])
     assert store.free_unused() == 0  # owed one read
-    reader.touch(h)
+    reader.acknowledge(h)
     assert store.free_unused() == 1

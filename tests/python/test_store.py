@@ -84,9 +84,9 @@ def test_cached_keys_are_found_referenced_and_protected(store):
     assert not store.is_cached("other")
     assert store.get_cached("k") == h
     assert store.get_cached("other") is None
-    store.touch("k")
+    store.add_reference("k")
     with pytest.raises(KeyError):
-        store.touch("other")
+        store.add_reference("other")
     store.protect("k")
     store.release_protections()
     assert store.stats()["hits"] >= 1
@@ -95,7 +95,7 @@ def test_cached_keys_are_found_referenced_and_protected(store):
 def test_free_unused_reclaims_only_what_every_reader_has_read(store, reader):
     h = store.put("k", b"v")
     assert store.free_unused() == 0
-    reader.touch(h)
+    reader.acknowledge(h)
     assert store.free_unused() == 1
     assert not store.is_cached("k")
 
@@ -180,9 +180,9 @@ def test_aggregate_reads_count_reads_from_any_reader(unique_name, closing):
     )
     r = closing(pinshm.StoreReader.attach(store.handle(), 0))
     h = store.put("k", b"v")
-    r.touch(h)
+    r.acknowledge(h)
     assert store.free_unused() == 0
-    r.touch(h)  # two reads by one reader cover both readers' share
+    r.acknowledge(h)  # two reads by one reader cover both readers' share
     assert store.free_unused() == 1
 
 
@@ -270,3 +270,14 @@ def test_closing_a_reader_while_another_thread_is_inside_a_copy_on_it_works(
     assert ended and "closed" in ended[0]
     with reader:  # __exit__ closes again: nothing
         pass
+
+
+def test_the_old_touch_names_still_work_and_say_they_are_deprecated(store, reader):
+    h = store.put("k", b"v")
+    with pytest.deprecated_call(match="add_reference"):
+        store.touch("k")
+    with pytest.deprecated_call(match="acknowledge"):
+        reader.touch(h)
+    # Two references, two reads owed: one acknowledged by touch, one here.
+    reader.acknowledge(h)
+    assert store.free_unused() == 1

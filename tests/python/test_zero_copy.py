@@ -26,7 +26,7 @@ def stream_around(store, reader, held_key):
     """Puts 20 objects of 16 KiB, each read at once: more than six laps of
     the ring, every one placed around the held slot, which stays."""
     for i in range(20):
-        reader.touch(store.put(f"fill-{i}", bytes(16 * KIB)))
+        reader.acknowledge(store.put(f"fill-{i}", bytes(16 * KIB)))
     assert store.is_cached(held_key), "the held slot was reclaimed"
 
 
@@ -36,7 +36,7 @@ def reclaimed_once_released(store, reader, key):
     for i in range(4):
         h = store.put(f"after-{i}", bytes(16 * KIB))
         if reader is not None:
-            reader.touch(h)
+            reader.acknowledge(h)
     assert not store.is_cached(key), "the released slot was not reused"
 
 
@@ -59,7 +59,7 @@ def test_a_numpy_view_keeps_its_slot_until_released(store, reader):
     g = reader.get(h)
     arr = np.frombuffer(g, dtype=np.uint8)
     del g  # only the array keeps the guard now
-    reader.touch(h)  # the read is owed no more: only the view holds the slot
+    reader.acknowledge(h)  # the read is owed no more: only the view holds the slot
     stream_around(store, reader, "held")
     assert np.array_equal(arr, payload)  # never overwritten
     del arr
@@ -240,7 +240,7 @@ def test_an_export_whose_buffer_is_released_but_whose_obj_is_kept_holds_the_read
         g.release()
     del g
     gc.collect()
-    reader.touch(h)  # owed no more: only the kept obj holds the slot
+    reader.acknowledge(h)  # owed no more: only the kept obj holds the slot
     stream_around(store, reader, "kept")
     reader.close()
     assert ctypes.string_at(address, length) == payload  # never overwritten
@@ -258,7 +258,7 @@ def test_a_tensor_array_whose_guard_export_was_released_early_still_holds_the_re
     obj, address, length = export_and_release_keeping_obj(arr)
     del arr
     gc.collect()
-    reader.touch(h)
+    reader.acknowledge(h)
     stream_around(store, reader, "t")
     reader.close()
     assert ctypes.string_at(address, length) == data.tobytes()

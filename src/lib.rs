@@ -1,4 +1,4 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("../docs/crate.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -81,4 +81,22 @@ pub mod testing {
         current_context, driver_present, driver_version, nvrtc_present, ForeignContext,
     };
     pub use crate::layout::*;
+}
+
+/// The Rust examples of the README and of `docs/`, run as doctests (they
+/// are the crate's documentation too, so they must compile and pass).
+#[cfg(doctest)]
+mod doc_examples {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/guide.md")]
+    struct Guide;
+    #[doc = include_str!("../docs/channel.md")]
+    struct Channel;
+    #[doc = include_str!("../docs/gpu.md")]
+    struct Gpu;
+    #[doc = include_str!("../docs/design.md")]
+    struct Design;
+    #[doc = include_str!("../docs/reliability.md")]
+    struct Reliability;
 }

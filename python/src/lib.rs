@@ -95,6 +95,18 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
     }
 }
 
+/// The pin mode named `s` ("auto", "off", "require").
+pub(crate) fn pin_mode(s: &str) -> PyResult<pinshm::PinMode> {
+    match s {
+        "auto" => Ok(pinshm::PinMode::Auto),
+        "off" => Ok(pinshm::PinMode::Off),
+        "require" => Ok(pinshm::PinMode::Require),
+        other => Err(PyValueError::new_err(format!(
+            "pin must be 'auto', 'off' or 'require', not {other:?}"
+        ))),
+    }
+}
+
 /// Warns (DeprecationWarning) that `old` is now `new`.
 pub(crate) fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
     PyErr::warn(

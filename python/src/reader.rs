@@ -275,23 +275,35 @@ impl StoreReader {
 #[pymethods]
 impl StoreReader {
     /// Attaches to the store of `store_handle` as reader `index` (default:
-    /// the first free one).
+    /// the first free one). `pin`: `"auto"` (default: a `cuda` build with
+    /// a driver registers this process's mapping of a reserved segment, so
+    /// tensors viewing slots are pinned memory), `"off"` or `"require"`.
     #[staticmethod]
-    #[pyo3(signature = (store_handle, index=None))]
-    fn attach(py: Python<'_>, store_handle: StoreHandle, index: Option<u32>) -> PyResult<Self> {
+    #[pyo3(signature = (store_handle, index=None, *, pin="auto"))]
+    fn attach(
+        py: Python<'_>,
+        store_handle: StoreHandle,
+        index: Option<u32>,
+        pin: &str,
+    ) -> PyResult<Self> {
         let sh = store_handle.0;
-        let r = crate::gil::released(py, || match index {
-            Some(i) => pinshm::StoreReader::attach_as(&sh, i),
-            None => pinshm::StoreReader::attach(&sh),
-        });
+        let mut opts = pinshm::ReaderOptions::default().pin(crate::pin_mode(pin)?);
+        if let Some(i) = index {
+            opts = opts.index(i);
+        }
+        let r = crate::gil::released(py, || pinshm::StoreReader::attach_with(&sh, opts));
         r.map(Self::wrap).map_err(to_py)
     }
 
     /// Attaches to the store segment `name`, reading its geometry from the
-    /// segment's header.
+    /// segment's header (`pin` as for `attach`).
     #[staticmethod]
-    fn attach_by_name(py: Python<'_>, name: &str) -> PyResult<Self> {
-        let r = crate::gil::released(py, || pinshm::StoreReader::attach_by_name(name));
+    #[pyo3(signature = (name, *, pin="auto"))]
+    fn attach_by_name(py: Python<'_>, name: &str, pin: &str) -> PyResult<Self> {
+        let opts = pinshm::ReaderOptions::default().pin(crate::pin_mode(pin)?);
+        let r = crate::gil::released(py, || {
+            pinshm::StoreHandle::of(name).and_then(|sh| pinshm::StoreReader::attach_with(&sh, opts))
+        });
         r.map(Self::wrap).map_err(to_py)
     }
 

@@ -54,9 +54,14 @@ impl ObjectStore {
     /// `eviction` is `"second_chance"` (default; CLOCK: an object hit by
     /// `get_cached` since the allocator last passed it stays one more lap)
     /// or `"fifo"` (the oldest reclaimable object goes).
+    ///
+    /// `pin` is `"auto"` (default: a `cuda` build with a driver pins a
+    /// reserved segment in this process), `"off"` (never: a process that
+    /// must stay CUDA-free, such as vLLM's API server, which forks the
+    /// engine) or `"require"` (pin or raise).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=None, eviction="second_chance"
+        *, reserve=true, prefault=None, eviction="second_chance", pin="auto"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -69,7 +74,9 @@ impl ObjectStore {
         reserve: bool,
         prefault: Option<bool>,
         eviction: &str,
+        pin: &str,
     ) -> PyResult<Self> {
+        let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
             "fifo" => pinshm::Eviction::Fifo,
             "second_chance" => pinshm::Eviction::SecondChance,
@@ -83,7 +90,8 @@ impl ObjectStore {
             .aggregate_reads(aggregate_reads)
             .reserve(reserve)
             .prefault(prefault.unwrap_or(reserve))
-            .eviction(eviction);
+            .eviction(eviction)
+            .pin(pin);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

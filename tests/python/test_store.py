@@ -281,3 +281,16 @@ def test_the_old_touch_names_still_work_and_say_they_are_deprecated(store, reade
     # Two references, two reads owed: one acknowledged by touch, one here.
     reader.acknowledge(h)
     assert store.free_unused() == 1
+
+
+def test_pin_modes_are_chosen_per_process_and_checked(unique_name, closing):
+    # A writer that must stay CUDA-free (vLLM's API server) says "off".
+    store = closing(pinshm.ObjectStore(1 << 20, 4096, 1, name=unique_name(), pin="off"))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0, pin="auto"))
+    assert not reader.is_pinned  # no GPU here (or a build without cuda)
+    with pytest.raises(pinshm.PinshmError, match="pinning required"):
+        pinshm.StoreReader.attach_by_name(store.name, pin="require")
+    with pytest.raises(ValueError, match="pin must be"):
+        pinshm.ObjectStore(1 << 20, 4096, 1, name=unique_name(), pin="sometimes")
+    with pytest.raises(ValueError, match="pin must be"):
+        pinshm.StoreReader.attach(store.handle(), pin="maybe")

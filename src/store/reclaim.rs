@@ -3,14 +3,16 @@
 //! around objects still in use, and what blocks when nothing fits.
 
 use super::config::Eviction;
-use super::writer::{Entry, ObjectStore};
+use super::stats::StoreStats;
+use super::writer::{Entry, Keys};
 use crate::error::{Blocker, Error, Result};
 use crate::geometry::Geometry;
 use crate::layout::reader_state;
-use crate::ring::{Plan, Span, SpanId};
+use crate::ring::{Plan, Ring, Span, SpanId};
 use crate::shm::SlotPtr;
 use crate::sys::clock;
 use crate::sys::liveness;
+use crate::sys::segment::{Backing, Segment};
 
 /// How many times a put plans again after a reader took a hold on an
 /// object between the plan and its reclaim (a race, not a loop).
@@ -198,21 +200,50 @@ impl Judge<'_> {
     }
 }
 
-impl ObjectStore {
-    pub(super) fn judge(&self) -> Judge<'_> {
+/// The writer's data region: its validated bounds, the allocator over it,
+/// the backing of a sparse segment, and the policies that decide what may
+/// be reclaimed. The writer owns one; its keys, ids and segment stay the
+/// writer's, and are handed in where reclamation needs them.
+#[derive(Debug)]
+pub(super) struct Space {
+    pub(super) geo: Geometry,
+    pub(super) ring: Ring<Entry>,
+    /// Which pages of a sparse segment are backed (all, if reserved).
+    pub(super) backing: Backing,
+    /// What the allocator does with an object hit since it last passed.
+    eviction: Eviction,
+    reader_timeout_ns: Option<u64>,
+}
+
+impl Space {
+    pub(super) fn new(
+        geo: Geometry,
+        ring: Ring<Entry>,
+        backing: Backing,
+        eviction: Eviction,
+        reader_timeout_ns: Option<u64>,
+    ) -> Space {
+        Space {
+            geo,
+            ring,
+            backing,
+            eviction,
+            reader_timeout_ns,
+        }
+    }
+
+    fn judge(&self) -> Judge<'_> {
         Judge {
             geo: &self.geo,
             reader_timeout_ns: self.reader_timeout_ns,
         }
     }
 
-    /// Marks readers whose process is gone as left, so reclamation stops
-    /// waiting for them; returns their indices.
-    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
+    /// Marks readers whose process is gone (the kernel's word on `seg`'s
+    /// locks) as left, so reclamation stops waiting for them; returns their
+    /// indices.
+    pub(super) fn reap_dead_readers(&mut self, seg: &Segment, stats: &mut StoreStats) -> Vec<u32> {
         let mut reaped = Vec::new();
-        if !self.is_owner() {
-            return reaped;
-        }
         for i in 0..self.geo.n_readers {
             let r = self.geo.reader(i);
             let word = r.word();
@@ -225,7 +256,7 @@ impl ObjectStore {
             // Dead only on the kernel's word that nobody holds the entry's
             // lock (an error counts as alive). The CAS of the whole word
             // fails if a new reader took the entry since `word` was read.
-            if !self.map.seg().held_by_other(liveness::reader_slot(i))
+            if !seg.held_by_other(liveness::reader_slot(i))
                 && r.transition(
                     word,
                     reader_state::word(reader_state::generation(word), reader_state::LEFT),
@@ -239,14 +270,23 @@ impl ObjectStore {
                 reaped.push(i);
             }
         }
-        self.stats.dead_readers_reaped += reaped.len() as u64;
+        stats.dead_readers_reaped += reaped.len() as u64;
         reaped
     }
 
     /// Finds room for `slot_len` bytes below `limit`, reclaiming the
     /// objects in the way that may go and allocating around those that must
     /// stay. Returns the plan, its run free (not yet committed).
-    pub(super) fn allocate(&mut self, slot_len: u64, limit: u64) -> Result<Plan> {
+    /// Reclaimed objects' keys are forgotten in `keys`; what happens is
+    /// counted in `stats`; dead readers are told by `seg`'s locks.
+    pub(super) fn allocate(
+        &mut self,
+        slot_len: u64,
+        limit: u64,
+        keys: &mut Keys,
+        stats: &mut StoreStats,
+        seg: &Segment,
+    ) -> Result<Plan> {
         let mut reaped = false;
         let mut passes = 0;
         let mut replans = 0;
@@ -261,7 +301,7 @@ impl ObjectStore {
                 .plan_within(slot_len, limit, |span| judge.may_go_in_walk(span, policy));
             match plan {
                 Some(plan) => {
-                    if self.free_all(&plan.victims) {
+                    if self.free_all(&plan.victims, keys, stats) {
                         return Ok(plan);
                     }
                     // A reader took a hold after the plan: plan again.
@@ -277,32 +317,30 @@ impl ObjectStore {
                 }
                 None if !reaped => {
                     reaped = true;
-                    if !self.reap_dead_readers().is_empty() {
+                    if !self.reap_dead_readers(seg, stats).is_empty() {
                         continue;
                     }
                 }
                 None => {}
             }
-            return Err(self.full(slot_len));
+            return Err(self.full(slot_len, stats));
         }
     }
 
     /// Frees the spans at `victims` (in order), stopping at the first that
     /// may not go after all; whether all went.
-    fn free_all(&mut self, victims: &[SpanId]) -> bool {
-        for &s in victims {
-            if !self.free_at(s, true) {
-                return false;
-            }
-        }
-        if !victims.is_empty() {
-            self.publish_progress();
-        }
-        true
+    fn free_all(&mut self, victims: &[SpanId], keys: &mut Keys, stats: &mut StoreStats) -> bool {
+        victims.iter().all(|&s| self.free_at(s, true, keys, stats))
     }
 
     /// Frees the span at `pos` if it may go, and forgets its key.
-    fn free_at(&mut self, s: SpanId, owed_checked: bool) -> bool {
+    fn free_at(
+        &mut self,
+        s: SpanId,
+        owed_checked: bool,
+        keys: &mut Keys,
+        stats: &mut StoreStats,
+    ) -> bool {
         let judge = Judge {
             geo: &self.geo,
             reader_timeout_ns: self.reader_timeout_ns,
@@ -314,36 +352,32 @@ impl ObjectStore {
             return false;
         };
         if let Some(key) = span.value.key {
-            self.index.remove(&key);
-            if !self.pending_keys.is_empty() {
-                self.pending_keys.remove(&key);
-            }
+            keys.forget(&key);
         }
         // Its header (id 0 now, its length) still spans it for the walk.
-        self.stats.evictions += 1;
+        stats.evictions += 1;
         true
     }
 
     /// Frees every object that may go, oldest first, around the ones that
     /// must stay; returns how many went.
-    pub(super) fn reclaim_all(&mut self) -> usize {
+    pub(super) fn reclaim_all(&mut self, keys: &mut Keys, stats: &mut StoreStats) -> usize {
         let mut freed = 0;
         for s in self.ring.by_age() {
-            if self.free_at(s, false) {
+            if self.free_at(s, false, keys, stats) {
                 freed += 1;
             }
         }
         if freed > 0 {
             tracing::debug!(freed, "reclaimed objects");
-            self.publish_progress();
         }
         freed
     }
 
     /// The `Full` error for `requested` bytes, naming the oldest object
     /// that stays.
-    fn full(&mut self, requested: u64) -> Error {
-        self.stats.full_errors += 1;
+    fn full(&self, requested: u64, stats: &mut StoreStats) -> Error {
+        stats.full_errors += 1;
         let blocker = self.oldest_blocker().map(Box::new);
         let err = Error::Full {
             requested,

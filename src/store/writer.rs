@@ -3,13 +3,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::config::{Eviction, StoreConfig};
+use super::config::StoreConfig;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::stats::StoreStats;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
+
+use super::reclaim::Space;
 use crate::shm::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
@@ -78,28 +80,41 @@ struct Reserved {
 /// ```
 #[derive(Debug)]
 pub struct ObjectStore {
-    pub(super) geo: Geometry,
-    pub(super) ring: Ring<Entry>,
-    pub(super) index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
-    /// Keys of puts whose copy is still in flight.
-    pub(super) pending_keys: std::collections::HashSet<Arc<str>, KeyHasher>,
-    pub(super) next_id: u64,
-    pub(super) epoch: u64,
-    pub(super) nonce: u64,
-    pub(super) stats: StoreStats,
-    pub(super) reader_timeout_ns: Option<u64>,
-    /// What the allocator does with an object hit since it last passed.
-    pub(super) eviction: Eviction,
-    /// Which pages of a sparse segment are backed (all, if reserved).
-    pub(super) backing: Backing,
+    /// The data region: its bounds, the allocator, what may be reclaimed
+    /// (`reclaim.rs`).
+    space: Space,
+    /// Every stored key, and those whose put is still in flight.
+    keys: Keys,
+    next_id: u64,
+    epoch: u64,
+    nonce: u64,
+    stats: StoreStats,
     /// The key of handle signatures (also in the segment, for readers).
-    pub(super) secret: [u8; 32],
+    secret: [u8; 32],
     /// The fork generation this store was made in (see `sys::fork`): in a
     /// forked child it changes nothing shared.
-    pub(super) fork_gen: u64,
+    fork_gen: u64,
     /// The segment (its writer lock held through it), shared with copies
     /// in flight: unmapped when the last of them is done.
-    pub(super) map: Arc<Mapping>,
+    map: Arc<Mapping>,
+}
+
+/// The writer's keys: what is stored, and what is being put.
+#[derive(Debug, Default)]
+pub(super) struct Keys {
+    index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
+    /// Keys of puts whose copy is still in flight.
+    pending: std::collections::HashSet<Arc<str>, KeyHasher>,
+}
+
+impl Keys {
+    /// Forgets `key` (its object was reclaimed).
+    pub(super) fn forget(&mut self, key: &str) {
+        self.index.remove(key);
+        if !self.pending.is_empty() {
+            self.pending.remove(key);
+        }
+    }
 }
 
 // SAFETY: the raw pointers in `geo` point into the mapping `map` keeps
@@ -194,17 +209,18 @@ impl ObjectStore {
         let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
-            geo,
-            ring: Ring::new(cfg.capacity as u64),
-            index: HashMap::default(),
-            pending_keys: Default::default(),
+            space: Space::new(
+                geo,
+                Ring::new(cfg.capacity as u64),
+                backing,
+                cfg.eviction,
+                cfg.reader_timeout.map(|d| d.as_nanos() as u64),
+            ),
+            keys: Keys::default(),
             next_id: 1,
             epoch,
             nonce,
             stats: StoreStats::default(),
-            reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
-            eviction: cfg.eviction,
-            backing,
             secret,
             fork_gen,
             map,
@@ -267,7 +283,8 @@ impl ObjectStore {
 
     /// Whether the pending put `id` has finished its copy.
     pub(crate) fn pending_done(&self, id: u64) -> bool {
-        self.ring
+        self.space
+            .ring
             .find(id)
             .and_then(|s| s.value.pending.as_ref())
             .is_none_or(|p| p.is_done())
@@ -276,7 +293,7 @@ impl ObjectStore {
     /// Waits for the pending put `id` and publishes it.
     pub(crate) fn finish_pending(&mut self, id: u64) -> Result<ObjectHandle> {
         self.check_owner()?;
-        let span = self.ring.find_mut(id).ok_or(Error::PutNotPending {
+        let span = self.space.ring.find_mut(id).ok_or(Error::PutNotPending {
             id,
             reason: "its slot is gone (finished and reclaimed, or failed)",
         })?;
@@ -293,7 +310,7 @@ impl ObjectStore {
         if let Err(e) = outcome {
             // The slot was never published: forget its key, free it in turn.
             if let Some(k) = span.value.key.take() {
-                self.pending_keys.remove(&k);
+                self.keys.pending.remove(&k);
             }
             if matches!(e, Error::DeviceLost { .. }) {
                 // The copy may still write the slot: it stays pending, and
@@ -314,34 +331,52 @@ impl ObjectStore {
     /// Checks and hands out a slot for `len` bytes under `key`.
     fn reserve(&mut self, key: &str, len: usize) -> Result<Reserved> {
         self.check_owner()?;
-        if self.index.contains_key(key)
-            || (!self.pending_keys.is_empty() && self.pending_keys.contains(key))
+        if self.keys.index.contains_key(key)
+            || (!self.keys.pending.is_empty() && self.keys.pending.contains(key))
         {
             return Err(Error::DuplicateKey {
                 key: key.to_owned(),
             });
         }
-        if len as u64 > self.geo.max_object_size {
-            tracing::debug!(key, len, max = self.geo.max_object_size, "object too large");
+        if len as u64 > self.space.geo.max_object_size {
+            tracing::debug!(
+                key,
+                len,
+                max = self.space.geo.max_object_size,
+                "object too large"
+            );
             return Err(Error::TooLarge {
                 size: len as u64,
-                max: self.geo.max_object_size,
+                max: self.space.geo.max_object_size,
             });
         }
-        let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
-        let mut plan = self.allocate(slot_len, self.geo.capacity)?;
+        let slot_len = layout::slot_len(self.space.geo.n_readers, len) as u64;
+        let mut plan = self.space.allocate(
+            slot_len,
+            self.space.geo.capacity,
+            &mut self.keys,
+            &mut self.stats,
+            self.map.seg(),
+        )?;
         // Pages never written before are backed first: a full /dev/shm is
         // an error, never a SIGBUS in the fill below.
-        let header_len = layout::header_len(self.geo.n_readers) as u64;
+        let header_len = layout::header_len(self.space.geo.n_readers) as u64;
         if let Err(e) = self
+            .space
             .backing
             .ensure(self.map.seg(), header_len + plan.pos, slot_len)
         {
             // /dev/shm is full: the store carries on in the part of the
             // ring it already has (below the high-water mark, all backed),
             // as a smaller cache, and tries the rest again on later puts.
-            let backed = self.ring.high_water();
-            plan = match self.allocate(slot_len, backed) {
+            let backed = self.space.ring.high_water();
+            plan = match self.space.allocate(
+                slot_len,
+                backed,
+                &mut self.keys,
+                &mut self.stats,
+                self.map.seg(),
+            ) {
                 Ok(p) if p.pos + slot_len <= backed => p,
                 _ => return Err(e),
             };
@@ -370,9 +405,9 @@ impl ObjectStore {
         self.next_id += 1;
         let key: Arc<str> = Arc::from(key);
         if pending.is_some() {
-            self.pending_keys.insert(key.clone());
+            self.keys.pending.insert(key.clone());
         }
-        let run_end = self.ring.commit(
+        let run_end = self.space.ring.commit(
             &r.plan,
             r.slot_len,
             id,
@@ -390,7 +425,7 @@ impl ObjectStore {
         );
         // A run starts at a span's end or at 0, so only the rest of the free
         // run after the new slot may need a marker.
-        self.mark_free_run(r.plan.pos + r.slot_len, run_end);
+        self.space.mark_free_run(r.plan.pos + r.slot_len, run_end);
         self.publish_progress();
         id
     }
@@ -399,8 +434,8 @@ impl ObjectStore {
     /// readers may get it from now on. `None` if it was cleared meanwhile.
     fn publish(&mut self, id: u64, pos: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
-        let n_readers = self.geo.n_readers;
-        let span = self.ring.find(id).filter(|s| s.pos == pos)?;
+        let n_readers = self.space.geo.n_readers;
+        let span = self.space.ring.find(id).filter(|s| s.pos == pos)?;
         let address = span.pos;
         let e = &span.value;
         let key = e.key.clone()?;
@@ -412,42 +447,42 @@ impl ObjectStore {
             layout::slot_len(n_readers, e.size as usize) as u64,
             e.kind as u32,
         );
-        if !self.pending_keys.is_empty() {
-            self.pending_keys.remove(&key);
+        if !self.keys.pending.is_empty() {
+            self.keys.pending.remove(&key);
         }
         let handle = ObjectHandle {
             address,
             monotonic_id: id,
             epoch,
         };
-        self.index.insert(key, handle);
+        self.keys.index.insert(key, handle);
         self.stats.puts += 1;
         Some(handle)
     }
 
     /// Whether `key` is stored.
     pub fn is_cached(&self, key: &str) -> bool {
-        self.index.contains_key(key)
+        self.keys.index.contains_key(key)
     }
 
     /// The handle of `key`, counting nothing (vLLM's `key_index[key]`).
     pub fn lookup(&self, key: &str) -> Option<ObjectHandle> {
-        self.index.get(key).copied()
+        self.keys.index.get(key).copied()
     }
 
     /// Every stored key with its handle, in no particular order.
     pub fn keys(&self) -> impl ExactSizeIterator<Item = (&str, ObjectHandle)> + '_ {
-        self.index.iter().map(|(k, h)| (&**k, *h))
+        self.keys.index.iter().map(|(k, h)| (&**k, *h))
     }
 
     /// How many keys are stored.
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.keys.index.len()
     }
 
     /// Whether no key is stored.
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.keys.index.is_empty()
     }
 
     /// The bytes of `h` as the writer sees them (vLLM's writer-side `get`),
@@ -462,7 +497,7 @@ impl ObjectStore {
         if h.epoch != self.epoch {
             return Err(stale());
         }
-        let span = self.ring.find(h.monotonic_id).ok_or_else(stale)?;
+        let span = self.space.ring.find(h.monotonic_id).ok_or_else(stale)?;
         let e = &span.value;
         if span.pos != h.address || e.pending.is_some() || e.invalid {
             return Err(stale());
@@ -483,8 +518,9 @@ impl ObjectStore {
         if !self.is_owner() {
             return None;
         }
-        let h = *self.index.get(key)?;
+        let h = *self.keys.index.get(key)?;
         let span = self
+            .space
             .ring
             .find_mut(h.monotonic_id)
             .expect("every indexed key has a live slot");
@@ -515,7 +551,20 @@ impl ObjectStore {
         if !self.is_owner() {
             return 0;
         }
-        self.reclaim_all()
+        let freed = self.space.reclaim_all(&mut self.keys, &mut self.stats);
+        self.publish_progress();
+        freed
+    }
+
+    /// Marks readers whose process is gone as left, so reclamation stops
+    /// waiting for them (and ignores their holds); returns their indices.
+    /// A put that finds no room does this by itself.
+    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
+        if !self.is_owner() {
+            return Vec::new();
+        }
+        self.space
+            .reap_dead_readers(self.map.seg(), &mut self.stats)
     }
 
     /// Keeps `key` from being reclaimed until its next
@@ -524,6 +573,7 @@ impl ObjectStore {
     pub fn protect(&mut self, key: &str) -> Result<()> {
         self.check_owner()?;
         let id = self
+            .keys
             .index
             .get(key)
             .ok_or_else(|| Error::KeyNotFound {
@@ -531,6 +581,7 @@ impl ObjectStore {
             })?
             .monotonic_id;
         let span = self
+            .space
             .ring
             .find_mut(id)
             .expect("every indexed key has a live slot");
@@ -543,7 +594,7 @@ impl ObjectStore {
         if !self.is_owner() {
             return;
         }
-        for span in self.ring.iter_mut() {
+        for span in self.space.ring.iter_mut() {
             span.value.protected = false;
         }
     }
@@ -557,13 +608,13 @@ impl ObjectStore {
         if !self.is_owner() {
             return;
         }
-        for span in self.ring.iter_mut() {
+        for span in self.space.ring.iter_mut() {
             span.value.key = None;
             span.value.protected = false;
         }
-        self.index.clear();
-        self.pending_keys.clear();
-        tracing::debug!(held = self.ring.len(), "store cleared (soft)");
+        self.keys.index.clear();
+        self.keys.pending.clear();
+        tracing::debug!(held = self.space.ring.len(), "store cleared (soft)");
     }
 
     /// Forgets every object and starts a new epoch: every handle from
@@ -573,8 +624,8 @@ impl ObjectStore {
         if !self.is_owner() {
             return;
         }
-        let geo = self.geo;
-        for span in self.ring.iter_mut() {
+        let geo = self.space.geo;
+        for span in self.space.ring.iter_mut() {
             let e = &mut span.value;
             e.key = None;
             e.protected = false;
@@ -585,13 +636,13 @@ impl ObjectStore {
                 e.invalid = true;
             }
         }
-        self.index.clear();
-        self.pending_keys.clear();
-        self.geo.header().set_cleared_below(self.next_id);
+        self.keys.index.clear();
+        self.keys.pending.clear();
+        self.space.geo.header().set_cleared_below(self.next_id);
         self.epoch = next_epoch(self.epoch);
-        self.geo.header().set_epoch(self.epoch);
-        let freed = self.reclaim_all();
-        tracing::debug!(freed, held = self.ring.len(), "store cleared (hard)");
+        self.space.geo.header().set_epoch(self.epoch);
+        let freed = self.space.reclaim_all(&mut self.keys, &mut self.stats);
+        tracing::debug!(freed, held = self.space.ring.len(), "store cleared (hard)");
         self.publish_progress();
     }
 
@@ -599,7 +650,7 @@ impl ObjectStore {
     /// HMAC-SHA256 a reader checks with [`StoreReader::verify`](crate::StoreReader::verify).
     /// `None` if `key` is not stored.
     pub fn signature(&self, key: &str) -> Option<Signature> {
-        let h = self.index.get(key)?;
+        let h = self.keys.index.get(key)?;
         Some(signature::sign(
             &self.secret,
             key,
@@ -610,7 +661,7 @@ impl ObjectStore {
 
     /// Whether `signature` signs `key` at `h`, and `key` still maps to `h`.
     pub fn verify(&self, key: &str, h: ObjectHandle, signature: &[u8]) -> bool {
-        self.index.get(key) == Some(&h)
+        self.keys.index.get(key) == Some(&h)
             && signature::verify(&self.secret, key, h.address, h.monotonic_id, signature)
     }
 
@@ -619,9 +670,9 @@ impl ObjectStore {
         StoreHandle {
             name: self.map.seg().name().to_owned(),
             nonce: self.nonce,
-            capacity: self.geo.capacity,
-            max_object_size: self.geo.max_object_size,
-            n_readers: self.geo.n_readers,
+            capacity: self.space.geo.capacity,
+            max_object_size: self.space.geo.max_object_size,
+            n_readers: self.space.geo.n_readers,
             layout_version: layout::LAYOUT_VERSION,
         }
     }
@@ -648,14 +699,14 @@ impl ObjectStore {
 
     /// Counters and the ring's state, with what blocks reclamation.
     pub fn stats(&self) -> StoreStats {
-        let oldest_unread = self.oldest_blocker().map(Box::new);
+        let oldest_unread = self.space.oldest_blocker().map(Box::new);
         StoreStats {
-            objects: self.ring.len() as u64,
-            bytes_in_use: self.ring.used(),
-            largest_free_block: self.ring.largest_free(),
+            objects: self.space.ring.len() as u64,
+            bytes_in_use: self.space.ring.used(),
+            largest_free_block: self.space.ring.largest_free(),
             // Read from shared memory: saturate, never overflow.
-            stale_reads: (0..self.geo.n_readers)
-                .map(|i| self.geo.reader(i).stale_reads())
+            stale_reads: (0..self.space.geo.n_readers)
+                .map(|i| self.space.geo.reader(i).stale_reads())
                 .fold(0u64, u64::saturating_add),
             oldest_unread,
             ..self.stats.clone()
@@ -682,7 +733,8 @@ impl ObjectStore {
 
     /// The slot at a ring address (the ring hands out only in-bounds ones).
     pub(super) fn slot_at(&self, address: u64) -> SlotPtr {
-        self.geo
+        self.space
+            .geo
             .slot(address)
             .expect("ring addresses are in bounds")
     }
@@ -690,6 +742,7 @@ impl ObjectStore {
     fn slot_and_payload(&self, address: u64, len: u64) -> (SlotPtr, *mut u8) {
         let slot = self.slot_at(address);
         let payload = self
+            .space
             .geo
             .payload(address, len)
             .expect("ring slots hold their payload");
@@ -697,9 +750,11 @@ impl ObjectStore {
     }
 
     pub(super) fn publish_progress(&self) {
-        self.geo
-            .header()
-            .set_progress(self.next_id, self.ring.cursor(), self.ring.high_water());
+        self.space.geo.header().set_progress(
+            self.next_id,
+            self.space.ring.cursor(),
+            self.space.ring.high_water(),
+        );
     }
 }
 
@@ -713,7 +768,7 @@ impl Drop for ObjectStore {
         // Readers see the store closed; the name goes now, not when the
         // last copy in flight lets go of the mapping (a new writer may take
         // the name meanwhile, and must not lose it to our unmap).
-        self.geo.header().clear_writer();
+        self.space.geo.header().clear_writer();
         self.map.seg().unlink_now();
         self.map.seg().unlock(liveness::WRITER_SLOT);
         // Copies still in flight into slots keep the mapping alive by

@@ -753,3 +753,23 @@ fn a_corrupted_segment_gives_errors_never_panics_or_wild_reads() {
     let _ = r.get(handles[0]);
     assert!(peek(&name, 0, 8) == b"PINSHM\0\x01");
 }
+
+#[test]
+fn read_only_views_show_the_same_bytes_through_another_mapping() {
+    use pinshm::ReaderOptions;
+    let name = Name::new("roviews");
+    let mut w = store(&name, MIB, 4 * KIB, 2);
+    let h = w.put("k", &pattern(3, 4 * KIB)).unwrap();
+    let plain = StoreReader::attach_as(&w.handle(), 0).unwrap();
+    let ro = StoreReader::attach_with(
+        &w.handle(),
+        ReaderOptions::default().index(1).read_only_views(true),
+    )
+    .unwrap();
+    let (a, b) = (plain.get(h).unwrap(), ro.get(h).unwrap());
+    assert_eq!(&a[..], &b[..]);
+    assert_ne!(a.as_ptr(), b.as_ptr(), "a view of the read-only mapping");
+    drop((a, b));
+    // The read counted as any other: both readers are done with it.
+    assert_eq!(w.free_unused(), 1);
+}

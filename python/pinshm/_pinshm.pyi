@@ -171,9 +171,15 @@ class StoreReader:
         index: Optional[int] = None,
         *,
         pin: Literal["auto", "off", "require"] = "auto",
+        read_only_views: bool = False,
     ) -> StoreReader: ...
     @staticmethod
-    def attach_by_name(name: str, *, pin: Literal["auto", "off", "require"] = "auto") -> StoreReader: ...
+    def attach_by_name(
+        name: str,
+        *,
+        pin: Literal["auto", "off", "require"] = "auto",
+        read_only_views: bool = False,
+    ) -> StoreReader: ...
     def get(self, handle: ObjectHandle) -> ReadGuard: ...
     @property
     def is_pinned(self) -> bool: ...

@@ -278,16 +278,23 @@ impl StoreReader {
     /// the first free one). `pin`: `"auto"` (default: a `cuda` build with
     /// a driver registers this process's mapping of a reserved segment, so
     /// tensors viewing slots are pinned memory), `"off"` or `"require"`.
+    /// `read_only_views`: guards view a second, read-only mapping of the
+    /// segment, so an in-place write into a view (by code that ignores
+    /// the buffer's read-only flag, as `torch.frombuffer` does) faults
+    /// instead of changing bytes other readers read.
     #[staticmethod]
-    #[pyo3(signature = (store_handle, index=None, *, pin="auto"))]
+    #[pyo3(signature = (store_handle, index=None, *, pin="auto", read_only_views=false))]
     fn attach(
         py: Python<'_>,
         store_handle: StoreHandle,
         index: Option<u32>,
         pin: &str,
+        read_only_views: bool,
     ) -> PyResult<Self> {
         let sh = store_handle.0;
-        let mut opts = pinshm::ReaderOptions::default().pin(crate::pin_mode(pin)?);
+        let mut opts = pinshm::ReaderOptions::default()
+            .pin(crate::pin_mode(pin)?)
+            .read_only_views(read_only_views);
         if let Some(i) = index {
             opts = opts.index(i);
         }
@@ -296,11 +303,18 @@ impl StoreReader {
     }
 
     /// Attaches to the store segment `name`, reading its geometry from the
-    /// segment's header (`pin` as for `attach`).
+    /// segment's header (`pin` and `read_only_views` as for `attach`).
     #[staticmethod]
-    #[pyo3(signature = (name, *, pin="auto"))]
-    fn attach_by_name(py: Python<'_>, name: &str, pin: &str) -> PyResult<Self> {
-        let opts = pinshm::ReaderOptions::default().pin(crate::pin_mode(pin)?);
+    #[pyo3(signature = (name, *, pin="auto", read_only_views=false))]
+    fn attach_by_name(
+        py: Python<'_>,
+        name: &str,
+        pin: &str,
+        read_only_views: bool,
+    ) -> PyResult<Self> {
+        let opts = pinshm::ReaderOptions::default()
+            .pin(crate::pin_mode(pin)?)
+            .read_only_views(read_only_views);
         let r = crate::gil::released(py, || {
             pinshm::StoreHandle::of(name).and_then(|sh| pinshm::StoreReader::attach_with(&sh, opts))
         });

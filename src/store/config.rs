@@ -170,6 +170,7 @@ pub struct ReaderOptions {
     pub(crate) index: Option<u32>,
     pub(crate) pin: PinSpec,
     pub(crate) prefault: bool,
+    pub(crate) read_only_views: bool,
 }
 
 impl Default for ReaderOptions {
@@ -178,6 +179,7 @@ impl Default for ReaderOptions {
             index: None,
             pin: PinSpec::default(),
             prefault: true,
+            read_only_views: false,
         }
     }
 }
@@ -203,6 +205,19 @@ impl ReaderOptions {
     /// The calling thread's current CUDA context is left as it was.
     pub fn cuda_device(mut self, ordinal: usize) -> Self {
         self.pin.device = ordinal;
+        self
+    }
+
+    /// Hand out guards over a second, read-only mapping of the segment
+    /// (default false): the same pages, so no copy, but a write through a
+    /// view (an in-place op on a tensor that views a slot, say) faults
+    /// (SIGSEGV) instead of silently changing bytes that other readers
+    /// read. For zero-copy consumers that hand views to code they do not
+    /// control. Device copies from such views work; with the `cuda`
+    /// feature they run from the unregistered read-only range, so a
+    /// pinned worker wants this off.
+    pub fn read_only_views(mut self, yes: bool) -> Self {
+        self.read_only_views = yes;
         self
     }
 

@@ -48,7 +48,8 @@ impl Deref for ReadGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: `data..data+len` was bounds-checked against the data region
-        // at get; the reader's hold on the slot keeps the writer from
+        // at get (in the read-write mapping; a read-only views mapping spans
+        // the same segment at the same offsets); the reader's hold on the slot keeps the writer from
         // reusing it until the guard drops, and a published object's
         // bytes are never written again, so nobody writes them meanwhile.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }

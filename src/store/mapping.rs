@@ -9,13 +9,16 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::pin::{self, PinSpec, Pinned};
-use crate::sys::segment::Segment;
+use crate::sys::segment::{ReadOnlyMap, Segment};
 
 /// A segment and its pin registration.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     /// Unregistered before `seg` unmaps (fields drop in order).
     pinned: Option<Pinned>,
+    /// A read-only mapping of the same segment, for payload views
+    /// (`ReaderOptions::read_only_views`).
+    views: Option<ReadOnlyMap>,
     seg: Segment,
 }
 
@@ -40,7 +43,42 @@ impl Mapping {
         if pinned.is_none() && prefault_after {
             seg.prefault();
         }
-        Ok(Arc::new(Mapping { pinned, seg }))
+        Ok(Arc::new(Mapping {
+            pinned,
+            views: None,
+            seg,
+        }))
+    }
+
+    /// As [`Mapping::new`], with a second, read-only mapping of the
+    /// segment that payload views point into ([`Mapping::view_of`]).
+    pub(crate) fn with_read_only_views(
+        seg: Segment,
+        spec: PinSpec,
+        reserved: bool,
+        prefault_after: bool,
+    ) -> Result<Arc<Mapping>> {
+        let views = Some(seg.map_read_only()?);
+        let pinned = pin::pin(seg.as_ptr(), seg.len(), spec, reserved)?;
+        if pinned.is_none() && prefault_after {
+            seg.prefault();
+        }
+        Ok(Arc::new(Mapping { pinned, views, seg }))
+    }
+
+    /// Where the bytes at `p` (inside the read-write mapping) are seen in
+    /// the read-only one, if there is one; `p` itself otherwise. The same
+    /// pages either way: only the permission differs.
+    pub(crate) fn view_of(&self, p: *const u8) -> *const u8 {
+        match &self.views {
+            Some(ro) => {
+                let off = p as usize - self.seg.as_ptr() as usize;
+                debug_assert!(off < self.seg.len());
+                // In bounds: both mappings span the whole segment.
+                ro.as_ptr().wrapping_add(off)
+            }
+            None => p,
+        }
     }
 
     pub(crate) fn seg(&self) -> &Segment {

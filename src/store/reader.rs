@@ -113,7 +113,12 @@ impl StoreReader {
         let (seg, geo) = open_validated(sh, false)?;
         // Pinned before an entry is taken, so a failure gives nothing back.
         let reserved = seg.is_reserved();
-        let map = Mapping::new(seg, opts.pin, reserved, opts.prefault && reserved)?;
+        let prefault = opts.prefault && reserved;
+        let map = if opts.read_only_views {
+            Mapping::with_read_only_views(seg, opts.pin, reserved, prefault)?
+        } else {
+            Mapping::new(seg, opts.pin, reserved, prefault)?
+        };
         let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {
@@ -207,7 +212,7 @@ impl StoreReader {
             reader: self,
             slot,
             handle: h,
-            data,
+            data: self.map.view_of(data),
             len,
             kind,
         })

@@ -149,6 +149,21 @@ impl Segment {
         })
     }
 
+    /// A second mapping of the whole segment, read-only (the same pages):
+    /// payload views handed out through it fault on a write instead of
+    /// changing bytes other processes read.
+    pub fn map_read_only(&self) -> Result<ReadOnlyMap> {
+        MmapOptions::new()
+            .len(self.len())
+            .map_raw_read_only(&self.file)
+            .map(ReadOnlyMap)
+            .map_err(|e| Error::Os {
+                op: "mmap",
+                name: self.name().to_owned(),
+                source: e,
+            })
+    }
+
     /// Whether every page of the segment's file is allocated (its creator
     /// reserved it with `posix_fallocate`, or it has since been written
     /// throughout): `st_blocks` covers `st_size`. A sparse segment says
@@ -426,6 +441,23 @@ fn open_file(name: &str, flags: OFlag) -> Result<(String, File, usize)> {
         });
     }
     Ok((pname, file, len))
+}
+
+/// A read-only mapping of a whole segment ([`Segment::map_read_only`]),
+/// unmapped on drop.
+#[derive(Debug)]
+pub struct ReadOnlyMap(MmapRaw);
+
+// SAFETY: as `Segment`: raw pointers only, to memory only read through it.
+unsafe impl Send for ReadOnlyMap {}
+// SAFETY: as `Send`.
+unsafe impl Sync for ReadOnlyMap {}
+
+impl ReadOnlyMap {
+    /// Start of the mapping (page aligned).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
 }
 
 /// Which chunks of a sparse segment its writer has backed

@@ -278,3 +278,45 @@ def test_an_exception_leaving_a_with_block_while_a_view_lives_is_not_replaced(st
     assert store.free_unused() == 0
     mv.release()
     assert store.free_unused() == 1  # acknowledged when the view went
+
+
+_WRITE_THROUGH_A_VIEW = r"""
+import ctypes, sys, pinshm
+store = pinshm.ObjectStore(1 << 20, 4096, 2, name=sys.argv[1])
+h = store.put("k", b"a" * 64)
+victim = pinshm.StoreReader.attach(store.handle(), 0)
+reader = pinshm.StoreReader.attach(store.handle(), 1, read_only_views=sys.argv[2] == "1")
+g = reader.get(h)
+# The slot's own address, as code that ignores the read-only flag finds it:
+import numpy as np
+arr = np.frombuffer(g, np.uint8)
+ctypes.memset(arr.ctypes.data, ord("z"), 8)  # an in-place write into the view
+print("other reader sees", bytes(victim.get(h))[:8])
+"""
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_write_into_a_read_only_view_faults_instead_of_changing_other_readers_bytes(
+    unique_name, read_only
+):
+    import subprocess
+    import sys
+
+    name = unique_name()
+    out = subprocess.run(
+        [sys.executable, "-c", _WRITE_THROUGH_A_VIEW, name, "1" if read_only else "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if read_only:
+        assert out.returncode == -11, (out.returncode, out.stdout, out.stderr)  # SIGSEGV
+        assert "other reader sees" not in out.stdout
+    else:
+        assert out.returncode == 0, out.stderr
+        assert "b'zzzzzzzz'" in out.stdout, "without the option the write lands"
+    # A killed writer left its segment: remove it.
+    import os
+
+    if os.path.exists(f"/dev/shm/{name}"):
+        os.unlink(f"/dev/shm/{name}")

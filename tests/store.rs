@@ -773,3 +773,26 @@ fn read_only_views_show_the_same_bytes_through_another_mapping() {
     // The read counted as any other: both readers are done with it.
     assert_eq!(w.free_unused(), 1);
 }
+
+#[test]
+fn a_put_walks_past_many_objects_found_held_for_the_first_time() {
+    let name = Name::new("manyheld");
+    let len = 1000;
+    let mut w = store(&name, 40 * slot(1, len), len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let hs: Vec<_> = (0..40)
+        .map(|i| w.put(&format!("k{i}"), &pattern(i, len)).unwrap())
+        .collect();
+    // Every object is read; the 20 oldest stay held (owed nothing: only
+    // their holds keep them, which the walk does not know of yet).
+    for &h in &hs {
+        r.acknowledge(h).unwrap();
+    }
+    let held: Vec<_> = hs[..20].iter().map(|&h| r.get(h).unwrap()).collect();
+    // The walk starts at the oldest: 20 held objects in a row before room.
+    let h = w.put("new", &pattern(99, len)).unwrap();
+    assert_eq!(h.address, hs[20].address);
+    for (i, g) in held.iter().enumerate() {
+        assert_eq!(&g[..], &pattern(i as u64, len)[..]);
+    }
+}

@@ -91,7 +91,8 @@ impl Judge<'_> {
     /// `owed` is asked and it has a key), or holds it. One pass over the
     /// reader table, each entry's state word read once; the same answers
     /// as [`Judge::owing`] and [`Judge::holders`].
-    fn in_use(&self, e: &Entry, slot: SlotPtr, owed: bool) -> bool {
+    /// `holds`: whether to look at hazards and holds as well.
+    fn in_use(&self, e: &Entry, slot: SlotPtr, owed: bool, holds: bool) -> bool {
         let owed = owed && e.key.is_some();
         let short = (owed && self.geo.aggregate).then(|| {
             let readers = (0..self.geo.n_readers)
@@ -124,7 +125,7 @@ impl Judge<'_> {
                     return true;
                 }
             }
-            r.holds(e.id) || slot.held_by(i, reader_state::generation(word))
+            holds && (r.holds(e.id) || slot.held_by(i, reader_state::generation(word)))
         })
     }
 
@@ -133,8 +134,12 @@ impl Judge<'_> {
     }
 
     /// Whether `e` may go as far as the writer can tell without touching
-    /// the slot: nothing pending, protected, owed or held.
-    fn may_go(&self, pos: u64, e: &Entry) -> bool {
+    /// the slot: nothing pending, protected, owed, or (with `holds`) held.
+    /// The walk looks at holds only for objects a reclaim found held
+    /// before (`Entry::held_seen`): `try_free`'s check after invalidating
+    /// is the one that decides, so skipping the hint for the others saves
+    /// two loads per reader per object and never frees a held slot.
+    fn may_go(&self, pos: u64, e: &Entry, holds: bool) -> bool {
         if let Some(p) = &e.pending {
             // Never published, so no reader is in it; free it only once the
             // copy into it has stopped and nobody will finish the put.
@@ -144,7 +149,11 @@ impl Judge<'_> {
             return false;
         }
         // A cleared object (no key) is owed nothing.
-        !self.in_use(e, self.slot(pos), true)
+        let free = !self.in_use(e, self.slot(pos), true, holds);
+        if free && holds {
+            e.held_seen.set(false);
+        }
+        free
     }
 
     /// As `may_go`, for a span the allocator's walk meets: under
@@ -156,7 +165,7 @@ impl Judge<'_> {
             e.hit = false;
             return false;
         }
-        self.may_go(span.pos, e)
+        self.may_go(span.pos, e, e.held_seen.get())
     }
 
     /// The reclaim protocol of crate::shm: on success the slot is invalid
@@ -165,7 +174,7 @@ impl Judge<'_> {
     /// writer does not add references (it does not, inside one call).
     fn try_free(&self, pos: u64, e: &Entry, owed_checked: bool) -> bool {
         if e.pending.is_some() || e.protected {
-            return self.may_go(pos, e);
+            return self.may_go(pos, e, true);
         }
         let slot = self.slot(pos);
         if !owed_checked && e.key.is_some() && self.owing(e, slot).next().is_some() {
@@ -174,10 +183,12 @@ impl Judge<'_> {
         if !e.invalid {
             slot.invalidate();
         }
-        if self.in_use(e, slot, false) {
+        if self.in_use(e, slot, false, true) {
             if !e.invalid {
                 slot.restore(e.id);
             }
+            // The walk looks at its holds from now on.
+            e.held_seen.set(true);
             return false;
         }
         true
@@ -290,6 +301,10 @@ impl Space {
         let mut reaped = false;
         let mut passes = 0;
         let mut replans = 0;
+        // Each object found held for the first time costs one plan more
+        // (the walk then looks at its holds): bounded by the objects there
+        // are, whatever readers do.
+        let mut newly_held_left = self.ring.len();
         loop {
             let judge = Judge {
                 geo: &self.geo,
@@ -301,10 +316,17 @@ impl Space {
                 .plan_within(slot_len, limit, |span| judge.may_go_in_walk(span, policy));
             match plan {
                 Some(plan) => {
-                    if self.free_all(&plan.victims, keys, stats) {
+                    let Err(kept) = self.free_all(&plan.victims, keys, stats) else {
                         return Ok(plan);
+                    };
+                    // Every victim had `held_seen` clear when planned: if
+                    // the one kept has it set, it was found held (the walk
+                    // skips it next time); otherwise a reader raced the plan.
+                    let newly_held = self.ring.get(kept).value.held_seen.get();
+                    if newly_held && newly_held_left > 0 {
+                        newly_held_left -= 1;
+                        continue;
                     }
-                    // A reader took a hold after the plan: plan again.
                     replans += 1;
                     if replans < REPLANS {
                         continue;
@@ -327,10 +349,21 @@ impl Space {
         }
     }
 
-    /// Frees the spans at `victims` (in order), stopping at the first that
-    /// may not go after all; whether all went.
-    fn free_all(&mut self, victims: &[SpanId], keys: &mut Keys, stats: &mut StoreStats) -> bool {
-        victims.iter().all(|&s| self.free_at(s, true, keys, stats))
+    /// Frees `victims` in order; `Err` names the first that had to stay
+    /// (those before it are freed, those after it untouched).
+    fn free_all(
+        &mut self,
+        victims: &[SpanId],
+        keys: &mut Keys,
+        stats: &mut StoreStats,
+    ) -> Result<(), SpanId> {
+        match victims
+            .iter()
+            .find(|&&s| !self.free_at(s, true, keys, stats))
+        {
+            Some(&kept) => Err(kept),
+            None => Ok(()),
+        }
     }
 
     /// Frees the span at `pos` if it may go, and forgets its key.
@@ -396,7 +429,7 @@ impl Space {
             .by_age()
             .into_iter()
             .map(|s| self.ring.get(s))
-            .find(|s| !judge.may_go(s.pos, &s.value))
+            .find(|s| !judge.may_go(s.pos, &s.value, true))
             .map(|s| judge.blocker(s.pos, &s.value))
     }
 

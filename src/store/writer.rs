@@ -48,6 +48,9 @@ pub(super) struct Entry {
     /// Hit (`get_cached`) since the allocator's walk last passed it: under
     /// [`Eviction::SecondChance`] it stays one more lap.
     pub(super) hit: bool,
+    /// A reclaim found it held: the allocator's walk checks its holds
+    /// (see `Judge::may_go`) until it finds none.
+    pub(super) held_seen: std::cell::Cell<bool>,
 }
 
 /// A copy into a reserved slot (a device-to-host DMA, say), seen by the
@@ -421,6 +424,7 @@ impl ObjectStore {
                 protected: false,
                 invalid: false,
                 hit: false,
+                held_seen: std::cell::Cell::new(false),
             },
         );
         // A run starts at a span's end or at 0, so only the rest of the free

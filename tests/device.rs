@@ -1,12 +1,14 @@
 //! The asynchronous device protocol, on the CPU engine (an emulated device):
 //! puts are published only after their copy completes, gets release their
-//! slot only after theirs.
+//! slot only after theirs. Copies in flight are made by stopping the
+//! engine (`CpuEngine::hold`), never by waiting on a clock. The bodies shared
+//! with the CUDA engine (`tests/gpu.rs`) are in `tests/common/engine.rs`.
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{pattern, Name};
+use common::{engine, pattern, Name};
 use pinshm::testing as layout;
 use pinshm::testing::{check_pack, pack_cpu, unpack_cpu};
 use pinshm::{
@@ -23,22 +25,7 @@ fn store(name: &Name, capacity: usize, max: usize) -> ObjectStore {
 
 #[test]
 fn a_device_put_is_published_only_when_its_copy_completes() {
-    let name = Name::new("devput");
-    let mut w = store(&name, 4 * MIB, MIB);
-    let eng = CpuEngine::with_delay(Duration::from_millis(100));
-    let src = eng.alloc(256 * KIB).unwrap();
-    eng.upload(&pattern(1, 256 * KIB), &src).unwrap();
-    let p = w.put_from_device("k", &src, &eng).unwrap();
-    assert!(!w.is_cached("k"), "no handle before the copy completes");
-    assert!(
-        matches!(w.put("k", b"x"), Err(Error::DuplicateKey { .. })),
-        "the key is taken"
-    );
-    assert_eq!(w.try_finish_put(&p).unwrap(), None, "still copying");
-    let h = w.finish_put(p).unwrap();
-    assert!(w.is_cached("k"));
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 256 * KIB));
+    engine::a_device_put_is_published_only_when_its_copy_completes::<CpuEngine>("cpu");
 }
 
 #[test]
@@ -90,24 +77,10 @@ fn several_device_puts_can_be_in_flight() {
 
 #[test]
 fn a_pending_put_blocks_reclaim_and_an_abandoned_one_is_freed_after_its_copy() {
-    let name = Name::new("devabandon");
-    let len = 64 * KIB;
-    let mut w = store(&name, 2 * layout::slot_len(1, len), len);
-    let eng = CpuEngine::with_delay(Duration::from_millis(50));
-    let src = eng.alloc(len).unwrap();
-    let p = w.put_from_device("a", &src, &eng).unwrap();
-    w.put("b", &pattern(2, len)).unwrap();
-    assert!(
-        matches!(w.put("c", &pattern(3, len)), Err(Error::Full { .. })),
-        "the pending slot is not freed"
+    engine::an_abandoned_pending_put_frees_its_slot_only_after_its_copy::<CpuEngine>(
+        "cpu",
+        64 * KIB,
     );
-    drop(p);
-    std::thread::sleep(Duration::from_millis(200));
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    drop(r.get(w.get_cached("b").unwrap()).unwrap());
-    drop(r.get(w.get_cached("b").unwrap()).unwrap());
-    w.put("c", &pattern(3, len)).unwrap();
-    assert!(!w.is_cached("a"));
 }
 
 #[test]
@@ -116,7 +89,7 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
     let len = 512 * KIB;
     let mut w = store(&name, 2 * layout::slot_len(1, len), len);
     let r = StoreReader::attach(&w.handle()).unwrap();
-    let eng = CpuEngine::with_delay(Duration::from_millis(300));
+    let eng = CpuEngine::new();
     let a = w.put("a", &pattern(1, len)).unwrap();
     w.put("b", &pattern(2, len)).unwrap();
     r.acknowledge(w.get_cached("b").unwrap()).unwrap();
@@ -124,11 +97,11 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
     r.acknowledge(w.get_cached("b").unwrap()).unwrap(); // b: fully read
     r.acknowledge(a).unwrap(); // a is fully read: only the pending copy holds it
     let dst = eng.alloc(len).unwrap();
+    let hold = eng.hold().unwrap();
     let pg = r.get_to_device(a, &dst, &eng).unwrap();
-    // The copy is queued, not done: `a` must not be reclaimed, although
-    // every read it owed has been acknowledged.
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_millis(150) {
+    // The copy is queued behind the hold, not done: `a` must not be
+    // reclaimed, although every read it owed has been acknowledged.
+    for _ in 0..3 {
         match w.put("c", &pattern(3, len)) {
             Err(Error::Full {
                 blocker: Some(b), ..
@@ -137,6 +110,7 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
         }
     }
     assert!(!pg.poll().unwrap());
+    drop(hold);
     assert_eq!(pg.wait().unwrap(), len);
     let mut out = vec![0; len];
     eng.download(&dst, &mut out).unwrap();
@@ -146,17 +120,138 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
     assert!(!w.is_cached("a"));
 }
 
+/// Wraps a CPU engine's tickets so that a test learns when someone starts
+/// waiting on one (while the engine is held, the wait cannot end).
+struct Signalling {
+    inner: CpuEngine,
+    waiting: crossbeam_channel::Sender<()>,
+}
+
+#[derive(Debug)]
+struct SignalledTicket {
+    inner: pinshm::Ticket,
+    waiting: crossbeam_channel::Sender<()>,
+}
+
+// SAFETY: says what the CPU engine's ticket says, and waits as it does.
+unsafe impl pinshm::Completion for SignalledTicket {
+    fn poll(&self) -> pinshm::Result<bool> {
+        self.inner.poll()
+    }
+    fn wait(&self) -> pinshm::Result<()> {
+        let _ = self.waiting.send(());
+        self.inner.wait()
+    }
+}
+
+impl Signalling {
+    fn wrap(&self, t: pinshm::Result<pinshm::Ticket>) -> pinshm::Result<pinshm::Ticket> {
+        Ok(pinshm::Ticket::new(SignalledTicket {
+            inner: t?,
+            waiting: self.waiting.clone(),
+        }))
+    }
+}
+
+// SAFETY: every call goes to the CPU engine; its tickets only gain a signal.
+unsafe impl CopyEngine for Signalling {
+    fn device(&self) -> pinshm::DeviceId {
+        self.inner.device()
+    }
+    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::DeviceBuffer> {
+        self.inner.alloc(len)
+    }
+    fn upload(&self, src: &[u8], dst: &pinshm::DeviceBuffer) -> pinshm::Result<()> {
+        self.inner.upload(src, dst)
+    }
+    fn download(&self, src: &pinshm::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
+        self.inner.download(src, dst)
+    }
+    unsafe fn d2h_async(
+        &self,
+        src: &pinshm::DeviceBuffer,
+        dst: *mut u8,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        // SAFETY: the caller's contract, passed on.
+        self.wrap(unsafe { self.inner.d2h_async(src, dst, keep) })
+    }
+    unsafe fn h2d_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &pinshm::DeviceBuffer,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        // SAFETY: the caller's contract, passed on.
+        self.wrap(unsafe { self.inner.h2d_async(src, len, dst, keep) })
+    }
+    unsafe fn pack_async(
+        &self,
+        descs: &[PackDesc],
+        dst: *mut u8,
+        len: usize,
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        // SAFETY: the caller's contract, passed on.
+        self.wrap(unsafe { self.inner.pack_async(descs, dst, len, keep) })
+    }
+    unsafe fn unpack_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        descs: &[PackDesc],
+        keep: Option<pinshm::KeepAlive>,
+    ) -> pinshm::Result<pinshm::Ticket> {
+        // SAFETY: the caller's contract, passed on.
+        self.wrap(unsafe { self.inner.unpack_async(src, len, descs, keep) })
+    }
+}
+
 #[test]
 fn dropping_a_pending_get_waits_for_its_copy() {
     let name = Name::new("devgetdrop");
     let mut w = store(&name, MIB, 64 * KIB);
     let r = StoreReader::attach(&w.handle()).unwrap();
-    let eng = CpuEngine::with_delay(Duration::from_millis(100));
+    let (waiting, waits) = crossbeam_channel::unbounded();
+    let eng = Signalling {
+        inner: CpuEngine::new(),
+        waiting,
+    };
     let h = w.put("a", &pattern(1, 1000)).unwrap();
     let dst = eng.alloc(1000).unwrap();
-    let t0 = Instant::now();
-    drop(r.get_to_device(h, &dst, &eng).unwrap());
-    assert!(t0.elapsed() >= Duration::from_millis(100));
+    let hold = eng.inner.hold().unwrap();
+    let pg = r.get_to_device(h, &dst, &eng).unwrap();
+    let (dropped, dropped_rx) = crossbeam_channel::bounded(1);
+    let (seen, waited) = std::thread::scope(|s| {
+        // Releases the hold once the drop waits on the copy; or, had the
+        // drop returned without waiting, once it says so. The 60 s bound
+        // only turns a hang into a failure.
+        let releaser = s.spawn(move || {
+            let waited = crossbeam_channel::select! {
+                recv(waits) -> _ => true,
+                recv(dropped_rx) -> _ => false,
+                default(Duration::from_secs(60)) => false,
+            };
+            drop(hold);
+            waited
+        });
+        drop(pg);
+        // The "device" memory read directly, not through the engine's
+        // queue: what the copy had written when drop returned.
+        let mut v = vec![0u8; 1000];
+        // SAFETY: a CPU engine buffer is host memory of dst.len() bytes; no
+        // copy into it is queued but the get's.
+        unsafe { std::ptr::copy_nonoverlapping(dst.ptr() as *const u8, v.as_mut_ptr(), 1000) };
+        let _ = dropped.send(());
+        (v, releaser.join().unwrap())
+    });
+    assert!(waited, "dropping a pending get did not wait on its copy");
+    assert_eq!(
+        seen,
+        pattern(1, 1000),
+        "the copy had run when drop returned"
+    );
     let mut out = vec![0; 1000];
     eng.download(&dst, &mut out).unwrap();
     assert_eq!(out, pattern(1, 1000));
@@ -164,49 +259,22 @@ fn dropping_a_pending_get_waits_for_its_copy() {
 
 #[test]
 fn tensors_and_items_round_trip_through_the_device_path() {
-    let name = Name::new("devtensor");
-    let mut w = store(&name, 4 * MIB, MIB);
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    let eng = CpuEngine::new();
-    let xs: Vec<f32> = (0..1024).map(|i| i as f32).collect();
-    let src = eng.alloc(4096).unwrap();
-    eng.upload(bytemuck::cast_slice(&xs), &src).unwrap();
-    let p = w
-        .put_tensor_from_device("t", DType::F32, &[32, 32], &src, &eng)
-        .unwrap();
-    let h = w.finish_put(p).unwrap();
-    assert_eq!(r.get_tensor(h).unwrap().as_slice::<f32>().unwrap(), &xs[..]);
-    let back = eng.alloc(4096).unwrap();
-    r.get_tensor_to_device(h, &back, &eng)
-        .unwrap()
-        .wait()
-        .unwrap();
-    let mut out = vec![0u8; 4096];
-    eng.download(&back, &mut out).unwrap();
-    assert_eq!(out, bytemuck::cast_slice::<f32, u8>(&xs));
+    engine::tensors_and_items_round_trip_through_the_device::<CpuEngine>("cpu", 32);
+}
 
-    let layout = ItemLayout::new()
-        .meta("modality", "image")
-        .field("pixels", DType::F32, vec![1024])
-        .field("grid", DType::I64, vec![3])
-        .finish()
-        .unwrap();
-    let grid = eng.alloc(24).unwrap();
-    eng.upload(bytemuck::cast_slice(&[1i64, 2, 3]), &grid)
-        .unwrap();
-    let p = w
-        .put_item_from_device("item", &layout, &[&src, &grid], &eng)
-        .unwrap();
-    let h = w.finish_put(p).unwrap();
-    let v = r.get_item(h).unwrap();
-    assert_eq!(
-        v.field("pixels").unwrap().as_slice::<f32>().unwrap(),
-        &xs[..]
-    );
-    assert_eq!(
-        v.field("grid").unwrap().as_slice::<i64>().unwrap(),
-        &[1, 2, 3]
-    );
+#[test]
+fn pack_and_unpack_on_the_cpu_engine_match_the_cpu_reference() {
+    engine::pack_and_unpack_match_the_cpu_reference::<CpuEngine>("cpu");
+}
+
+#[test]
+fn pack_and_unpack_on_the_cpu_engine_match_the_cpu_reference_at_every_alignment() {
+    engine::pack_and_unpack_match_the_cpu_reference_at_every_alignment::<CpuEngine>("cpu");
+}
+
+#[test]
+fn the_cpu_engine_works_from_a_thread_other_than_its_creator() {
+    engine::an_engine_works_from_a_thread_other_than_its_creator::<CpuEngine>("cpu");
 }
 
 #[test]
@@ -252,10 +320,11 @@ fn bad_device_input_gives_clear_errors_and_leaves_nothing_half_published() {
     ));
     assert!(b1.slice(900, 200).is_err());
     // A put cleared while its copy is in flight is stale, not published.
-    let slow = CpuEngine::with_delay(Duration::from_millis(50));
-    let sb = slow.alloc(1000).unwrap();
-    let p = w.put_from_device("p", &sb, &slow).unwrap();
+    let sb = e1.alloc(1000).unwrap();
+    let hold = e1.hold().unwrap();
+    let p = w.put_from_device("p", &sb, &e1).unwrap();
     w.clear();
+    drop(hold);
     assert!(matches!(w.finish_put(p), Err(Error::Stale { .. })));
     assert!(!w.is_cached("p"));
     // A token from another store is refused.

@@ -2,31 +2,26 @@
 //! `#[ignore]`d: `cargo test` reports them as ignored, never as passed.
 //! The GPU kit (`tests/gpu/build.sh`, then `run.sh` on a GPU machine) runs
 //! them with `--include-ignored`, and `bandwidth_table` on its own.
+//! The bodies shared with the CPU engine (`tests/device.rs`) are in
+//! `tests/common/engine.rs`; here they run on `CudaEngine`.
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use std::io::Write;
-use std::sync::Arc;
 use std::time::Instant;
 
-use common::{checksum, child_result, pattern, spawn_child, Name};
+use common::{checksum, child_result, engine, pattern, spawn_child, Name};
 use pinshm::testing as layout;
-use pinshm::testing::pack_cpu;
 use pinshm::{
-    CopyEngine, CudaEngine, DType, Error, ItemLayout, ObjectHandle, ObjectStore, PackDesc, PinMode,
-    ReaderOptions, StoreConfig, StoreHandle, StoreReader,
+    CopyEngine, CudaEngine, Error, ObjectHandle, ObjectStore, PackDesc, PinMode, ReaderOptions,
+    StoreConfig, StoreHandle, StoreReader,
 };
 
 const MIB: usize = 1 << 20;
 
 fn pinned_store(name: &Name, capacity: usize, max: usize) -> ObjectStore {
-    ObjectStore::create(
-        StoreConfig::new(capacity, max, 1)
-            .name(&**name)
-            .pin(PinMode::Require),
-    )
-    .expect("a pinned store (is there a GPU?)")
+    <CudaEngine as engine::TestEngine>::store(name, capacity, max)
 }
 
 /// Child: attach pinned, read one object, report its checksum and pinning.
@@ -82,102 +77,7 @@ fn device_to_slot_in_one_process_then_slot_to_device_in_another() {
 #[test]
 #[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
 fn pack_and_unpack_kernels_match_the_cpu_reference() {
-    let name = Name::new("gpu-pack");
-    let mut w = pinned_store(&name, 16 * MIB, 4 * MIB);
-    let r = StoreReader::attach_with(&w.handle(), ReaderOptions::default().pin(PinMode::Require))
-        .unwrap();
-    let eng = CudaEngine::new(0).unwrap();
-    // 100 small pieces of odd sizes, plus a strided 64 × 48-byte view of a
-    // 64 × 128-byte matrix (16-byte aligned: the vector path).
-    let mut bufs = Vec::new();
-    let mut descs = Vec::new();
-    let mut host = Vec::new();
-    let mut at = 0u64;
-    for i in 0..100usize {
-        let n = 1 + (i * 37) % 300;
-        let b = eng.alloc(n).unwrap();
-        let d = pattern(i as u64, n);
-        eng.upload(&d, &b).unwrap();
-        descs.push(PackDesc::contiguous(b.ptr(), n as u64, at));
-        host.push((d, PackDesc::contiguous(0, n as u64, at)));
-        at = layout::round_up(at as usize + n, 16) as u64;
-        bufs.push(b);
-    }
-    let m = eng.alloc(64 * 128).unwrap();
-    let md = pattern(999, 64 * 128);
-    eng.upload(&md, &m).unwrap();
-    descs.push(PackDesc {
-        device_ptr: m.ptr(),
-        offset: at,
-        rows: 64,
-        row_bytes: 48,
-        pitch: 128,
-    });
-    let total = at as usize + 64 * 48;
-    // SAFETY: every piece is a live buffer of `eng`, kept until finish_put.
-    let p = unsafe { w.put_packed_from_device("packed", &descs, total, &eng) }.unwrap();
-    let h = w.finish_put(p).unwrap();
-    let got = r.get_copy(h).unwrap();
-    // The CPU reference over host copies of the same pieces.
-    let mut cpu_descs: Vec<PackDesc> = host
-        .iter()
-        .map(|(d, p)| PackDesc {
-            device_ptr: d.as_ptr() as u64,
-            ..*p
-        })
-        .collect();
-    cpu_descs.push(PackDesc {
-        device_ptr: md.as_ptr() as u64,
-        offset: at,
-        rows: 64,
-        row_bytes: 48,
-        pitch: 128,
-    });
-    let mut expect = vec![0u8; total];
-    // SAFETY: host slices alive for the call.
-    unsafe { pack_cpu(&cpu_descs, &mut expect) }.unwrap();
-    assert_eq!(got, expect, "GPU pack equals the CPU reference");
-    // Unpack into fresh device buffers and compare.
-    let outs: Vec<_> = host
-        .iter()
-        .map(|(d, _)| eng.alloc(d.len()).unwrap())
-        .collect();
-    let m2 = eng.alloc(64 * 128).unwrap();
-    eng.upload(&vec![0; 64 * 128], &m2).unwrap();
-    let mut back: Vec<PackDesc> = outs
-        .iter()
-        .zip(&host)
-        .map(|(b, (_, p))| PackDesc {
-            device_ptr: b.ptr(),
-            ..*p
-        })
-        .collect();
-    back.push(PackDesc {
-        device_ptr: m2.ptr(),
-        offset: at,
-        rows: 64,
-        row_bytes: 48,
-        pitch: 128,
-    });
-    let g = r.get(h).unwrap();
-    // SAFETY: unpack reads the guarded slot and writes the fresh buffers.
-    let t = unsafe { eng.unpack_async(g.as_ptr(), g.len(), &back, None) }.unwrap();
-    t.wait().unwrap();
-    drop(g);
-    for (b, (d, _)) in outs.iter().zip(&host) {
-        let mut v = vec![0; d.len()];
-        eng.download(b, &mut v).unwrap();
-        assert_eq!(&v, d);
-    }
-    let mut v = vec![0; 64 * 128];
-    eng.download(&m2, &mut v).unwrap();
-    for row in 0..64 {
-        assert_eq!(v[row * 128..row * 128 + 48], md[row * 128..row * 128 + 48]);
-        assert!(
-            v[row * 128 + 48..(row + 1) * 128].iter().all(|&x| x == 0),
-            "outside the rows untouched"
-        );
-    }
+    engine::pack_and_unpack_match_the_cpu_reference::<CudaEngine>("gpu");
 }
 
 /// Not ignored: runs wherever NVRTC can be loaded (CI fetches libnvrtc from
@@ -206,8 +106,7 @@ fn the_kernels_compile_with_nvrtc() {
 }
 
 fn reader(w: &ObjectStore) -> StoreReader {
-    StoreReader::attach_with(&w.handle(), ReaderOptions::default().pin(PinMode::Require))
-        .expect("a pinned reader")
+    <CudaEngine as engine::TestEngine>::reader(w)
 }
 
 /// The kit's preflight: what the driver sees, and which kernel binary the
@@ -331,264 +230,34 @@ fn pinning_follows_the_device_option_and_skips_sparse_segments_under_auto() {
 #[test]
 #[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
 fn an_engine_works_from_a_thread_other_than_its_creator() {
-    let eng = Arc::new(CudaEngine::new(0).unwrap());
-    let name = Name::new("gpu-thread");
-    let w = pinned_store(&name, 16 * MIB, 4 * MIB);
-    let data = pattern(7, 3 * MIB + 5);
-    let e2 = eng.clone();
-    let (w, h, src) = std::thread::spawn(move || {
-        let mut w = w;
-        let src = e2.alloc(data.len()).unwrap();
-        e2.upload(&data, &src).unwrap();
-        let p = w.put_from_device("k", &src, &*e2).unwrap();
-        let h = w.finish_put(p).unwrap();
-        (w, h, src)
-    })
-    .join()
-    .unwrap();
-    // Back on the creating thread: the buffer and store made over there.
-    let r = reader(&w);
-    assert_eq!(r.get_copy(h).unwrap(), pattern(7, 3 * MIB + 5));
-    let dst = eng.alloc(src.len()).unwrap();
-    r.get_to_device(h, &dst, &*eng).unwrap().wait().unwrap();
-    let mut back = vec![0; src.len()];
-    eng.download(&dst, &mut back).unwrap();
-    assert_eq!(back, pattern(7, 3 * MIB + 5));
-    // Tickets waited on from yet another thread.
-    let e3 = eng.clone();
-    let t = std::thread::spawn(move || {
-        let b = e3.alloc(MIB).unwrap();
-        e3.upload(&pattern(8, MIB), &b).unwrap();
-        b
-    })
-    .join()
-    .unwrap();
-    let mut out = vec![0; MIB];
-    eng.download(&t, &mut out).unwrap();
-    assert_eq!(out, pattern(8, MIB));
+    engine::an_engine_works_from_a_thread_other_than_its_creator::<CudaEngine>("gpu");
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
 fn an_abandoned_pending_put_frees_its_slot_only_after_its_copy() {
-    let name = Name::new("gpu-abandon");
-    let len = 32 * MIB;
-    let mut w = pinned_store(&name, 2 * layout::slot_len(1, len), len);
-    let eng = CudaEngine::new(0).unwrap();
-    let src = eng.alloc(len).unwrap();
-    eng.upload(&pattern(1, len), &src).unwrap();
-    let p = w.put_from_device("a", &src, &eng).unwrap();
-    drop(p); // abandoned while the DMA may still run
-    drop(src); // the ticket keeps the device memory alive
-    w.put("b", &pattern(2, len)).unwrap();
-    // The store frees "a" once its copy has stopped: a later put fits.
-    let r = reader(&w);
-    let hb = w.get_cached("b").unwrap();
-    drop(r.get(hb).unwrap());
-    drop(r.get(hb).unwrap());
-    let t0 = Instant::now();
-    loop {
-        match w.put("c", &pattern(3, len)) {
-            Ok(_) => break,
-            Err(Error::Full { .. }) if t0.elapsed().as_secs() < 10 => {
-                std::thread::sleep(std::time::Duration::from_millis(5))
-            }
-            Err(e) => panic!("the abandoned put's slot never came back: {e}"),
-        }
-    }
-    assert!(!w.is_cached("a"));
-    assert_eq!(
-        r.get_copy(w.get_cached("c").unwrap()).unwrap(),
-        pattern(3, len)
+    engine::an_abandoned_pending_put_frees_its_slot_only_after_its_copy::<CudaEngine>(
+        "gpu",
+        32 * MIB,
     );
-    // Leaked outright: the copy holds the mapping and the device buffer.
-    let src = eng.alloc(MIB).unwrap();
-    eng.upload(&pattern(4, MIB), &src).unwrap();
-    std::mem::forget(w.put_from_device("leaked", &src, &eng).unwrap());
-    drop((src, r, w));
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
 fn tensor_and_item_puts_and_gets_go_through_the_gpu() {
-    let name = Name::new("gpu-typed");
-    let mut w = pinned_store(&name, 16 * MIB, 4 * MIB);
-    let r = reader(&w);
-    let eng = CudaEngine::new(0).unwrap();
-    let xs: Vec<f32> = (0..65_536).map(|i| i as f32 * 0.5).collect();
-    let src = eng.alloc(xs.len() * 4).unwrap();
-    eng.upload(bytemuck::cast_slice(&xs), &src).unwrap();
-    let p = w
-        .put_tensor_from_device("t", DType::F32, &[256, 256], &src, &eng)
-        .unwrap();
-    let h = w.finish_put(p).unwrap();
-    let t = r.get_tensor(h).unwrap();
-    assert_eq!(t.shape(), &[256, 256]);
-    assert_eq!(t.as_slice::<f32>().unwrap(), &xs[..]);
-    drop(t);
-    let back = eng.alloc(xs.len() * 4).unwrap();
-    r.get_tensor_to_device(h, &back, &eng)
-        .unwrap()
-        .wait()
-        .unwrap();
-    let mut out = vec![0u8; xs.len() * 4];
-    eng.download(&back, &mut out).unwrap();
-    assert_eq!(out, bytemuck::cast_slice::<f32, u8>(&xs));
-
-    let layout = ItemLayout::new()
-        .meta("modality", "image")
-        .field("pixels", DType::F32, vec![65_536])
-        .field("grid", DType::I64, vec![3])
-        .finish()
-        .unwrap();
-    let grid = eng.alloc(24).unwrap();
-    eng.upload(bytemuck::cast_slice(&[1i64, 2, 3]), &grid)
-        .unwrap();
-    let p = w
-        .put_item_from_device("item", &layout, &[&src, &grid], &eng)
-        .unwrap();
-    let h = w.finish_put(p).unwrap();
-    let v = r.get_item(h).unwrap();
-    assert_eq!(v.meta("modality"), Some("image"));
-    assert_eq!(
-        v.field("pixels").unwrap().as_slice::<f32>().unwrap(),
-        &xs[..]
-    );
-    assert_eq!(
-        v.field("grid").unwrap().as_slice::<i64>().unwrap(),
-        &[1, 2, 3]
-    );
-    drop(v);
-    let whole = eng.alloc(layout.len()).unwrap();
-    let n = r.get_to_device(h, &whole, &eng).unwrap().wait().unwrap();
-    let mut item = vec![0u8; n];
-    eng.download(&whole, &mut item).unwrap();
-    assert_eq!(
-        item,
-        r.get_copy(h).unwrap(),
-        "the whole item, byte for byte"
-    );
+    engine::tensors_and_items_round_trip_through_the_device::<CudaEngine>("gpu", 256);
 }
 
-/// Pieces of every alignment class (16-, 8-, 4-byte and byte paths, heads
-/// and tails), dense and strided, more than one launch's worth: the GPU
-/// must give exactly the CPU reference's bytes, and leave the bytes around
-/// the pieces alone.
 #[test]
 #[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
 fn the_kernels_match_the_cpu_reference_at_every_alignment() {
-    let name = Name::new("gpu-align");
-    let mut w = pinned_store(&name, 32 * MIB, 8 * MIB);
-    let r = reader(&w);
-    let eng = CudaEngine::new(0).unwrap();
-    let arena_len = 4 * MIB;
-    let arena_host = pattern(42, arena_len);
-    let arena = eng.alloc(arena_len).unwrap();
-    eng.upload(&arena_host, &arena).unwrap();
-    let mut rng = common::Rng(0x5eed);
-    let (mut descs, mut cpu) = (Vec::new(), Vec::new());
-    let mut at = 0u64;
-    for i in 0..300u64 {
-        // Device and packed offsets that agree modulo 16, 8, 4, or not.
-        let skew = [0u64, 8, 4, 1][(i % 4) as usize];
-        let dev_off = rng.below(arena_len as u64 / 2);
-        // The slot's payload is 64-byte aligned, cuMemAlloc's 256-byte.
-        let want = (dev_off + skew) % 16;
-        at += (want + 16 - at % 16) % 16;
-        let (rows, row_bytes, pitch) = match i % 3 {
-            0 => (1, 1 + rng.below(5000), 0),
-            1 => {
-                let rb = 1 + rng.below(300);
-                (1 + rng.below(40), rb, rb + rng.below(64))
-            }
-            _ => {
-                let rb = 4 * (1 + rng.below(200));
-                (1 + rng.below(40), rb, rb)
-            }
-        };
-        let pitch = if rows == 1 { row_bytes } else { pitch };
-        let d = PackDesc {
-            device_ptr: arena.ptr() + dev_off,
-            offset: at,
-            rows,
-            row_bytes,
-            pitch,
-        };
-        cpu.push(PackDesc {
-            device_ptr: arena_host.as_ptr() as u64 + dev_off,
-            ..d
-        });
-        descs.push(d);
-        at += rows * row_bytes;
-    }
-    let total = at as usize + 64;
-    assert!(total < 8 * MIB);
-    // Unpack writes: keep the pieces from overlapping in the arena.
-    // SAFETY: the pieces are in the live `arena`, kept until finish_put.
-    let p = unsafe { w.put_packed_from_device("packed", &descs, total, &eng) }.unwrap();
-    let h = w.finish_put(p).unwrap();
-    let mut expect = vec![0u8; total];
-    // SAFETY: every piece lies in `arena_host`, alive for the call.
-    unsafe { pack_cpu(&cpu, &mut expect) }.unwrap();
-    let got = r.get_copy(h).unwrap();
-    for (i, d) in cpu.iter().enumerate() {
-        let (a, b) = (
-            d.offset as usize,
-            (d.offset + d.rows * d.row_bytes) as usize,
-        );
-        assert!(got[a..b] == expect[a..b], "piece {i} ({d:?}) differs");
-    }
-    // Unpack the packed object into a zeroed arena, as the CPU reference
-    // unpacks it into a zeroed host copy; overlapping pieces are written
-    // in order by both only when they do not overlap, so compare pieces
-    // that stand alone.
-    let zero = vec![0u8; arena_len];
-    let arena2 = eng.alloc(arena_len).unwrap();
-    eng.upload(&zero, &arena2).unwrap();
-    let alone: Vec<usize> = (0..descs.len())
-        .filter(|&i| {
-            let span = |d: &PackDesc| {
-                let s = d.device_ptr - arena.ptr();
-                (s, s + d.pitch * (d.rows - 1) + d.row_bytes)
-            };
-            let (s, e) = span(&descs[i]);
-            descs.iter().enumerate().all(|(j, o)| {
-                j == i || {
-                    let (os, oe) = span(o);
-                    oe <= s || os >= e
-                }
-            })
-        })
-        .collect();
-    assert!(alone.len() > 30, "enough pieces stand alone to compare");
-    let back: Vec<PackDesc> = alone
-        .iter()
-        .map(|&i| PackDesc {
-            device_ptr: descs[i].device_ptr - arena.ptr() + arena2.ptr(),
-            ..descs[i]
-        })
-        .collect();
-    let g = r.get(h).unwrap();
-    // SAFETY: unpack reads the guarded slot and writes the zeroed arena2.
-    let t = unsafe { eng.unpack_async(g.as_ptr(), g.len(), &back, None) }.unwrap();
-    t.wait().unwrap();
-    drop(g);
-    let mut dev = vec![0u8; arena_len];
-    eng.download(&arena2, &mut dev).unwrap();
-    let mut want = zero.clone();
-    let host_back: Vec<PackDesc> = alone
-        .iter()
-        .map(|&i| PackDesc {
-            device_ptr: want.as_mut_ptr() as u64 + (descs[i].device_ptr - arena.ptr()),
-            ..descs[i]
-        })
-        .collect();
-    // SAFETY: every piece lies in `want`, alive and unaliased for the call.
-    unsafe { pinshm::testing::unpack_cpu(&host_back, &expect) }.unwrap();
-    assert!(
-        dev == want,
-        "unpack equals the CPU reference, bytes around untouched"
-    );
+    engine::pack_and_unpack_match_the_cpu_reference_at_every_alignment::<CudaEngine>("gpu");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run the GPU kit (tests/gpu/build.sh, then run.sh)"]
+fn a_device_put_is_published_only_when_its_copy_completes() {
+    engine::a_device_put_is_published_only_when_its_copy_completes::<CudaEngine>("gpu");
 }
 
 fn gbps(bytes: usize, secs: f64) -> f64 {

@@ -2,11 +2,45 @@
 
 import builtins
 from types import TracebackType
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Protocol, Type, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    Literal,
+    Mapping,
+    Optional,
+    Protocol,
+    Type,
+    TypeVar,
+    final,
+)
 
 from typing_extensions import Buffer
 
 _T = TypeVar("_T")
+
+__all__ = [
+    "__version__",
+    "PinshmError",
+    "StaleError",
+    "FullError",
+    "NoSpaceError",
+    "WaitTimeoutError",
+    "TimeoutError",
+    "WriterGoneError",
+    "CancelledError",
+    "ObjectHandle",
+    "StoreHandle",
+    "BroadcastHandle",
+    "ObjectStore",
+    "StoreReader",
+    "ReadGuard",
+    "Broadcast",
+    "BroadcastReader",
+    "signature_bytes",
+    "set_release_gate",
+    "flush_releases",
+]
 
 __version__: str
 
@@ -24,8 +58,10 @@ def signature_bytes(signature: object) -> Optional[bytes]:
     """The 32 bytes of a vLLM handle signature (a list of 32 ints in
     0..=255, no bools), or None for anything else."""
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class ObjectHandle:
-    def __init__(self, address: int, monotonic_id: int, epoch: int) -> None: ...
+    def __new__(cls, address: int, monotonic_id: int, epoch: int) -> ObjectHandle: ...
     @property
     def address(self) -> int: ...
     @property
@@ -35,16 +71,18 @@ class ObjectHandle:
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class StoreHandle:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str,
         nonce: int,
         capacity: int,
         max_object_size: int,
         n_readers: int,
         layout_version: int,
-    ) -> None: ...
+    ) -> StoreHandle: ...
     @staticmethod
     def of(name: str) -> StoreHandle: ...
     @property
@@ -60,10 +98,12 @@ class StoreHandle:
     @property
     def layout_version(self) -> int: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class BroadcastHandle:
-    def __init__(
-        self, name: str, nonce: int, version: int, n_readers: int, slots: int, slot_size: int
-    ) -> None: ...
+    def __new__(
+        cls, name: str, nonce: int, version: int, n_readers: int, slots: int, slot_size: int
+    ) -> BroadcastHandle: ...
     @property
     def name(self) -> str: ...
     @property
@@ -73,9 +113,11 @@ class BroadcastHandle:
     @property
     def slot_size(self) -> int: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class ObjectStore:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         capacity: int,
         max_object_size: int,
         n_readers: int,
@@ -86,7 +128,7 @@ class ObjectStore:
         prefault: Optional[bool] = None,
         eviction: Literal["fifo", "second_chance"] = "second_chance",
         pin: Literal["auto", "off", "require"] = "auto",
-    ) -> None: ...
+    ) -> ObjectStore: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:
         """Stores the bytes of every part, one after the other, as ONE object
@@ -135,6 +177,8 @@ class ObjectStore:
         tb: Optional[TracebackType],
     ) -> bool: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class ReadGuard:
     """A held read: exports the object's bytes (read-only) through the buffer protocol.
 
@@ -154,16 +198,20 @@ class ReadGuard:
     def release(self) -> None: ...
     def __bytes__(self) -> bytes: ...
     def __len__(self) -> int: ...
+    # The buffer protocol (C slots): Python 3.12+ shows it as these two
+    # dunders, 3.11 does not (see python/stubtest-allowlist.txt).
     def __buffer__(self, flags: int) -> memoryview: ...
     def __release_buffer__(self, view: memoryview) -> None: ...
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        exc_type: Optional[Type[BaseException]] = None,
+        exc: Optional[BaseException] = None,
+        tb: Optional[TracebackType] = None,
     ) -> bool: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class StoreReader:
     @staticmethod
     def attach(
@@ -218,16 +266,18 @@ class StoreReader:
         tb: Optional[TracebackType],
     ) -> bool: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class Broadcast:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         n_readers: int,
         slots: int,
         slot_size: int,
         name: Optional[str] = None,
         *,
         reserve: bool = False,
-    ) -> None: ...
+    ) -> Broadcast: ...
     def send(self, data: Buffer, timeout: Optional[float] = None) -> None: ...
     def unlink(self) -> None:
         """Removes the channel's name from /dev/shm now; the channel keeps
@@ -251,6 +301,8 @@ class Broadcast:
         tb: Optional[TracebackType],
     ) -> bool: ...
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class BroadcastReader:
     @staticmethod
     def attach(handle: BroadcastHandle, index: Optional[int] = None) -> BroadcastReader: ...

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod engine;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A segment name no other test (in this or another test process) uses, and

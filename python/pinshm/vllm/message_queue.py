@@ -17,8 +17,8 @@ Readers sleep on the channel's futex (a few µs of spinning first). A
 transport: a ZMQ XPUB socket over TCP (pyzmq, imported only then).
 
 The module imports with numpy alone: torch, vLLM and pyzmq are imported
-when a call needs them. ``install()`` rebinds the name ``MessageQueue``
-inside vLLM (see its docstring).
+when a call needs them. The plugin (``pinshm.vllm.plugin``) rebinds the
+name ``MessageQueue`` inside vLLM.
 """
 
 from __future__ import annotations
@@ -62,6 +62,14 @@ _STORED = 1  # handles of objects in the queue's store
 _READY = 2  # wait_until_ready's probe
 
 _U16 = struct.Struct("<H")
+
+
+def _announce() -> None:
+    """The plugin's "in use" line, once vLLM's logging is configured (it is
+    when vLLM builds its queues)."""
+    from .plugin import announce
+
+    announce()
 
 
 def _warning_interval() -> float:
@@ -261,6 +269,7 @@ class MessageQueue:
         self._is_remote_reader = False
         self.local_reader_rank = -1
         self._init_common()
+        _announce()
 
         if n_local_reader > 0:
             self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
@@ -322,6 +331,7 @@ class MessageQueue:
         self.tensor_arena = None
         self._is_writer = False
         self._init_common()
+        _announce()
         if rank in handle.local_reader_ranks:
             self.local_reader_rank = handle.local_reader_ranks.index(rank)
             self._is_local_reader = True
@@ -761,37 +771,10 @@ def _same_node(pg: Any, writer_rank: int, world: int) -> list:
     return in_the_same_node_as(pg, source_rank=writer_rank)
 
 
-# ---------------------------------------------------------------------------
-# The switch: make vLLM use this MessageQueue.
-# ---------------------------------------------------------------------------
-
-# Modules that look the name up: those that import it at module level, and
-# shm_broadcast itself (parallel_state imports it from there inside its
-# methods, so rebinding it there covers them).
-_VLLM_MODULES = (
-    "vllm.distributed.device_communicators.shm_broadcast",
-    "vllm.v1.executor.multiproc_executor",
-    "vllm.v1.executor.ray_executor_v2",
-)
-
-
 def install() -> list:
-    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's in every vLLM
-    module that looks them up, importing them first. Returns the modules
-    rebound. Idempotent. Call it in every process before vLLM creates its
-    queues (the plugin does when PINSHM_VLLM_MESSAGE_QUEUE=1)."""
-    import importlib
+    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's inside vLLM:
+    :func:`pinshm.vllm.plugin.install_message_queue`, where all rebinding
+    into vLLM lives. Returns the modules rebound."""
+    from .plugin import install_message_queue
 
-    done = []
-    for modname in _VLLM_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError as e:
-            logger.debug("pinshm: %s not rebound (%s)", modname, e)
-            continue
-        for attr, new in (("MessageQueue", MessageQueue), ("Handle", Handle)):
-            if hasattr(mod, attr):
-                setattr(mod, attr, new)
-        done.append(modname)
-    logger.info("pinshm MessageQueue installed in %s", ", ".join(done))
-    return done
+    return install_message_queue()

@@ -121,6 +121,14 @@ def _untrack(name: str) -> None:
         pass
 
 
+def _announce() -> None:
+    """The plugin's "in use" line, held back until vLLM's logging is
+    configured: it is by the time vLLM builds a cache."""
+    from .plugin import announce
+
+    announce()
+
+
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
     """The ``(address, monotonic_id)`` vLLM carries for ``handle``."""
     return (
@@ -433,6 +441,7 @@ class SingleWriterShmObjectStorage:
         self._store: Optional[ObjectStore] = None
         self._reader: Optional[StoreReader] = None
         self._epoch: Optional[int] = None
+        _announce()
         if self.is_writer:
             self._store = ring_buffer._open_writer(max_object_size, n_readers)
             self.key_index: Mapping[str, tuple[int, int]] = _KeyIndex(self._store)

@@ -64,6 +64,18 @@ _READY = 2  # wait_until_ready's probe
 _U16 = struct.Struct("<H")
 
 
+def _track(name: str) -> None:
+    from .storage import _track as track
+
+    track(name)
+
+
+def _untrack(name: str) -> None:
+    from .storage import _untrack as untrack
+
+    untrack(name)
+
+
 def _announce() -> None:
     """The plugin's "in use" line, once vLLM's logging is configured (it is
     when vLLM builds its queues)."""
@@ -273,6 +285,12 @@ class MessageQueue:
 
         if n_local_reader > 0:
             self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
+            # Until the name is unlinked (wait_until_ready), a writer killed
+            # without closing (vLLM SIGKILLs its engine core and workers)
+            # leaves it to multiprocessing's resource tracker, as vLLM's
+            # SharedMemory rings do.
+            self._tracked.append(self._tx.name)
+            _track(self._tx.name)
         self._store_gen = 0
         self._seq = 0
 
@@ -314,6 +332,7 @@ class MessageQueue:
         self.remote_socket = None
         self.local_socket = None  # vLLM's overflow socket: not used
         self._lock = threading.Lock()
+        self._tracked: list = []  # segment names registered with the resource tracker
 
     # ---- construction, as vLLM ----
 
@@ -362,6 +381,7 @@ class MessageQueue:
         if self._is_writer:
             if self._tx is not None:
                 self._send(bytes([_READY]), None)
+                self._unlink_once_attached()
             if self.n_remote_reader > 0:
                 for _ in range(self.n_remote_reader):
                     self.remote_socket.recv()  # a subscription message
@@ -374,6 +394,30 @@ class MessageQueue:
             recv = self.remote_socket.recv()
             if recv != b"READY":
                 raise RuntimeError(f"wait_until_ready: expected b'READY', got {recv[:16]!r}")
+
+    def _unlink_once_attached(self) -> None:
+        """Removes the channel's name once every local reader has attached,
+        so that no kill can leave it in /dev/shm (the mapping stays; the
+        name was only for attaching). Needs ``Broadcast.unlink()``; without
+        it the resource tracker keeps the name covered.
+
+        Every reader has attached once each has received the READY just
+        sent. The channel tells the writer that through its slots: the
+        send that reuses READY's slot (``max_chunks`` sends later) waits
+        until every reader has released it. The filler messages are READYs,
+        which ``dequeue`` skips."""
+        unlink = getattr(self._tx, "unlink", None)
+        if unlink is None:
+            return
+        for _ in range(self.max_chunks):
+            self._send(bytes([_READY]), None)
+        unlink()
+        self._untrack(self._tx.name)
+
+    def _untrack(self, name: str) -> None:
+        if name in self._tracked:
+            self._tracked.remove(name)
+            _untrack(name)
 
     @staticmethod
     def create_from_process_group(
@@ -517,11 +561,15 @@ class MessageQueue:
         return self.dequeue()
 
     def shutdown(self) -> None:
-        """Wakes a reader blocked in `dequeue` (another thread) with
-        RuntimeError("cancelled"); later dequeues raise it too."""
+        """Wakes a reader blocked in `dequeue`, or a writer blocked in
+        `enqueue` (another thread), with RuntimeError("cancelled"); later
+        calls raise it too. (vLLM's wakes readers only; a writer waiting
+        for a reader that is gone is the other half of a shutdown.)"""
         self.shutting_down = True
         if self._rx is not None:
             self._rx.cancel()
+        if self._tx is not None:
+            self._tx.cancel()
 
     def close(self) -> None:
         """Detaches, or (the writer) removes the channel and the store.
@@ -538,12 +586,20 @@ class MessageQueue:
             if s is not None:
                 s.close()
         self._retired = []
+        for name in list(self._tracked):
+            self._untrack(name)
         if self.remote_socket is not None:
             self.remote_socket.close(linger=0)
             self.remote_socket = None
         if self._zmq_context is not None:
             self._zmq_context.term()
             self._zmq_context = None
+
+    def __del__(self) -> None:
+        # vLLM never closes its queues: the segments go when the objects
+        # do (unlinked on drop); the tracker must not unlink them again.
+        for name in list(self.__dict__.get("_tracked", ())):
+            self._untrack(name)
 
     def __enter__(self) -> "MessageQueue":
         return self
@@ -642,6 +698,10 @@ class MessageQueue:
         name = f"{self._tx.name}-big{self._store_gen}"
         self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name)
         self._store_capacity = capacity
+        # Readers attach to it by name at their first big message: the
+        # name stays, covered by the resource tracker.
+        self._tracked.append(name)
+        _track(name)
         return self._store
 
     def _put(self, store: pinshm.ObjectStore, key: str, buf: Any, deadline: Optional[float]) -> Any:
@@ -676,6 +736,7 @@ class MessageQueue:
             s.free_unused()
             if s.stats()["objects"] == 0:
                 s.close()
+                self._untrack(s.name)
             else:
                 keep.append(s)
         self._retired = keep

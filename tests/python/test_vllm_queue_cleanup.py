@@ -1,0 +1,125 @@
+"""pinshm's MessageQueue leaves nothing in /dev/shm when its writer is
+SIGKILLed, as vLLM's API server kills its engine core and workers: real
+processes, the way vLLM starts them (multiprocessing, spawn)."""
+
+import os
+import select
+import subprocess
+import sys
+
+import pytest
+
+from pinshm.vllm.message_queue import MessageQueue
+
+# Process A starts the resource tracker (as vLLM's API server does by
+# spawning), then spawns B, which creates a queue with a reader attached
+# and one large message in its store, prints the names, and waits to be
+# killed. A SIGKILLs B, prints the tracker's pid, and (with "kill-a") is
+# SIGKILLed itself.
+SCRIPT = r"""
+import multiprocessing as mp, os, signal, sys
+from multiprocessing import resource_tracker
+
+def writer(name, conn):
+    from pinshm.vllm.message_queue import MessageQueue
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=name)
+    rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    mq.enqueue(b"x" * (1 << 20))  # larger than a chunk: through the store
+    assert rd.dequeue() == b"x" * (1 << 20)
+    mq.enqueue(b"y" * (1 << 20))  # left unread in the store
+    names = [mq._tx.name] + ([mq._store.name] if mq._store is not None else [])
+    conn.send(names)
+    signal.pause()
+
+if __name__ == "__main__":
+    name, how = sys.argv[1], sys.argv[2]
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=writer, args=(name, b))
+    p.start()
+    names = a.recv()
+    print("NAMES", *names, flush=True)
+    exists = all(os.path.exists("/dev/shm/" + n) for n in names)
+    print("EXISTED", exists, flush=True)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    print("TRACKER", resource_tracker._resource_tracker._pid, flush=True)
+    if how == "kill-a":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def wait_exit(pid):
+    """Blocks until `pid` (not our child) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["a-exits", "kill-a"])
+def test_a_sigkilled_writer_leaves_no_segment(tmp_path, unique_name, how):
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("needs os.pidfd_open (Linux 5.3, Python 3.9)")
+    script = tmp_path / "a.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), unique_name(), how], capture_output=True, text=True, timeout=120
+    )
+    lines = dict(x.split(" ", 1) for x in out.stdout.splitlines() if " " in x)
+    assert "TRACKER" in lines, out.stdout + out.stderr[-3000:]
+    names = lines["NAMES"].split()
+    try:
+        assert len(names) == 2, names  # the channel and the queue's store
+        assert lines["EXISTED"] == "True"
+        wait_exit(int(lines["TRACKER"]))
+        left = [n for n in names if os.path.exists("/dev/shm/" + n)]
+        assert left == [], f"left in /dev/shm after SIGKILL: {left}"
+    finally:
+        for n in names:
+            if os.path.exists("/dev/shm/" + n):
+                os.unlink("/dev/shm/" + n)
+
+
+def test_a_queue_closed_cleanly_is_no_longer_tracked(unique_name):
+    from multiprocessing import resource_tracker
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name())
+    rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    assert mq._tracked == [mq._tx.name]
+    mq.enqueue(b"x" * (1 << 20))
+    assert len(mq._tracked) == 2
+    assert rd.dequeue() == b"x" * (1 << 20)
+    rd.close()
+    mq.close()
+    assert mq._tracked == []
+    del resource_tracker  # (the tracker itself is checked by the test above)
+
+
+def test_shutdown_ends_a_writer_blocked_on_a_reader_that_is_gone(unique_name):
+    import threading
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 10, max_chunks=1, name=unique_name())
+    rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    try:
+        mq.enqueue(1)  # fills the only slot; the reader never reads it
+        err = []
+
+        def blocked():
+            try:
+                mq.enqueue(2)
+            except RuntimeError as e:
+                err.append(str(e))
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        mq.shutdown()
+        t.join()
+        assert err == ["cancelled"]
+    finally:
+        rd.close()
+        mq.close()

@@ -4,12 +4,15 @@
 One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
 (this machine) get everything through shared memory:
 
-* a message whose pickle (with its out-of-band buffers) fits a chunk
+* a message whose pickle (with its out-of-band buffers) fits a slot
   travels in a pinshm broadcast channel of ``max_chunks`` slots of
-  ``max_chunk_bytes``;
+  ``min(max_chunk_bytes, PINSHM_VLLM_MQ_SLOT_BYTES)`` (256 KiB by
+  default: the channel's segment is reserved, so its slots are kept to
+  what vLLM's control messages need);
 * a larger one goes into a pinshm object store owned by the queue (one
-  object for the pickle, one per out-of-band buffer), and only the
-  objects' handles travel in the channel. No ZMQ socket is involved.
+  object for the pickle, one per out-of-band buffer; sparse: /dev/shm holds
+  what the messages touch), and only the objects' handles travel in the
+  channel. No ZMQ socket is involved.
 
 Readers sleep on the channel's futex (a few µs of spinning first). A
 ``shutdown()`` from another thread ends a blocked ``dequeue`` with
@@ -55,6 +58,17 @@ LONG_WAIT_TIME_LOG_MSG = (
 
 # Out-of-band buffers below this size are pickled in-band (as vLLM does).
 OOB_MIN_BYTES = 1 << 20
+
+
+def _slot_bytes(max_chunk_bytes: int) -> int:
+    """The channel's slot size: vLLM's chunk size, capped (a channel
+    segment is resident in full; vLLM's rings are sparse and mostly
+    untouched). Larger messages go through the queue's sparse store."""
+    try:
+        cap = int(os.environ.get("PINSHM_VLLM_MQ_SLOT_BYTES", str(256 << 10)))
+    except ValueError:
+        cap = 256 << 10
+    return max(1024, min(max_chunk_bytes, cap))
 
 # Message kinds (byte 0 of a channel message).
 _INLINE = 0  # the pickle and its buffers, in the message
@@ -243,6 +257,7 @@ class Handle:
     tensor_arena_handle: Any = None  # always None: no tensor arena
     n_reader: int = 0
     writer_pid: int = 0
+    max_chunk_bytes: int = 0  # vLLM's nominal chunk size (the slots may be smaller)
 
 
 class MessageQueue:
@@ -284,7 +299,8 @@ class MessageQueue:
         _announce()
 
         if n_local_reader > 0:
-            self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
+            self._slot = _slot_bytes(max_chunk_bytes)
+            self._tx = pinshm.Broadcast(n_local_reader, max_chunks, self._slot, name=name)
             # Until the name is unlinked (wait_until_ready), a writer killed
             # without closing (vLLM SIGKILLs its engine core and workers)
             # leaves it to multiprocessing's resource tracker, as vLLM's
@@ -319,6 +335,7 @@ class MessageQueue:
             remote_addr_ipv6=remote_addr_ipv6,
             n_reader=n_reader,
             writer_pid=os.getpid(),
+            max_chunk_bytes=max_chunk_bytes,
         )
         logger.debug("pinshm message queue handle: %s", self.handle)
 
@@ -356,7 +373,7 @@ class MessageQueue:
             self._is_local_reader = True
             self._is_remote_reader = False
             self._rx = pinshm.BroadcastReader.attach(handle.buffer_handle, self.local_reader_rank)
-            self.max_chunk_bytes = handle.buffer_handle.slot_size
+            self.max_chunk_bytes = handle.max_chunk_bytes or handle.buffer_handle.slot_size
             self.max_chunks = handle.buffer_handle.slots
         else:
             self.local_reader_rank = -1
@@ -524,7 +541,7 @@ class MessageQueue:
             # they would fit a chunk: there each side copies them once (as
             # vLLM's ring does), where the channel's binding would copy them
             # five times (join, slot, recv, bytes, bytearray).
-            if len(bufs) == 1 and _inline_size(bufs) <= self.max_chunk_bytes:
+            if len(bufs) == 1 and _inline_size(bufs) <= self._slot:
                 self._send(_inline(bufs), deadline)
             else:
                 self._send_stored(bufs, deadline)
@@ -696,7 +713,10 @@ class MessageQueue:
             self._retired.append(store)
         self._store_gen += 1
         name = f"{self._tx.name}-big{self._store_gen}"
-        self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name)
+        # Sparse, as vLLM's rings are: /dev/shm holds the pages messages
+        # touched (until the store backs pages before writing them, a full
+        # /dev/shm is a SIGBUS here, as in vLLM).
+        self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name, reserve=False)
         self._store_capacity = capacity
         # Readers attach to it by name at their first big message: the
         # name stays, covered by the resource tracker.

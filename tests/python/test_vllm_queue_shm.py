@@ -1,6 +1,7 @@
-"""pinshm's MessageQueue leaves nothing in /dev/shm when its writer is
-SIGKILLed, as vLLM's API server kills its engine core and workers: real
-processes, the way vLLM starts them (multiprocessing, spawn)."""
+"""pinshm's MessageQueue and /dev/shm: little of it used by vLLM-sized
+queues, and nothing left when its writer is SIGKILLed, as vLLM's API
+server kills its engine core and workers (real processes, started the way
+vLLM starts them: multiprocessing, spawn)."""
 
 import os
 import select
@@ -123,3 +124,30 @@ def test_shutdown_ends_a_writer_blocked_on_a_reader_that_is_gone(unique_name):
     finally:
         rd.close()
         mq.close()
+
+
+def resident(name):
+    return os.stat("/dev/shm/" + name).st_blocks * 512
+
+
+def test_vllm_sized_queues_take_little_dev_shm_and_still_carry_large_messages(unique_name):
+    # vLLM's default queue: 10 chunks of 24 MiB (a 240 MiB ring, of which
+    # vLLM's SharedMemory touches what its messages do).
+    queues = [MessageQueue(1, 1, max_chunk_bytes=24 << 20, max_chunks=10, name=unique_name()) for _ in range(3)]
+    readers = [MessageQueue.create_from_handle(q.export_handle(), 0) for q in queues]
+    try:
+        for q, r in zip(queues, readers):
+            for i in range(100):
+                q.enqueue(("small", i))
+                assert r.dequeue() == ("small", i)
+            big = os.urandom(3 << 20)
+            q.enqueue(big)
+            assert r.dequeue() == big
+            assert r.max_chunk_bytes == 24 << 20
+        used = sum(resident(n) for q in queues for n in q._tracked)
+        assert used <= 3 * 12 << 20, f"{used / 2**20:.1f} MiB resident for 3 queues"
+    finally:
+        for r in readers:
+            r.close()
+        for q in queues:
+            q.close()

@@ -75,6 +75,20 @@ def children_of(root: int) -> list[int]:
     return tree
 
 
+def mapped_shm(pid: int) -> set[str]:
+    """/dev/shm files `pid` has mapped."""
+    names = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                i = line.find("/dev/shm/")
+                if i >= 0:
+                    names.add(line[i + 9 :].split()[0])
+    except OSError:
+        pass
+    return names
+
+
 def cpu_and_role(pid: int) -> tuple[float, str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -109,6 +123,7 @@ class Sampler(threading.Thread):
         self.peak_queues = 0
         self.peak_by_name: dict[str, int] = {}
         self.cpu: dict[int, tuple[float, str]] = {}
+        self.ours: set[str] = set()
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -117,14 +132,19 @@ class Sampler(threading.Thread):
         self.sample()
 
     def sample(self) -> None:
-        usage = {k: v for k, v in shm_usage().items() if k not in self.before}
+        tree = children_of(self.root)
+        for pid in tree:
+            self.ours.update(mapped_shm(pid))
+        # Only the segments this run's processes mapped: other programs on
+        # the machine use /dev/shm too.
+        usage = {k: v for k, v in shm_usage().items() if k in self.ours and k not in self.before}
         total = sum(usage.values())
         queues = sum(v for k, v in usage.items() if not k.startswith(self.cache_prefixes) and not k.startswith("sem."))
         self.peak_total = max(self.peak_total, total)
         self.peak_queues = max(self.peak_queues, queues)
         for k, v in usage.items():
             self.peak_by_name[k] = max(self.peak_by_name.get(k, 0), v)
-        for pid in children_of(self.root):
+        for pid in tree:
             got = cpu_and_role(pid)
             if got is not None:
                 role = role_of(got[1], pid, self.root)
@@ -199,7 +219,7 @@ def base_env(cfg: str, probe: Path) -> dict:
 def finish(res: dict, sampler: Sampler, before: set, probe: Path, root: int, log: Path) -> dict:
     sampler.stop.set()
     sampler.join()
-    left = {k: v for k, v in shm_usage().items() if k not in before}
+    left = {k: v for k, v in shm_usage().items() if k not in before and k in sampler.ours}
     res.update(
         cpu_s=sampler.cpu_by_role(),
         shm_peak_mib=round(sampler.peak_total / 2**20, 2),
@@ -239,10 +259,19 @@ def http(url: str, body: dict | None = None, timeout: float = 600) -> dict:
         return json.loads(r.read() or b"{}")
 
 
-def chat(port: int, images: list[int], text: str) -> list[int]:
-    import workload
+def data_urls(py: str, ids: list[int]) -> dict[int, str]:
+    """The images as data URLs, made by the vLLM venv's Python (numpy and
+    PIL are there; this script needs only the standard library)."""
+    code = "import json, sys, workload; print(json.dumps({i: workload.data_url(i) for i in json.loads(sys.argv[1])}))"
+    out = subprocess.run([py, "-c", code, json.dumps(ids)], capture_output=True, text=True, check=True, cwd=HERE)
+    return {int(k): v for k, v in json.loads(out.stdout).items()}
 
-    content = [{"type": "image_url", "image_url": {"url": workload.data_url(i)}} for i in images]
+
+URLS: dict[int, str] = {}
+
+
+def chat(port: int, images: list[int], text: str) -> list[int]:
+    content = [{"type": "image_url", "image_url": {"url": URLS[i]}} for i in images]
     content.append({"type": "text", "text": text})
     r = http(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -265,6 +294,8 @@ def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int,
 
     probe, log = out / f"{tag}.probe.jsonl", out / f"{tag}.log"
     probe.unlink(missing_ok=True)
+    if not URLS:
+        URLS.update(data_urls(py, list(range(workload.N_IMAGES)) + [100 + i for i in range(singles)]))
     before = set(shm_usage())
     cmd = [
         py, "-m", "vllm.entrypoints.openai.api_server",

@@ -165,8 +165,10 @@ pub enum Error {
         name: String,
     },
 
-    /// /dev/shm cannot hold the segment.
-    #[error("cannot reserve {requested} bytes for segment '{name}': only {available} bytes free in /dev/shm; make the store smaller or /dev/shm larger")]
+    /// /dev/shm cannot hold the segment (at create, for a reserved one), or
+    /// the pages a put or send is about to write (a sparse one). The store
+    /// or channel is unchanged and works again once space is free.
+    #[error("cannot allocate {requested} bytes of /dev/shm for segment '{name}': only {available} bytes free there; free some (or make /dev/shm larger), or make the segment smaller")]
     NoSpace {
         /// The name.
         name: String,

@@ -51,7 +51,7 @@ impl Geometry {
     pub(crate) fn reader(&self, i: u32) -> ReaderPtr {
         debug_assert!(i < self.n_readers);
         // SAFETY: i < n_readers and the header spans header_len(n_readers)
-        // bytes, which holds every entry; entries are 8-aligned (576 B each
+        // bytes, which holds every entry; entries are 8-aligned (128 B each
         // after a 256 B header).
         unsafe { ReaderPtr::new(self.base.add(layout::reader_entry_offset(i))) }
     }
@@ -64,8 +64,9 @@ impl Geometry {
             return None;
         }
         // SAFETY: address is 64-aligned and address + prefix_len <= capacity,
-        // so the prefix lies inside the data region (itself page aligned).
-        Some(unsafe { SlotPtr::new(self.data.add(address as usize)) })
+        // so the prefix (of n_readers) lies inside the data region (itself
+        // page aligned).
+        Some(unsafe { SlotPtr::new(self.data.add(address as usize), self.n_readers) })
     }
 
     /// The payload of `size` bytes of the slot at `address`, if it fits.

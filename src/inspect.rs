@@ -74,7 +74,7 @@ pub struct Snapshot {
     pub next_id: u64,
     /// Ids below this were dropped by `clear`.
     pub cleared_below: u64,
-    /// Ring head and tail (virtual positions).
+    /// The allocator's cursor and high-water mark (data-region positions).
     pub ring: (u64, u64),
     /// The reader table.
     pub readers: Vec<ReaderInfo>,
@@ -109,35 +109,41 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
                 last_ack_ms_ago: (last != 0).then(|| now.saturating_sub(last) / 1_000_000),
                 counted_from: r.counted_from(),
                 stale_reads: r.stale_reads(),
-                guards: r.hazards_in_use(),
+                // Summed from the slots' hold words below.
+                guards: 0,
                 generation: r.generation(),
             }
         })
-        .collect();
-    let (head, tail) = hp.ring_extent();
+        .collect::<Vec<ReaderInfo>>();
+    let mut readers = readers;
+    let (cursor, high) = hp.ring_extent();
     let cap = geo.capacity;
     let mut slots = Vec::new();
-    let mut pos = head;
-    // Bounded walk over values a corrupt segment may hold: the step count
-    // is capped (a live ring has at most one slot per 64 bytes, plus one
-    // skip per lap) and no arithmetic on them can overflow.
+    // Below the high-water mark the region is slots and marked gaps: walk
+    // it from the start. Bounded over values a corrupt segment may hold:
+    // the step count is capped (at most one slot per 64 bytes) and no
+    // arithmetic on them can overflow; a bad length ends the walk.
+    let end = high.min(cap);
     let max_steps = (cap / layout::SLOT_ALIGN as u64).min(1 << 20) + 2;
+    let mut pos = 0u64;
     let mut steps = 0;
-    while pos < tail && steps < max_steps {
+    while pos < end && steps < max_steps {
         steps += 1;
-        let address = pos % cap;
-        let next_lap = (pos / cap).saturating_add(1).saturating_mul(cap);
+        let address = pos;
         let Some(slot) = geo.slot(address) else {
-            pos = next_lap;
-            continue;
+            break;
         };
         let s = slot.snapshot();
         if s.slot_len == 0
             || s.slot_len % layout::SLOT_ALIGN as u64 != 0
             || s.slot_len > cap - address
         {
-            pos = next_lap;
-            continue;
+            break;
+        }
+        if s.id != 0 {
+            for r in readers.iter_mut() {
+                r.guards += slot.holds_relaxed(r.index, r.generation) as usize;
+            }
         }
         if s.id != 0 || s.size != 0 {
             slots.push(SlotInfo {
@@ -153,6 +159,8 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         }
         pos = pos.saturating_add(s.slot_len);
     }
+    // Oldest first: ids grow with age.
+    slots.sort_by_key(|s| s.monotonic_id);
     Ok(Snapshot {
         name: name.to_owned(),
         layout_version: h.layout_version,
@@ -163,7 +171,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         writer_alive: writer_pid != 0 && seg.held_by_other(liveness::WRITER_SLOT),
         next_id: hp.next_id(),
         cleared_below: hp.cleared_below(),
-        ring: (head, tail),
+        ring: (cursor, high),
         readers,
         slots,
     })
@@ -249,12 +257,19 @@ impl fmt::Display for Snapshot {
             "ids       next {}, cleared below {}",
             self.next_id, self.cleared_below
         )?;
+        let in_use: u64 = self
+            .slots
+            .iter()
+            .filter(|s| s.monotonic_id != 0)
+            .map(|s| s.size)
+            .sum();
         writeln!(
             f,
-            "ring      head {} tail {} ({} bytes in use)",
+            "ring      cursor {} high-water {} ({} payload bytes in {} live slots)",
             self.ring.0,
             self.ring.1,
-            self.ring.1.saturating_sub(self.ring.0)
+            in_use,
+            self.slots.iter().filter(|s| s.monotonic_id != 0).count()
         )?;
         writeln!(f, "\nreaders")?;
         writeln!(

@@ -1,4 +1,4 @@
-//! The segment layout, version 3, written down once.
+//! The segment layout, version 5, written down once.
 //!
 //! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
 //! `stale_reads` and `attached_ns` (for the inspector and stuck readers).
@@ -8,20 +8,28 @@
 //! times and the slot's copy of the epoch are gone.
 //! Version 4 added `SegmentHeader::flags` (aggregate read accounting) and
 //! the handle-signing `secret`.
+//! Version 5 replaced the 64 hazard words per reader (a limit of 64 guards
+//! and a long writer scan) by per-slot hold counters, one per reader, next
+//! to the read counters; one hazard word per reader remains, held only for
+//! the instant a hold is being taken. The header's ring head and tail
+//! became the allocator's cursor and high-water mark (objects are no longer
+//! freed in FIFO order).
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
-//! 256                 ReaderEntry × n_readers (576 B each: 64 B of fields, 64 hazard words)
-//! header_len          data region (capacity bytes, page aligned): the ring of slots
+//! 256                 ReaderEntry × n_readers (128 B each: 64 B of fields, the hazard word, padding)
+//! header_len          data region (capacity bytes, page aligned): slots and gaps
 //!   slot (64 B aligned):
 //!     +0              SlotHeader (64 B)
 //!     +64             reads: [u32; n_readers], one acknowledged-read counter per reader
+//!     +holds_offset   holds: [u64; n_readers], one hold word per reader (8 B aligned)
 //!     +prefix_len     payload (64 B aligned), `size` bytes
+//!   gap (64 B aligned): a SlotHeader with id 0, size 0 and slot_len = the gap's length
 //! ```
 //!
 //! Every field that another process changes while the segment is live is
 //! reached through an atomic at a fixed offset (`offset_of!`) and its
-//! orderings are chosen in [`crate::ring`]; the structs here are `Pod` so the
+//! orderings are chosen in [`crate::shm`]; the structs here are `Pod` so the
 //! creator can write them whole and an opener can copy them out and validate
 //! them before trusting a single number. Any change to these structs bumps
 //! [`LAYOUT_VERSION`]; `layout_is_pinned` in the tests fixes every size and
@@ -33,15 +41,16 @@ use bytemuck::{Pod, Zeroable};
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
 pub const SLOT_ALIGN: usize = 64;
 /// Most readers one segment can serve.
 pub const MAX_READERS: u32 = 64;
-/// Guards (and views) one reader can hold at once: each needs a hazard word.
-pub const HAZARDS_PER_READER: usize = 64;
+/// Hazard words per reader: one, held only while a hold is being taken
+/// (guards themselves are counted in the slots, without limit).
+pub const HAZARDS_PER_READER: usize = 1;
 
 /// What a slot's payload is (`SlotHeader::kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -138,10 +147,11 @@ pub struct SegmentHeader {
     pub epoch: u64,
     /// Atomic. The id the next put will get (ids start at 1; 0 means "none").
     pub next_id: u64,
-    /// Atomic. Virtual position of the oldest live slot (for inspection).
-    pub ring_head: u64,
-    /// Atomic. Virtual position one past the newest slot (for inspection).
-    pub ring_tail: u64,
+    /// Atomic. Where the writer's allocator looks next (for inspection, v5).
+    pub cursor: u64,
+    /// Atomic. One past the furthest byte ever allocated: below it the data
+    /// region is slots and marked gaps (for inspection, v5).
+    pub high_water: u64,
     /// Atomic. Ids below this were dropped by the last `clear` (v2).
     pub cleared_below: u64,
     /// [`flags`] of the store, fixed at create (v4).
@@ -175,8 +185,11 @@ pub struct ReaderEntry {
     pub attached_ns: u64,
     /// Zero.
     pub reserved: [u64; 2],
-    /// Atomic each. Ids of the objects this reader holds guards on (0 = free).
+    /// Atomic each. The id of the object this reader is taking a hold on,
+    /// for that instant (0 = none).
     pub hazards: [u64; HAZARDS_PER_READER],
+    /// Zero: the entry is two cache lines.
+    pub reserved1: [u64; 7],
 }
 
 /// The fixed head of every slot.
@@ -212,9 +225,33 @@ pub const fn header_len(n_readers: u32) -> usize {
     round_up(reader_entry_offset(n_readers), PAGE)
 }
 
+/// Bytes from a slot's start to its hold words (after the read counters).
+pub const fn holds_offset(n_readers: u32) -> usize {
+    round_up(size_of::<SlotHeader>() + 4 * n_readers as usize, 8)
+}
+
 /// Bytes from a slot's start to its payload.
 pub const fn slot_prefix_len(n_readers: u32) -> usize {
-    round_up(size_of::<SlotHeader>() + 4 * n_readers as usize, SLOT_ALIGN)
+    round_up(holds_offset(n_readers) + 8 * n_readers as usize, SLOT_ALIGN)
+}
+
+/// A hold word: `count` holds taken by the reader of attach generation
+/// `generation` (its low 32 bits). A word of another generation is a dead
+/// holder's leftover and counts as no hold.
+pub mod hold {
+    /// The word of `count` holds in `generation`.
+    pub const fn word(generation: u64, count: u32) -> u64 {
+        ((generation & 0xffff_ffff) << 32) | count as u64
+    }
+
+    /// Holds this word counts for a reader of `generation`.
+    pub const fn count_for(word: u64, generation: u64) -> u32 {
+        if word >> 32 == generation & 0xffff_ffff {
+            word as u32
+        } else {
+            0
+        }
+    }
 }
 
 /// Bytes a slot of `payload` bytes spans.
@@ -262,14 +299,14 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, reserved0), 64);
         assert_eq!(offset_of!(SegmentHeader, epoch), 72);
         assert_eq!(offset_of!(SegmentHeader, next_id), 80);
-        assert_eq!(offset_of!(SegmentHeader, ring_head), 88);
-        assert_eq!(offset_of!(SegmentHeader, ring_tail), 96);
+        assert_eq!(offset_of!(SegmentHeader, cursor), 88);
+        assert_eq!(offset_of!(SegmentHeader, high_water), 96);
         assert_eq!(offset_of!(SegmentHeader, cleared_below), 104);
         assert_eq!(offset_of!(SegmentHeader, flags), 112);
         assert_eq!(offset_of!(SegmentHeader, secret), 120);
         assert_eq!(offset_of!(SegmentHeader, reserved), 152);
 
-        assert_eq!(size_of::<ReaderEntry>(), 576);
+        assert_eq!(size_of::<ReaderEntry>(), 128);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
         assert_eq!(offset_of!(ReaderEntry, pid), 8);
         assert_eq!(offset_of!(ReaderEntry, counted_from), 16);
@@ -277,6 +314,7 @@ mod tests {
         assert_eq!(offset_of!(ReaderEntry, stale_reads), 32);
         assert_eq!(offset_of!(ReaderEntry, attached_ns), 40);
         assert_eq!(offset_of!(ReaderEntry, hazards), 64);
+        assert_eq!(offset_of!(ReaderEntry, reserved1), 72);
 
         assert_eq!(size_of::<SlotHeader>(), 64);
         assert_eq!(offset_of!(SlotHeader, id), 0);
@@ -287,15 +325,34 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, kind), 36);
         assert_eq!(offset_of!(SlotHeader, reserved), 40);
 
-        assert_eq!(LAYOUT_VERSION, 4);
+        assert_eq!(LAYOUT_VERSION, 5);
         assert_eq!(header_len(1), 4096);
-        assert_eq!(header_len(8), 8192);
-        assert_eq!(header_len(MAX_READERS), 40960);
+        assert_eq!(header_len(8), 4096);
+        assert_eq!(header_len(MAX_READERS), 12288);
+        assert_eq!(holds_offset(1), 72);
+        assert_eq!(holds_offset(2), 72);
+        assert_eq!(holds_offset(3), 80);
         assert_eq!(slot_prefix_len(1), 128);
-        assert_eq!(slot_prefix_len(16), 128);
-        assert_eq!(slot_prefix_len(17), 192);
+        assert_eq!(slot_prefix_len(4), 128);
+        assert_eq!(slot_prefix_len(5), 128);
+        assert_eq!(slot_prefix_len(6), 192);
+        assert_eq!(slot_prefix_len(8), 192);
+        assert_eq!(slot_prefix_len(MAX_READERS), 832);
         assert_eq!(slot_len(2, 0), 128);
         assert_eq!(slot_len(2, 1), 192);
+    }
+
+    #[test]
+    fn hold_words_count_only_for_their_generation() {
+        let w = hold::word(7, 3);
+        assert_eq!(hold::count_for(w, 7), 3);
+        assert_eq!(hold::count_for(w, 8), 0, "a dead holder's leftover");
+        assert_eq!(hold::count_for(0, 0), 0);
+        assert_eq!(
+            hold::count_for(hold::word(1 << 32 | 5, 2), 5),
+            2,
+            "low 32 bits"
+        );
     }
 
     #[test]

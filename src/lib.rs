@@ -52,8 +52,9 @@ pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
 pub use layout::ObjectKind;
 pub use pin::PinMode;
 pub use store::{
-    ItemGuard, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard, ReaderOptions,
-    Signature, StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard, SIGNATURE_LEN,
+    Eviction, ItemGuard, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard,
+    ReaderOptions, Signature, StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard,
+    SIGNATURE_LEN,
 };
 
 /// Internals that tests, benchmarks and tools reach for: the on-segment

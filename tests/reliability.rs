@@ -547,13 +547,16 @@ fn a_stuck_reader_is_not_waited_for_once_the_timeout_passes_but_its_guard_is_hon
         "stats name the blocker"
     );
     std::thread::sleep(Duration::from_millis(300));
-    // Reader 1 is stuck now, but reader 0's guard still holds `a`.
-    assert!(matches!(
-        w.put("c", &pattern(3, len)),
-        Err(Error::Full { .. })
-    ));
+    // Reader 1 is stuck now: `b` goes, but reader 0's guard still holds
+    // `a`, which stays in place, its bytes unchanged.
+    let c = w.put("c", &pattern(3, len)).unwrap();
+    assert_ne!(c.address, a.address);
+    let d = w.put("d", &pattern(4, len)).unwrap();
+    assert_eq!(d.address, c.address, "only the held slot stays");
+    assert_eq!(&held[..], &pattern(1, len)[..]);
     drop(held);
-    w.put("c", &pattern(3, len)).unwrap();
+    let e = w.put("e", &pattern(5, len)).unwrap();
+    assert_eq!(e.address, a.address, "released, it goes");
     drop(r1);
 }
 

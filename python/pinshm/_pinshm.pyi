@@ -2,7 +2,7 @@
 
 import builtins
 from types import TracebackType
-from typing import Any, Iterable, Mapping, Optional, Type, TypeVar
+from typing import Any, Iterable, Literal, Mapping, Optional, Type, TypeVar
 
 from typing_extensions import Buffer
 
@@ -13,6 +13,7 @@ __version__: str
 class PinshmError(Exception): ...
 class StaleError(ValueError): ...
 class FullError(MemoryError): ...
+class NoSpaceError(MemoryError): ...
 class TimeoutError(builtins.TimeoutError): ...
 class WriterGoneError(PinshmError): ...
 class CancelledError(PinshmError): ...
@@ -81,6 +82,7 @@ class ObjectStore:
         *,
         reserve: bool = True,
         prefault: Optional[bool] = None,
+        eviction: Literal["fifo", "second_chance"] = "fifo",
     ) -> None: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:
@@ -196,9 +198,20 @@ class StoreReader:
 
 class Broadcast:
     def __init__(
-        self, n_readers: int, slots: int, slot_size: int, name: Optional[str] = None
+        self,
+        n_readers: int,
+        slots: int,
+        slot_size: int,
+        name: Optional[str] = None,
+        *,
+        reserve: bool = False,
     ) -> None: ...
     def send(self, data: Buffer, timeout: Optional[float] = None) -> None: ...
+    def unlink(self) -> None:
+        """Removes the channel's name from /dev/shm now; the channel keeps
+        working for the readers already attached (no new reader can attach).
+        Call it once every reader has attached, and a crash of any process
+        leaves nothing behind. Idempotent."""
     def try_send(self, data: Buffer) -> bool: ...
     def cancel(self) -> None: ...
     def blocking_readers(self) -> list[tuple[int, Optional[int]]]: ...

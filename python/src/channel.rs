@@ -84,17 +84,21 @@ pub(crate) struct Broadcast {
 #[pymethods]
 impl Broadcast {
     /// Creates a channel for `n_readers` readers, with `slots` slots of
-    /// messages up to `slot_size` bytes.
+    /// messages up to `slot_size` bytes. Sparse unless `reserve`: it costs
+    /// the pages its messages touch, and a full /dev/shm raises
+    /// `NoSpaceError` (a `MemoryError`) from that send, never SIGBUS.
     #[new]
-    #[pyo3(signature = (n_readers, slots, slot_size, name=None))]
+    #[pyo3(signature = (n_readers, slots, slot_size, name=None, *, reserve=false))]
     fn new(
         py: Python<'_>,
         n_readers: u32,
         slots: u32,
         slot_size: usize,
         name: Option<String>,
+        reserve: bool,
     ) -> PyResult<Self> {
-        let mut cfg = pinshm::BroadcastConfig::new(n_readers, slots, slot_size);
+        let mut cfg =
+            pinshm::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }
@@ -104,6 +108,18 @@ impl Broadcast {
             inner: Mutex::new(Some(b)),
             cancelled: AtomicBool::new(false),
         })
+    }
+
+    /// Removes the channel's name from /dev/shm now; readers already
+    /// attached keep receiving (see the Rust `Broadcast::unlink`).
+    fn unlink(&self, py: Python<'_>) -> PyResult<()> {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_ref() {
+            Some(b) => {
+                b.unlink();
+                Ok(())
+            }
+            None => Err(closed("Broadcast")),
+        })?
     }
 
     /// Sends the bytes of `data` to every reader, waiting (GIL released)

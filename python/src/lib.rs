@@ -48,6 +48,13 @@ create_exception!(
 );
 create_exception!(
     pinshm,
+    NoSpaceError,
+    PyMemoryError,
+    "/dev/shm has no room for the pages this put or send would write (or for a reserved segment): \
+     the store or channel is unchanged and works again once space is free."
+);
+create_exception!(
+    pinshm,
     TimeoutError,
     PyTimeoutError,
     "A send or receive gave up after its timeout."
@@ -73,6 +80,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
     match e {
         E::Stale { .. } => StaleError::new_err(msg),
         E::Full { .. } => FullError::new_err(msg),
+        E::NoSpace { .. } => NoSpaceError::new_err(msg),
         E::Timeout { .. } => TimeoutError::new_err(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
         E::KeyNotFound { .. } => PyKeyError::new_err(msg),
@@ -226,6 +234,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PinshmError", py.get_type::<PinshmError>())?;
     m.add("StaleError", py.get_type::<StaleError>())?;
     m.add("FullError", py.get_type::<FullError>())?;
+    m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;

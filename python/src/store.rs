@@ -47,10 +47,16 @@ impl ObjectStore {
     /// too-small /dev/shm fails here rather than with SIGBUS later;
     /// `prefault` (default: as `reserve`) also maps every page in. With
     /// `reserve=False` the segment is sparse, as Python's `SharedMemory`
-    /// makes it (and is then never pinned).
+    /// makes it (and is then never pinned): pages are backed just before
+    /// they are first written, so a full /dev/shm raises `NoSpaceError`
+    /// (a `MemoryError`) from that put, never SIGBUS.
+    ///
+    /// `eviction` is `"fifo"` (default: the oldest reclaimable object goes)
+    /// or `"second_chance"` (CLOCK: an object hit by `get_cached` since the
+    /// allocator last passed it stays one more lap).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=None
+        *, reserve=true, prefault=None, eviction="fifo"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -62,11 +68,22 @@ impl ObjectStore {
         aggregate_reads: bool,
         reserve: bool,
         prefault: Option<bool>,
+        eviction: &str,
     ) -> PyResult<Self> {
+        let eviction = match eviction {
+            "fifo" => pinshm::Eviction::Fifo,
+            "second_chance" => pinshm::Eviction::SecondChance,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "eviction must be 'fifo' or 'second_chance', not {other:?}"
+                )))
+            }
+        };
         let mut cfg = pinshm::StoreConfig::new(capacity, max_object_size, n_readers)
             .aggregate_reads(aggregate_reads)
             .reserve(reserve)
-            .prefault(prefault.unwrap_or(reserve));
+            .prefault(prefault.unwrap_or(reserve))
+            .eviction(eviction);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

@@ -51,6 +51,7 @@ pub struct BroadcastConfig {
     pub(crate) slot_size: usize,
     pub(crate) name: Option<String>,
     pub(crate) spin: Duration,
+    pub(crate) reserve: bool,
 }
 
 impl BroadcastConfig {
@@ -63,7 +64,20 @@ impl BroadcastConfig {
             slot_size,
             name: None,
             spin: DEFAULT_SPIN,
+            reserve: false,
         }
+    }
+
+    /// Whether to take every page of /dev/shm at create (default false).
+    /// Unreserved, the channel costs the pages its messages touch: the
+    /// writer backs (`fallocate`) the bytes of a message just before it
+    /// first writes them, so a full /dev/shm is [`Error::NoSpace`](crate::Error::NoSpace)
+    /// from that send, never SIGBUS, and readers never fault on unbacked
+    /// pages. Reserved, a too-small /dev/shm fails at create and every page
+    /// is faulted in up front.
+    pub fn reserve(mut self, yes: bool) -> Self {
+        self.reserve = yes;
+        self
     }
 
     /// The segment name (default: a unique one).

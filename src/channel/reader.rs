@@ -309,7 +309,12 @@ mod shell {
 
         fn attach_inner(h: &BroadcastHandle, index: Option<u32>) -> Result<BroadcastReader> {
             let fork_gen = fork::register();
-            let seg = Segment::open(&h.name, true)?;
+            // Mapped without pre-faulting: faulting a hole of a sparse
+            // segment would allocate it. A reserved one is faulted in.
+            let seg = Segment::open(&h.name, false)?;
+            if seg.is_reserved() {
+                seg.prefault();
+            }
             let (geo, spin) = validate(&seg, h)?;
             // SAFETY: `validate` checked the header against the mapping's
             // length; `seg` (dropped last) keeps the mapping alive.

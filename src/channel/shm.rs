@@ -147,7 +147,8 @@ impl Shm {
     fn released(&self, i: u32) -> &AtomicU64 {
         self.entry(i, offset_of!(ReaderEntry, released))
     }
-    fn slot_offset(&self, idx: u32) -> usize {
+    /// Byte offset of slot `idx` (its header) in the segment.
+    pub fn slot_offset(&self, idx: u32) -> usize {
         assert!(idx < self.geo.slots, "slot index within the geometry");
         layout::header_len(self.geo.n_readers)
             + idx as usize * layout::slot_stride(self.geo.slot_size)

@@ -181,7 +181,7 @@ mod shell {
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
-    use crate::sys::segment::{self, Segment};
+    use crate::sys::segment::{self, Backing, Segment};
 
     /// The writer of a broadcast channel: one per channel, owner of its
     /// segment (unlinked on drop). Every message goes to every reader, in
@@ -197,6 +197,8 @@ mod shell {
         /// The fork generation it was made in: a forked child's copy sends
         /// nothing and closes nothing (see `sys::fork`).
         fork_gen: u64,
+        /// Which pages of a sparse segment are backed (all, if reserved).
+        backing: Backing,
         // Last: unmapped (and unlinked) after everything that points into it.
         seg: Segment,
     }
@@ -216,15 +218,26 @@ mod shell {
             let total = layout::total_len(n, slots, size)
                 .ok_or_else(|| Error::InvalidConfig("channel size overflows".into()))?;
             // A dead writer's channel is replaced, unless its writer runs.
-            let seg =
-                Segment::create_replacing(&name, total, true, true, cfg.name.is_some(), |old| {
+            let reserve = cfg.reserve;
+            let seg = Segment::create_replacing(
+                &name,
+                total,
+                reserve,
+                reserve,
+                cfg.name.is_some(),
+                |old| {
                     let is_channel = old.len() >= size_of::<ChannelHeader>()
                     // SAFETY: the mapping is page aligned and at least 256 bytes.
                     && unsafe { shm::magic(old.as_ptr()) } == layout::MAGIC;
                     is_channel
                         .then(String::new)
                         .ok_or_else(|| "a broadcast channel".to_owned())
-                })?;
+                },
+            )?;
+            // The header (reader table, futex words) is backed before it is
+            // written: an error here, never SIGBUS.
+            let mut backing = Backing::new(total as u64, reserve);
+            backing.ensure(&seg, 0, layout::header_len(n) as u64)?;
             // Alive from here: nobody may take this segment for abandoned.
             if !seg.try_lock(WRITER_SLOT)? {
                 return Err(Error::InUse {
@@ -264,6 +277,7 @@ mod shell {
                 reader_seen: vec![None; n as usize],
                 nonce,
                 fork_gen,
+                backing,
                 seg,
             })
         }
@@ -279,8 +293,7 @@ mod shell {
         pub fn send_timeout(&mut self, bytes: &[u8], timeout: Duration) -> Result<()> {
             self.check_len(bytes.len())?;
             self.wait(Some(timeout), "send_timeout")?;
-            self.write(bytes.len(), |b| b.copy_from_slice(bytes));
-            Ok(())
+            self.write(bytes.len(), |b| b.copy_from_slice(bytes))
         }
 
         /// Sends `bytes` if its slot is free now; `Ok(false)` if it would
@@ -289,7 +302,7 @@ mod shell {
             self.check_len(bytes.len())?;
             match self.wait(Some(Duration::ZERO), "try_send") {
                 Ok(()) => {
-                    self.write(bytes.len(), |b| b.copy_from_slice(bytes));
+                    self.write(bytes.len(), |b| b.copy_from_slice(bytes))?;
                     Ok(true)
                 }
                 Err(Error::Timeout { .. }) => Ok(false),
@@ -302,8 +315,7 @@ mod shell {
         pub fn send_with<F: FnOnce(&mut [u8])>(&mut self, len: usize, fill: F) -> Result<()> {
             self.check_len(len)?;
             self.wait(None, "send")?;
-            self.write(len, fill);
-            Ok(())
+            self.write(len, fill)
         }
 
         /// What readers need to attach (serde: send it anywhere).
@@ -322,6 +334,18 @@ mod shell {
         /// The segment's name.
         pub fn name(&self) -> &str {
             self.seg.name()
+        }
+
+        /// Removes the name from /dev/shm now (it is otherwise removed on
+        /// drop). The channel keeps working for every reader already
+        /// attached; no new reader can attach. Once every reader has
+        /// attached this makes the channel crash-proof: the kernel frees
+        /// the memory when the last process unmaps it, however they end.
+        /// Idempotent; a forked child's copy unlinks nothing.
+        pub fn unlink(&self) {
+            if fork::current() == self.fork_gen {
+                self.seg.unlink_now();
+            }
         }
 
         /// Messages sent so far.
@@ -397,8 +421,16 @@ mod shell {
                 })
         }
 
-        fn write<F: FnOnce(&mut [u8])>(&mut self, len: usize, fill: F) {
-            let p = self.core.shm().payload(self.core.slot());
+        /// Writes and publishes the next message; `NoSpace` (nothing sent)
+        /// if its pages cannot be backed.
+        fn write<F: FnOnce(&mut [u8])>(&mut self, len: usize, fill: F) -> Result<()> {
+            let idx = self.core.slot();
+            // The slot's header and the message's bytes, backed before the
+            // first write into them (a no-op once backed).
+            let off = self.core.shm().slot_offset(idx) as u64;
+            let header = size_of::<layout::SlotHeader>() as u64;
+            self.backing.ensure(&self.seg, off, header + len as u64)?;
+            let p = self.core.shm().payload(idx);
             // SAFETY: `len <= slot_size` (checked) and the payload of a slot
             // holds `slot_size` bytes inside the mapping. The slot is free
             // (wait_slot): every expected reader has released the message
@@ -408,6 +440,7 @@ mod shell {
             let buf = unsafe { std::slice::from_raw_parts_mut(p, len) };
             fill(buf);
             self.core.commit(len as u64);
+            Ok(())
         }
     }
 

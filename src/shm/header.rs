@@ -90,12 +90,12 @@ impl HeaderPtr {
             .load(Ordering::Acquire)
     }
 
-    /// Ring head and tail (virtual positions).
+    /// The allocator's cursor and high-water mark (for inspection).
     pub fn ring_extent(&self) -> (u64, u64) {
         (
-            self.u64_at(offset_of!(SegmentHeader, ring_head))
+            self.u64_at(offset_of!(SegmentHeader, cursor))
                 .load(Ordering::Relaxed),
-            self.u64_at(offset_of!(SegmentHeader, ring_tail))
+            self.u64_at(offset_of!(SegmentHeader, high_water))
                 .load(Ordering::Relaxed),
         )
     }
@@ -112,13 +112,14 @@ impl HeaderPtr {
             .load(Ordering::Acquire)
     }
 
-    /// Publishes the next id and the ring's extent (for attach and inspection).
-    pub fn set_progress(&self, next_id: u64, head: u64, tail: u64) {
+    /// Publishes the next id, the allocator's cursor and its high-water
+    /// mark (for attach and inspection).
+    pub fn set_progress(&self, next_id: u64, cursor: u64, high_water: u64) {
         self.u64_at(offset_of!(SegmentHeader, next_id))
             .store(next_id, Ordering::Release);
-        self.u64_at(offset_of!(SegmentHeader, ring_head))
-            .store(head, Ordering::Relaxed);
-        self.u64_at(offset_of!(SegmentHeader, ring_tail))
-            .store(tail, Ordering::Relaxed);
+        self.u64_at(offset_of!(SegmentHeader, cursor))
+            .store(cursor, Ordering::Relaxed);
+        self.u64_at(offset_of!(SegmentHeader, high_water))
+            .store(high_water, Ordering::Relaxed);
     }
 }

@@ -2,9 +2,9 @@
 //! `ReaderPtr` code (their atomics are loom's under `--cfg loom`, see
 //! `atomic`): every interleaving, and every weak-memory outcome loom
 //! explores, of a writer reclaiming a slot against a reader taking a guard
-//! on it. The writer's steps are those of `ObjectStore::try_free` and the
-//! reuse after it; the reader's those of `StoreReader::get` and
-//! `ReadGuard::drop`. The payload is a loom cell, so loom also reports any
+//! on it (a hazard for an instant, then a hold in the slot). The writer's
+//! steps are those of `Judge::try_free` and the reuse after it; the
+//! reader's those of `StoreReader::get` and `ReadGuard::drop`. The payload is a loom cell, so loom also reports any
 //! unsynchronised access to it.
 //!
 //! `RUSTFLAGS="--cfg loom" cargo test --release --lib shm::loom_tests`
@@ -19,6 +19,8 @@ use super::{ReaderPtr, SlotPtr};
 const OLD: u64 = 1;
 const NEW: u64 = 2;
 const REFS: u32 = 1;
+/// The reader's attach generation (its hold words carry it).
+const GEN: u64 = 3;
 
 #[repr(C, align(64))]
 struct Mem([u64; 80]);
@@ -44,18 +46,19 @@ impl World {
         let mut slot_mem = Box::new(Mem([0; 80]));
         let mut reader_mem = Box::new(Mem([0; 80]));
         // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of one reader
-        // and a whole reader entry (576 bytes); the boxes live in the World.
+        // and a whole reader entry (128 bytes); the boxes live in the World.
         let (slot, me) = unsafe {
             (
-                SlotPtr::new(slot_mem.0.as_mut_ptr().cast()),
+                SlotPtr::new(slot_mem.0.as_mut_ptr().cast(), 1),
                 ReaderPtr::new(reader_mem.0.as_mut_ptr().cast()),
             )
         };
-        slot.publish(OLD, 0, 8, 128, 0, 1);
+        slot.publish(OLD, 0, 8, 128, 0);
         // Make every word's loom atomic here, before any thread starts: a
         // word made lazily by one thread and used by another would be an
         // unsynchronised initialisation to loom.
         let _ = me.holds(OLD);
+        let _ = slot.held_by(0, GEN);
         Arc::new(World {
             slot,
             me,
@@ -70,30 +73,42 @@ impl World {
             return false; // the reader owes a read
         }
         self.slot.invalidate();
-        if self.me.holds(OLD) {
+        if self.me.holds(OLD) || self.slot.held_by(0, GEN) {
             self.slot.restore(OLD);
             return false;
         }
         self.slot.begin_write();
         // SAFETY (model): loom checks that no reader access races this.
         self.payload.with_mut(|p| unsafe { *p = 200 });
-        self.slot.publish(NEW, 0, 8, 128, 0, 1);
+        self.slot.publish(NEW, 0, 8, 128, 0);
         true
+    }
+
+    /// get: the hazard, the check, the hold, the hazard cleared; whether
+    /// the guard was taken.
+    fn reader_get(&self) -> bool {
+        self.me.set_hazard(0, OLD);
+        let ok = self.slot.id_acquire() == OLD;
+        if ok {
+            self.slot.hold(0, GEN);
+        }
+        self.me.clear_hazard(0);
+        ok
+    }
+
+    /// The guard's life after get: reads the payload, acknowledges, gives
+    /// the hold back.
+    fn reader_read_and_drop(&self) -> u64 {
+        // SAFETY (model): loom checks that no writer access races this.
+        let v = self.payload.with(|p| unsafe { *p });
+        self.slot.acknowledge(0);
+        self.slot.unhold(0);
+        v
     }
 
     /// get + guard drop: the payload it read, if the handle was valid.
     fn reader_guard(&self) -> Option<u64> {
-        self.me.set_hazard(0, OLD);
-        let got = if self.slot.id_acquire() == OLD {
-            // SAFETY (model): loom checks that no writer access races this.
-            let v = self.payload.with(|p| unsafe { *p });
-            self.slot.acknowledge(0);
-            Some(v)
-        } else {
-            None
-        };
-        self.me.clear_hazard(0);
-        got
+        self.reader_get().then(|| self.reader_read_and_drop())
     }
 }
 
@@ -118,6 +133,51 @@ fn a_guarded_slot_is_never_reused_under_the_reader() {
         if reused {
             assert_eq!(w.slot.id_acquire(), NEW);
         }
+    });
+}
+
+/// A guard held across the writer's attempts (the hazard long cleared):
+/// only the hold in the slot protects it, and a hold of another
+/// generation (a dead holder's leftover) protects nothing.
+#[test]
+fn a_long_held_guard_is_protected_by_its_hold_alone() {
+    loom::model(|| {
+        let w = World::published();
+        assert!(w.slot.acknowledge(0));
+        let r = {
+            let w = w.clone();
+            thread::spawn(move || {
+                if w.reader_get() {
+                    // The hazard is gone; the read comes later.
+                    thread::yield_now();
+                    Some(w.reader_read_and_drop())
+                } else {
+                    None
+                }
+            })
+        };
+        let mut reused = false;
+        for _ in 0..2 {
+            reused |= w.writer_reclaim();
+        }
+        if let Some(v) = r.join().unwrap() {
+            assert_eq!(v, 100);
+        }
+        if reused {
+            assert_eq!(w.slot.id_acquire(), NEW);
+        }
+    });
+}
+
+#[test]
+fn a_dead_holders_word_does_not_hold_the_slot() {
+    loom::model(|| {
+        let w = World::published();
+        assert!(w.slot.acknowledge(0));
+        // Generation GEN - 1 died holding the slot.
+        w.slot.hold(0, GEN - 1);
+        assert!(w.writer_reclaim(), "a leftover hold keeps nothing");
+        assert!(!w.slot.held_by(0, GEN - 1), "publish clears the leftover");
     });
 }
 

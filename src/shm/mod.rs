@@ -8,21 +8,30 @@
 //! |---|---|---|---|
 //! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
-//! | `reads[i]` | reader `i` only (Release); in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
-//! | `ReaderEntry::hazards[k]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other |
+//! | `reads[i]` | reader `i` only (Release), while it holds the slot; in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
+//! | `holds[i]` (generation and count in one word) | reader `i`: +1 (Relaxed CAS) only under its validated hazard, −1 (Release RMW) when a guard or view goes; writer: 0 at publish (no live holder exists then) | writer (Acquire) after the hazard scan | a count of reader `i`'s current generation keeps the slot; another generation's word is a dead holder's leftover |
+//! | `ReaderEntry::hazards[0]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
 //! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
-//! (Acquire); store `id = 0` then a SeqCst fence; scan the hazards of every
-//! reader not `LEFT` (Acquire). A hazard equal to the old id means a guard may be
-//! reading: store the old id back and stop. Getting a guard (reader): store
-//! the id in a free hazard, then a SeqCst fence, then load `id`
-//! (Acquire); a mismatch clears the hazard and reports `Stale`. The two
-//! SeqCst fences are ordered one way or the other: if the reader's comes
-//! first, the writer's scan sees the hazard (it backs off); if the
-//! writer's comes first, the reader's load sees 0 (it backs off). A guarded
-//! slot is never reused. (Fences rather than SeqCst accesses: the same
-//! cost on x86, and loom can check them; see tests/loom.rs.)
+//! (Acquire); store `id = 0` then a SeqCst fence; then, for every reader not
+//! `LEFT`, load its hazard (Acquire) and its hold word in S (Acquire). A
+//! hazard equal to the old id, or a hold count of the reader's current
+//! generation, means a guard may be reading: store the old id back and stop.
+//!
+//! Taking a hold (reader `get`): store the id in the hazard word, then a
+//! SeqCst fence, then load `id` (Acquire); a mismatch clears the hazard and
+//! reports `Stale`. On a match, add one to `holds[i]` in S, then clear the
+//! hazard (Release). The two SeqCst fences are ordered one way or the
+//! other: if the reader's comes first, the writer's hazard load sees the
+//! hazard, or its Release clear, after which the hold is visible to the
+//! writer's hold load (Acquire); if the writer's comes first, the reader's
+//! load sees 0 (it backs off). A held slot is never reused, and a hold is
+//! written only into a slot the hazard keeps valid, never into bytes that
+//! became another object's payload. The writer's cost per reclaimed slot is
+//! two loads per reader, whatever the number of holds. (Fences rather than
+//! SeqCst accesses: the same cost on x86, and loom can check them; see
+//! `loom_tests`.)
 //!
 //! Copying out without a hazard (`get_copy`): load `id` (Acquire), copy with
 //! [`copy_racy`] (relaxed byte-wise atomic loads, never a racing plain
@@ -153,10 +162,10 @@ mod tests {
             P(reader_mem.0.as_mut_ptr().cast()),
         );
         // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of 2 readers
-        // and for a whole reader entry (576 bytes).
-        let slot = unsafe { SlotPtr::new(sp.0) };
+        // and for a whole reader entry (128 bytes).
+        let slot = unsafe { SlotPtr::new(sp.0, 2) };
         slot.begin_write();
-        slot.publish(7, 99, 10, 192, 0, 2);
+        slot.publish(7, 99, 10, 192, 0);
         assert_eq!(slot.id_acquire(), 7);
         assert_eq!(slot.meta(), (99, 10, 0));
         assert!(slot.acknowledge(0));
@@ -165,22 +174,43 @@ mod tests {
         assert_eq!(slot.reads_acquire(1), 0);
         let reader = std::thread::spawn(move || {
             // SAFETY: as above; the boxes outlive the thread (joined below).
-            let (slot, me) = unsafe { (SlotPtr::new({ sp }.0), ReaderPtr::new({ rp }.0)) };
+            let (slot, me) = unsafe { (SlotPtr::new({ sp }.0, 2), ReaderPtr::new({ rp }.0)) };
             me.set_hazard(0, 7);
             let ok = slot.id_acquire() == 7;
             if ok {
+                slot.hold(1, 5);
+                me.clear_hazard(0);
                 assert_eq!(slot.meta().1, 10);
+                slot.unhold(1);
+            } else {
+                me.clear_hazard(0);
             }
-            me.clear_hazard(0);
             ok
         });
         // SAFETY: as above.
         let me = unsafe { ReaderPtr::new(rp.0) };
         slot.invalidate();
-        if me.holds(7) {
+        if me.holds(7) || slot.held_by(1, 5) {
             slot.restore(7);
         }
         let _ = reader.join().unwrap();
+        assert!(!slot.held_by(1, 5), "every hold was given back");
+        slot.hold(0, 3);
+        slot.hold(0, 3);
+        assert_eq!(slot.holds_relaxed(0, 3), 2);
+        assert!(
+            !slot.held_by(0, 4),
+            "another generation's word holds nothing"
+        );
+        slot.hold(0, 4);
+        assert_eq!(
+            slot.holds_relaxed(0, 4),
+            1,
+            "a dead holder's word is replaced"
+        );
+        slot.unhold(0);
+        slot.unhold(0);
+        assert_eq!(slot.holds_relaxed(0, 4), 0, "never below zero");
         slot.set_refs(2);
         assert!(slot.acknowledge(1));
         assert_eq!(slot.snapshot().refs, 2);

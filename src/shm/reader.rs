@@ -1,4 +1,4 @@
-//! One reader's entry of the reader table: state, owner, hazard words.
+//! One reader's entry of the reader table: state, owner, hazard word.
 
 use super::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
@@ -6,14 +6,8 @@ use std::mem::offset_of;
 use super::field;
 use crate::layout::{self, ReaderEntry};
 
-/// Hazard words the writer scans: all of them, or under loom the first two
-/// (the models use one; scanning 64 untouched words would only multiply
-/// the interleavings loom explores).
-const SCANNED: usize = if cfg!(loom) {
-    2
-} else {
-    layout::HAZARDS_PER_READER
-};
+/// Hazard words the writer scans.
+const SCANNED: usize = layout::HAZARDS_PER_READER;
 
 /// One reader's entry in the reader table.
 #[derive(Clone, Copy, Debug)]
@@ -127,13 +121,6 @@ impl ReaderPtr {
     pub fn last_ack_ns(&self) -> u64 {
         self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
             .load(Ordering::Relaxed)
-    }
-
-    /// Number of hazards set (for inspection).
-    pub fn hazards_in_use(&self) -> usize {
-        (0..layout::HAZARDS_PER_READER)
-            .filter(|&k| self.hazard(k).load(Ordering::Relaxed) != 0)
-            .count()
     }
 
     /// Records an acknowledgement time.

@@ -1,29 +1,29 @@
-//! A slot's prefix: header and per-reader read counters.
+//! A slot's prefix: header, per-reader read counters and hold words.
 
 use super::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
 
 use super::field;
-use crate::layout::SlotHeader;
+use crate::layout::{self, hold, SlotHeader};
 
-/// A slot's prefix (header and reader counters) in shared memory.
+/// A slot's prefix (header, reader counters, hold words) in shared memory.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotPtr {
     ptr: *mut u8,
+    n_readers: u32,
 }
 
 impl SlotPtr {
     /// # Safety
     /// 1. `ptr` is 64-byte aligned and points into a live shared mapping.
-    /// 2. `slot_prefix_len(n_readers)` bytes from `ptr` lie inside it, for the
-    ///    `n_readers` later passed to [`SlotPtr::reads`].
-    pub unsafe fn new(ptr: *mut u8) -> Self {
-        SlotPtr { ptr }
+    /// 2. `slot_prefix_len(n_readers)` bytes from `ptr` lie inside it.
+    pub unsafe fn new(ptr: *mut u8, n_readers: u32) -> Self {
+        SlotPtr { ptr, n_readers }
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract: the prefix is mapped and 64-aligned, `off`
-        // is an 8-aligned field offset inside the 64-byte SlotHeader.
+        // is an 8-aligned offset inside it (a SlotHeader field or a hold word).
         unsafe { field(self.ptr, off) }
     }
 
@@ -39,7 +39,16 @@ impl SlotPtr {
 
     /// Reader `i`'s acknowledged-read counter.
     fn reads(&self, i: u32) -> &AtomicU32 {
+        debug_assert!(i < self.n_readers);
         self.u32_at(size_of::<SlotHeader>() + 4 * i as usize)
+    }
+
+    /// Reader `i`'s hold word ([`layout::hold`]).
+    fn hold_word(&self, i: u32) -> &AtomicU64 {
+        debug_assert!(i < self.n_readers);
+        // Inside the prefix (`new`'s contract): holds_offset + 8 * n_readers
+        // <= slot_prefix_len, and holds_offset is 8-aligned.
+        self.u64_at(layout::holds_offset(self.n_readers) + 8 * i as usize)
     }
 
     // ---- writer ----
@@ -60,9 +69,12 @@ impl SlotPtr {
             .store(0, Ordering::Relaxed);
     }
 
-    /// Fills the header and zeroes the counters, then publishes `id`
-    /// (Release: the payload written before is visible to whoever sees it).
-    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32, n_readers: u32) {
+    /// Fills the header and zeroes the counters and hold words, then
+    /// publishes `id` (Release: the payload written before is visible to
+    /// whoever sees it). No live reader holds the slot (the writer freed it
+    /// or never published it), so the hold words it zeroes are a dead
+    /// holder's leftovers at most.
+    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32) {
         let r = Ordering::Relaxed;
         self.u64_at(offset_of!(SlotHeader, tag)).store(tag, r);
         self.u64_at(offset_of!(SlotHeader, size)).store(size, r);
@@ -70,8 +82,9 @@ impl SlotPtr {
             .store(slot_len, r);
         self.u32_at(offset_of!(SlotHeader, refs)).store(1, r);
         self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
-        for i in 0..n_readers {
+        for i in 0..self.n_readers {
             self.reads(i).store(0, r);
+            self.hold_word(i).store(0, r);
         }
         self.id().store(id, Ordering::Release);
     }
@@ -94,9 +107,22 @@ impl SlotPtr {
         fence(Ordering::SeqCst);
     }
 
-    /// Backs off a reclaim that found a hazard.
+    /// Backs off a reclaim that found a hazard or a hold.
     pub fn restore(&self, id: u64) {
         self.id().store(id, Ordering::Release);
+    }
+
+    /// Whether reader `i`, of attach generation `generation`, holds the
+    /// slot: after [`SlotPtr::invalidate`] and the hazard scan, the
+    /// writer's last check (Acquire: pairs with the Release of
+    /// [`SlotPtr::unhold`], so the holder's reads happen before any reuse).
+    pub fn held_by(&self, i: u32, generation: u64) -> bool {
+        hold::count_for(self.hold_word(i).load(Ordering::Acquire), generation) != 0
+    }
+
+    /// Reader `i`'s hold count for `generation` (relaxed, for inspection).
+    pub fn holds_relaxed(&self, i: u32, generation: u64) -> u32 {
+        hold::count_for(self.hold_word(i).load(Ordering::Relaxed), generation)
     }
 
     // ---- reader ----
@@ -152,10 +178,42 @@ impl SlotPtr {
             .fetch_update(Ordering::Release, Ordering::Relaxed, |n| n.checked_add(1));
     }
 
+    /// Takes one more hold for reader `i` of `generation`. Called only
+    /// while the reader's hazard on this slot's id is published and
+    /// validated, so the slot cannot be reused under the write; the
+    /// hazard's Release clear that follows publishes the hold to a writer
+    /// that sees the hazard gone. A word of another generation (a dead
+    /// holder's) is replaced. RMWs: threads of one reader process may
+    /// race here (the Python binding lets any thread drop a view).
+    pub fn hold(&self, i: u32, generation: u64) {
+        let w = self.hold_word(i);
+        let mut cur = w.load(Ordering::Relaxed);
+        loop {
+            let count = hold::count_for(cur, generation);
+            // Saturates instead of wrapping: 2^32 - 1 holds is a leak.
+            let next = hold::word(generation, count.saturating_add(1));
+            match w.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+
+    /// Gives one hold of reader `i` back (Release: this holder's reads of
+    /// the payload happen before a writer that sees the count drop reuses
+    /// the slot). The hold keeps the slot from reuse until this store.
+    pub fn unhold(&self, i: u32) {
+        let _ = self
+            .hold_word(i)
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |w| {
+                (w as u32 != 0).then(|| w - 1)
+            });
+    }
+
     /// Acknowledges one read by reader `i` if it owes one.
     ///
     /// Only reader `i` writes `reads[i]`, and only while the slot cannot be
-    /// reused under it (it holds a hazard on the slot), so a plain
+    /// reused under it (it holds the slot: a hazard or a hold), so a plain
     /// load/store pair is enough. Returns whether a read was counted.
     pub fn acknowledge(&self, i: u32) -> bool {
         let done = self.reads(i).load(Ordering::Relaxed);

@@ -21,6 +21,25 @@ pub struct StoreConfig {
     pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
+    pub(crate) eviction: Eviction,
+}
+
+/// Which reclaimable objects the writer's allocator lets go when it needs
+/// room ([`StoreConfig::eviction`]). Objects still in use (unread, held,
+/// protected) always stay where they are, and the allocator places new
+/// objects around them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Eviction {
+    /// Oldest first: every reclaimable object the allocator's sweep meets
+    /// goes (the reference's order, minus its stall behind objects in use).
+    #[default]
+    Fifo,
+    /// CLOCK: an object hit ([`ObjectStore::get_cached`](crate::ObjectStore::get_cached))
+    /// since the sweep last passed it stays for one more lap, in place (no
+    /// copy, its handles stay valid). Better hit rates for a cache with
+    /// popular keys; see the README's hit-rate table.
+    SecondChance,
 }
 
 impl StoreConfig {
@@ -37,7 +56,15 @@ impl StoreConfig {
             pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
+            eviction: Eviction::default(),
         }
+    }
+
+    /// What the allocator lets go when it needs room (default
+    /// [`Eviction::Fifo`]).
+    pub fn eviction(mut self, policy: Eviction) -> Self {
+        self.eviction = policy;
+        self
     }
 
     /// Ring bytes one object of `payload` bytes takes with `n_readers`
@@ -54,7 +81,8 @@ impl StoreConfig {
     }
 
     /// Whether to fault every page in at create (default true), so the first
-    /// pass over the ring runs at the speed of later ones.
+    /// pass over the ring runs at the speed of later ones. Only a reserved
+    /// segment is pre-faulted (see [`StoreConfig::reserve`]).
     pub fn prefault(mut self, yes: bool) -> Self {
         self.prefault = yes;
         self
@@ -77,9 +105,12 @@ impl StoreConfig {
     }
 
     /// Whether to reserve every page of /dev/shm at create (default true),
-    /// so a too-small /dev/shm fails at create instead of with SIGBUS later.
-    /// Off only for sparse segments in tests; `PinMode::Auto` does not pin
-    /// a sparse segment (pinning would allocate every page).
+    /// so a too-small /dev/shm fails at create. Off: a sparse segment that
+    /// costs the pages its objects touch; the writer backs pages
+    /// (`fallocate`) just before it first writes them, so a full /dev/shm is
+    /// an [`Error::NoSpace`] from that put, never a SIGBUS, and readers never
+    /// fault on unbacked pages. `PinMode::Auto` does not pin a sparse
+    /// segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
         self.reserve = yes;
         self
@@ -243,7 +274,7 @@ pub struct StoreStats {
     pub full_errors: u64,
     /// Live objects (cleared ones still held by a guard included).
     pub objects: u64,
-    /// Bytes between the ring's head and tail.
+    /// Bytes the live objects' slots span.
     pub bytes_in_use: u64,
     /// Largest object slot a put could take now.
     pub largest_free_block: u64,
@@ -251,7 +282,10 @@ pub struct StoreStats {
     pub dead_readers_reaped: u64,
     /// Stale handles met by readers (summed over the reader table).
     pub stale_reads: u64,
-    /// The oldest object, if a reader still owes it a read or holds it:
-    /// the slot and readers that block reclamation.
+    /// Puts placed in the part of a sparse ring already backed because
+    /// /dev/shm had no room for new pages.
+    pub nospace_fallbacks: u64,
+    /// The oldest object that may not be reclaimed now (a reader owes it
+    /// a read, holds it, or the writer protects it), and who blocks.
     pub oldest_unread: Option<Box<Blocker>>,
 }

@@ -261,7 +261,7 @@ impl PendingGet<'_> {
     fn finish(&mut self) -> Result<()> {
         let r = wait_all(self.tickets.drain(..));
         if matches!(r, Err(Error::DeviceLost { .. })) {
-            // The copy may still read the slot: keep the hazard for good.
+            // The copy may still read the slot: keep the hold for good.
             std::mem::forget(self.guard.take());
         }
         // Only now may the writer reuse the slot.
@@ -340,9 +340,9 @@ impl<'r> ReadGuard<'r> {
         engine.check_fits(len, dst)?;
         // The copy holds the mapping: were this PendingGet leaked and the
         // reader dropped, the memory under the copy stays valid (and the
-        // reader's lock, hence its hazard on the slot, stays held).
+        // reader's lock, hence its hold on the slot, stays held).
         let keep: KeepAlive = self.reader.map.clone();
-        // SAFETY: the guard holds the slot (its hazard keeps the writer from
+        // SAFETY: the guard holds the slot (its hold keeps the writer from
         // reusing it) until PendingGet has waited for the ticket; `keep`
         // keeps the mapping valid under the copy whatever happens to it.
         let t = unsafe { engine.h2d_async(self.as_ptr().add(offset), len, dst, Some(keep))? };

@@ -8,7 +8,8 @@ use crate::layout::ObjectKind;
 use crate::shm::SlotPtr;
 
 /// A zero-copy view of an object in the ring. Dropping it acknowledges the
-/// read; while it lives the slot cannot be reused.
+/// read; while it lives the slot cannot be reused. Guards are not limited
+/// in number, and the writer allocates around the objects they hold.
 ///
 /// A guard cannot outlive its reader:
 ///
@@ -25,7 +26,6 @@ use crate::shm::SlotPtr;
 pub struct ReadGuard<'r> {
     pub(super) reader: &'r StoreReader,
     pub(super) slot: SlotPtr,
-    pub(super) hazard: usize,
     pub(super) handle: ObjectHandle,
     pub(super) data: *const u8,
     pub(super) len: usize,
@@ -48,8 +48,8 @@ impl Deref for ReadGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: `data..data+len` was bounds-checked against the data region
-        // at get; the reader's hazard on this id keeps the writer from
-        // reusing the slot until the guard drops, and a published object's
+        // at get; the reader's hold on the slot keeps the writer from
+        // reusing it until the guard drops, and a published object's
         // bytes are never written again, so nobody writes them meanwhile.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }
     }
@@ -64,6 +64,6 @@ impl AsRef<[u8]> for ReadGuard<'_> {
 impl Drop for ReadGuard<'_> {
     fn drop(&mut self) {
         self.reader.ack_held(&self.slot, self.handle);
-        self.reader.release_hazard(self.hazard);
+        self.reader.release_hold(&self.slot);
     }
 }

@@ -12,7 +12,7 @@ mod signature;
 mod typed;
 mod writer;
 
-pub use config::{ObjectHandle, ReaderOptions, StoreConfig, StoreHandle, StoreStats};
+pub use config::{Eviction, ObjectHandle, ReaderOptions, StoreConfig, StoreHandle, StoreStats};
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;
 pub use reader::StoreReader;

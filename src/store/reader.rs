@@ -73,8 +73,9 @@ pub struct StoreReader {
     /// The fork generation this reader attached in (see `sys::fork`): in a
     /// forked child it reads nothing and writes nothing shared.
     fork_gen: u64,
-    /// Bit k set: hazard word k is in use by a live guard.
-    hazards_used: Cell<u64>,
+    /// Holds this reader has taken and not given back (guards, views,
+    /// copies in flight): a reader dropped with some leaked keeps its lock.
+    outstanding: Cell<u64>,
     /// The segment (our reader lock held through it), shared with copies
     /// in flight out of it.
     pub(super) map: Arc<Mapping>,
@@ -152,7 +153,7 @@ impl StoreReader {
             word,
             secret: geo.header().read().secret,
             fork_gen,
-            hazards_used: Cell::new(0),
+            outstanding: Cell::new(0),
             map,
         })
     }
@@ -180,32 +181,35 @@ impl StoreReader {
     }
 
     /// A zero-copy view of the object. Its read is acknowledged when the
-    /// guard drops; until then the writer cannot reuse the slot.
+    /// guard drops; until then the writer cannot reuse the slot. A reader
+    /// may hold any number of guards, on one object or many, for as long
+    /// as it likes: each is one count in the slot, and the writer allocates
+    /// around held objects.
     pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard<'_>> {
-        // Before any hazard word is written: in a forked child they are
-        // the parent's.
+        // Before the hazard word is written: in a forked child it is the
+        // parent's.
         self.check_owner()?;
         let slot = self.slot(h)?;
-        let k = self.take_hazard()?;
-        self.me.set_hazard(k, h.monotonic_id);
+        self.me.set_hazard(0, h.monotonic_id);
         let checked = self
             .validate_slot(h, &slot, slot.id_acquire())
             .and_then(|v| self.check_entry().map(|()| v));
-        match checked {
-            Ok((data, len, kind)) => Ok(ReadGuard {
-                reader: self,
-                slot,
-                hazard: k,
-                handle: h,
-                data,
-                len,
-                kind,
-            }),
-            Err(e) => {
-                self.release_hazard(k);
-                Err(e)
-            }
+        if checked.is_ok() {
+            // The hazard keeps the slot valid under this write (shm's
+            // protocol); the hold keeps it once the hazard is cleared.
+            slot.hold(self.index, self.generation());
+            self.outstanding.set(self.outstanding.get() + 1);
         }
+        self.me.clear_hazard(0);
+        let (data, len, kind) = checked?;
+        Ok(ReadGuard {
+            reader: self,
+            slot,
+            handle: h,
+            data,
+            len,
+            kind,
+        })
     }
 
     /// An owned copy of the object; its read is acknowledged before return.
@@ -380,41 +384,34 @@ impl StoreReader {
         Ok((data, size as usize, kind))
     }
 
-    fn take_hazard(&self) -> Result<usize> {
-        let used = self.hazards_used.get();
-        if used == u64::MAX {
-            return Err(Error::TooManyGuards {
-                limit: layout::HAZARDS_PER_READER,
-            });
-        }
-        let k = (!used).trailing_zeros() as usize;
-        self.hazards_used.set(used | 1 << k);
-        Ok(k)
+    /// This reader's attach generation (what its hold words carry).
+    fn generation(&self) -> u64 {
+        reader_state::generation(self.word)
     }
 
-    pub(super) fn release_hazard(&self, k: usize) {
-        // A forked child's guard: the hazard word is the parent's.
+    /// Gives back the hold of a guard that is going.
+    pub(super) fn release_hold(&self, slot: &SlotPtr) {
+        // A forked child's guard: the hold is the parent's.
         if self.is_owner() {
-            self.me.clear_hazard(k);
+            slot.unhold(self.index);
         }
-        self.hazards_used.set(self.hazards_used.get() & !(1 << k));
+        self.outstanding.set(self.outstanding.get() - 1);
     }
 
-    /// Counts one read of `h`, under a hazard so the slot cannot be reused
-    /// while the counter is written.
+    /// Counts one read of `h`, under the hazard so the slot cannot be
+    /// reused while the counter is written.
     fn acknowledge(&self, h: ObjectHandle) -> Result<()> {
         self.check_attached()?;
         let slot = self.slot(h)?;
-        let k = self.take_hazard()?;
-        self.me.set_hazard(k, h.monotonic_id);
+        self.me.set_hazard(0, h.monotonic_id);
         let r = self
             .validate_slot(h, &slot, slot.id_acquire())
             .map(|_| self.ack_held(&slot, h));
-        self.release_hazard(k);
+        self.me.clear_hazard(0);
         r
     }
 
-    /// Acknowledges a read of a slot this reader holds a hazard on.
+    /// Acknowledges a read of a slot this reader holds (hazard or hold).
     pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
         if self.check_attached().is_err() {
             return;
@@ -439,11 +436,12 @@ impl Drop for StoreReader {
             // parent's. Only our mapping goes.
             return;
         }
-        if self.hazards_used.get() != 0 {
+        if self.outstanding.get() != 0 {
             // Guards (or a PendingGet) were leaked with mem::forget: keep
-            // their hazards and our lock. The lock lives as long as the
+            // their holds and our lock. The lock lives as long as the
             // mapping, which a copy still in flight holds; after that the
-            // writer finds the entry's lock free and reaps it.
+            // writer finds the entry's lock free and reaps it, and ignores
+            // the holds of a reader it marked left.
             tracing::debug!(index = self.index, "reader dropped with leaked guards");
             return;
         }

@@ -1,113 +1,33 @@
-//! Reclamation: FIFO freeing from the oldest end, the read accounting that
-//! decides what may go, the hazard scan, dead readers, and what blocks.
+//! Reclamation: which objects may go (the read accounting, the hazard and
+//! hold checks, dead and stuck readers), the allocation that reclaims
+//! around objects still in use, and what blocks when nothing fits.
 
+use super::config::Eviction;
 use super::writer::{Entry, ObjectStore};
 use crate::error::{Blocker, Error, Result};
+use crate::geometry::Geometry;
 use crate::layout::reader_state;
+use crate::ring::Span;
 use crate::shm::SlotPtr;
 use crate::sys::clock;
 use crate::sys::liveness;
 
-impl ObjectStore {
-    /// Marks readers whose process is gone as left, so reclamation stops
-    /// waiting for them; returns their indices.
-    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
-        let mut reaped = Vec::new();
-        if !self.is_owner() {
-            return reaped;
-        }
-        for i in 0..self.geo.n_readers {
-            let r = self.geo.reader(i);
-            let word = r.word();
-            if !matches!(
-                reader_state::state(word),
-                reader_state::ATTACHED | reader_state::ATTACHING
-            ) {
-                continue;
-            }
-            // Dead only on the kernel's word that nobody holds the entry's
-            // lock (an error counts as alive). The CAS of the whole word
-            // fails if a new reader took the entry since `word` was read.
-            if !self.map.seg().held_by_other(liveness::reader_slot(i))
-                && r.transition(
-                    word,
-                    reader_state::word(reader_state::generation(word), reader_state::LEFT),
-                )
-            {
-                tracing::warn!(
-                    reader = i,
-                    pid = r.pid(),
-                    "reader is gone (its lock was released); no longer waiting for its reads"
-                );
-                reaped.push(i);
-            }
-        }
-        self.stats.dead_readers_reaped += reaped.len() as u64;
-        reaped
-    }
+/// How many times a put plans again after a reader took a hold on an
+/// object between the plan and its reclaim (a race, not a loop).
+const REPLANS: usize = 8;
 
-    pub(super) fn allocate(&mut self, slot_len: u64) -> Result<u64> {
-        if let Some(pos) = self.ring.reserve(slot_len) {
-            return Ok(pos);
-        }
-        self.reclaim(Some(slot_len));
-        if let Some(pos) = self.ring.reserve(slot_len) {
-            return Ok(pos);
-        }
-        if !self.reap_dead_readers().is_empty() {
-            self.reclaim(Some(slot_len));
-            if let Some(pos) = self.ring.reserve(slot_len) {
-                return Ok(pos);
-            }
-        }
-        self.stats.full_errors += 1;
-        let blocker = self
-            .ring
-            .front()
-            .map(|s| Box::new(self.blocker(s.pos, &s.value)));
-        let err = Error::Full {
-            requested: slot_len,
-            free: self.ring.capacity() - self.ring.used(),
-            capacity: self.ring.capacity(),
-            blocker,
-        };
-        tracing::debug!(%err, "allocation failed");
-        Err(err)
-    }
+/// The read-only half of reclamation: whether an object may go. Borrows
+/// only the geometry, so the allocator can be walked mutably beside it.
+pub(super) struct Judge<'a> {
+    pub(super) geo: &'a Geometry,
+    pub(super) reader_timeout_ns: Option<u64>,
+}
 
-    /// Frees from the oldest end until `need` bytes fit (or, with `None`,
-    /// as far as possible); stops at the first object still in use.
-    pub(super) fn reclaim(&mut self, need: Option<u64>) -> usize {
-        let mut freed = 0;
-        while let Some(front) = self.ring.front() {
-            if need.is_some_and(|n| self.ring.reserve(n).is_some()) {
-                break;
-            }
-            let address = self.ring.address(front.pos);
-            if !self.try_free(address, &front.value) {
-                break;
-            }
-            let span = self.ring.pop_front().expect("front exists");
-            if let Some(key) = span.value.key {
-                self.index.remove(&key);
-                if !self.pending_keys.is_empty() {
-                    self.pending_keys.remove(&key);
-                }
-            }
-            self.stats.evictions += 1;
-            freed += 1;
-        }
-        if freed > 0 {
-            tracing::debug!(freed, "reclaimed objects");
-            self.publish_progress();
-        }
-        freed
-    }
-
+impl Judge<'_> {
     /// The readers that still owe a read of `e`. In aggregate mode they owe
     /// together: each counted one owes while the slot's one counter is short
     /// of `refs` × the readers counted (worked out once, not per reader).
-    fn owing<'a>(&'a self, e: &'a Entry, slot: SlotPtr) -> impl Iterator<Item = u32> + 'a {
+    fn owing<'s>(&'s self, e: &'s Entry, slot: SlotPtr) -> impl Iterator<Item = u32> + 's {
         let n = self.geo.n_readers;
         let short = self.geo.aggregate.then(|| {
             let readers = (0..n)
@@ -153,10 +73,25 @@ impl ObjectStore {
         }
     }
 
-    /// The reclaim protocol of crate::ring: on success the slot is invalid
-    /// and no reader can be inside it.
-    fn try_free(&self, address: u64, e: &Entry) -> bool {
-        let slot = self.slot_at(address);
+    /// Readers (not left) with a hazard or a hold on object `id` in `slot`.
+    /// After `invalidate`, the writer's half of the hold protocol (see
+    /// crate::shm); before it, a hint that may miss a hold being taken.
+    fn holders(&self, slot: SlotPtr, id: u64) -> impl Iterator<Item = u32> + '_ {
+        (0..self.geo.n_readers).filter(move |&i| {
+            let r = self.geo.reader(i);
+            let word = r.word();
+            reader_state::state(word) != reader_state::LEFT
+                && (r.holds(id) || slot.held_by(i, reader_state::generation(word)))
+        })
+    }
+
+    fn slot(&self, pos: u64) -> SlotPtr {
+        self.geo.slot(pos).expect("ring addresses are in bounds")
+    }
+
+    /// Whether `e` may go as far as the writer can tell without touching
+    /// the slot: nothing pending, protected, owed or held.
+    fn may_go(&self, pos: u64, e: &Entry) -> bool {
         if let Some(p) = &e.pending {
             // Never published, so no reader is in it; free it only once the
             // copy into it has stopped and nobody will finish the put.
@@ -165,14 +100,40 @@ impl ObjectStore {
         if e.protected {
             return false;
         }
+        let slot = self.slot(pos);
         // A cleared object (no key) is owed nothing.
+        if e.key.is_some() && self.owing(e, slot).next().is_some() {
+            return false;
+        }
+        self.holders(slot, e.id).next().is_none()
+    }
+
+    /// As `may_go`, for a span the allocator's walk meets: under
+    /// [`Eviction::SecondChance`] an object hit since the walk last passed
+    /// it stays once more (its bit is cleared).
+    pub(super) fn may_go_in_walk(&self, span: &mut Span<Entry>, policy: Eviction) -> bool {
+        let e = &mut span.value;
+        if policy == Eviction::SecondChance && e.hit && e.pending.is_none() {
+            e.hit = false;
+            return false;
+        }
+        self.may_go(span.pos, e)
+    }
+
+    /// The reclaim protocol of crate::shm: on success the slot is invalid
+    /// and no reader can be inside it.
+    fn try_free(&self, pos: u64, e: &Entry) -> bool {
+        if e.pending.is_some() || e.protected {
+            return self.may_go(pos, e);
+        }
+        let slot = self.slot(pos);
         if e.key.is_some() && self.owing(e, slot).next().is_some() {
             return false;
         }
         if !e.invalid {
             slot.invalidate();
         }
-        if self.holders(e.id).next().is_some() {
+        if self.holders(slot, e.id).next().is_some() {
             if !e.invalid {
                 slot.restore(e.id);
             }
@@ -181,20 +142,10 @@ impl ObjectStore {
         true
     }
 
-    /// Readers (not left) with a guard on object `id`: after `invalidate`,
-    /// the writer's half of the hazard protocol.
-    fn holders(&self, id: u64) -> impl Iterator<Item = u32> + '_ {
-        (0..self.geo.n_readers).filter(move |&i| {
-            let r = self.geo.reader(i);
-            r.state() != reader_state::LEFT && r.holds(id)
-        })
-    }
-
     pub(super) fn blocker(&self, pos: u64, e: &Entry) -> Blocker {
-        let address = self.ring.address(pos);
-        let slot = self.slot_at(address);
+        let slot = self.slot(pos);
         Blocker {
-            address,
+            address: pos,
             monotonic_id: e.id,
             key: e.key.as_deref().map(str::to_owned),
             protected: e.protected,
@@ -203,7 +154,181 @@ impl ObjectStore {
                 Some(_) => self.owing(e, slot).collect(),
                 None => Vec::new(),
             },
-            held_by: self.holders(e.id).collect(),
+            held_by: self.holders(slot, e.id).collect(),
+        }
+    }
+}
+
+impl ObjectStore {
+    pub(super) fn judge(&self) -> Judge<'_> {
+        Judge {
+            geo: &self.geo,
+            reader_timeout_ns: self.reader_timeout_ns,
+        }
+    }
+
+    /// Marks readers whose process is gone as left, so reclamation stops
+    /// waiting for them; returns their indices.
+    pub fn reap_dead_readers(&mut self) -> Vec<u32> {
+        let mut reaped = Vec::new();
+        if !self.is_owner() {
+            return reaped;
+        }
+        for i in 0..self.geo.n_readers {
+            let r = self.geo.reader(i);
+            let word = r.word();
+            if !matches!(
+                reader_state::state(word),
+                reader_state::ATTACHED | reader_state::ATTACHING
+            ) {
+                continue;
+            }
+            // Dead only on the kernel's word that nobody holds the entry's
+            // lock (an error counts as alive). The CAS of the whole word
+            // fails if a new reader took the entry since `word` was read.
+            if !self.map.seg().held_by_other(liveness::reader_slot(i))
+                && r.transition(
+                    word,
+                    reader_state::word(reader_state::generation(word), reader_state::LEFT),
+                )
+            {
+                tracing::warn!(
+                    reader = i,
+                    pid = r.pid(),
+                    "reader is gone (its lock was released); no longer waiting for its reads"
+                );
+                reaped.push(i);
+            }
+        }
+        self.stats.dead_readers_reaped += reaped.len() as u64;
+        reaped
+    }
+
+    /// Finds room for `slot_len` bytes, reclaiming the objects in the way
+    /// that may go and allocating around those that must stay. Returns the
+    /// position, free (not yet committed).
+    pub(super) fn allocate(&mut self, slot_len: u64, limit: u64) -> Result<u64> {
+        let mut reaped = false;
+        let mut passes = 0;
+        let mut replans = 0;
+        loop {
+            let judge = Judge {
+                geo: &self.geo,
+                reader_timeout_ns: self.reader_timeout_ns,
+            };
+            let policy = self.eviction;
+            let plan = self
+                .ring
+                .plan_within(slot_len, limit, |span| judge.may_go_in_walk(span, policy));
+            match plan {
+                Some(plan) => {
+                    if self.free_all(&plan.victims) {
+                        return Ok(plan.pos);
+                    }
+                    // A reader took a hold after the plan: plan again.
+                    replans += 1;
+                    if replans < REPLANS {
+                        continue;
+                    }
+                }
+                // A second walk: the first one used up the second chances.
+                None if passes == 0 && self.eviction == Eviction::SecondChance => {
+                    passes += 1;
+                    continue;
+                }
+                None if !reaped => {
+                    reaped = true;
+                    if !self.reap_dead_readers().is_empty() {
+                        continue;
+                    }
+                }
+                None => {}
+            }
+            return Err(self.full(slot_len));
+        }
+    }
+
+    /// Frees the spans at `victims` (in order), stopping at the first that
+    /// may not go after all; whether all went.
+    fn free_all(&mut self, victims: &[u64]) -> bool {
+        for &pos in victims {
+            if !self.free_at(pos) {
+                return false;
+            }
+        }
+        if !victims.is_empty() {
+            self.publish_progress();
+        }
+        true
+    }
+
+    /// Frees the span at `pos` if it may go: forgets its key, marks the gap.
+    fn free_at(&mut self, pos: u64) -> bool {
+        let span = self.ring.find_at(pos).expect("victims are live spans");
+        if !self.judge().try_free(pos, &span.value) {
+            return false;
+        }
+        let span = self.ring.remove(pos).expect("found above");
+        if let Some(key) = span.value.key {
+            self.index.remove(&key);
+            if !self.pending_keys.is_empty() {
+                self.pending_keys.remove(&key);
+            }
+        }
+        self.stats.evictions += 1;
+        self.mark_gap(pos);
+        true
+    }
+
+    /// Frees every object that may go, oldest first, around the ones that
+    /// must stay; returns how many went.
+    pub(super) fn reclaim_all(&mut self) -> usize {
+        let mut freed = 0;
+        for pos in self.ring.positions_by_age() {
+            if self.free_at(pos) {
+                freed += 1;
+            }
+        }
+        if freed > 0 {
+            tracing::debug!(freed, "reclaimed objects");
+            self.publish_progress();
+        }
+        freed
+    }
+
+    /// The `Full` error for `requested` bytes, naming the oldest object
+    /// that stays.
+    fn full(&mut self, requested: u64) -> Error {
+        self.stats.full_errors += 1;
+        let blocker = self.oldest_blocker().map(Box::new);
+        let err = Error::Full {
+            requested,
+            free: self.ring.capacity() - self.ring.used(),
+            capacity: self.ring.capacity(),
+            blocker,
+        };
+        tracing::debug!(%err, "allocation failed");
+        err
+    }
+
+    /// The oldest object that may not go, and why.
+    pub(super) fn oldest_blocker(&self) -> Option<Blocker> {
+        let judge = self.judge();
+        self.ring
+            .positions_by_age()
+            .into_iter()
+            .filter_map(|pos| self.ring.find_at(pos))
+            .find(|s| !judge.may_go(s.pos, &s.value))
+            .map(|s| judge.blocker(s.pos, &s.value))
+    }
+
+    /// Writes the marker of the gap containing free position `pos` (for
+    /// the inspector's walk).
+    pub(super) fn mark_gap(&self, pos: u64) {
+        if let Some((start, len)) = self.ring.gap_containing(pos) {
+            if let Some(s) = self.geo.slot(start) {
+                s.mark_skip(len);
+            }
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::config::{ObjectHandle, StoreConfig, StoreHandle, StoreStats};
+use super::config::{Eviction, ObjectHandle, StoreConfig, StoreHandle, StoreStats};
 use crate::error::{Error, Result};
 use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
@@ -11,7 +11,7 @@ use crate::ring::Ring;
 use crate::shm::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
-use crate::sys::segment::{self, Segment};
+use crate::sys::segment::{self, Backing, Segment};
 
 use super::mapping::Mapping;
 use super::signature::{self, Signature};
@@ -41,6 +41,9 @@ pub(super) struct Entry {
     pub(super) protected: bool,
     /// The slot's id was already invalidated (a hard clear).
     pub(super) invalid: bool,
+    /// Hit (`get_cached`) since the allocator's walk last passed it: under
+    /// [`Eviction::SecondChance`] it stays one more lap.
+    pub(super) hit: bool,
 }
 
 /// A copy into a reserved slot (a device-to-host DMA, say), seen by the
@@ -57,7 +60,6 @@ pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
 /// A slot handed out by the ring, not yet published.
 struct Reserved {
     pos: u64,
-    address: u64,
     slot_len: u64,
     payload: *mut u8,
 }
@@ -84,6 +86,10 @@ pub struct ObjectStore {
     pub(super) nonce: u64,
     pub(super) stats: StoreStats,
     pub(super) reader_timeout_ns: Option<u64>,
+    /// What the allocator does with an object hit since it last passed.
+    pub(super) eviction: Eviction,
+    /// Which pages of a sparse segment are backed (all, if reserved).
+    pub(super) backing: Backing,
     /// The key of handle signatures (also in the segment, for readers).
     pub(super) secret: [u8; 32],
     /// The fork generation this store was made in (see `sys::fork`): in a
@@ -111,7 +117,10 @@ impl ObjectStore {
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
-        let prefault = super::mapping::prefault_at_map(cfg.prefault, cfg.pin);
+        // Only a reserved segment is pre-faulted: faulting a hole of a
+        // sparse one would allocate it (and, past /dev/shm's size, fault).
+        let want_prefault = cfg.prefault && cfg.reserve;
+        let prefault = super::mapping::prefault_at_map(want_prefault, cfg.pin);
         // A writer that died leaves its segment: replaced, unless its
         // writer still runs.
         let seg = Segment::create_replacing(
@@ -126,6 +135,10 @@ impl ObjectStore {
                     .map_err(|e| format!("a usable pinshm segment ({e})"))
             },
         )?;
+        // A sparse segment's header is backed before it is written (an
+        // error here, never SIGBUS).
+        let mut backing = Backing::new(total as u64, cfg.reserve);
+        backing.ensure(&seg, 0, header_len as u64)?;
         // The lock before the stamp: whoever sees the magic sees a writer
         // whose death the kernel will report.
         if !seg.try_lock(liveness::WRITER_SLOT)? {
@@ -164,8 +177,8 @@ impl ObjectStore {
             reserved0: 0,
             epoch,
             next_id: 1,
-            ring_head: 0,
-            ring_tail: 0,
+            cursor: 0,
+            high_water: 0,
             cleared_below: 0,
             flags,
             secret,
@@ -176,7 +189,7 @@ impl ObjectStore {
         geo.header().stamp();
         // The writer knows whether it reserved the pages.
         let reserved = cfg.reserve;
-        let map = Mapping::new(seg, cfg.pin, reserved, cfg.prefault && !prefault)?;
+        let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             geo,
@@ -188,6 +201,8 @@ impl ObjectStore {
             nonce,
             stats: StoreStats::default(),
             reader_timeout_ns: cfg.reader_timeout.map(|d| d.as_nanos() as u64),
+            eviction: cfg.eviction,
+            backing,
             secret,
             fork_gen,
             map,
@@ -250,7 +265,7 @@ impl ObjectStore {
     /// Whether the pending put `id` has finished its copy.
     pub(crate) fn pending_done(&self, id: u64) -> bool {
         self.ring
-            .find_by(id, |e| e.id)
+            .find(id)
             .and_then(|s| s.value.pending.as_ref())
             .is_none_or(|p| p.is_done())
     }
@@ -258,14 +273,11 @@ impl ObjectStore {
     /// Waits for the pending put `id` and publishes it.
     pub(crate) fn finish_pending(&mut self, id: u64) -> Result<ObjectHandle> {
         self.check_owner()?;
-        let span = self
-            .ring
-            .find_by_mut(id, |e| e.id)
-            .ok_or(Error::PutNotPending {
-                id,
-                reason: "its slot is gone (finished and reclaimed, or failed)",
-            })?;
-        let address = span.pos % self.geo.capacity;
+        let span = self.ring.find_mut(id).ok_or(Error::PutNotPending {
+            id,
+            reason: "its slot is gone (finished and reclaimed, or failed)",
+        })?;
+        let address = span.pos;
         // A put is finished once: its pending copy is taken here, so a
         // second finish finds none and changes nothing.
         let Some(pending) = span.value.pending.take() else {
@@ -314,21 +326,29 @@ impl ObjectStore {
             });
         }
         let slot_len = layout::slot_len(self.geo.n_readers, len) as u64;
-        let pos = self.allocate(slot_len)?;
-        let tail = self.ring.tail();
-        if pos > tail && !self.ring.is_empty() && pos - tail < self.geo.capacity {
-            // The end of this lap is skipped: leave a marker there so the
-            // inspector can walk the ring without reading stale headers.
-            if let Some(s) = self.geo.slot(tail % self.geo.capacity) {
-                s.mark_skip(pos - tail);
-            }
+        let mut pos = self.allocate(slot_len, self.geo.capacity)?;
+        // Pages never written before are backed first: a full /dev/shm is
+        // an error, never a SIGBUS in the fill below.
+        let header_len = layout::header_len(self.geo.n_readers) as u64;
+        if let Err(e) = self
+            .backing
+            .ensure(self.map.seg(), header_len + pos, slot_len)
+        {
+            // /dev/shm is full: the store carries on in the part of the
+            // ring it already has (below the high-water mark, all backed),
+            // as a smaller cache, and tries the rest again on later puts.
+            let backed = self.ring.high_water();
+            pos = match self.allocate(slot_len, backed) {
+                Ok(p) if p + slot_len <= backed => p,
+                _ => return Err(e),
+            };
+            self.stats.nospace_fallbacks += 1;
         }
-        let address = self.ring.address(pos);
-        let (slot, payload) = self.slot_and_payload(address, len as u64);
-        slot.begin_write();
+        let (slot, payload) = self.slot_and_payload(pos, len as u64);
+        // Being written: id 0, and the span marked for the inspector's walk.
+        slot.mark_skip(slot_len);
         Ok(Reserved {
             pos,
-            address,
             slot_len,
             payload,
         })
@@ -349,10 +369,10 @@ impl ObjectStore {
         if pending.is_some() {
             self.pending_keys.insert(key.clone());
         }
-        debug_assert_eq!(r.address, self.ring.address(r.pos));
         self.ring.commit(
             r.pos,
             r.slot_len,
+            id,
             Entry {
                 id,
                 refs: 1,
@@ -362,8 +382,14 @@ impl ObjectStore {
                 size,
                 protected: false,
                 invalid: false,
+                hit: false,
             },
         );
+        // The gaps on either side of the new slot keep their markers.
+        if r.pos > 0 {
+            self.mark_gap(r.pos - layout::SLOT_ALIGN as u64);
+        }
+        self.mark_gap(r.pos + r.slot_len);
         self.publish_progress();
         id
     }
@@ -373,8 +399,8 @@ impl ObjectStore {
     fn publish(&mut self, id: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
         let n_readers = self.geo.n_readers;
-        let span = self.ring.find_by(id, |e| e.id)?;
-        let address = span.pos % self.geo.capacity;
+        let span = self.ring.find(id)?;
+        let address = span.pos;
         let e = &span.value;
         let key = e.key.clone()?;
         let slot = self.slot_at(address);
@@ -384,7 +410,6 @@ impl ObjectStore {
             e.size,
             layout::slot_len(n_readers, e.size as usize) as u64,
             e.kind as u32,
-            n_readers,
         );
         if !self.pending_keys.is_empty() {
             self.pending_keys.remove(&key);
@@ -436,12 +461,9 @@ impl ObjectStore {
         if h.epoch != self.epoch {
             return Err(stale());
         }
-        let span = self
-            .ring
-            .find_by(h.monotonic_id, |e| e.id)
-            .ok_or_else(stale)?;
+        let span = self.ring.find(h.monotonic_id).ok_or_else(stale)?;
         let e = &span.value;
-        if span.pos % self.geo.capacity != h.address || e.pending.is_some() || e.invalid {
+        if span.pos != h.address || e.pending.is_some() || e.invalid {
             return Err(stale());
         }
         let (_, payload) = self.slot_and_payload(h.address, e.size);
@@ -463,10 +485,11 @@ impl ObjectStore {
         let h = *self.index.get(key)?;
         let span = self
             .ring
-            .find_by_mut(h.monotonic_id, |e| e.id)
+            .find_mut(h.monotonic_id)
             .expect("every indexed key has a live slot");
         span.value.refs = span.value.refs.saturating_add(1);
         span.value.protected = false;
+        span.value.hit = true;
         let refs = span.value.refs;
         let (slot, _) = self.slot_and_payload(h.address, 0);
         slot.set_refs(refs);
@@ -483,13 +506,14 @@ impl ObjectStore {
             })
     }
 
-    /// Frees objects from the oldest end while every reader is done with
-    /// them; returns how many were freed.
+    /// Frees every object that every reader is done with (and nobody holds
+    /// or protects), oldest first, around those still in use; returns how
+    /// many were freed.
     pub fn free_unused(&mut self) -> usize {
         if !self.is_owner() {
             return 0;
         }
-        self.reclaim(None)
+        self.reclaim_all()
     }
 
     /// Keeps `key` from being reclaimed until its next
@@ -506,7 +530,7 @@ impl ObjectStore {
             .monotonic_id;
         let span = self
             .ring
-            .find_by_mut(id, |e| e.id)
+            .find_mut(id)
             .expect("every indexed key has a live slot");
         span.value.protected = true;
         Ok(())
@@ -553,7 +577,7 @@ impl ObjectStore {
             e.key = None;
             e.protected = false;
             if e.pending.is_none() && !e.invalid {
-                geo.slot(span.pos % geo.capacity)
+                geo.slot(span.pos)
                     .expect("ring slots are in bounds")
                     .invalidate();
                 e.invalid = true;
@@ -564,7 +588,7 @@ impl ObjectStore {
         self.geo.header().set_cleared_below(self.next_id);
         self.epoch = next_epoch(self.epoch);
         self.geo.header().set_epoch(self.epoch);
-        let freed = self.reclaim(None);
+        let freed = self.reclaim_all();
         tracing::debug!(freed, held = self.ring.len(), "store cleared (hard)");
         self.publish_progress();
     }
@@ -622,10 +646,7 @@ impl ObjectStore {
 
     /// Counters and the ring's state, with what blocks reclamation.
     pub fn stats(&self) -> StoreStats {
-        let oldest_unread = self.ring.front().and_then(|s| {
-            let b = self.blocker(s.pos, &s.value);
-            (!b.unread_by.is_empty() || !b.held_by.is_empty() || b.protected).then(|| Box::new(b))
-        });
+        let oldest_unread = self.oldest_blocker().map(Box::new);
         StoreStats {
             objects: self.ring.len() as u64,
             bytes_in_use: self.ring.used(),
@@ -676,7 +697,7 @@ impl ObjectStore {
     pub(super) fn publish_progress(&self) {
         self.geo
             .header()
-            .set_progress(self.next_id, self.ring.head(), self.ring.tail());
+            .set_progress(self.next_id, self.ring.cursor(), self.ring.high_water());
     }
 }
 

@@ -186,6 +186,41 @@ impl Segment {
         }
     }
 
+    /// Allocates the pages of `offset..offset + len` of the file
+    /// (`fallocate`, mode 0: on tmpfs this takes the pages from /dev/shm
+    /// now, or fails with `ENOSPC`), so writing them later can never raise
+    /// SIGBUS. Pages already allocated are left as they are.
+    pub fn back(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let fd = self.file.as_raw_fd();
+        loop {
+            // SAFETY: a plain syscall on our own open file description; it
+            // reads no memory of ours.
+            let r = unsafe { nix::libc::fallocate(fd, 0, offset as i64, len as i64) };
+            if r == 0 {
+                return Ok(());
+            }
+            match Errno::last() {
+                Errno::EINTR => continue,
+                Errno::ENOSPC => {
+                    let err = Error::NoSpace {
+                        name: self.name().to_owned(),
+                        requested: len,
+                        available: shm_free_bytes(),
+                    };
+                    tracing::debug!(%err, offset, "backing pages failed");
+                    return Err(err);
+                }
+                // Filesystems without fallocate: writes fault pages in as
+                // before (only the early failure is lost).
+                Errno::EOPNOTSUPP | Errno::ENOSYS => return Ok(()),
+                e => return Err(sys_err("fallocate", self.name(), e)),
+            }
+        }
+    }
+
     /// Start of the mapping (page aligned).
     pub fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
@@ -391,6 +426,67 @@ fn open_file(name: &str, flags: OFlag) -> Result<(String, File, usize)> {
         });
     }
     Ok((pname, file, len))
+}
+
+/// Which chunks of a sparse segment its writer has backed
+/// ([`Segment::back`]), kept in the writer's memory: a write into a chunk
+/// not yet backed backs it first, one `fallocate` per run of new chunks.
+/// A reserved segment starts fully backed.
+#[derive(Debug)]
+pub struct Backing {
+    /// Bit i: chunk i (of [`Backing::CHUNK`] bytes) is backed.
+    bits: Vec<u64>,
+    len: u64,
+}
+
+impl Backing {
+    /// Bytes per chunk: small enough that a sparse segment costs about what
+    /// its data touches, large enough that a stream of small writes makes
+    /// few syscalls.
+    pub const CHUNK: u64 = 64 << 10;
+
+    /// The chunks of a `len`-byte segment, all backed or none.
+    pub fn new(len: u64, backed: bool) -> Backing {
+        let chunks = len.div_ceil(Self::CHUNK);
+        let word = if backed { u64::MAX } else { 0 };
+        Backing {
+            bits: vec![word; chunks.div_ceil(64) as usize],
+            len,
+        }
+    }
+
+    fn is_backed(&self, chunk: u64) -> bool {
+        self.bits[(chunk / 64) as usize] & (1 << (chunk % 64)) != 0
+    }
+
+    /// Backs whatever of `offset..offset + len` is not yet backed. On an
+    /// error nothing is marked, so a later call tries again (once space
+    /// is free).
+    pub fn ensure(&mut self, seg: &Segment, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let end = offset.saturating_add(len).min(self.len);
+        let (first, last) = (offset / Self::CHUNK, (end - 1) / Self::CHUNK);
+        let mut c = first;
+        while c <= last {
+            if self.is_backed(c) {
+                c += 1;
+                continue;
+            }
+            let run_start = c;
+            while c <= last && !self.is_backed(c) {
+                c += 1;
+            }
+            let from = run_start * Self::CHUNK;
+            let to = (c * Self::CHUNK).min(self.len);
+            seg.back(from, to - from)?;
+            for k in run_start..c {
+                self.bits[(k / 64) as usize] |= 1 << (k % 64);
+            }
+        }
+        Ok(())
+    }
 }
 
 fn reserve(file: &File, len: usize, name: &str, reserve_pages: bool) -> Result<()> {

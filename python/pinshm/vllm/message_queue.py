@@ -4,15 +4,20 @@
 One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
 (this machine) get everything through shared memory:
 
-* a message whose pickle (with its out-of-band buffers) fits a slot
+* a message whose pickle (without out-of-band buffers) fits a chunk
   travels in a pinshm broadcast channel of ``max_chunks`` slots of
-  ``min(max_chunk_bytes, PINSHM_VLLM_MQ_SLOT_BYTES)`` (256 KiB by
-  default: the channel's segment is reserved, so its slots are kept to
-  what vLLM's control messages need);
-* a larger one goes into a pinshm object store owned by the queue (one
-  object for the pickle, one per out-of-band buffer; sparse: /dev/shm holds
-  what the messages touch), and only the objects' handles travel in the
+  ``max_chunk_bytes``;
+* a larger one, or one with out-of-band buffers, goes into a pinshm object
+  store owned by the queue (one object for the pickle, one per
+  out-of-band buffer), and only the objects' handles travel in the
   channel. No ZMQ socket is involved.
+
+Both segments are sparse, as vLLM's rings are: /dev/shm holds the pages
+the messages touched, and a full /dev/shm is a ``MemoryError``
+(``pinshm.NoSpaceError``) from that ``enqueue``, never SIGBUS. The
+channel's name is removed once every local reader has attached
+(``wait_until_ready``), and the store's is covered by multiprocessing's
+resource tracker, so a SIGKILLed writer leaves nothing in /dev/shm.
 
 Readers sleep on the channel's futex (a few µs of spinning first). A
 ``shutdown()`` from another thread ends a blocked ``dequeue`` with
@@ -58,17 +63,6 @@ LONG_WAIT_TIME_LOG_MSG = (
 
 # Out-of-band buffers below this size are pickled in-band (as vLLM does).
 OOB_MIN_BYTES = 1 << 20
-
-
-def _slot_bytes(max_chunk_bytes: int) -> int:
-    """The channel's slot size: vLLM's chunk size, capped (a channel
-    segment is resident in full; vLLM's rings are sparse and mostly
-    untouched). Larger messages go through the queue's sparse store."""
-    try:
-        cap = int(os.environ.get("PINSHM_VLLM_MQ_SLOT_BYTES", str(256 << 10)))
-    except ValueError:
-        cap = 256 << 10
-    return max(1024, min(max_chunk_bytes, cap))
 
 # Message kinds (byte 0 of a channel message).
 _INLINE = 0  # the pickle and its buffers, in the message
@@ -257,7 +251,6 @@ class Handle:
     tensor_arena_handle: Any = None  # always None: no tensor arena
     n_reader: int = 0
     writer_pid: int = 0
-    max_chunk_bytes: int = 0  # vLLM's nominal chunk size (the slots may be smaller)
 
 
 class MessageQueue:
@@ -299,8 +292,7 @@ class MessageQueue:
         _announce()
 
         if n_local_reader > 0:
-            self._slot = _slot_bytes(max_chunk_bytes)
-            self._tx = pinshm.Broadcast(n_local_reader, max_chunks, self._slot, name=name)
+            self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
             # Until the name is unlinked (wait_until_ready), a writer killed
             # without closing (vLLM SIGKILLs its engine core and workers)
             # leaves it to multiprocessing's resource tracker, as vLLM's
@@ -335,7 +327,6 @@ class MessageQueue:
             remote_addr_ipv6=remote_addr_ipv6,
             n_reader=n_reader,
             writer_pid=os.getpid(),
-            max_chunk_bytes=max_chunk_bytes,
         )
         logger.debug("pinshm message queue handle: %s", self.handle)
 
@@ -373,7 +364,7 @@ class MessageQueue:
             self._is_local_reader = True
             self._is_remote_reader = False
             self._rx = pinshm.BroadcastReader.attach(handle.buffer_handle, self.local_reader_rank)
-            self.max_chunk_bytes = handle.max_chunk_bytes or handle.buffer_handle.slot_size
+            self.max_chunk_bytes = handle.buffer_handle.slot_size
             self.max_chunks = handle.buffer_handle.slots
         else:
             self.local_reader_rank = -1
@@ -541,7 +532,7 @@ class MessageQueue:
             # they would fit a chunk: there each side copies them once (as
             # vLLM's ring does), where the channel's binding would copy them
             # five times (join, slot, recv, bytes, bytearray).
-            if len(bufs) == 1 and _inline_size(bufs) <= self._slot:
+            if len(bufs) == 1 and _inline_size(bufs) <= self.max_chunk_bytes:
                 self._send(_inline(bufs), deadline)
             else:
                 self._send_stored(bufs, deadline)
@@ -714,8 +705,7 @@ class MessageQueue:
         self._store_gen += 1
         name = f"{self._tx.name}-big{self._store_gen}"
         # Sparse, as vLLM's rings are: /dev/shm holds the pages messages
-        # touched (until the store backs pages before writing them, a full
-        # /dev/shm is a SIGBUS here, as in vLLM).
+        # touched; a full /dev/shm is NoSpaceError from that put.
         self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name, reserve=False)
         self._store_capacity = capacity
         # Readers attach to it by name at their first big message: the

@@ -87,9 +87,19 @@ fn store_for(size: usize, objects: usize, prefault: bool) -> ObjectStore {
 /// Steady-state put: the reader acknowledges each object right away, so
 /// the ring keeps wrapping and reclaiming its oldest slot.
 fn put_ns(size: usize, quick: bool) -> f64 {
+    put_readers_ns(size, 1, quick)
+}
+
+/// As `put_ns` with `n_readers` readers, each acknowledging every object:
+/// what the writer's reclaim check costs per reader.
+fn put_readers_ns(size: usize, n_readers: u32, quick: bool) -> f64 {
     let objects = ring_objects(size);
-    let mut store = store_for(size, objects, true);
-    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let cap = (StoreConfig::slot_len(n_readers, size) * objects).next_multiple_of(4096);
+    let mut store =
+        ObjectStore::create(StoreConfig::new(cap, size, n_readers)).expect("create store");
+    let readers: Vec<StoreReader> = (0..n_readers)
+        .map(|_| StoreReader::attach(&store.handle()).unwrap())
+        .collect();
     let data = vec![3u8; size];
     let keys: Vec<String> = (0..objects * 2).map(|i| format!("key-{i}")).collect();
     let batch = batch_for(size).min(objects / 2);
@@ -109,7 +119,9 @@ fn put_ns(size: usize, quick: bool) -> f64 {
             t.push(dt);
         }
         for h in &handles {
-            reader.touch(*h).unwrap();
+            for reader in &readers {
+                reader.touch(*h).unwrap();
+            }
         }
     }
     median(&mut t)
@@ -410,6 +422,29 @@ fn main() {
             hot,
         );
         emit("get_item", size, get_item_ns(size, quick), m, hot);
+    }
+    // The writer's cost per reader: 4 KiB puts with 1, 8 and 32 readers
+    // (the 1-reader row is the baseline of this run).
+    let base = put_readers_ns(4096, 1, quick);
+    for n in [1u32, 8, 32] {
+        let ns = if n == 1 {
+            base
+        } else {
+            put_readers_ns(4096, n, quick)
+        };
+        if json {
+            println!(
+                "{{\"op\": \"put_readers\", \"readers\": {n}, \"size\": 4096, \"median_ns\": {ns:.1}, \"put_1_reader_ns\": {base:.1}, \"ratio\": {:.3}}}",
+                ns / base
+            );
+        } else {
+            println!(
+                "{:<20} {:>10} {ns:>14.1} {base:>14.1} {:>8.2}   ({n} readers; baseline: put with 1 reader)",
+                "put_readers",
+                4096,
+                ns / base
+            );
+        }
     }
     let m = memcpy_ns(MIB, 64 * MIB, quick);
     let (gbps, lat) = xproc(quick);

@@ -13,11 +13,16 @@
 //! covers, never the ring behind it (a FIFO stops at the first object in
 //! use). A slot never straddles the end of the region. Tested under Miri.
 //!
-//! Positions below [`Ring::high_water`] are all either an object or a gap,
-//! and every gap starts with a marker the writer keeps up to date
-//! ([`Ring::gap_containing`]), so an inspector can walk the region.
+//! Positions below [`Ring::high_water`] are all either an object or free,
+//! and every free run is a chain of headers whose lengths cover it: a freed
+//! slot keeps its header (id 0, its length), and where a new slot takes
+//! only the start of a free run the writer marks the rest
+//! ([`Ring::free_run_end`]), so an inspector can walk the region.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+
+/// Ids are the writer's own counter: a fast non-cryptographic hash is enough.
+type IdHasher = foldhash::fast::RandomState;
 
 /// One allocation.
 #[derive(Debug, Clone)]
@@ -59,7 +64,7 @@ pub struct Ring<T> {
     used: u64,
     spans: BTreeMap<u64, Span<T>>,
     /// id → position.
-    ids: BTreeMap<u64, u64>,
+    ids: HashMap<u64, u64, IdHasher>,
 }
 
 impl<T> Ring<T> {
@@ -72,7 +77,7 @@ impl<T> Ring<T> {
             high: 0,
             used: 0,
             spans: BTreeMap::new(),
-            ids: BTreeMap::new(),
+            ids: HashMap::default(),
         }
     }
 
@@ -218,27 +223,6 @@ impl<T> Ring<T> {
         Some(span)
     }
 
-    /// The gap (start, length) that contains free position `pos`, bounded
-    /// by the high-water mark; `None` if `pos` is in a span or at or past
-    /// the high-water mark.
-    pub fn gap_containing(&self, pos: u64) -> Option<(u64, u64)> {
-        if pos >= self.high || self.covering(pos).is_some() {
-            return None;
-        }
-        let start = self
-            .spans
-            .range(..pos)
-            .next_back()
-            .map_or(0, |(_, s)| s.end());
-        let end = self
-            .spans
-            .range(pos..)
-            .next()
-            .map_or(self.high, |(_, s)| s.pos)
-            .min(self.high);
-        Some((start, end - start))
-    }
-
     /// Largest run of free bytes.
     pub fn largest_free(&self) -> u64 {
         let mut best = 0;
@@ -268,7 +252,20 @@ impl<T> Ring<T> {
 
     /// Positions of the live spans, oldest first.
     pub fn positions_by_age(&self) -> Vec<u64> {
-        self.ids.values().copied().collect()
+        let mut by_id: Vec<(u64, u64)> = self.ids.iter().map(|(&id, &pos)| (id, pos)).collect();
+        by_id.sort_unstable();
+        by_id.into_iter().map(|(_, pos)| pos).collect()
+    }
+
+    /// Where the free run that starts at `pos` ends: the next span's start,
+    /// bounded by the high-water mark (`pos` itself if a span starts there).
+    pub fn free_run_end(&self, pos: u64) -> u64 {
+        self.spans
+            .range(pos..)
+            .next()
+            .map_or(self.high, |(_, s)| s.pos)
+            .min(self.high)
+            .max(pos)
     }
 
     /// Live spans in position order.
@@ -370,20 +367,23 @@ mod tests {
     }
 
     #[test]
-    fn gaps_are_bounded_by_spans_and_the_high_water_mark() {
+    fn free_runs_end_at_the_next_span_or_the_high_water_mark() {
         let mut r: Ring<bool> = Ring::new(1024);
         for id in 0..4 {
             put(&mut r, id, 128, false).unwrap();
         }
         assert_eq!(r.high_water(), 512);
-        assert_eq!(r.gap_containing(0), None, "in a span");
+        assert_eq!(r.free_run_end(0), 0, "a span starts there");
         r.remove(128);
         r.remove(256);
-        assert_eq!(r.gap_containing(200), Some((128, 256)));
-        assert_eq!(r.gap_containing(128), Some((128, 256)));
+        assert_eq!(r.free_run_end(128), 384);
         r.remove(384);
-        assert_eq!(r.gap_containing(400), Some((128, 384)));
-        assert_eq!(r.gap_containing(600), None, "past the high-water mark");
+        assert_eq!(r.free_run_end(128), 512, "bounded by the high-water mark");
+        assert_eq!(
+            r.free_run_end(600),
+            600,
+            "past the high-water mark: nothing"
+        );
         assert_eq!(r.largest_free(), 1024 - 128);
         assert_eq!(r.positions_by_age().first(), Some(&0));
     }

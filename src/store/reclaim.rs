@@ -85,6 +85,47 @@ impl Judge<'_> {
         })
     }
 
+    /// Whether a reader keeps `e` (in `slot`): owes it a read (when
+    /// `owed` is asked and it has a key), or holds it. One pass over the
+    /// reader table, each entry's state word read once; the same answers
+    /// as [`Judge::owing`] and [`Judge::holders`].
+    fn in_use(&self, e: &Entry, slot: SlotPtr, owed: bool) -> bool {
+        let owed = owed && e.key.is_some();
+        let short = (owed && self.geo.aggregate).then(|| {
+            let readers = (0..self.geo.n_readers)
+                .filter(|&j| {
+                    matches!(
+                        self.geo.reader(j).state(),
+                        reader_state::VACANT | reader_state::ATTACHING | reader_state::ATTACHED
+                    )
+                })
+                .count() as u64;
+            (slot.reads_acquire(0) as u64) < e.refs as u64 * readers
+        });
+        (0..self.geo.n_readers).any(|i| {
+            let r = self.geo.reader(i);
+            let word = r.word();
+            let state = reader_state::state(word);
+            if state == reader_state::LEFT {
+                return false;
+            }
+            if owed {
+                let counted = match state {
+                    reader_state::VACANT | reader_state::ATTACHING => true,
+                    reader_state::ATTACHED => short.is_some() || e.id >= r.counted_from(),
+                    _ => false,
+                };
+                if counted
+                    && short.unwrap_or_else(|| slot.reads_acquire(i) < e.refs)
+                    && !self.stuck(i)
+                {
+                    return true;
+                }
+            }
+            r.holds(e.id) || slot.held_by(i, reader_state::generation(word))
+        })
+    }
+
     fn slot(&self, pos: u64) -> SlotPtr {
         self.geo.slot(pos).expect("ring addresses are in bounds")
     }
@@ -100,12 +141,8 @@ impl Judge<'_> {
         if e.protected {
             return false;
         }
-        let slot = self.slot(pos);
         // A cleared object (no key) is owed nothing.
-        if e.key.is_some() && self.owing(e, slot).next().is_some() {
-            return false;
-        }
-        self.holders(slot, e.id).next().is_none()
+        !self.in_use(e, self.slot(pos), true)
     }
 
     /// As `may_go`, for a span the allocator's walk meets: under
@@ -121,19 +158,21 @@ impl Judge<'_> {
     }
 
     /// The reclaim protocol of crate::shm: on success the slot is invalid
-    /// and no reader can be inside it.
-    fn try_free(&self, pos: u64, e: &Entry) -> bool {
+    /// and no reader can be inside it. `owed_checked`: [`Judge::may_go`]
+    /// just found no read owed, and reads owed only decrease while the
+    /// writer does not add references (it does not, inside one call).
+    fn try_free(&self, pos: u64, e: &Entry, owed_checked: bool) -> bool {
         if e.pending.is_some() || e.protected {
             return self.may_go(pos, e);
         }
         let slot = self.slot(pos);
-        if e.key.is_some() && self.owing(e, slot).next().is_some() {
+        if !owed_checked && e.key.is_some() && self.owing(e, slot).next().is_some() {
             return false;
         }
         if !e.invalid {
             slot.invalidate();
         }
-        if self.holders(slot, e.id).next().is_some() {
+        if self.in_use(e, slot, false) {
             if !e.invalid {
                 slot.restore(e.id);
             }
@@ -252,7 +291,7 @@ impl ObjectStore {
     /// may not go after all; whether all went.
     fn free_all(&mut self, victims: &[u64]) -> bool {
         for &pos in victims {
-            if !self.free_at(pos) {
+            if !self.free_at(pos, true) {
                 return false;
             }
         }
@@ -262,10 +301,10 @@ impl ObjectStore {
         true
     }
 
-    /// Frees the span at `pos` if it may go: forgets its key, marks the gap.
-    fn free_at(&mut self, pos: u64) -> bool {
+    /// Frees the span at `pos` if it may go, and forgets its key.
+    fn free_at(&mut self, pos: u64, owed_checked: bool) -> bool {
         let span = self.ring.find_at(pos).expect("victims are live spans");
-        if !self.judge().try_free(pos, &span.value) {
+        if !self.judge().try_free(pos, &span.value, owed_checked) {
             return false;
         }
         let span = self.ring.remove(pos).expect("found above");
@@ -275,8 +314,8 @@ impl ObjectStore {
                 self.pending_keys.remove(&key);
             }
         }
+        // Its header (id 0 now, its length) still spans it for the walk.
         self.stats.evictions += 1;
-        self.mark_gap(pos);
         true
     }
 
@@ -285,7 +324,7 @@ impl ObjectStore {
     pub(super) fn reclaim_all(&mut self) -> usize {
         let mut freed = 0;
         for pos in self.ring.positions_by_age() {
-            if self.free_at(pos) {
+            if self.free_at(pos, false) {
                 freed += 1;
             }
         }
@@ -322,12 +361,13 @@ impl ObjectStore {
             .map(|s| judge.blocker(s.pos, &s.value))
     }
 
-    /// Writes the marker of the gap containing free position `pos` (for
-    /// the inspector's walk).
-    pub(super) fn mark_gap(&self, pos: u64) {
-        if let Some((start, len)) = self.ring.gap_containing(pos) {
-            if let Some(s) = self.geo.slot(start) {
-                s.mark_skip(len);
+    /// Marks the free run that starts at `pos` with its length, where one
+    /// starts there below the high-water mark (for the inspector's walk).
+    pub(super) fn mark_free_run(&self, pos: u64) {
+        let end = self.ring.free_run_end(pos);
+        if end > pos {
+            if let Some(s) = self.geo.slot(pos) {
+                s.mark_skip(end - pos);
             }
         }
     }

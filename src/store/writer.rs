@@ -385,11 +385,9 @@ impl ObjectStore {
                 hit: false,
             },
         );
-        // The gaps on either side of the new slot keep their markers.
-        if r.pos > 0 {
-            self.mark_gap(r.pos - layout::SLOT_ALIGN as u64);
-        }
-        self.mark_gap(r.pos + r.slot_len);
+        // A run starts at a span's end or at 0, so only the rest of the free
+        // run after the new slot may need a marker.
+        self.mark_free_run(r.pos + r.slot_len);
         self.publish_progress();
         id
     }

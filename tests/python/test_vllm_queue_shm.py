@@ -151,3 +151,28 @@ def test_vllm_sized_queues_take_little_dev_shm_and_still_carry_large_messages(un
             r.close()
         for q in queues:
             q.close()
+
+
+def test_the_channel_name_goes_once_every_reader_attached_and_messages_still_flow(unique_name):
+    import threading
+
+    mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=3, name=unique_name())
+    name = mq._tx.name
+    readers = [MessageQueue.create_from_handle(mq.export_handle(), r) for r in (0, 1)]
+    try:
+        # Collective, as in vLLM: the writer and each reader call it.
+        threads = [threading.Thread(target=r.wait_until_ready) for r in readers]
+        for t in threads:
+            t.start()
+        mq.wait_until_ready()
+        for t in threads:
+            t.join()
+        assert not os.path.exists("/dev/shm/" + name), "unlinked once both readers attached"
+        assert name not in mq._tracked
+        for i in range(10):  # more than the slots: the READY fillers are skipped
+            mq.enqueue(("m", i))
+            assert [r.dequeue() for r in readers] == [("m", i)] * 2
+    finally:
+        for r in readers:
+            r.close()
+        mq.close()

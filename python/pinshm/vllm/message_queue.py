@@ -382,14 +382,14 @@ class MessageQueue:
         return self
 
     def wait_until_ready(self) -> None:
-        """Collective: the writer and every reader call it. Local readers
-        need no handshake (a reader index that has not attached yet is
-        waited for and receives every message), so locally it only checks
-        the channel end to end; remote readers do vLLM's XPUB handshake."""
+        """Collective: the writer and every reader call it (concurrently:
+        each waits for the others, as in vLLM). Locally the writer learns
+        that every reader has attached, then removes the channel's name
+        (see :meth:`_ready_handshake`); remote readers do vLLM's XPUB
+        handshake."""
         if self._is_writer:
             if self._tx is not None:
-                self._send(bytes([_READY]), None)
-                self._unlink_once_attached()
+                self._ready_handshake()
             if self.n_remote_reader > 0:
                 for _ in range(self.n_remote_reader):
                     self.remote_socket.recv()  # a subscription message
@@ -398,26 +398,36 @@ class MessageQueue:
             data = self._recv(None, indefinite=True)
             if data[0] != _READY:
                 raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[0]}")
+            # The fillers the writer announced (see _ready_handshake).
+            fillers = int.from_bytes(data[1:5], "little") if len(data) >= 5 else 0
+            for _ in range(fillers):
+                data = self._recv(None, indefinite=True)
+                if data[0] != _READY:
+                    raise RuntimeError(f"wait_until_ready: expected a READY filler, got a message of kind {data[0]}")
         elif self._is_remote_reader:
             recv = self.remote_socket.recv()
             if recv != b"READY":
                 raise RuntimeError(f"wait_until_ready: expected b'READY', got {recv[:16]!r}")
 
-    def _unlink_once_attached(self) -> None:
-        """Removes the channel's name once every local reader has attached,
-        so that no kill can leave it in /dev/shm (the mapping stays; the
-        name was only for attaching). Needs ``Broadcast.unlink()``; without
-        it the resource tracker keeps the name covered.
+    def _ready_handshake(self) -> None:
+        """Sends READY, and where the channel can drop its name
+        (``Broadcast.unlink()``), drops it once every local reader has
+        attached, so that no kill can leave it in /dev/shm (the mapping
+        stays; the name was only for attaching). Without ``unlink`` the
+        resource tracker covers the name.
 
-        Every reader has attached once each has received the READY just
-        sent. The channel tells the writer that through its slots: the
-        send that reuses READY's slot (``max_chunks`` sends later) waits
-        until every reader has released it. The filler messages are READYs,
-        which ``dequeue`` skips."""
+        The channel tells the writer that every reader has attached
+        through its slots: the send that reuses READY's slot
+        (``max_chunks`` sends later) waits until every reader has released
+        READY. READY announces those ``max_chunks`` fillers and each reader
+        reads them all in its ``wait_until_ready``, so the ring is empty
+        again when the handshake ends."""
         unlink = getattr(self._tx, "unlink", None)
+        fillers = self.max_chunks if unlink is not None else 0
+        self._send(bytes([_READY]) + fillers.to_bytes(4, "little"), None)
         if unlink is None:
             return
-        for _ in range(self.max_chunks):
+        for _ in range(fillers):
             self._send(bytes([_READY]), None)
         unlink()
         self._untrack(self._tx.name)

@@ -75,18 +75,26 @@ def children_of(root: int) -> list[int]:
     return tree
 
 
-def mapped_shm(pid: int) -> set[str]:
-    """/dev/shm files `pid` has mapped."""
-    names = set()
+def mapped_shm(pid: int) -> dict[str, int]:
+    """/dev/shm files `pid` has mapped, with the resident bytes of its
+    mappings of each (Rss from smaps): this also sees segments whose name
+    was already unlinked (pinshm's queue removes it once readers attach)."""
+    out: dict[str, int] = {}
+    name = None
     try:
-        with open(f"/proc/{pid}/maps") as f:
+        with open(f"/proc/{pid}/smaps") as f:
             for line in f:
                 i = line.find("/dev/shm/")
                 if i >= 0:
-                    names.add(line[i + 9 :].split()[0])
+                    name = line[i + 9 :].split()[0]
+                    out.setdefault(name, 0)
+                elif line[:1].isdigit() or line[:1] in "abcdef":
+                    name = None  # another mapping
+                elif name is not None and line.startswith("Rss:"):
+                    out[name] += int(line.split()[1]) * 1024
     except OSError:
         pass
-    return names
+    return out
 
 
 def cpu_and_role(pid: int) -> tuple[float, str] | None:
@@ -133,11 +141,16 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         tree = children_of(self.root)
+        rss: dict[str, int] = {}
         for pid in tree:
-            self.ours.update(mapped_shm(pid))
-        # Only the segments this run's processes mapped: other programs on
-        # the machine use /dev/shm too.
-        usage = {k: v for k, v in shm_usage().items() if k in self.ours and k not in self.before}
+            for k, v in mapped_shm(pid).items():
+                rss[k] = max(rss.get(k, 0), v)
+        self.ours.update(rss)
+        # Only the segments this run's processes mapped (other programs on
+        # the machine use /dev/shm too): the file's blocks while it has a
+        # name, else the largest resident mapping of it.
+        files = shm_usage()
+        usage = {k: max(files.get(k, 0), v) for k, v in rss.items() if k not in self.before}
         total = sum(usage.values())
         queues = sum(v for k, v in usage.items() if not k.startswith(self.cache_prefixes) and not k.startswith("sem."))
         self.peak_total = max(self.peak_total, total)

@@ -20,10 +20,18 @@ def stand_in():
     return m
 
 
-def test_register_rebinds_the_names_the_cache_looks_up_and_logs_once(caplog, monkeypatch):
-    monkeypatch.setattr(plugin, "_registered", False)
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin as in a new process: nothing announced or pending."""
+    monkeypatch.setattr(plugin, "_announced", False)
+    monkeypatch.setattr(plugin, "_pending", None)
+    monkeypatch.setattr(plugin, "rebound", {})
     # vLLM's own loggers may not propagate to pytest's handler.
     monkeypatch.setattr(plugin, "_logger", lambda: logging.getLogger("pinshm-test"))
+    monkeypatch.delenv("PINSHM_VLLM_MESSAGE_QUEUE", raising=False)
+
+
+def test_register_rebinds_the_names_the_cache_looks_up_and_logs_once(caplog, fresh_plugin):
     m = stand_in()
     with caplog.at_level(logging.INFO):
         plugin.register(m)
@@ -34,29 +42,150 @@ def test_register_rebinds_the_names_the_cache_looks_up_and_logs_once(caplog, mon
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
 
 
-def test_register_leaves_a_module_that_is_not_vllm_033s_alone_and_warns(caplog, monkeypatch):
-    monkeypatch.setattr(plugin, "_logger", lambda: logging.getLogger("pinshm-test"))
+def test_register_leaves_a_module_that_is_not_vllm_033s_alone_and_warns(caplog, fresh_plugin):
     m = stand_in()
     del m.MsgpackSerde
     before = {name: getattr(m, name) for name in plugin.REBOUND if hasattr(m, name)}
     with caplog.at_level(logging.WARNING):
         plugin.register(m)  # never raises: vLLM calls plugins unguarded
     assert {name: getattr(m, name) for name in before} == before
-    assert any("not in use" in r.getMessage() and "MsgpackSerde" in r.getMessage() for r in caplog.records)
+    assert any("stays vLLM's" in r.getMessage() and "MsgpackSerde" in r.getMessage() for r in caplog.records)
+    assert not any("in use" in r.getMessage() for r in caplog.records)
 
 
-def test_the_message_queue_switch_installs_it(monkeypatch):
+def test_the_message_queue_switch_installs_it(monkeypatch, fresh_plugin):
     calls = []
-    import pinshm.vllm.message_queue as mq
-
-    monkeypatch.setattr(mq, "install", lambda: calls.append(1))
+    monkeypatch.setattr(plugin, "install_message_queue", lambda: calls.append(1))
     m = stand_in()
-    monkeypatch.delenv("PINSHM_VLLM_MESSAGE_QUEUE", raising=False)
     plugin.register(m)
     assert calls == [], "off unless asked for"
     monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "1")
     plugin.register(m)
     assert calls == [1]
+
+
+def test_a_queue_that_cannot_be_rebound_leaves_the_cache_rebound(caplog, monkeypatch, fresh_plugin):
+    def broken():
+        raise NameError("name 'ObjectRef' is not defined")
+
+    monkeypatch.setattr(plugin, "install_message_queue", broken)
+    monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "1")
+    m = stand_in()
+    with caplog.at_level(logging.INFO):
+        plugin.register(m)
+    assert m.SingleWriterShmObjectStorage is storage.SingleWriterShmObjectStorage
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("MessageQueue stays vLLM's: NameError" in x for x in msgs), msgs
+    in_use = [x for x in msgs if "in use" in x]
+    assert len(in_use) == 1 and "cache" in in_use[0] and "MessageQueue" not in in_use[0], msgs
+
+
+# A stand-in for vLLM, as files on sys.path: the cache module, the queue's
+# modules, and an executor module that raises NameError on import (vLLM
+# 0.33's ray_executor_v2 without ray).
+STAND_IN = {
+    "vllm/__init__.py": "",
+    "vllm/multimodal/__init__.py": "",
+    "vllm/multimodal/cache/__init__.py": "",
+    "vllm/multimodal/cache/shm.py": (
+        "class SingleWriterShmRingBuffer: pass\n"
+        "class SingleWriterShmObjectStorage: pass\n"
+        "class MsgpackSerde: pass\n"
+    ),
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/device_communicators/__init__.py": "",
+    "vllm/distributed/device_communicators/shm_broadcast.py": (
+        "class Handle: pass\nclass MessageQueue: pass\n"
+    ),
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/executor/__init__.py": "",
+    "vllm/v1/executor/multiproc_executor.py": (
+        "from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue\n"
+    ),
+    "vllm/v1/executor/ray_executor_v2.py": "def f(x: ObjectRef): pass\n",
+}
+
+PROBE_STAND_IN = """
+import logging, sys, warnings
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(levelname)s %(message)s")
+warnings.simplefilter("always")
+import vllm.multimodal.cache.shm as shm
+from pinshm.vllm import plugin
+plugin.register()
+print("CACHE", shm.SingleWriterShmObjectStorage.__module__)
+try:
+    import vllm.v1.executor.multiproc_executor as mp
+    print("QUEUE", mp.MessageQueue.__module__)
+except NameError:
+    print("QUEUE cannot import")
+print("REBOUND", sorted(plugin.rebound.get("queue", [])))
+"""
+
+
+def run_stand_in(tmp_path, mode, broken=None):
+    for rel, text in STAND_IN.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    if broken is not None:
+        (tmp_path / broken).write_text("def f(x: ObjectRef): pass\n")
+    env = dict(os.environ, PINSHM_VLLM_MESSAGE_QUEUE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE_STAND_IN, mode], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout, out.stderr
+
+
+def test_an_executor_module_raising_name_error_leaves_both_rebindings_done(tmp_path):
+    stdout, stderr = run_stand_in(tmp_path, "configured")
+    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
+    assert "QUEUE pinshm.vllm.message_queue" in stdout, stdout + stderr
+    assert "ray_executor_v2" not in stdout.split("REBOUND", 1)[1]
+    in_use = [x for x in stdout.splitlines() if x.startswith("LOG") and "in use" in x]
+    assert len(in_use) == 1 and "cache" in in_use[0] and "MessageQueue" in in_use[0], stdout
+    assert "stays vLLM's" not in stdout + stderr
+
+
+def test_a_queue_module_raising_name_error_leaves_the_cache_rebound_and_says_so(tmp_path):
+    stdout, stderr = run_stand_in(
+        tmp_path, "configured", broken="vllm/distributed/device_communicators/shm_broadcast.py"
+    )
+    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
+    assert "QUEUE pinshm.vllm.message_queue" not in stdout
+    warn = [x for x in stdout.splitlines() if x.startswith("LOG WARNING")]
+    assert len(warn) == 1 and "MessageQueue stays vLLM's" in warn[0] and "NameError" in warn[0], stdout
+    in_use = [x for x in stdout.splitlines() if "in use" in x]
+    assert len(in_use) == 1 and "cache" in in_use[0] and "MessageQueue" not in in_use[0], stdout
+
+
+def test_before_logging_is_configured_a_failure_still_prints_and_the_in_use_line_waits(tmp_path):
+    stdout, stderr = run_stand_in(
+        tmp_path, "unconfigured", broken="vllm/distributed/device_communicators/shm_broadcast.py"
+    )
+    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
+    # Through warnings, so it is seen without any logging handler.
+    assert "RuntimeWarning: pinshm: MessageQueue stays vLLM's: " in stderr, stderr
+    assert "in use" not in stdout + stderr, "held back until a store or queue is built"
+
+
+def test_the_held_back_in_use_line_comes_when_a_store_is_built(caplog, monkeypatch, fresh_plugin, unique_name):
+    monkeypatch.setattr(plugin, "_logging_ready", lambda: False)
+    plugin.register(stand_in())
+    assert plugin._pending is not None
+    monkeypatch.setattr(plugin, "_logging_ready", lambda: True)
+    with caplog.at_level(logging.INFO):
+        ring = storage.SingleWriterShmRingBuffer(1 << 20, name=unique_name(), create=True)
+        st = storage.SingleWriterShmObjectStorage(1 << 16, 1, ring)
+        st.close()
+        st2 = storage.SingleWriterShmObjectStorage(
+            1 << 16, 1, storage.SingleWriterShmRingBuffer(1 << 20, name=unique_name(), create=True)
+        )
+        st2.close()
+    in_use = [r.getMessage() for r in caplog.records if "in use" in r.getMessage()]
+    assert len(in_use) == 1, in_use
 
 
 def test_the_entry_point_is_declared():

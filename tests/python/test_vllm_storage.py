@@ -101,6 +101,31 @@ def test_aggregate_accounting_frees_after_refs_times_readers_reads_from_anyone(m
     assert not w.is_cached("k")
 
 
+def test_a_writer_given_a_reader_lock_counts_its_own_gets_as_reads(unique_name):
+    """As vLLM's storage: its tests read through the writer, n_readers times."""
+    ring = S.SingleWriterShmRingBuffer(4 * MIB, name=unique_name(), create=True)
+    w = S.SingleWriterShmObjectStorage(MIB, 2, ring, reader_lock=threading.Lock())
+    try:
+        a, i = w.put("k", b"x" * 1000)
+        assert w.get(a, i) == b"x" * 1000
+        w.free_unused()
+        assert w.is_cached("k"), "freed after 1 of 2 reads"
+        assert w.get(a, i) == b"x" * 1000
+        w.free_unused()
+        assert not w.is_cached("k")
+    finally:
+        w.close()
+
+
+def test_a_writer_without_a_reader_lock_counts_nothing(make):
+    w, _ = make(n_readers=1)
+    a, i = w.put("k", b"x" * 1000)
+    for _ in range(3):
+        assert w.get(a, i) == b"x" * 1000
+    w.free_unused()
+    assert w.is_cached("k")
+
+
 def test_writer_touch_protects_until_get_cached_or_release_touches(make):
     w, reader = make()
     r = reader()

@@ -4,12 +4,20 @@
 One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
 (this machine) get everything through shared memory:
 
-* a message whose pickle (with its out-of-band buffers) fits a chunk
+* a message whose pickle (without out-of-band buffers) fits a chunk
   travels in a pinshm broadcast channel of ``max_chunks`` slots of
   ``max_chunk_bytes``;
-* a larger one goes into a pinshm object store owned by the queue (one
-  object for the pickle, one per out-of-band buffer), and only the
-  objects' handles travel in the channel. No ZMQ socket is involved.
+* a larger one, or one with out-of-band buffers, goes into a pinshm object
+  store owned by the queue (one object for the pickle, one per
+  out-of-band buffer), and only the objects' handles travel in the
+  channel. No ZMQ socket is involved.
+
+Both segments are sparse, as vLLM's rings are: /dev/shm holds the pages
+the messages touched, and a full /dev/shm is a ``MemoryError``
+(``pinshm.NoSpaceError``) from that ``enqueue``, never SIGBUS. The
+channel's name is removed once every local reader has attached
+(``wait_until_ready``), and the store's is covered by multiprocessing's
+resource tracker, so a SIGKILLed writer leaves nothing in /dev/shm.
 
 Readers sleep on the channel's futex (a few µs of spinning first). A
 ``shutdown()`` from another thread ends a blocked ``dequeue`` with
@@ -17,8 +25,8 @@ Readers sleep on the channel's futex (a few µs of spinning first). A
 transport: a ZMQ XPUB socket over TCP (pyzmq, imported only then).
 
 The module imports with numpy alone: torch, vLLM and pyzmq are imported
-when a call needs them. ``install()`` rebinds the name ``MessageQueue``
-inside vLLM (see its docstring).
+when a call needs them. The plugin (``pinshm.vllm.plugin``) rebinds the
+name ``MessageQueue`` inside vLLM.
 """
 
 from __future__ import annotations
@@ -62,6 +70,26 @@ _STORED = 1  # handles of objects in the queue's store
 _READY = 2  # wait_until_ready's probe
 
 _U16 = struct.Struct("<H")
+
+
+def _track(name: str) -> None:
+    from .storage import _track as track
+
+    track(name)
+
+
+def _untrack(name: str) -> None:
+    from .storage import _untrack as untrack
+
+    untrack(name)
+
+
+def _announce() -> None:
+    """The plugin's "in use" line, once vLLM's logging is configured (it is
+    when vLLM builds its queues)."""
+    from .plugin import announce
+
+    announce()
 
 
 def _warning_interval() -> float:
@@ -261,9 +289,16 @@ class MessageQueue:
         self._is_remote_reader = False
         self.local_reader_rank = -1
         self._init_common()
+        _announce()
 
         if n_local_reader > 0:
             self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
+            # Until the name is unlinked (wait_until_ready), a writer killed
+            # without closing (vLLM SIGKILLs its engine core and workers)
+            # leaves it to multiprocessing's resource tracker, as vLLM's
+            # SharedMemory rings do.
+            self._tracked.append(self._tx.name)
+            _track(self._tx.name)
         self._store_gen = 0
         self._seq = 0
 
@@ -305,6 +340,7 @@ class MessageQueue:
         self.remote_socket = None
         self.local_socket = None  # vLLM's overflow socket: not used
         self._lock = threading.Lock()
+        self._tracked: list = []  # segment names registered with the resource tracker
 
     # ---- construction, as vLLM ----
 
@@ -322,6 +358,7 @@ class MessageQueue:
         self.tensor_arena = None
         self._is_writer = False
         self._init_common()
+        _announce()
         if rank in handle.local_reader_ranks:
             self.local_reader_rank = handle.local_reader_ranks.index(rank)
             self._is_local_reader = True
@@ -345,13 +382,14 @@ class MessageQueue:
         return self
 
     def wait_until_ready(self) -> None:
-        """Collective: the writer and every reader call it. Local readers
-        need no handshake (a reader index that has not attached yet is
-        waited for and receives every message), so locally it only checks
-        the channel end to end; remote readers do vLLM's XPUB handshake."""
+        """Collective: the writer and every reader call it (concurrently:
+        each waits for the others, as in vLLM). Locally the writer learns
+        that every reader has attached, then removes the channel's name
+        (see :meth:`_ready_handshake`); remote readers do vLLM's XPUB
+        handshake."""
         if self._is_writer:
             if self._tx is not None:
-                self._send(bytes([_READY]), None)
+                self._ready_handshake()
             if self.n_remote_reader > 0:
                 for _ in range(self.n_remote_reader):
                     self.remote_socket.recv()  # a subscription message
@@ -360,10 +398,44 @@ class MessageQueue:
             data = self._recv(None, indefinite=True)
             if data[0] != _READY:
                 raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[0]}")
+            # The fillers the writer announced (see _ready_handshake).
+            fillers = int.from_bytes(data[1:5], "little") if len(data) >= 5 else 0
+            for _ in range(fillers):
+                data = self._recv(None, indefinite=True)
+                if data[0] != _READY:
+                    raise RuntimeError(f"wait_until_ready: expected a READY filler, got a message of kind {data[0]}")
         elif self._is_remote_reader:
             recv = self.remote_socket.recv()
             if recv != b"READY":
                 raise RuntimeError(f"wait_until_ready: expected b'READY', got {recv[:16]!r}")
+
+    def _ready_handshake(self) -> None:
+        """Sends READY, and where the channel can drop its name
+        (``Broadcast.unlink()``), drops it once every local reader has
+        attached, so that no kill can leave it in /dev/shm (the mapping
+        stays; the name was only for attaching). Without ``unlink`` the
+        resource tracker covers the name.
+
+        The channel tells the writer that every reader has attached
+        through its slots: the send that reuses READY's slot
+        (``max_chunks`` sends later) waits until every reader has released
+        READY. READY announces those ``max_chunks`` fillers and each reader
+        reads them all in its ``wait_until_ready``, so the ring is empty
+        again when the handshake ends."""
+        unlink = getattr(self._tx, "unlink", None)
+        fillers = self.max_chunks if unlink is not None else 0
+        self._send(bytes([_READY]) + fillers.to_bytes(4, "little"), None)
+        if unlink is None:
+            return
+        for _ in range(fillers):
+            self._send(bytes([_READY]), None)
+        unlink()
+        self._untrack(self._tx.name)
+
+    def _untrack(self, name: str) -> None:
+        if name in self._tracked:
+            self._tracked.remove(name)
+            _untrack(name)
 
     @staticmethod
     def create_from_process_group(
@@ -507,11 +579,15 @@ class MessageQueue:
         return self.dequeue()
 
     def shutdown(self) -> None:
-        """Wakes a reader blocked in `dequeue` (another thread) with
-        RuntimeError("cancelled"); later dequeues raise it too."""
+        """Wakes a reader blocked in `dequeue`, or a writer blocked in
+        `enqueue` (another thread), with RuntimeError("cancelled"); later
+        calls raise it too. (vLLM's wakes readers only; a writer waiting
+        for a reader that is gone is the other half of a shutdown.)"""
         self.shutting_down = True
         if self._rx is not None:
             self._rx.cancel()
+        if self._tx is not None:
+            self._tx.cancel()
 
     def close(self) -> None:
         """Detaches, or (the writer) removes the channel and the store.
@@ -528,12 +604,20 @@ class MessageQueue:
             if s is not None:
                 s.close()
         self._retired = []
+        for name in list(self._tracked):
+            self._untrack(name)
         if self.remote_socket is not None:
             self.remote_socket.close(linger=0)
             self.remote_socket = None
         if self._zmq_context is not None:
             self._zmq_context.term()
             self._zmq_context = None
+
+    def __del__(self) -> None:
+        # vLLM never closes its queues: the segments go when the objects
+        # do (unlinked on drop); the tracker must not unlink them again.
+        for name in list(self.__dict__.get("_tracked", ())):
+            self._untrack(name)
 
     def __enter__(self) -> "MessageQueue":
         return self
@@ -630,8 +714,14 @@ class MessageQueue:
             self._retired.append(store)
         self._store_gen += 1
         name = f"{self._tx.name}-big{self._store_gen}"
-        self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name)
+        # Sparse, as vLLM's rings are: /dev/shm holds the pages messages
+        # touched; a full /dev/shm is NoSpaceError from that put.
+        self._store = pinshm.ObjectStore(capacity, capacity // 2, self.n_local_reader, name=name, reserve=False)
         self._store_capacity = capacity
+        # Readers attach to it by name at their first big message: the
+        # name stays, covered by the resource tracker.
+        self._tracked.append(name)
+        _track(name)
         return self._store
 
     def _put(self, store: pinshm.ObjectStore, key: str, buf: Any, deadline: Optional[float]) -> Any:
@@ -666,6 +756,7 @@ class MessageQueue:
             s.free_unused()
             if s.stats()["objects"] == 0:
                 s.close()
+                self._untrack(s.name)
             else:
                 keep.append(s)
         self._retired = keep
@@ -761,37 +852,10 @@ def _same_node(pg: Any, writer_rank: int, world: int) -> list:
     return in_the_same_node_as(pg, source_rank=writer_rank)
 
 
-# ---------------------------------------------------------------------------
-# The switch: make vLLM use this MessageQueue.
-# ---------------------------------------------------------------------------
-
-# Modules that look the name up: those that import it at module level, and
-# shm_broadcast itself (parallel_state imports it from there inside its
-# methods, so rebinding it there covers them).
-_VLLM_MODULES = (
-    "vllm.distributed.device_communicators.shm_broadcast",
-    "vllm.v1.executor.multiproc_executor",
-    "vllm.v1.executor.ray_executor_v2",
-)
-
-
 def install() -> list:
-    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's in every vLLM
-    module that looks them up, importing them first. Returns the modules
-    rebound. Idempotent. Call it in every process before vLLM creates its
-    queues (the plugin does when PINSHM_VLLM_MESSAGE_QUEUE=1)."""
-    import importlib
+    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's inside vLLM:
+    :func:`pinshm.vllm.plugin.install_message_queue`, where all rebinding
+    into vLLM lives. Returns the modules rebound."""
+    from .plugin import install_message_queue
 
-    done = []
-    for modname in _VLLM_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError as e:
-            logger.debug("pinshm: %s not rebound (%s)", modname, e)
-            continue
-        for attr, new in (("MessageQueue", MessageQueue), ("Handle", Handle)):
-            if hasattr(mod, attr):
-                setattr(mod, attr, new)
-        done.append(modname)
-    logger.info("pinshm MessageQueue installed in %s", ", ".join(done))
-    return done
+    return install_message_queue()

@@ -1,17 +1,33 @@
 """The ``vllm.general_plugins`` entry point (``pinshm``), declared in
-pyproject.toml.
+pyproject.toml, and the one place that rebinds names inside vLLM.
 
 vLLM calls :func:`register` in the API server, the engine core and every
-worker before their caches are built. It rebinds the names vLLM's
-shared-memory multimodal cache looks up in ``vllm.multimodal.cache.shm``
-(rebinding them in ``shm_object_storage`` alone would be too late: the
-cache module imported them already), so ``--mm-processor-cache-type shm``
-runs on pinshm. vLLM's own ``VLLM_PLUGINS`` allowlist switches it off
-(list the plugins you want without ``pinshm``).
+worker before their caches and queues are built. It makes two independent
+rebindings, each in its own ``try``: one that fails (any exception, a
+``NameError`` from an optional dependency included) is reported and the
+other still happens.
 
-With ``PINSHM_VLLM_MESSAGE_QUEUE=1`` it also makes vLLM's executor and
-``GroupCoordinator`` use :class:`pinshm.vllm.message_queue.MessageQueue`
-(opt-in).
+- **The cache** (always): the names vLLM's shared-memory multimodal cache
+  looks up in ``vllm.multimodal.cache.shm`` (rebinding them in
+  ``shm_object_storage`` alone would be too late: the cache module imported
+  them already), so ``--mm-processor-cache-type shm`` runs on pinshm.
+- **The queue** (opt-in, ``PINSHM_VLLM_MESSAGE_QUEUE=1``): ``MessageQueue``
+  and ``Handle`` in every module of :data:`QUEUE_MODULES` that imports, so
+  vLLM's executor and ``GroupCoordinator`` use
+  :class:`pinshm.vllm.message_queue.MessageQueue`. Each module is its own
+  attempt too (``ray_executor_v2`` raises ``NameError`` without ray).
+
+vLLM's own ``VLLM_PLUGINS`` allowlist switches the plugin off (list the
+plugins you want without ``pinshm``). A vLLM whose modules lack the names
+pinshm replaces is left alone, with a warning.
+
+Where the status goes: vLLM loads plugins before it configures its logging
+(in the API server and the ``LLM`` process), and an INFO record sent then
+is lost. So a warning (something was *not* rebound) is sent through
+:mod:`warnings` when vLLM's logging is not configured yet (always printed,
+with a ``pinshm:`` text that says what), and the "in use" line waits until
+the process first builds one of pinshm's stores or queues
+(:func:`announce`), when logging is configured.
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
+import warnings
 from types import ModuleType
 from typing import Optional
 
@@ -29,52 +47,148 @@ CACHE_MODULE = "vllm.multimodal.cache.shm"
 #: The names rebound there.
 REBOUND = ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage", "MsgpackSerde")
 
-_registered = False
+#: Modules that look ``MessageQueue`` up: those that import it at module
+#: level, and shm_broadcast itself (parallel_state imports it from there
+#: inside its methods, so rebinding it there covers them). The first is
+#: required; the others are optional parts of vLLM.
+QUEUE_MODULES = (
+    "vllm.distributed.device_communicators.shm_broadcast",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.executor.ray_executor_v2",
+)
+
+_lock = threading.Lock()
+#: What this process rebound: {"cache": [module], "queue": [modules]}.
+rebound: dict[str, list[str]] = {}
+#: The "in use" line, until it is logged.
+_pending: Optional[str] = None
+_announced = False
 
 
 def _logger() -> logging.Logger:
     try:
         from vllm.logger import init_logger
-    except ImportError:
-        return logging.getLogger(__name__)
+    except Exception:  # noqa: BLE001 - any vLLM import may fail
+        return logging.getLogger("vllm.plugins.pinshm")
     # Under "vllm", so vLLM's own logging configuration shows it.
     return init_logger("vllm.plugins.pinshm")
 
 
-def register(module: Optional[ModuleType] = None) -> None:
-    """Rebinds vLLM's shared-memory cache classes to pinshm's (in
-    ``module``, default :data:`CACHE_MODULE`). Idempotent: vLLM may load
-    plugins more than once in a process. Logs one line. Never raises: vLLM
-    calls plugins unguarded in every command, so a vLLM this plugin does
-    not know gets a warning and stays as it is."""
-    global _registered
-    try:
-        if module is None:
-            module = importlib.import_module(CACHE_MODULE)
-        missing = [name for name in REBOUND if not hasattr(module, name)]
-        if missing:
-            raise RuntimeError(
-                f"{module.__name__} has no {', '.join(missing)}: not the vLLM 0.33 "
-                f"layout pinshm.vllm was built for"
-            )
-        queue = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE") == "1"
-        if queue:
-            from .message_queue import install
+def _logging_ready() -> bool:
+    """Whether a record sent to the "vllm" logger now reaches a handler
+    (vLLM configured its logging, or the application did)."""
+    log = logging.getLogger("vllm.plugins.pinshm")
+    while log is not None:
+        if log.handlers:
+            return True
+        if not log.propagate:
+            return False
+        log = log.parent
+    return False
 
-            install()
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        _logger().warning("pinshm not in use: %s", e)
-        return
+
+def _warn(msg: str, *args: object) -> None:
+    text = msg % args if args else msg
+    if _logging_ready():
+        _logger().warning("%s", text)
+    else:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+def _rebind_cache(module: Optional[ModuleType]) -> str:
+    if module is None:
+        module = importlib.import_module(CACHE_MODULE)
+    missing = [name for name in REBOUND if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(
+            f"{module.__name__} has no {', '.join(missing)}: not the vLLM 0.33 "
+            f"layout pinshm.vllm was built for; vLLM's own classes stay"
+        )
     for name in REBOUND:
         setattr(module, name, getattr(storage, name))
-    if not _registered:
-        _registered = True
-        from .. import __version__
+    return module.__name__
 
-        _logger().info(
-            "pinshm %s in use: %s on pinshm",
-            __version__,
-            "the shm multimodal cache and MessageQueue run"
-            if queue
-            else "the shm multimodal cache (--mm-processor-cache-type shm) runs",
-        )
+
+def _rebind_queue(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Rebinds MessageQueue and Handle in each of `modules` that imports.
+    Returns (rebound, failures); the first module is required."""
+    from .message_queue import Handle, MessageQueue
+
+    done, failed = [], []
+    for i, modname in enumerate(modules):
+        try:
+            mod = importlib.import_module(modname)
+            if not hasattr(mod, "MessageQueue"):
+                raise RuntimeError(f"{modname} has no MessageQueue")
+        except Exception as e:  # noqa: BLE001 - NameError from a missing ray, too
+            if i == 0:
+                raise RuntimeError(f"{modname}: {type(e).__name__}: {e}") from e
+            # An optional executor (ray's) that cannot import cannot run
+            # either: nothing to rebind there.
+            failed.append(f"{modname} ({type(e).__name__}: {e})")
+            continue
+        mod.MessageQueue = MessageQueue
+        if hasattr(mod, "Handle"):
+            mod.Handle = Handle
+        done.append(modname)
+    return done, failed
+
+
+def install_message_queue() -> list[str]:
+    """Rebinds vLLM's ``MessageQueue`` to pinshm's in every module of
+    :data:`QUEUE_MODULES` that imports; returns those rebound. Raises only
+    if the required one (shm_broadcast) cannot be rebound."""
+    done, failed = _rebind_queue(QUEUE_MODULES)
+    for f in failed:
+        logging.getLogger("vllm.plugins.pinshm").debug("pinshm: MessageQueue not rebound in %s", f)
+    with _lock:
+        rebound["queue"] = done
+    return done
+
+
+def register(module: Optional[ModuleType] = None) -> None:
+    """Rebinds vLLM's shared-memory cache classes (in ``module``, default
+    :data:`CACHE_MODULE`) and, with ``PINSHM_VLLM_MESSAGE_QUEUE=1``, its
+    MessageQueue. Idempotent: vLLM may load plugins more than once in a
+    process. Never raises: vLLM calls plugins unguarded in every command."""
+    global _pending
+    parts, problems = [], []
+    try:
+        rebound["cache"] = [_rebind_cache(module)]
+        parts.append("the shm multimodal cache (--mm-processor-cache-type shm)")
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        rebound.pop("cache", None)
+        problems.append(f"the shm multimodal cache stays vLLM's: {type(e).__name__}: {e}")
+    if os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE") == "1":
+        try:
+            install_message_queue()
+            parts.append("MessageQueue")
+        except Exception as e:  # noqa: BLE001
+            rebound.pop("queue", None)
+            problems.append(f"MessageQueue stays vLLM's: {type(e).__name__}: {e}")
+    for p in problems:
+        _warn("pinshm: %s", p)
+    if not parts:
+        return
+    from .. import __version__
+
+    line = f"pinshm {__version__} in use: {' and '.join(parts)} on pinshm"
+    with _lock:
+        if _announced or line == _pending:
+            return
+        _pending = line
+    if _logging_ready():
+        announce()
+
+
+def announce() -> None:
+    """Logs the pending "in use" line once per process. The plugin calls it
+    when logging is ready; pinshm's store and queue writers call it when
+    they are built (vLLM's logging is configured by then)."""
+    global _pending, _announced
+    with _lock:
+        line, _pending = _pending, None
+        if line is None or _announced:
+            return
+        _announced = True
+    _logger().info("%s", line)

@@ -121,6 +121,14 @@ def _untrack(name: str) -> None:
         pass
 
 
+def _announce() -> None:
+    """The plugin's "in use" line, held back until vLLM's logging is
+    configured: it is by the time vLLM builds a cache."""
+    from .plugin import announce
+
+    announce()
+
+
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
     """The ``(address, monotonic_id)`` vLLM carries for ``handle``."""
     return (
@@ -216,6 +224,15 @@ class SingleWriterShmRingBuffer:
 
     def handle(self) -> tuple[int, str]:
         return (self.data_buffer_size, self.name)
+
+    @property
+    def metadata(self) -> Mapping[int, str]:
+        """vLLM's ``monotonic_id -> chunk`` table, here ``monotonic_id ->
+        key`` of the objects the writer knows (empty after ``clear``);
+        read-only, and empty on a reader (the table is the writer's)."""
+        if self._store is None:
+            return {}
+        return _IdIndex(self._store)
 
     def clear(self) -> None:
         """Forgets every object (the store's soft clear: ids keep
@@ -433,6 +450,7 @@ class SingleWriterShmObjectStorage:
         self._store: Optional[ObjectStore] = None
         self._reader: Optional[StoreReader] = None
         self._epoch: Optional[int] = None
+        _announce()
         if self.is_writer:
             self._store = ring_buffer._open_writer(max_object_size, n_readers)
             self.key_index: Mapping[str, tuple[int, int]] = _KeyIndex(self._store)
@@ -558,13 +576,23 @@ class SingleWriterShmObjectStorage:
         signature first and counts one read once the serde is done).
         ValueError (pinshm.StaleError) with vLLM's message if the handle's
         object is gone."""
-        if self.is_writer:
+        if self.is_writer and self._reader_lock is None:
+            # vLLM's sender: its gets count nothing.
             try:
                 data = self._writer().peek(self._handle(address, monotonic_id))
             except StaleError:
                 raise _stale(address, monotonic_id) from None
             return self.ser_de.deserialize(memoryview(data))
-        h = self._verified(key, address, monotonic_id, signature)
+        if self.is_writer:
+            # A writer given a reader_lock counts its own gets as reads, as
+            # vLLM's does (its tests read that way): through a reader of its
+            # own segment, which takes one of the n_readers reader places.
+            if self._reader is None:
+                self._writer()
+                self._reader = self.ring_buffer._open_reader()
+            h = self._handle(address, monotonic_id)
+        else:
+            h = self._verified(key, address, monotonic_id, signature)
         reader = self._reader
         if reader is None:
             raise RuntimeError("the storage is closed")

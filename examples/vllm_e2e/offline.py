@@ -1,0 +1,79 @@
+"""One offline run (``vllm.LLM``) of the tiny LLaVA model, run by run.py in
+the vLLM venv's Python; writes a JSON result file.
+
+    python offline.py MODEL_DIR RESULT_JSON [--passes N] [--tp 2]
+
+The workload (the same for every configuration): a pass is 20 prompts of
+2 images each, from a pool of 12 images, so a pass has 40 items and the
+first pass already hits the cache; later passes hit it for every item.
+Then single requests of one image, each timed alone. Greedy decoding of 8
+tokens, so token ids are comparable across configurations.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import workload
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("result")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--singles", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    res = {"pid": os.getpid(), "events": {}}
+
+    def event(name):
+        res["events"][name] = time.time()
+
+    event("start")
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp",
+        mm_processor_cache_type="shm",
+        max_model_len=256,
+        max_num_seqs=8,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        limit_mm_per_prompt={"image": 2},
+        gpu_memory_utilization=float(os.environ.get("E2E_MEM_UTIL", "0.1")),
+    )
+    res["init_s"] = time.monotonic() - t0
+    event("ready")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens, pass_s = [], []
+    for p in range(args.passes):
+        reqs = workload.pass_requests()
+        t = time.monotonic()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        pass_s.append(time.monotonic() - t)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    single_s, single_tokens = [], []
+    for i in range(args.singles):
+        req = workload.single_request(i)
+        t = time.monotonic()
+        out = llm.generate([req], params, use_tqdm=False)
+        single_s.append(time.monotonic() - t)
+        single_tokens.append(list(out[0].outputs[0].token_ids))
+    event("done")
+    res.update(pass_s=pass_s, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
+    with open(args.result, "w") as f:
+        json.dump(res, f)
+    # No explicit shutdown: the script ends as a user's does, and run.py
+    # times the exit (from "done" until this process and its children are
+    # gone) and reads vLLM's shutdown lines.
+
+
+if __name__ == "__main__":
+    main()

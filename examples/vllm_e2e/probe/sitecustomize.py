@@ -1,0 +1,142 @@
+"""The harness's in-process probe: which classes each process really runs.
+
+Put on PYTHONPATH by run.py (with PINSHM_E2E_PROBE naming a file), it is
+imported at the start of every Python process of the run: the API server
+or LLM process, the engine core, every worker. It hooks two vLLM modules as
+they are imported and appends one JSON line to the probe file
+
+- each time a multimodal cache storage is built (``SingleWriterShmObjectStorage``,
+  vLLM's or pinshm's): its class, writer or reader;
+- each time a MessageQueue is built (either class, as writer or from a
+  handle);
+- with the sender cache's hit count after every item.
+
+The lines come from the constructors themselves, so they say what ran,
+whatever was logged. Nothing here changes behaviour.
+"""
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+
+_PATH = os.environ.get("PINSHM_E2E_PROBE")
+
+
+def _record(**kw):
+    kw.update(pid=os.getpid(), ppid=os.getppid())
+    line = json.dumps(kw, default=str) + "\n"
+    # One write of a short line with O_APPEND: lines from many processes
+    # do not interleave.
+    fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _wrap_storage(cls):
+    if getattr(cls, "_e2e_probed", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        _record(what="storage", cls=_name(type(self)), writer=bool(self.is_writer))
+
+    cls.__init__ = __init__
+    cls._e2e_probed = True
+
+
+def _wrap_queue(cls):
+    if getattr(cls, "_e2e_probed", False):
+        return
+    init = cls.__init__
+    from_handle = cls.create_from_handle
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        _record(what="queue", cls=_name(type(self)), writer=True)
+
+    def create_from_handle(handle, rank):
+        q = from_handle(handle, rank)
+        _record(what="queue", cls=_name(type(q)), writer=False, rank=rank)
+        return q
+
+    cls.__init__ = __init__
+    cls.create_from_handle = staticmethod(create_from_handle)
+    cls._e2e_probed = True
+
+
+def _after_cache_shm(mod):
+    sender = mod.ShmObjectStoreSenderCache
+    get_and_update = sender.get_and_update_item
+
+    def get_and_update_item(self, mm_item, mm_hash):
+        out = get_and_update(self, mm_item, mm_hash)
+        _record(what="cache_stat", hits=self._hits, total=self._total)
+        return out
+
+    sender.get_and_update_item = get_and_update_item
+    # Whatever class the names point to when a cache is built: wrap both
+    # vLLM's (now) and pinshm's (imported here, before the plugin runs).
+    _wrap_storage(mod.SingleWriterShmObjectStorage)
+    try:
+        from pinshm.vllm.storage import SingleWriterShmObjectStorage
+    except Exception:  # noqa: BLE001 - pinshm not installed: stock only
+        pass
+    else:
+        _wrap_storage(SingleWriterShmObjectStorage)
+
+
+def _after_shm_broadcast(mod):
+    _wrap_queue(mod.MessageQueue)
+    try:
+        from pinshm.vllm.message_queue import MessageQueue
+    except Exception:  # noqa: BLE001
+        pass
+    else:
+        _wrap_queue(MessageQueue)
+
+
+_HOOKS = {
+    "vllm.multimodal.cache.shm": _after_cache_shm,
+    "vllm.distributed.device_communicators.shm_broadcast": _after_shm_broadcast,
+}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        try:
+            self.hook(module)
+        except Exception as e:  # noqa: BLE001 - a probe never breaks the run
+            _record(what="probe_error", module=module.__name__, error=repr(e))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        hook = _HOOKS.get(fullname)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, hook)
+        return spec
+
+
+if _PATH:
+    sys.meta_path.insert(0, _Finder())
+    _record(what="process", argv=sys.argv[:3])

@@ -1,0 +1,475 @@
+"""The end-to-end harness: a real vLLM engine (TP=2, mp executor,
+``--mm-processor-cache-type shm``) on the tiny LLaVA model, offline and
+through the HTTP server, for three configurations:
+
+- ``stock``: vLLM alone (``VLLM_PLUGINS=""``: no plugin loads);
+- ``cache``: pinshm's plugin (the multimodal cache on pinshm);
+- ``queue``: pinshm's cache and MessageQueue (``PINSHM_VLLM_MESSAGE_QUEUE=1``).
+
+    python run.py --python /path/to/venv/bin/python [--quick] [--out DIR]
+
+``--python`` (or ``$VLLM_PYTHON``) is any interpreter with vLLM and pinshm
+installed; this script itself needs only the standard library. Per run it
+records: token ids (compared with stock's), cache hits, init / pass /
+single-request times, CPU seconds per process (API server or LLM process,
+engine core, workers), /dev/shm resident during the run (peak, all
+segments and the queues' alone) and left after it, the classes each
+process really built (from probe/sitecustomize.py, in-process), the
+plugin's status lines, vLLM's forced kills at shutdown, and tracebacks.
+``summary.json`` and ``summary.md`` go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = {
+    "stock": {"VLLM_PLUGINS": ""},
+    "cache": {},
+    "queue": {"PINSHM_VLLM_MESSAGE_QUEUE": "1"},
+}
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+# ---- sampling: /dev/shm and the process tree ----
+
+
+def shm_usage() -> dict[str, int]:
+    """Resident bytes of each /dev/shm file (blocks, not the nominal size)."""
+    out = {}
+    for e in os.scandir("/dev/shm"):
+        try:
+            out[e.name] = e.stat().st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def children_of(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for e in os.scandir("/proc"):
+        if not e.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(e.name))
+    tree, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(kids.get(p, []))
+    return tree
+
+
+def mapped_shm(pid: int) -> dict[str, int]:
+    """/dev/shm files `pid` has mapped, with the resident bytes of its
+    mappings of each (Rss from smaps): this also sees segments whose name
+    was already unlinked (pinshm's queue removes it once readers attach)."""
+    out: dict[str, int] = {}
+    name = None
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                i = line.find("/dev/shm/")
+                if i >= 0:
+                    name = line[i + 9 :].split()[0]
+                    out.setdefault(name, 0)
+                elif line[:1].isdigit() or line[:1] in "abcdef":
+                    name = None  # another mapping
+                elif name is not None and line.startswith("Rss:"):
+                    out[name] += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def cpu_and_role(pid: int) -> tuple[float, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK, cmd
+
+
+def role_of(cmd: str, pid: int, root: int) -> str:
+    if "EngineCore" in cmd:
+        return "engine_core"
+    if "Worker_TP" in cmd or "VllmWorker" in cmd:
+        return "worker"
+    if pid == root:
+        return "main"
+    return "other"
+
+
+class Sampler(threading.Thread):
+    """Every `period` s: /dev/shm resident and the CPU time of every process
+    under `root` (the last value seen: a SIGKILLed child's time stays)."""
+
+    def __init__(self, root: int, before: set[str], cache_prefixes: tuple, period: float = 0.25):
+        super().__init__(daemon=True)
+        self.root, self.before, self.period = root, before, period
+        self.cache_prefixes = cache_prefixes
+        self.stop = threading.Event()
+        self.peak_total = 0
+        self.peak_queues = 0
+        self.peak_by_name: dict[str, int] = {}
+        self.cpu: dict[int, tuple[float, str]] = {}
+        self.ours: set[str] = set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(self.period)
+        self.sample()
+
+    def sample(self) -> None:
+        tree = children_of(self.root)
+        rss: dict[str, int] = {}
+        for pid in tree:
+            for k, v in mapped_shm(pid).items():
+                rss[k] = max(rss.get(k, 0), v)
+        self.ours.update(rss)
+        # Only the segments this run's processes mapped (other programs on
+        # the machine use /dev/shm too): the file's blocks while it has a
+        # name, else the largest resident mapping of it.
+        files = shm_usage()
+        usage = {k: max(files.get(k, 0), v) for k, v in rss.items() if k not in self.before}
+        total = sum(usage.values())
+        queues = sum(v for k, v in usage.items() if not k.startswith(self.cache_prefixes) and not k.startswith("sem."))
+        self.peak_total = max(self.peak_total, total)
+        self.peak_queues = max(self.peak_queues, queues)
+        for k, v in usage.items():
+            self.peak_by_name[k] = max(self.peak_by_name.get(k, 0), v)
+        for pid in tree:
+            got = cpu_and_role(pid)
+            if got is not None:
+                role = role_of(got[1], pid, self.root)
+                old = self.cpu.get(pid)
+                # A role once seen stays (an exiting process's cmdline is
+                # empty; the title is set after start).
+                if old is not None and role == "other":
+                    role = old[1]
+                self.cpu[pid] = (max(got[0], old[0] if old else 0.0), role)
+
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sec, role in self.cpu.values():
+            out[role] = round(out.get(role, 0.0) + sec, 2)
+        return out
+
+
+# ---- the probe file and the log ----
+
+
+def read_probe(path: Path, root: int) -> dict:
+    """Which classes each process built, by role; the sender's cache hits."""
+    lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    parent = {x["pid"]: x["ppid"] for x in lines}
+
+    def role(pid):
+        if pid == root:
+            return "main"
+        if parent.get(pid) == root:
+            return "engine_core"
+        return "worker"
+
+    classes: dict[str, set] = {}
+    hits = total = 0
+    for x in lines:
+        if x["what"] in ("storage", "queue"):
+            side = "writer" if x["writer"] else "reader"
+            owner = "pinshm" if x["cls"].startswith("pinshm.") else "vllm"
+            classes.setdefault(role(x["pid"]), set()).add(f"{x['what']}:{side}:{owner}")
+        elif x["what"] == "cache_stat":
+            hits, total = max(hits, x["hits"]), max(total, x["total"])
+        elif x["what"] == "probe_error":
+            classes.setdefault("probe_error", set()).add(x["error"])
+    return {"classes": {k: sorted(v) for k, v in classes.items()}, "hits": hits, "items": total}
+
+
+def read_log(text: str) -> dict:
+    lines = text.splitlines()
+    return {
+        "tracebacks": sum("Traceback (most recent call last)" in x for x in lines),
+        "pinshm_in_use": [x.strip()[-160:] for x in lines if "pinshm" in x and " in use: " in x],
+        "pinshm_not_used": [x.strip()[-200:] for x in lines if "stays vLLM's" in x or "not in use" in x],
+        "forced_kills": sum("force killing" in x or "sending SIGKILL" in x for x in lines),
+        "workers_sigterm": sum("still running after grace period" in x for x in lines),
+    }
+
+
+# ---- one run ----
+
+
+def base_env(cfg: str, probe: Path) -> dict:
+    env = dict(os.environ)
+    for k in ("VLLM_PLUGINS", "PINSHM_VLLM_MESSAGE_QUEUE"):
+        env.pop(k, None)
+    env.update(CONFIGS[cfg])
+    env["PINSHM_E2E_PROBE"] = str(probe)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "probe"), str(HERE), env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    return env
+
+
+def finish(res: dict, sampler: Sampler, before: set, probe: Path, root: int, log: Path) -> dict:
+    sampler.stop.set()
+    sampler.join()
+    left = {k: v for k, v in shm_usage().items() if k not in before and k in sampler.ours}
+    res.update(
+        cpu_s=sampler.cpu_by_role(),
+        shm_peak_mib=round(sampler.peak_total / 2**20, 2),
+        shm_peak_queues_mib=round(sampler.peak_queues / 2**20, 2),
+        shm_left=sorted(left),
+        shm_left_mib=round(sum(left.values()) / 2**20, 2),
+        **read_probe(probe, root),
+        **read_log(log.read_text(errors="replace")),
+    )
+    return res
+
+
+def run_offline(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int, singles: int) -> dict:
+    probe, log, result = out / f"{tag}.probe.jsonl", out / f"{tag}.log", out / f"{tag}.json"
+    for p in (probe, result):
+        p.unlink(missing_ok=True)
+    before = set(shm_usage())
+    cmd = [py, str(HERE / "offline.py"), str(model), str(result), "--passes", str(passes), "--singles", str(singles)]
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, env=base_env(cfg, probe), stdout=lf, stderr=subprocess.STDOUT, cwd=HERE)
+        sampler = Sampler(proc.pid, before, ("vllm_mm_", "VLLM_OBJECT_STORAGE"))
+        sampler.start()
+        rc = proc.wait(timeout=1800)
+        t_exit = time.time()
+    res = {"mode": "offline", "config": cfg, "rc": rc}
+    if result.exists():
+        r = json.loads(result.read_text())
+        res.update({k: r[k] for k in ("init_s", "pass_s", "single_s", "tokens", "single_tokens")})
+        res["exit_s"] = round(t_exit - r["events"]["done"], 2)
+    return finish(res, sampler, before, probe, proc.pid, log)
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def data_urls(py: str, ids: list[int]) -> dict[int, str]:
+    """The images as data URLs, made by the vLLM venv's Python (numpy and
+    PIL are there; this script needs only the standard library)."""
+    code = "import json, sys, workload; print(json.dumps({i: workload.data_url(i) for i in json.loads(sys.argv[1])}))"
+    out = subprocess.run([py, "-c", code, json.dumps(ids)], capture_output=True, text=True, check=True, cwd=HERE)
+    return {int(k): v for k, v in json.loads(out.stdout).items()}
+
+
+URLS: dict[int, str] = {}
+
+
+def chat(port: int, images: list[int], text: str) -> list[int]:
+    content = [{"type": "image_url", "image_url": {"url": URLS[i]}} for i in images]
+    content.append({"type": "text", "text": text})
+    r = http(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        {
+            "model": "tiny-llava",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    return list(r["choices"][0].get("token_ids") or [])
+
+
+def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int, singles: int, port: int) -> dict:
+    sys.path.insert(0, str(HERE))
+    import workload
+    from concurrent.futures import ThreadPoolExecutor
+
+    probe, log = out / f"{tag}.probe.jsonl", out / f"{tag}.log"
+    probe.unlink(missing_ok=True)
+    if not URLS:
+        URLS.update(data_urls(py, list(range(workload.N_IMAGES)) + [100 + i for i in range(singles)]))
+    before = set(shm_usage())
+    cmd = [
+        py, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny-llava",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+        "--mm-processor-cache-type", "shm", "--max-model-len", "256", "--max-num-seqs", "8",
+        "--enforce-eager", "--dtype", "float32", "--seed", "0",
+        "--gpu-memory-utilization", os.environ.get("E2E_MEM_UTIL", "0.1"),
+        "--limit-mm-per-prompt", json.dumps({"image": 2}),
+    ]  # fmt: skip
+    res: dict = {"mode": "server", "config": cfg}
+    with open(log, "w") as lf:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=base_env(cfg, probe), stdout=lf, stderr=subprocess.STDOUT, cwd=HERE)
+        sampler = Sampler(proc.pid, before, ("vllm_mm_", "VLLM_OBJECT_STORAGE"))
+        sampler.start()
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.5)  # polling a server's readiness, not a test
+            res["init_s"] = time.monotonic() - t0
+            tokens, pass_s = [], []
+            pairs = workload.pass_pairs()
+            for _ in range(passes):
+                t = time.monotonic()
+                with ThreadPoolExecutor(4) as ex:  # 4 concurrent clients
+                    got = list(ex.map(lambda ab: chat(port, list(ab), "what is in the picture"), pairs))
+                pass_s.append(time.monotonic() - t)
+                tokens.append(got)
+            single_s, single_tokens = [], []
+            for i in range(singles):
+                t = time.monotonic()
+                single_tokens.append(chat(port, [100 + i], "describe the image"))
+                single_s.append(time.monotonic() - t)
+            res.update(pass_s=pass_s, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
+        finally:
+            # As a user stops it (Ctrl-C); its API server then SIGKILLs the
+            # engine core and the workers.
+            t = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            try:
+                res["rc"] = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                res["rc"] = proc.wait()
+            res["exit_s"] = round(time.monotonic() - t, 2)
+            # Children the API server left (it SIGKILLs them: none expected).
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(
+                role_of(c[1], p, proc.pid) in ("engine_core", "worker")
+                for p in list(sampler.cpu)
+                if (c := cpu_and_role(p)) is not None
+            ):
+                time.sleep(0.2)
+    return finish(res, sampler, before, probe, proc.pid, log)
+
+
+# ---- the summary ----
+
+
+def med(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def summarize(runs: list[dict]) -> tuple[dict, str]:
+    rows = {}
+    for r in runs:
+        rows.setdefault((r["mode"], r["config"]), []).append(r)
+    summary = {}
+    for (mode, cfg), rs in rows.items():
+        stock = rows.get((mode, "stock"), [])
+        ref = stock[0] if stock else None
+        same = None
+        if ref is not None and "tokens" in ref:
+            same = all(r.get("tokens") == ref["tokens"] and r.get("single_tokens") == ref["single_tokens"] for r in rs)
+        s = {
+            "runs": len(rs),
+            "rc": [r.get("rc") for r in rs],
+            "tokens_same_as_stock": same,
+            "hits": [f"{r['hits']}/{r['items']}" for r in rs],
+            "init_s": med([r["init_s"] for r in rs if "init_s" in r]),
+            "first_pass_s": med([r["pass_s"][0] for r in rs if r.get("pass_s")]),
+            "later_pass_s": med([x for r in rs for x in r.get("pass_s", [])[1:]]),
+            "single_s": med([x for r in rs for x in r.get("single_s", [])]),
+            "exit_s": med([r["exit_s"] for r in rs if "exit_s" in r]),
+            "forced_kills": [r["forced_kills"] for r in rs],
+            "cpu_s": {k: med([r["cpu_s"].get(k, 0) for r in rs]) for k in ("main", "engine_core", "worker")},
+            "shm_peak_mib": med([r["shm_peak_mib"] for r in rs]),
+            "shm_peak_queues_mib": med([r["shm_peak_queues_mib"] for r in rs]),
+            "shm_left": sorted({x for r in rs for x in r["shm_left"]}),
+            "shm_left_mib": max(r["shm_left_mib"] for r in rs),
+            "classes": rs[0]["classes"],
+            "pinshm_in_use": sum(bool(r["pinshm_in_use"]) for r in rs),
+            "pinshm_not_used": sorted({x for r in rs for x in r["pinshm_not_used"]}),
+            "tracebacks": [r["tracebacks"] for r in rs],
+        }
+        summary[f"{mode}/{cfg}"] = s
+    md = ["| run | tokens = stock | hits | init s | 1st pass s | later pass s | single s | exit s | forced kills | CPU s main / core / workers | /dev/shm peak (queues) MiB | left | tracebacks |", "|" + "---|" * 13]
+    for key, s in summary.items():
+        c = s["cpu_s"]
+        md.append(
+            f"| {key} | {s['tokens_same_as_stock']} | {', '.join(s['hits'])} | {s['init_s']} | {s['first_pass_s']} | "
+            f"{s['later_pass_s']} | {s['single_s']} | {s['exit_s']} | {s['forced_kills']} | "
+            f"{c['main']} / {c['engine_core']} / {c['worker']} | {s['shm_peak_mib']} ({s['shm_peak_queues_mib']}) | "
+            f"{s['shm_left_mib']} MiB {s['shm_left'] or ''} | {s['tracebacks']} |"
+        )
+    md.append("")
+    md.append("Classes built, per process (from the in-process probe):")
+    for key, s in summary.items():
+        md.append(f"- {key}: " + "; ".join(f"{role}: {', '.join(v)}" for role, v in sorted(s["classes"].items())))
+    return summary, "\n".join(md) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default=os.environ.get("VLLM_PYTHON"), help="a Python with vLLM and pinshm")
+    ap.add_argument("--model", type=Path, default=None, help="model folder (built if missing)")
+    ap.add_argument("--out", type=Path, default=Path("e2e-out"))
+    ap.add_argument("--quick", action="store_true", help="one pass and one run per configuration")
+    ap.add_argument("--modes", default="offline,server")
+    ap.add_argument("--configs", default="stock,cache,queue")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--port", type=int, default=18123)
+    args = ap.parse_args()
+    if not args.python:
+        sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model or args.out / "tiny-llava"
+    if not (model / "BUILT").exists():
+        subprocess.run([args.python, str(HERE / "build_model.py"), str(model)], check=True)
+    passes, singles, repeat = (1, 1, 1) if args.quick else (3, 3, args.repeat)
+    versions = subprocess.run(
+        [args.python, "-c", "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    runs = []
+    for rep in range(repeat):
+        for mode in args.modes.split(","):
+            for cfg in args.configs.split(","):
+                tag = f"{mode}-{cfg}-{rep}"
+                print(f"== {tag}", flush=True)
+                if mode == "offline":
+                    r = run_offline(args.python, model, cfg, args.out, tag, passes, singles)
+                else:
+                    r = run_server(args.python, model, cfg, args.out, tag, passes, singles, args.port)
+                runs.append(r)
+                brief = {k: r.get(k) for k in ("rc", "hits", "items", "init_s", "pass_s", "exit_s", "shm_peak_queues_mib", "shm_left", "tracebacks", "forced_kills")}
+                print(json.dumps(brief), flush=True)
+                (args.out / "runs.json").write_text(json.dumps(runs, indent=1, default=str))
+    summary, md = summarize(runs)
+    head = f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; {'quick' if args.quick else f'{repeat} runs'} per row, medians\n\n"
+    (args.out / "summary.json").write_text(json.dumps({"versions": versions, "rows": summary}, indent=1))
+    (args.out / "summary.md").write_text(head + md)
+    print(head + md)
+
+
+if __name__ == "__main__":
+    main()

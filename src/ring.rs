@@ -290,6 +290,13 @@ impl<T> Ring<T> {
         run_end
     }
 
+    /// Starts the next walk at the beginning of the region (a soft clear:
+    /// the next objects go from the first byte, as in vLLM).
+    pub fn rewind(&mut self) {
+        self.cursor = 0;
+        self.cursor_node = self.head;
+    }
+
     /// Frees span `s` if `may_go` accepts it.
     pub fn remove_if(
         &mut self,

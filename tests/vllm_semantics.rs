@@ -123,17 +123,21 @@ fn a_soft_clear_forgets_keys_and_old_handles_read_until_their_slot_is_reused() {
     assert_eq!(w.get_cached("a"), None);
     // Old handles still read their own bytes; nothing is owed any more.
     assert_eq!(&*r.get(a).unwrap(), &pattern(1, LEN)[..]);
-    // Ids keep increasing; the key can be put again.
+    // Ids keep increasing; the key can be put again. As in vLLM, the
+    // puts after a clear go from the first byte: a's slot, unread.
     let a2 = w.put("a", &pattern(3, LEN)).unwrap();
     assert!(a2.monotonic_id > b.monotonic_id);
     assert_eq!(a2.epoch, a.epoch, "a soft clear keeps the epoch");
-    // The next put needs a slot: the oldest cleared one goes, unread.
-    w.put("c", &pattern(4, LEN)).unwrap();
+    assert_eq!(a2.address, a.address);
     assert!(
         matches!(r.get(a), Err(Error::Stale { .. })),
         "a's slot was reused"
     );
     assert_eq!(&*r.get(b).unwrap(), &pattern(2, LEN)[..], "b's was not");
+    // The next put takes b's slot.
+    let c = w.put("c", &pattern(4, LEN)).unwrap();
+    assert_eq!(c.address, b.address);
+    assert!(matches!(r.get(b), Err(Error::Stale { .. })));
     assert_eq!(&*r.get(a2).unwrap(), &pattern(3, LEN)[..]);
 }
 
@@ -247,4 +251,24 @@ fn a_reader_leaves_a_sparse_segment_sparse() {
         taken < (cap / 8) as u64,
         "{taken} bytes of a sparse {cap}-byte ring allocated"
     );
+}
+
+#[test]
+fn after_a_soft_clear_the_next_put_goes_from_the_first_byte_around_what_is_held() {
+    let name = Name::new("clearfirst");
+    let mut w = store(&name, 8, 1, true);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let hs: Vec<_> = (0..5)
+        .map(|i| w.put(&format!("item_{i}"), &[i as u8; LEN]).unwrap())
+        .collect();
+    // Unread and one of them held: a clear forgives the reads, not holds.
+    let held = r.get(hs[0]).unwrap();
+    w.clear();
+    let h = w.put("new_item", &[9; LEN]).unwrap();
+    assert_eq!(h.address, hs[1].address, "from the first byte, around the held slot");
+    assert_eq!(h.monotonic_id, hs[4].monotonic_id + 1, "ids go on");
+    drop(held);
+    w.clear();
+    let h = w.put("newer", &[8; LEN]).unwrap();
+    assert_eq!(h.address, 0, "nothing held: the first byte");
 }

@@ -604,10 +604,11 @@ impl ObjectStore {
     }
 
     /// Forgets every key (vLLM 0.33's soft clear): `is_cached` is false for
-    /// all, ids keep increasing, and nothing is owed any more. A handle from
-    /// before reads its own bytes until its slot is reused (oldest first, as
-    /// space is needed), then it is stale. Slots under a live guard are
-    /// reused only once the guard drops.
+    /// all, ids keep increasing, and nothing is owed any more. The next puts
+    /// go from the ring's first byte, as in vLLM. A handle from before
+    /// reads its own bytes until its slot is reused, then it is stale.
+    /// Slots under a live guard are reused only once the guard drops (the
+    /// puts go around them).
     pub fn clear(&mut self) {
         if !self.is_owner() {
             return;
@@ -615,7 +616,9 @@ impl ObjectStore {
         for span in self.space.ring.iter_mut() {
             span.value.key = None;
             span.value.protected = false;
+            span.value.hit = false;
         }
+        self.space.ring.rewind();
         self.keys.index.clear();
         self.keys.pending.clear();
         tracing::debug!(held = self.space.ring.len(), "store cleared (soft)");

@@ -74,6 +74,8 @@ def test_wire_handles_pass_vllms_checks_and_carry_the_whole_id():
         assert type(address) is int and 0 <= address < 2**64
         assert type(wire_id) is int and 0 <= wire_id < 2**32
         assert S.from_wire(address, wire_id, 7) == h
+    # vLLM's ids count from 0: pinshm's first id (1) is vLLM's first (0).
+    assert S.to_wire(pinshm.ObjectHandle(0, 1, 7)) == (0, 0)
     for bad in [(-1, 0), (2**64, 0), (0, 2**32), (0, -1), ("0", 0), (0, 1.0)]:
         with pytest.raises(pinshm.StaleError, match="has been modified or is invalid"):
             S.from_wire(*bad, 7)

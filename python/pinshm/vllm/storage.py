@@ -28,10 +28,12 @@ vLLM passes a handle as ``(address, monotonic_id)``: ``address`` an int in
 offset, a 64-bit id that never repeats in a segment's life, and the
 segment's epoch. The wire form is::
 
-    address      = (id >> 32) << 48 | offset     # offset < 2**48
-    monotonic_id = id & 0xFFFF_FFFF
+    n            = id - 1                         # vLLM counts from 0, pinshm from 1
+    address      = (n >> 32) << 48 | offset       # offset < 2**48
+    monotonic_id = n & 0xFFFF_FFFF
 
-so the full id travels: a reader checks it against the slot, and no
+so the ids vLLM sees are the ones its own store would give (0, 1, 2, ...),
+and the full id travels: a reader checks it against the slot, and no
 handle reads a later object at the same offset, however many puts a store
 sees (vLLM's own ids wrap at 2**31). The epoch does not travel: the
 drop-in never hard-clears, so it is constant for a store's life and
@@ -130,11 +132,10 @@ def _announce() -> None:
 
 
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
-    """The ``(address, monotonic_id)`` vLLM carries for ``handle``."""
-    return (
-        (handle.monotonic_id >> _LOW_ID_BITS) << _OFFSET_BITS | handle.address,
-        handle.monotonic_id & _LOW_ID_MASK,
-    )
+    """The ``(address, monotonic_id)`` vLLM carries for ``handle`` (ids
+    from 0, as vLLM's own store counts)."""
+    n = handle.monotonic_id - 1
+    return (n >> _LOW_ID_BITS) << _OFFSET_BITS | handle.address, n & _LOW_ID_MASK
 
 
 def from_wire(address: Any, monotonic_id: Any, epoch: int) -> ObjectHandle:
@@ -148,7 +149,7 @@ def from_wire(address: Any, monotonic_id: Any, epoch: int) -> ObjectHandle:
     ):
         raise _stale(address, monotonic_id)
     high = address >> _OFFSET_BITS
-    return ObjectHandle(address & _OFFSET_MASK, high << _LOW_ID_BITS | monotonic_id, epoch)
+    return ObjectHandle(address & _OFFSET_MASK, (high << _LOW_ID_BITS | monotonic_id) + 1, epoch)
 
 
 class SingleWriterShmRingBuffer:
@@ -489,7 +490,7 @@ class SingleWriterShmObjectStorage:
             *data,
         ]
         h = store.put_parts(key, parts)
-        if h.monotonic_id >= _MAX_ID:
+        if h.monotonic_id - 1 >= _MAX_ID:
             raise RuntimeError(
                 f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry"
             )

@@ -193,9 +193,13 @@ def test_soft_clear_forgets_keys_keeps_ids_and_old_handles_read(make):
     sig = w.get_signature("k")
     w.clear()
     assert not w.is_cached("k") and len(w.key_index) == 0
+    assert r.get(a, i, sig, "k") == b"old", "an old handle reads until its slot is reused"
+    # As in vLLM, the next put goes from the first byte: the old slot.
     a2, i2 = w.put("k", b"new")
     assert i2 > i, "ids keep increasing across a clear"
-    assert r.get(a, i, sig, "k") == b"old", "an old handle reads until its slot is reused"
+    assert a2 == a
+    with pytest.raises(pinshm.StaleError, match="has been modified or is invalid"):
+        r.get(a, i, sig, "k")
     assert r.get(a2, i2, w.get_signature("k"), "k") == b"new"
     r.clear()  # a reader's clear does nothing
 

@@ -12,11 +12,23 @@ vLLM's; what differs underneath:
   still pass is never taken.
 - Readers read the slot in place and acknowledge when the serde is done
   with it; a reader that dies stops counting towards what an object owes.
-- The segment is sparse, as vLLM's is. ``PINSHM_VLLM_RESERVE=1``
-  reserves and pre-faults it at creation instead (a /dev/shm too small
-  then fails at start, not with SIGBUS under load; with a ``cuda`` build
-  it is also pinned, which initializes CUDA in vLLM's API server before
-  it forks the engine core: use it only with spawned processes).
+- The segment is sparse, as vLLM's is: it costs the pages its objects
+  touch, and a full /dev/shm is a ``NoSpaceError`` (a ``MemoryError``, so
+  vLLM's sender serves the item uncached), never SIGBUS.
+  ``PINSHM_VLLM_RESERVE=1`` reserves and pre-faults it at creation instead.
+- Pinning (a ``cuda`` build with a driver): the writer (vLLM's API server,
+  which forks the engine core) never pins, so it stays CUDA-free; each
+  worker registers its own mapping of a reserved segment
+  (``PINSHM_VLLM_RESERVE=1``), so the tensors vLLM decodes from it are
+  pinned memory and ``pin_memory()`` returns them as they are: the slot is
+  the tensor, and its H2D copy a DMA from it. ``PINSHM_VLLM_PIN=0`` turns
+  the workers' pinning off. With ``pinshm.cuda_release.install()`` in a
+  worker, a read ends only once the GPU has finished copying from it.
+- ``PINSHM_VLLM_ZERO_COPY=1`` (CPU workers, opt-in): the decoder hands vLLM
+  tensors that view the slot instead of clones, and the worker maps the
+  segment a second time read-only for them, so an in-place write by model
+  code faults (SIGSEGV) instead of changing the other ranks' inputs. The
+  read is held, and the slot kept, until the tensors are gone.
 - The writer registers its segment with multiprocessing's resource
   tracker, as vLLM's ``SharedMemory`` does: a killed API server does not
   leave it behind.
@@ -131,6 +143,11 @@ def _announce() -> None:
     announce()
 
 
+def zero_copy() -> bool:
+    """Whether decoded tensors view the slot (``PINSHM_VLLM_ZERO_COPY=1``)."""
+    return os.environ.get("PINSHM_VLLM_ZERO_COPY", "0") == "1"
+
+
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
     """The ``(address, monotonic_id)`` vLLM carries for ``handle`` (ids
     from 0, as vLLM's own store counts)."""
@@ -208,6 +225,8 @@ class SingleWriterShmRingBuffer:
                     aggregate_reads=True,
                     reserve=reserve,
                     prefault=reserve,
+                    # vLLM's API server forks the engine core: no CUDA here.
+                    pin="off",
                 )
             except PinshmError as e:
                 if os.path.exists(os.path.join("/dev/shm", self.name)):
@@ -220,7 +239,10 @@ class SingleWriterShmRingBuffer:
 
     def _open_reader(self) -> StoreReader:
         if self._reader is None:
-            self._reader = StoreReader.attach_by_name(self.name)
+            pin = "off" if os.environ.get("PINSHM_VLLM_PIN", "1") == "0" else "auto"
+            self._reader = StoreReader.attach_by_name(
+                self.name, pin=pin, read_only_views=zero_copy()
+            )
         return self._reader
 
     def handle(self) -> tuple[int, str]:
@@ -363,9 +385,19 @@ class MsgpackSerde(ObjectSerde):
             self._inner: ObjectSerde = _NumpyMsgpackSerde()
         else:
             self._inner = _VllmSerde()
+            if zero_copy():
+                # Tensors that view the slot (no clone); the reader maps it
+                # read-only for them (see the module doc).
+                import torch
+                from vllm.multimodal.inputs import MultiModalKwargsItem
+                from vllm.v1.serial_utils import MsgpackDecoder
+
+                self._inner.tensor_decoder = MsgpackDecoder(torch.Tensor, share_mem=True)
+                self._inner.mm_decoder = MsgpackDecoder(MultiModalKwargsItem, share_mem=True)
             # vLLM's decoder calls torch.frombuffer on the slot, which
-            # pinshm exports read-only; the tensors are cloned at once, so
-            # torch's warning about non-writable buffers says nothing here.
+            # pinshm exports read-only; the tensors are cloned at once (or,
+            # zero-copy, live in read-only memory), so torch's warning about
+            # non-writable buffers says nothing here.
             warnings.filterwarnings(
                 "ignore", message="The given buffer is not writable", category=UserWarning
             )

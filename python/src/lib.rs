@@ -24,6 +24,7 @@ mod buffer;
 mod channel;
 mod gil;
 mod handles;
+mod message;
 mod reader;
 mod store;
 mod tensor;
@@ -83,6 +84,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::NoSpace { .. } => NoSpaceError::new_err(msg),
         E::Timeout { .. } => TimeoutError::new_err(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
+        E::Cancelled { .. } => CancelledError::new_err(msg),
         E::KeyNotFound { .. } => PyKeyError::new_err(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
         E::DuplicateKey { .. }
@@ -246,6 +248,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
+    m.add_class::<message::MessageView>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;

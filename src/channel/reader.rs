@@ -410,6 +410,12 @@ mod shell {
             self.spin.set(SpinPolicy::new(spin));
         }
 
+        /// Sets how `recv` chooses its spin ([`SpinPolicy::new`]: adaptive,
+        /// the default; [`SpinPolicy::fixed`]: always the same).
+        pub fn set_spin_policy(&mut self, policy: SpinPolicy) {
+            self.spin.set(policy);
+        }
+
         /// How long the next `recv` would spin before sleeping.
         pub fn spin_window(&self) -> Duration {
             self.spin.get().window()

@@ -21,14 +21,28 @@ use std::time::Duration;
 pub struct SpinPolicy {
     cap: Duration,
     estimate: Duration,
+    /// Always spin for `cap`, whatever the waits (for comparison, and for
+    /// a reader that has a core to itself).
+    fixed: bool,
 }
 
 impl SpinPolicy {
-    /// Spin at most `cap` (zero: never spin).
+    /// Spin at most `cap` (zero: never spin), as long as recent waits say
+    /// pays.
     pub fn new(cap: Duration) -> SpinPolicy {
         SpinPolicy {
             cap,
             estimate: Duration::ZERO,
+            fixed: false,
+        }
+    }
+
+    /// Always spin for `spin` before sleeping (what a fixed busy window
+    /// does: vLLM's readers spin this way).
+    pub fn fixed(spin: Duration) -> SpinPolicy {
+        SpinPolicy {
+            fixed: true,
+            ..SpinPolicy::new(spin)
         }
     }
 
@@ -39,6 +53,9 @@ impl SpinPolicy {
 
     /// How long the next receive spins before it sleeps.
     pub fn window(&self) -> Duration {
+        if self.fixed {
+            return self.cap;
+        }
         if self.cap.is_zero() || self.estimate > self.cap {
             return Duration::ZERO;
         }

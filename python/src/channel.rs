@@ -135,6 +135,38 @@ impl Broadcast {
         })
     }
 
+    /// Sends one message made of the bytes of every object in `parts`
+    /// (each exporting a contiguous buffer), in order, copied straight into
+    /// the slot: no joined copy first. Waits as `send` does.
+    #[pyo3(signature = (parts, timeout=None))]
+    fn send_parts(
+        &self,
+        py: Python<'_>,
+        parts: Vec<Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let timeout = duration(timeout)?;
+        let bufs = parts
+            .iter()
+            .map(Buffer::readable)
+            .collect::<PyResult<Vec<_>>>()?;
+        let slices: Vec<&[u8]> = bufs.iter().map(Buffer::as_slice).collect();
+        let len = slices.iter().map(|s| s.len()).sum::<usize>();
+        self.home.not_forked()?;
+        wait_loop(py, "send_timeout", timeout, |d| {
+            Ok(match crate::lock(&self.inner).as_mut() {
+                Some(b) => b.send_with_timeout(len, d, |slot| {
+                    let mut off = 0;
+                    for s in &slices {
+                        slot[off..off + s.len()].copy_from_slice(s);
+                        off += s.len();
+                    }
+                }),
+                None => return Err(closed("Broadcast")),
+            })
+        })
+    }
+
     /// Makes a `send` blocked in another thread, and every later one
     /// (`try_send` too), raise pinshm.CancelledError, at once (a futex
     /// wake). For a shutdown; it cannot be undone.

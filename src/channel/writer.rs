@@ -359,6 +359,19 @@ mod shell {
             self.write(len, fill)
         }
 
+        /// As [`Broadcast::send_with`], giving up after `timeout` with
+        /// [`Error::Timeout`] (`fill` is then not called).
+        pub fn send_with_timeout<F: FnOnce(&mut [u8])>(
+            &mut self,
+            len: usize,
+            timeout: Duration,
+            fill: F,
+        ) -> Result<()> {
+            self.check_len(len)?;
+            self.wait(Some(timeout), "send_timeout")?;
+            self.write(len, fill)
+        }
+
         /// What readers need to attach (serde: send it anywhere).
         pub fn handle(&self) -> BroadcastHandle {
             let g = self.core.shm().geometry();

@@ -166,3 +166,13 @@ def test_cancel_ends_a_blocked_call_at_once(unique_name, closing, side):
     t.join(WAIT_S)
     assert not t.is_alive(), "cancel did not end the blocked call"
     assert [type(e) for e in outcome] == [pinshm.CancelledError]
+
+
+def test_send_parts_gathers_every_part_into_one_message(channel):
+    tx, rx = channel
+    tx.send_parts([b"head", bytearray(b"-"), memoryview(b"tail")])
+    tx.send_parts([])
+    assert rx.recv() == b"head-tail"
+    assert rx.recv() == b""
+    with pytest.raises(ValueError, match="exceeds"):
+        tx.send_parts([bytes(4000), bytes(97)])

@@ -149,17 +149,14 @@ impl ReaderCore {
     /// Waits for the next message: spins for `spin` (yielding the CPU now
     /// and then, so a writer on the same core runs), then sleeps on the
     /// message futex, re-checking `writer_alive` at least every
-    /// [`LIVENESS_RECHECK`]. A set cancel flag ends it at once, whether or
-    /// not a message is there.
+    /// [`LIVENESS_RECHECK`]. A set cancel flag ends it before it sleeps
+    /// (the shell also refuses to start a wait once cancelled).
     pub fn wait(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
         writer_alive: &dyn Fn() -> bool,
     ) -> Result<Recv, Corrupt> {
-        if self.cancel.is_set() {
-            return Ok(Recv::Cancelled);
-        }
         if let Some(m) = self.poll()? {
             return Ok(Recv::Message(m));
         }
@@ -463,6 +460,13 @@ mod shell {
         ) -> Result<Message<'_>> {
             if !self.is_owner() {
                 return Err(Error::Forked {
+                    name: self.seg.name().to_owned(),
+                });
+            }
+            // Cancelled: no wait starts, whether or not a message is there.
+            if self.core.borrow().cancel_flag().is_set() {
+                return Err(Error::Cancelled {
+                    op,
                     name: self.seg.name().to_owned(),
                 });
             }

@@ -107,17 +107,15 @@ impl WriterCore {
     /// the slot futex (re-checking who is alive at least every
     /// [`LIVENESS_RECHECK`]). A reader that `alive` says is dead stops
     /// being expected. `Err` says why not: the deadline passed (with the
-    /// readers still in the way then), or the cancel flag is set (checked
-    /// first: a cancelled writer sends nothing, even into a free slot).
+    /// readers still in the way then), or the cancel flag is set (seen
+    /// before it sleeps; the shell also refuses to start a wait once
+    /// cancelled).
     pub fn wait_slot(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
         alive: &dyn Fn(u32) -> bool,
     ) -> Result<(), Blocked> {
-        if self.cancel.is_set() {
-            return Err(Blocked::Cancelled);
-        }
         if self.scan(None) {
             return Ok(());
         }
@@ -451,6 +449,13 @@ mod shell {
         }
 
         fn wait(&mut self, timeout: Option<Duration>, op: &'static str) -> Result<()> {
+            // Cancelled: nothing is sent, even into a free slot.
+            if self.core.cancel_flag().is_set() {
+                return Err(Error::Cancelled {
+                    op,
+                    name: self.seg.name().to_owned(),
+                });
+            }
             let deadline = timeout.map(|t| Instant::now() + t);
             let seg = &self.seg;
             let seen = std::cell::RefCell::new(&mut self.reader_seen);

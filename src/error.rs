@@ -158,6 +158,18 @@ pub enum Error {
         detail: String,
     },
 
+    /// A blocking send or receive ended because another thread called
+    /// [`Canceller::cancel`](crate::channel::Canceller::cancel) (a
+    /// shutdown). Nothing was sent or received; every later wait of the
+    /// same writer or reader ends the same way.
+    #[error("{op} cancelled on channel '{name}': cancel() was called (a shutdown)")]
+    Cancelled {
+        /// The call that ended.
+        op: &'static str,
+        /// The channel's segment name.
+        name: String,
+    },
+
     /// Open found no segment of that name.
     #[error("no shared memory segment named '{name}' (has its writer exited?)")]
     NotFound {

@@ -33,8 +33,8 @@ mod sys;
 #[doc(hidden)]
 pub use channel::loom_api as __loom_channel;
 #[cfg(not(loom))]
-pub use channel::{Broadcast, BroadcastReader, Message};
-pub use channel::{BroadcastConfig, BroadcastHandle};
+pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
+pub use channel::{BroadcastConfig, BroadcastHandle, SpinPolicy};
 pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,

@@ -14,7 +14,7 @@ use std::time::Duration;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use pinshm::__loom_channel::{reader_state, Geometry, ReaderCore, Recv, Shm, WriterCore};
+use pinshm::__loom_channel::{reader_state, Blocked, Geometry, ReaderCore, Recv, Shm, WriterCore};
 
 fn geo(n_readers: u32, slots: u32) -> Geometry {
     Geometry {
@@ -59,6 +59,7 @@ fn receive(r: &mut ReaderCore, n: u64) -> u64 {
             }
             Recv::WriterGone => break,
             Recv::TimedOut => unreachable!("no deadline"),
+            Recv::Cancelled => unreachable!("nobody cancels"),
         }
     }
     got
@@ -169,5 +170,33 @@ fn reaping_a_dead_reader_never_marks_the_reader_that_took_its_place() {
             "B was not reaped"
         );
         b.leave();
+    });
+}
+
+#[test]
+fn a_sleeping_reader_always_wakes_when_cancelled() {
+    model(|| {
+        let shm = Shm::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let flag = r.cancel_flag().clone();
+        // Nothing is ever sent: only the cancel can end the wait.
+        let t = thread::spawn(move || r.wait(None, Duration::ZERO, &|| true).unwrap());
+        shm.cancel_reader(&flag);
+        assert_eq!(t.join().unwrap(), Recv::Cancelled);
+    });
+}
+
+#[test]
+fn a_writer_waiting_for_a_slot_always_wakes_when_cancelled() {
+    model(|| {
+        let shm = Shm::heap(geo(1, 1));
+        // The reader never releases message 0: the one slot stays held.
+        let _r = ReaderCore::claim(shm.clone(), 0);
+        let mut w = WriterCore::new(shm.clone());
+        send(&mut w, 1, &|_| true);
+        let flag = w.cancel_flag().clone();
+        let t = thread::spawn(move || w.wait_slot(None, Duration::ZERO, &|_| true));
+        shm.cancel_writer(&flag);
+        assert_eq!(t.join().unwrap(), Err(Blocked::Cancelled));
     });
 }

@@ -1,9 +1,10 @@
 //! `pinshm.Broadcast` and `pinshm.BroadcastReader`: the broadcast channel.
-//! Messages are received as `bytes` (a copy: messages are small; a
-//! zero-copy view of the slot is not bound yet).
+//! Messages are received as `bytes` (`recv`, a copy) or in place
+//! (`recv_view`, a `MessageView` over the slot: see `message.rs`).
+//! `cancel()` is the core's `Canceller`: a futex wake that ends a blocked
+//! call at once, from any thread.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -12,11 +13,13 @@ use pyo3::types::{PyBytes, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::BroadcastHandle;
-use crate::{closed, locked, to_py, CancelledError, Home};
+use crate::message::{HeldMessage, MessageView, SharedReader};
+use crate::{closed, lock, locked, to_py, Home};
 
 /// A blocking call waits in steps this long, GIL released, and checks for
-/// signals (Ctrl-C) between steps.
-const STEP: Duration = Duration::from_millis(100);
+/// signals (Ctrl-C) between steps. Cancelling does not wait for a step: it
+/// wakes the wait.
+pub(crate) const STEP: Duration = Duration::from_millis(100);
 
 fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
@@ -31,23 +34,17 @@ fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
 /// Runs `step(d)` (a wait of at most `d` that fails with `Error::Timeout`
 /// when nothing came) until it succeeds, `timeout` has passed (then the
 /// timeout error names `op` and the whole wait), a signal handler raises,
-/// or `cancelled` is set (CancelledError, seen within one step: the step
-/// wakes anyway for signals, so watching the flag costs no wake-up).
+/// or it fails otherwise (`Error::Cancelled` at once after `cancel()`:
+/// CancelledError).
 fn wait_loop<R: Send>(
     py: Python<'_>,
     op: &'static str,
     timeout: Option<Duration>,
-    cancelled: &AtomicBool,
     mut step: impl FnMut(Duration) -> PyResult<pinshm::Result<R>> + Send,
 ) -> PyResult<R> {
     // A deadline past what an Instant can hold is no deadline.
     let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
     loop {
-        if cancelled.load(Ordering::Acquire) {
-            return Err(CancelledError::new_err(format!(
-                "{op} cancelled: cancel() was called on this object"
-            )));
-        }
         let d = match deadline {
             Some(end) => end.saturating_duration_since(Instant::now()).min(STEP),
             None => STEP,
@@ -76,8 +73,8 @@ fn wait_loop<R: Send>(
 #[pyclass(module = "pinshm")]
 pub(crate) struct Broadcast {
     inner: Mutex<Option<pinshm::Broadcast>>,
-    /// Set by `cancel()`: every wait in `send` ends with CancelledError.
-    cancelled: AtomicBool,
+    /// Ends a wait in `send` (another thread) and every later one.
+    canceller: pinshm::Canceller,
     home: Home,
 }
 
@@ -104,8 +101,8 @@ impl Broadcast {
         let b = crate::gil::released(py, || pinshm::Broadcast::create(cfg)).map_err(to_py)?;
         Ok(Broadcast {
             home: Home::new(b.name()),
+            canceller: b.canceller(),
             inner: Mutex::new(Some(b)),
-            cancelled: AtomicBool::new(false),
         })
     }
 
@@ -130,7 +127,7 @@ impl Broadcast {
         let buf = Buffer::readable(data)?;
         let bytes = buf.as_slice();
         self.home.not_forked()?;
-        wait_loop(py, "send_timeout", timeout, &self.cancelled, |d| {
+        wait_loop(py, "send_timeout", timeout, |d| {
             Ok(match crate::lock(&self.inner).as_mut() {
                 Some(b) => b.send_timeout(bytes, d),
                 None => return Err(closed("Broadcast")),
@@ -138,11 +135,43 @@ impl Broadcast {
         })
     }
 
-    /// Makes a `send` blocked in another thread, and every later one, raise
-    /// pinshm.CancelledError (within 100 ms: the wait's step). For a
-    /// shutdown; it cannot be undone.
+    /// Sends one message made of the bytes of every object in `parts`
+    /// (each exporting a contiguous buffer), in order, copied straight into
+    /// the slot: no joined copy first. Waits as `send` does.
+    #[pyo3(signature = (parts, timeout=None))]
+    fn send_parts(
+        &self,
+        py: Python<'_>,
+        parts: Vec<Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let timeout = duration(timeout)?;
+        let bufs = parts
+            .iter()
+            .map(Buffer::readable)
+            .collect::<PyResult<Vec<_>>>()?;
+        let slices: Vec<&[u8]> = bufs.iter().map(Buffer::as_slice).collect();
+        let len = slices.iter().map(|s| s.len()).sum::<usize>();
+        self.home.not_forked()?;
+        wait_loop(py, "send_timeout", timeout, |d| {
+            Ok(match crate::lock(&self.inner).as_mut() {
+                Some(b) => b.send_with_timeout(len, d, |slot| {
+                    let mut off = 0;
+                    for s in &slices {
+                        slot[off..off + s.len()].copy_from_slice(s);
+                        off += s.len();
+                    }
+                }),
+                None => return Err(closed("Broadcast")),
+            })
+        })
+    }
+
+    /// Makes a `send` blocked in another thread, and every later one
+    /// (`try_send` too), raise pinshm.CancelledError, at once (a futex
+    /// wake). For a shutdown; it cannot be undone.
     fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
+        self.canceller.cancel();
     }
 
     /// Sends `data` if its slot is free now; False if it would block.
@@ -212,11 +241,22 @@ impl Broadcast {
 /// One reader of a broadcast channel.
 #[pyclass(module = "pinshm")]
 pub(crate) struct BroadcastReader {
-    inner: Mutex<Option<pinshm::BroadcastReader>>,
-    /// Set by `cancel()`: every wait in `recv` ends with CancelledError.
-    cancelled: AtomicBool,
+    /// Locked only to clone or take the `Arc`, never across a call: a view
+    /// held keeps the reader attached after `close()`.
+    shared: Mutex<Option<Arc<SharedReader>>>,
+    /// Ends a wait in `recv` (another thread) and every later one.
+    canceller: pinshm::Canceller,
     index: u32,
     home: Home,
+}
+
+impl BroadcastReader {
+    fn shared(&self) -> PyResult<Arc<SharedReader>> {
+        self.home.not_forked()?;
+        lock(&self.shared)
+            .clone()
+            .ok_or_else(|| closed("BroadcastReader"))
+    }
 }
 
 #[pymethods]
@@ -235,8 +275,8 @@ impl BroadcastReader {
         Ok(BroadcastReader {
             index: r.index(),
             home: Home::new(r.name()),
-            inner: Mutex::new(Some(r)),
-            cancelled: AtomicBool::new(false),
+            canceller: r.canceller(),
+            shared: Mutex::new(Some(Arc::new(SharedReader::new(r)))),
         })
     }
 
@@ -247,29 +287,45 @@ impl BroadcastReader {
     #[pyo3(signature = (timeout=None))]
     fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
         let timeout = duration(timeout)?;
-        self.home.not_forked()?;
-        let msg = wait_loop(py, "recv_timeout", timeout, &self.cancelled, |d| {
-            Ok(match crate::lock(&self.inner).as_ref() {
-                Some(r) => r.recv_timeout(d).map(|m| m.to_vec()),
-                None => return Err(closed("BroadcastReader")),
-            })
+        let shared = self.shared()?;
+        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
+            Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
         })?;
         Ok(PyBytes::new(py, &msg))
     }
 
-    /// Makes a `recv` blocked in another thread, and every later one, raise
-    /// pinshm.CancelledError (within 100 ms: the wait's step). For a
-    /// shutdown; it cannot be undone.
+    /// The next message in place, with no copy: a `MessageView` exporting
+    /// the slot's bytes (read-only) through the buffer protocol, holding
+    /// the message (the writer cannot reuse its slot) until it is released
+    /// and every export of it is gone. Waits as `recv` does.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_view(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<MessageView> {
+        let timeout = duration(timeout)?;
+        let shared = self.shared()?;
+        let held = wait_loop(py, "recv_timeout", timeout, |d| {
+            let r = shared.lock();
+            Ok(r.recv_timeout(d).map(|m| HeldMessage::new(&shared, m)))
+        })?;
+        Ok(MessageView::new(held))
+    }
+
+    /// Makes a `recv` blocked in another thread, and every later one
+    /// (`try_recv` and `recv_view` too), raise pinshm.CancelledError, at
+    /// once (a futex wake). For a shutdown; it cannot be undone.
     fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
+        self.canceller.cancel();
     }
 
     /// The next message if one is there, else None.
     fn try_recv<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let msg = locked(py, &self.home, &self.inner, false, |r| match r.as_ref() {
-            Some(r) => r.try_recv().map(|m| m.map(|m| m.to_vec())).map_err(to_py),
-            None => Err(closed("BroadcastReader")),
-        })??;
+        let shared = self.shared()?;
+        let copy = |r: &pinshm::BroadcastReader| r.try_recv().map(|m| m.map(|m| m.to_vec()));
+        // The GIL is released only if another call holds the reader.
+        let msg = match shared.try_lock() {
+            Some(r) => copy(&r),
+            None => crate::gil::released(py, || copy(&shared.lock())),
+        }
+        .map_err(to_py)?;
         Ok(msg.map(|m| PyBytes::new(py, &m)))
     }
 
@@ -285,10 +341,15 @@ impl BroadcastReader {
         &self.home.name
     }
 
-    /// Detaches. Closing twice does nothing, and so does closing in a
-    /// forked child (the reader is the parent's).
+    /// Detaches (once every `MessageView` of it is released too). Closing
+    /// twice does nothing, and so does closing in a forked child (the
+    /// reader is the parent's).
     fn close(&self, py: Python<'_>) {
-        crate::close_in(py, &self.home, &self.inner);
+        if self.home.forked() {
+            return;
+        }
+        let shared = lock(&self.shared).take();
+        crate::gil::released(py, || drop(shared));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -23,6 +23,7 @@ mod buffer;
 mod channel;
 mod gil;
 mod handles;
+mod message;
 mod reader;
 mod release;
 mod store;
@@ -83,6 +84,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::NoSpace { .. } => NoSpaceError::new_err(msg),
         E::Timeout { .. } => WaitTimeoutError::new_err(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
+        E::Cancelled { .. } => CancelledError::new_err(msg),
         E::KeyNotFound { .. } => PyKeyError::new_err(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
         E::DuplicateKey { .. }
@@ -242,6 +244,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
+    m.add_class::<message::MessageView>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(release::set_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(reader::flush_releases, m)?)?;

@@ -7,9 +7,12 @@
 //!   and the no-lost-wake-up argument.
 //! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
 //!   and the public types around them.
+//! * [`spin`]: how long a reader spins before it sleeps ([`SpinPolicy`]).
 //!
-//! Waiting: spin for [`BroadcastConfig::spin`], then sleep on a futex in the
-//! segment. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
+//! Waiting: a reader spins only while it pays (a window learned from its
+//! recent waits, at most [`BroadcastConfig::spin`], see [`SpinPolicy`]); the
+//! writer waiting for a slot spins for `spin`. Then each sleeps on a futex
+//! in the segment. A [`Canceller`] ends a wait from another thread at once. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
 //! asks the kernel whether the other side's open-file-description lock is
 //! still held (trusting an "alive" answer for one period, so a party that
 //! sleeps and wakes often makes that system call rarely): a dead reader
@@ -23,12 +26,14 @@
 pub mod layout;
 pub mod reader;
 pub mod shm;
+pub mod spin;
 pub mod writer;
 
 use std::time::Duration;
 
 #[cfg(not(loom))]
 pub use reader::{BroadcastReader, Message};
+pub use spin::SpinPolicy;
 #[cfg(not(loom))]
 pub use writer::Broadcast;
 
@@ -37,8 +42,10 @@ pub use writer::Broadcast;
 /// and how long an "alive" answer is trusted.
 pub const LIVENESS_RECHECK: Duration = Duration::from_millis(250);
 
-/// Default spin before sleeping.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(5);
+/// Default longest spin before sleeping: long enough to bridge a reply that
+/// comes back within tens of µs (a round trip), far shorter than the gap
+/// between decode steps (5 ms), so a reader between steps sleeps at once.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// Longest spin a segment's header may ask its readers for.
 pub const MAX_SPIN: Duration = Duration::from_secs(1);
@@ -86,9 +93,10 @@ impl BroadcastConfig {
         self
     }
 
-    /// How long the writer, and by default each reader, spins before
-    /// sleeping on the futex (default 5 µs, at most 1 s; zero: sleep at
-    /// once).
+    /// How long the writer spins before sleeping on the futex, and the
+    /// longest each reader spins by default (a reader spins only as long as
+    /// its recent waits suggest pays, see [`SpinPolicy`]). Default 200 µs,
+    /// at most 1 s; zero: sleep at once.
     pub fn spin(mut self, spin: Duration) -> Self {
         self.spin = spin.min(MAX_SPIN);
         self
@@ -121,6 +129,108 @@ impl BroadcastConfig {
     }
 }
 
+/// Ends the blocked `send`/`recv` of one [`Broadcast`] or
+/// [`BroadcastReader`] from another thread, at once (a futex wake, no
+/// polling), and every later one: they return
+/// [`Error::Cancelled`](crate::Error::Cancelled). For a shutdown; it cannot
+/// be undone. Made by [`Broadcast::canceller`] or
+/// [`BroadcastReader::canceller`]; `Send + Sync + Clone`, and it may
+/// outlive its writer or reader (cancelling then does nothing).
+///
+/// ```
+/// use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, Error};
+/// let tx = Broadcast::create(BroadcastConfig::new(1, 2, 64)).unwrap();
+/// let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+/// let cancel = rx.canceller();
+/// let t = std::thread::spawn(move || matches!(rx.recv(), Err(Error::Cancelled { .. })));
+/// cancel.cancel();
+/// assert!(t.join().unwrap());
+/// ```
+#[cfg(not(loom))]
+#[derive(Clone, Debug)]
+pub struct Canceller {
+    link: std::sync::Arc<CancelLink>,
+}
+
+/// What a [`Canceller`] shares with its owner: the owner's flag, and its
+/// channel words while its mapping lives (the owner clears `shm`, under
+/// the mutex, before it unmaps).
+#[cfg(not(loom))]
+#[derive(Debug)]
+pub(crate) struct CancelLink {
+    flag: std::sync::Arc<shm::CancelFlag>,
+    shm: std::sync::Mutex<Option<shm::Shm>>,
+    writer: bool,
+    /// The owner's fork generation: in a forked child a canceller does
+    /// nothing (the owner is the parent's, and the child never detaches).
+    fork_gen: u64,
+}
+
+// SAFETY: the only thread-bound part is the `Shm` (pointers into the
+// owner's mapping). It is used only under the mutex, and only while it is
+// `Some`: the owner sets it to `None` under the same mutex before its
+// mapping goes (`CancelLink::detach`), so no use outlives the mapping (in
+// a forked child, where the owner's drop does not detach, `cancel` does
+// not touch it at all). The
+// words it touches are atomics in shared memory, meant for any thread.
+#[cfg(not(loom))]
+unsafe impl Send for CancelLink {}
+// SAFETY: as for `Send`: every access to the `Shm` is under the mutex.
+#[cfg(not(loom))]
+unsafe impl Sync for CancelLink {}
+
+#[cfg(not(loom))]
+impl CancelLink {
+    pub(crate) fn new(
+        flag: std::sync::Arc<shm::CancelFlag>,
+        shm: shm::Shm,
+        writer: bool,
+        fork_gen: u64,
+    ) -> std::sync::Arc<CancelLink> {
+        std::sync::Arc::new(CancelLink {
+            flag,
+            shm: std::sync::Mutex::new(Some(shm)),
+            writer,
+            fork_gen,
+        })
+    }
+
+    /// The owner is going (its mapping with it): cancellers do nothing now.
+    pub(crate) fn detach(&self) {
+        *self.shm.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+#[cfg(not(loom))]
+impl Canceller {
+    pub(crate) fn new(link: std::sync::Arc<CancelLink>) -> Canceller {
+        Canceller { link }
+    }
+
+    /// Ends the owner's wait in progress, if any, and makes every later one
+    /// end the same way ([`Error::Cancelled`](crate::Error::Cancelled)).
+    /// Idempotent; does nothing once the owner is dropped, nor in a forked
+    /// child.
+    pub fn cancel(&self) {
+        if crate::sys::fork::current() != self.link.fork_gen {
+            return;
+        }
+        let shm = self.link.shm.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(shm) = shm.as_ref() {
+            if self.link.writer {
+                shm.cancel_writer(&self.link.flag);
+            } else {
+                shm.cancel_reader(&self.link.flag);
+            }
+        }
+    }
+
+    /// Whether [`Canceller::cancel`] was called (by any clone).
+    pub fn is_cancelled(&self) -> bool {
+        self.link.flag.is_set()
+    }
+}
+
 /// What a reader needs to attach to a channel: serde, `Clone + Send`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BroadcastHandle {
@@ -145,5 +255,5 @@ pub mod loom_api {
     pub use super::layout::reader_state;
     pub use super::reader::{ReaderCore, Received, Recv};
     pub use super::shm::{Geometry, Shm};
-    pub use super::writer::WriterCore;
+    pub use super::writer::{Blocked, WriterCore};
 }

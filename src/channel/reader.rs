@@ -3,9 +3,10 @@
 //! around it.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::shm::Shm;
+use super::shm::{CancelFlag, Shm};
 use super::LIVENESS_RECHECK;
 
 /// A received message: its sequence number, slot and length.
@@ -29,6 +30,8 @@ pub enum Recv {
     WriterGone,
     /// The deadline passed.
     TimedOut,
+    /// The reader's [`CancelFlag`] is set (a `Canceller` was used).
+    Cancelled,
 }
 
 /// Shared memory that contradicts the protocol (scribbled): which word,
@@ -55,6 +58,8 @@ pub struct ReaderCore {
     released: u64,
     /// Received, not yet released: `released + k` done iff `outstanding[k]`.
     outstanding: VecDeque<bool>,
+    /// Set by a canceller: every wait ends with [`Recv::Cancelled`].
+    cancel: Arc<CancelFlag>,
 }
 
 impl ReaderCore {
@@ -70,7 +75,14 @@ impl ReaderCore {
             idx: (start % slots) as u32,
             released: start,
             outstanding: VecDeque::new(),
+            cancel: Arc::new(CancelFlag::new()),
         }
+    }
+
+    /// The flag that cancels this reader's waits (set it through
+    /// [`Shm::cancel_reader`], which also wakes the reader).
+    pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
+        &self.cancel
     }
 
     /// The shared words.
@@ -134,9 +146,11 @@ impl ReaderCore {
         Ok(Some(got))
     }
 
-    /// Waits for the next message: spins for `spin`, then sleeps on the
+    /// Waits for the next message: spins for `spin` (yielding the CPU now
+    /// and then, so a writer on the same core runs), then sleeps on the
     /// message futex, re-checking `writer_alive` at least every
-    /// [`LIVENESS_RECHECK`].
+    /// [`LIVENESS_RECHECK`]. A set cancel flag ends it before it sleeps
+    /// (the shell also refuses to start a wait once cancelled).
     pub fn wait(
         &mut self,
         deadline: Option<Instant>,
@@ -155,8 +169,14 @@ impl ReaderCore {
                     return Ok(Recv::Message(m));
                 }
                 k = k.wrapping_add(1);
-                if k % 64 == 0 && t0.elapsed() >= spin {
-                    break;
+                if k % 64 == 0 {
+                    if self.cancel.is_set() {
+                        return Ok(Recv::Cancelled);
+                    }
+                    if t0.elapsed() >= spin {
+                        break;
+                    }
+                    std::thread::yield_now();
                 }
             }
         }
@@ -186,6 +206,10 @@ impl ReaderCore {
         deadline: Option<Instant>,
         writer_alive: &dyn Fn() -> bool,
     ) -> Result<Option<Recv>, Corrupt> {
+        // After the announce's fence: the Dekker pair with a canceller.
+        if self.cancel.is_set() {
+            return Ok(Some(Recv::Cancelled));
+        }
         // `closed` first: a poll after seeing it sees every message sent.
         let closed = self.shm.is_closed();
         if let Some(m) = self.poll()? {
@@ -245,9 +269,12 @@ mod shell {
     use std::ops::Deref;
     use std::time::{Duration, Instant};
 
+    use std::sync::Arc;
+
     use super::{Corrupt, ReaderCore, Recv};
     use crate::channel::shm::{self, Geometry, Shm};
-    use crate::channel::{layout, BroadcastHandle, LIVENESS_RECHECK};
+    use crate::channel::SpinPolicy;
+    use crate::channel::{layout, BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -280,7 +307,10 @@ mod shell {
     #[derive(Debug)]
     pub struct BroadcastReader {
         core: RefCell<ReaderCore>,
-        spin: Duration,
+        /// The spin before sleeping, learned from recent waits.
+        spin: Cell<SpinPolicy>,
+        /// Shared with this reader's cancellers; detached at drop.
+        cancel: Arc<CancelLink>,
         /// When the writer's liveness lock was last found held (a system
         /// call; asked at most once per [`LIVENESS_RECHECK`] while waiting).
         writer_seen: Cell<Option<Instant>>,
@@ -343,9 +373,12 @@ mod shell {
                 let core = ReaderCore::claim(shm.clone(), i);
                 shm.set_pid(i, std::process::id());
                 tracing::debug!(name = %h.name, index = i, from = core.next, "broadcast reader attached");
+                let cancel =
+                    CancelLink::new(core.cancel_flag().clone(), shm.clone(), false, fork_gen);
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
-                    spin,
+                    spin: Cell::new(SpinPolicy::new(spin)),
+                    cancel,
                     writer_seen: Cell::new(None),
                     fork_gen,
                     seg,
@@ -366,10 +399,29 @@ mod shell {
             self.seg.name()
         }
 
-        /// How long `recv` spins before sleeping (default: the channel's,
-        /// see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin)).
+        /// The longest `recv` spins before sleeping (default: the
+        /// channel's, see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin));
+        /// within it, each receive spins as long as recent waits suggest
+        /// pays (see [`SpinPolicy`]). Zero: sleep at once, always.
         pub fn set_spin(&mut self, spin: Duration) {
-            self.spin = spin;
+            self.spin.set(SpinPolicy::new(spin));
+        }
+
+        /// Sets how `recv` chooses its spin ([`SpinPolicy::new`]: adaptive,
+        /// the default; [`SpinPolicy::fixed`]: always the same).
+        pub fn set_spin_policy(&mut self, policy: SpinPolicy) {
+            self.spin.set(policy);
+        }
+
+        /// How long the next `recv` would spin before sleeping.
+        pub fn spin_window(&self) -> Duration {
+            self.spin.get().window()
+        }
+
+        /// A handle that ends this reader's blocked `recv` from another
+        /// thread, at once, with [`Error::Cancelled`] (and every later one).
+        pub fn canceller(&self) -> Canceller {
+            Canceller::new(self.cancel.clone())
         }
 
         /// The next message, waiting as long as it takes. After the writer
@@ -411,11 +463,18 @@ mod shell {
                     name: self.seg.name().to_owned(),
                 });
             }
+            // Cancelled: no wait starts, whether or not a message is there.
+            if self.core.borrow().cancel_flag().is_set() {
+                return Err(Error::Cancelled {
+                    op,
+                    name: self.seg.name().to_owned(),
+                });
+            }
             let deadline = timeout.map(|t| Instant::now() + t);
             let spin = if timeout == Some(Duration::ZERO) {
                 Duration::ZERO
             } else {
-                self.spin
+                self.spin.get().window()
             };
             // Holding a message in every slot, this reader itself keeps the
             // writer from sending more: waiting would never end.
@@ -437,8 +496,23 @@ mod shell {
                     alive
                 }
             };
+            let t0 = Instant::now();
             let got = self.core.borrow_mut().wait(deadline, spin, &alive);
-            match got.map_err(|c| self.corrupt(c))? {
+            let got = got.map_err(|c| self.corrupt(c))?;
+            if timeout != Some(Duration::ZERO) {
+                let mut policy = self.spin.get();
+                match got {
+                    Recv::Message(_) => policy.waited(t0.elapsed()),
+                    Recv::TimedOut | Recv::Cancelled => policy.gave_up(),
+                    Recv::WriterGone => {}
+                }
+                self.spin.set(policy);
+            }
+            match got {
+                Recv::Cancelled => Err(Error::Cancelled {
+                    op,
+                    name: self.seg.name().to_owned(),
+                }),
                 Recv::Message(m) => {
                     let p = self.core.borrow().shm().payload(m.slot);
                     Ok(Message {
@@ -482,6 +556,8 @@ mod shell {
             if !self.is_owner() {
                 return; // a forked child's copy: the entry is the parent's
             }
+            // Cancellers stop touching the mapping before it goes.
+            self.cancel.detach();
             // No Message can be alive (they borrow self): leave, then let
             // the lock go (closing the segment would too).
             let core = self.core.get_mut();

@@ -10,6 +10,7 @@
 //! | `msg_event` (event count: bits 0..8 sleepers, 8.. epoch; the futex word readers sleep on) | readers: fetch_add 1 (Relaxed) + SeqCst fence to announce, before re-checking; CAS −1 (AcqRel) to withdraw, only within their epoch; writer: CAS to (epoch + 1, 0 sleepers) (Release) then FUTEX_WAKE, only if sleepers ≠ 0 | writer: Relaxed load after the SeqCst fence that follows `write_seq` / `closed`; readers: Acquire load before FUTEX_WAIT, which the kernel compares again | Dekker pair (fences) between announcing and publishing; the epoch makes any notify after a registration fail the sleeper's compare; the reset makes one wake serve every registration so far |
 //! | `slot_event` | writer: announce / withdraw as readers do on `msg_event`; readers: the notify CAS then FUTEX_WAKE(1) | readers: Relaxed after the SeqCst fence that follows `released` / `state`; writer: Acquire before FUTEX_WAIT | as `msg_event`, for the writer waiting for a slot |
 //! | `closed` | writer: Release store at drop, then a SeqCst fence and a wake of every reader | readers: Acquire before their last poll | a reader that sees it polls after and drains every message sent |
+//! | `CancelFlag` (process memory, not the segment: one per writer or reader) | a `Canceller` in any thread: Relaxed store, then a SeqCst fence and the notify of the event count its owner sleeps on (`msg_event` for a reader, `slot_event` for the writer) | its owner: Relaxed, at the start of a wait, while spinning, and after announcing (after the announce's SeqCst fence) | Dekker pair (fences) with the announce, exactly as `write_seq` is: a waiter either sees the flag before it sleeps, or is registered when the canceller looks and is woken |
 //!
 //! **No lost wake-up, reader side.** A reader that finds nothing
 //! registers on the event count `msg_event` (adds one sleeper; the word it
@@ -32,6 +33,15 @@
 //! mirror image, with `slot_event` and `released` (many notifiers, one
 //! sleeper).
 //!
+//! **Cancel, no lost wake-up.** A cancel is one more notifier of the same
+//! event count: the canceller sets its owner's `CancelFlag`, runs a SeqCst
+//! fence and notifies; the waiter checks the flag after announcing (and
+//! its fence). The argument above applies word for word, with the flag in
+//! place of `write_seq`: the waiter sees the flag, or the canceller sees
+//! the registration and starts a new epoch, which the waiter's FUTEX_WAIT
+//! compare or the wake after it ends. Waking the channel's other sleepers
+//! too is harmless: they re-check and sleep again.
+//!
 //! **Attach.** A reader that takes over an entry (after taking its liveness
 //! lock) marks it ATTACHING (not expected), stores `released = write_seq`,
 //! stores ATTACHED, runs a SeqCst fence and loads `write_seq` again (W2);
@@ -53,9 +63,9 @@
 //! reader cores through it.
 
 #[cfg(loom)]
-use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::layout::reader_state;
@@ -66,6 +76,33 @@ use std::mem::offset_of;
 
 /// Low bits of an event count: sleepers announced in the current epoch.
 const WAITERS: u32 = 0xff;
+
+/// A process-local cancel word: set (once, for good) by a `Canceller`,
+/// read by the one writer or reader it belongs to. It lives in process
+/// memory, not in the segment: cancelling one process's wait never ends
+/// another process's.
+#[derive(Debug)]
+pub struct CancelFlag(AtomicBool);
+
+impl CancelFlag {
+    /// Not cancelled.
+    pub fn new() -> CancelFlag {
+        CancelFlag(AtomicBool::new(false))
+    }
+
+    /// Whether it is set. Relaxed: after an announce it is read behind
+    /// the announce's SeqCst fence (the Dekker pair of the table); the
+    /// looks at the start of a wait and while spinning are early outs.
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for CancelFlag {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// Process-local, validated bounds of a channel (never re-read from shm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,6 +429,22 @@ impl Shm {
         self.write_seq().store(count, Ordering::Release);
         fence(Ordering::SeqCst);
         self.notify(self.msg_event(), i32::MAX);
+    }
+
+    /// Cancels the waits of the reader that owns `flag`: sets it, then
+    /// wakes the readers sleeping on `msg_event` (see "Cancel" above).
+    pub fn cancel_reader(&self, flag: &CancelFlag) {
+        flag.0.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        self.notify(self.msg_event(), i32::MAX);
+    }
+
+    /// Cancels the waits of the writer (which owns `flag`): sets it, then
+    /// wakes the writer if it sleeps on `slot_event`.
+    pub fn cancel_writer(&self, flag: &CancelFlag) {
+        flag.0.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        self.notify(self.slot_event(), 1);
     }
 
     /// Marks the channel closed and wakes every reader.

@@ -1,11 +1,21 @@
 //! The writer: [`WriterCore`] is the protocol over [`Shm`] (run by loom as
 //! is), [`Broadcast`] the segment, liveness and API around it.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::layout::reader_state;
-use super::shm::Shm;
+use super::shm::{CancelFlag, Shm};
 use super::LIVENESS_RECHECK;
+
+/// Why [`WriterCore::wait_slot`] returned without a free slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Blocked {
+    /// The deadline passed; the readers still in the way.
+    TimedOut(Vec<u32>),
+    /// The writer's [`CancelFlag`] is set (a `Canceller` was used).
+    Cancelled,
+}
 
 /// The writer's side of the protocol: its own position (never read back
 /// from shared memory) and a cached lower bound of the readers' marks.
@@ -19,6 +29,8 @@ pub struct WriterCore {
     /// Every expected reader had released at least this many messages at
     /// the last scan: slots of messages below `gate` are free.
     gate: u64,
+    /// Set by a canceller: every wait ends with [`Blocked::Cancelled`].
+    cancel: Arc<CancelFlag>,
 }
 
 impl WriterCore {
@@ -29,7 +41,14 @@ impl WriterCore {
             next: 0,
             idx: 0,
             gate: 0,
+            cancel: Arc::new(CancelFlag::new()),
         }
+    }
+
+    /// The flag that cancels this writer's waits (set it through
+    /// [`Shm::cancel_writer`], which also wakes the writer).
+    pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
+        &self.cancel
     }
 
     /// The shared words.
@@ -87,14 +106,16 @@ impl WriterCore {
     /// Waits until the next slot is free: spins for `spin`, then sleeps on
     /// the slot futex (re-checking who is alive at least every
     /// [`LIVENESS_RECHECK`]). A reader that `alive` says is dead stops
-    /// being expected. `Err` carries the readers still in the way when
-    /// `deadline` passed.
+    /// being expected. `Err` says why not: the deadline passed (with the
+    /// readers still in the way then), or the cancel flag is set (seen
+    /// before it sleeps; the shell also refuses to start a wait once
+    /// cancelled).
     pub fn wait_slot(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
         alive: &dyn Fn(u32) -> bool,
-    ) -> Result<(), Vec<u32>> {
+    ) -> Result<(), Blocked> {
         if self.scan(None) {
             return Ok(());
         }
@@ -107,8 +128,14 @@ impl WriterCore {
                     return Ok(());
                 }
                 k = k.wrapping_add(1);
-                if k % 64 == 0 && t0.elapsed() >= spin {
-                    break;
+                if k % 64 == 0 {
+                    if self.cancel.is_set() {
+                        return Err(Blocked::Cancelled);
+                    }
+                    if t0.elapsed() >= spin {
+                        break;
+                    }
+                    std::thread::yield_now();
                 }
             }
         }
@@ -139,12 +166,17 @@ impl WriterCore {
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
-                        return Err(blockers.iter().map(|b| b.0).collect());
+                        return Err(Blocked::TimedOut(blockers.iter().map(|b| b.0).collect()));
                     }
                     (d - now).min(LIVENESS_RECHECK)
                 }
             };
             let seen = self.shm.writer_announce();
+            // After the announce's fence: the Dekker pair with a canceller.
+            if self.cancel.is_set() {
+                self.shm.writer_awake(seen);
+                return Err(Blocked::Cancelled);
+            }
             if self.scan(None) {
                 self.shm.writer_awake(seen);
                 return Ok(());
@@ -173,11 +205,13 @@ pub use shell::Broadcast;
 mod shell {
     use std::time::{Duration, Instant};
 
-    use super::WriterCore;
+    use std::sync::Arc;
+
+    use super::{Blocked, WriterCore};
     use crate::channel::layout::{self, ChannelHeader};
     use crate::channel::shm::{self, Geometry, Shm};
     use crate::channel::LIVENESS_RECHECK;
-    use crate::channel::{BroadcastConfig, BroadcastHandle};
+    use crate::channel::{BroadcastConfig, BroadcastHandle, CancelLink, Canceller};
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -190,6 +224,8 @@ mod shell {
     pub struct Broadcast {
         core: WriterCore,
         spin: Duration,
+        /// Shared with this writer's cancellers; detached at drop.
+        cancel: Arc<CancelLink>,
         /// When each reader's liveness lock was last found held (a system
         /// call; asked at most once per [`LIVENESS_RECHECK`] per reader).
         reader_seen: Vec<Option<Instant>>,
@@ -271,9 +307,12 @@ mod shell {
             // and `seg` (dropped last) keeps it alive as long as `core`.
             let shm = unsafe { Shm::new(seg.as_ptr(), geo) };
             tracing::debug!(name = %name, n_readers = n, slots, slot_size = size, "broadcast channel created");
+            let core = WriterCore::new(shm.clone());
+            let cancel = CancelLink::new(core.cancel_flag().clone(), shm, true, fork_gen);
             Ok(Broadcast {
-                core: WriterCore::new(shm),
+                core,
                 spin: cfg.spin,
+                cancel,
                 reader_seen: vec![None; n as usize],
                 nonce,
                 fork_gen,
@@ -318,6 +357,19 @@ mod shell {
             self.write(len, fill)
         }
 
+        /// As [`Broadcast::send_with`], giving up after `timeout` with
+        /// [`Error::Timeout`] (`fill` is then not called).
+        pub fn send_with_timeout<F: FnOnce(&mut [u8])>(
+            &mut self,
+            len: usize,
+            timeout: Duration,
+            fill: F,
+        ) -> Result<()> {
+            self.check_len(len)?;
+            self.wait(Some(timeout), "send_timeout")?;
+            self.write(len, fill)
+        }
+
         /// What readers need to attach (serde: send it anywhere).
         pub fn handle(&self) -> BroadcastHandle {
             let g = self.core.shm().geometry();
@@ -334,6 +386,13 @@ mod shell {
         /// The segment's name.
         pub fn name(&self) -> &str {
             self.seg.name()
+        }
+
+        /// A handle that ends this writer's blocked `send` from another
+        /// thread, at once, with [`Error::Cancelled`] (and every later
+        /// one). Readers are not affected: they still drain what was sent.
+        pub fn canceller(&self) -> Canceller {
+            Canceller::new(self.cancel.clone())
         }
 
         /// Removes the name from /dev/shm now (it is otherwise removed on
@@ -390,6 +449,13 @@ mod shell {
         }
 
         fn wait(&mut self, timeout: Option<Duration>, op: &'static str) -> Result<()> {
+            // Cancelled: nothing is sent, even into a free slot.
+            if self.core.cancel_flag().is_set() {
+                return Err(Error::Cancelled {
+                    op,
+                    name: self.seg.name().to_owned(),
+                });
+            }
             let deadline = timeout.map(|t| Instant::now() + t);
             let seg = &self.seg;
             let seen = std::cell::RefCell::new(&mut self.reader_seen);
@@ -411,13 +477,19 @@ mod shell {
             };
             self.core
                 .wait_slot(deadline, spin, &alive)
-                .map_err(|blockers| Error::Timeout {
-                    op,
-                    after: timeout.unwrap_or_default(),
-                    detail: format!(
-                        "the next slot is still held by reader(s) {blockers:?} of channel '{}' (slow, stuck, or not attached yet: every reader index counts until it attaches and receives)",
-                        self.seg.name()
-                    ),
+                .map_err(|why| match why {
+                    Blocked::Cancelled => Error::Cancelled {
+                        op,
+                        name: self.seg.name().to_owned(),
+                    },
+                    Blocked::TimedOut(blockers) => Error::Timeout {
+                        op,
+                        after: timeout.unwrap_or_default(),
+                        detail: format!(
+                            "the next slot is still held by reader(s) {blockers:?} of channel '{}' (slow, stuck, or not attached yet: every reader index counts until it attaches and receives)",
+                            self.seg.name()
+                        ),
+                    },
                 })
         }
 
@@ -449,6 +521,8 @@ mod shell {
             if fork::current() != self.fork_gen {
                 return; // a forked child's copy: the channel is the parent's
             }
+            // Cancellers stop touching the mapping before it goes.
+            self.cancel.detach();
             // Readers drain what was sent, then see `closed`.
             self.core.shm().close();
             tracing::debug!(

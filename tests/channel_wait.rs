@@ -1,0 +1,135 @@
+//! Waiting on the broadcast channel: a `Canceller` ends a blocked `send` or
+//! `recv` from another thread at once (a futex wake), and the reader's
+//! spin is learned from its waits. Every test uses its own segment name.
+//! No timing assertions: a wait that a lost wake-up would make endless is
+//! bounded by a generous deadline only.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::Name;
+use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, Canceller, Error};
+
+/// Far longer than any wake-up; a lost one never ends (the other side is
+/// alive, so no liveness re-check ends the wait either).
+const DEADLINE: Duration = Duration::from_secs(20);
+
+const _: fn() = || {
+    fn send_sync_clone<T: Send + Sync + Clone>() {}
+    send_sync_clone::<Canceller>();
+};
+
+#[test]
+fn a_blocked_recv_ends_with_cancelled_when_another_thread_cancels() {
+    let name = Name::new("wait-cancel-recv");
+    let tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let h = tx.handle();
+    let (ready_tx, ready) = mpsc::channel();
+    let (done_tx, done) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let mut rx = BroadcastReader::attach(&h).unwrap();
+        rx.set_spin(Duration::ZERO); // straight to the futex
+        ready_tx.send(rx.canceller()).unwrap();
+        let r = rx.recv().map(|m| m.to_vec());
+        done_tx
+            .send(matches!(r, Err(Error::Cancelled { op: "recv", .. })))
+            .unwrap();
+        // Every later wait ends the same way.
+        let again = matches!(rx.recv(), Err(Error::Cancelled { .. }))
+            && matches!(rx.try_recv(), Err(Error::Cancelled { .. }));
+        again
+    });
+    let cancel = ready.recv_timeout(DEADLINE).expect("the reader attached");
+    assert!(!cancel.is_cancelled());
+    cancel.cancel();
+    assert!(cancel.is_cancelled());
+    let got = done
+        .recv_timeout(DEADLINE)
+        .expect("the cancelled recv returned");
+    assert!(got, "a cancelled recv says Cancelled");
+    assert!(t.join().unwrap(), "later receives are cancelled too");
+    drop(tx);
+}
+
+#[test]
+fn a_send_blocked_on_a_full_ring_ends_with_cancelled_and_sends_nothing() {
+    let name = Name::new("wait-cancel-send");
+    let mut tx = Broadcast::create(
+        BroadcastConfig::new(1, 1, 64)
+            .name(&*name)
+            .spin(Duration::ZERO),
+    )
+    .unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    tx.send(b"first").unwrap(); // the only slot, held until rx releases it
+    let cancel = tx.canceller();
+    let (done_tx, done) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let r = tx.send(b"second");
+        done_tx
+            .send(matches!(r, Err(Error::Cancelled { op: "send", .. })))
+            .unwrap();
+        tx
+    });
+    cancel.cancel();
+    let got = done
+        .recv_timeout(DEADLINE)
+        .expect("the cancelled send returned");
+    assert!(got, "a cancelled send says Cancelled");
+    let mut tx = t.join().unwrap();
+    assert_eq!(tx.sent(), 1, "nothing was sent");
+    // The reader still drains what was sent; the writer stays cancelled.
+    assert_eq!(*rx.recv().unwrap(), *b"first");
+    assert!(matches!(tx.try_send(b"x"), Err(Error::Cancelled { .. })));
+}
+
+#[test]
+fn cancelling_one_reader_leaves_the_others_receiving() {
+    let name = Name::new("wait-cancel-one");
+    let mut tx = Broadcast::create(BroadcastConfig::new(2, 4, 64).name(&*name)).unwrap();
+    let h = tx.handle();
+    let a = BroadcastReader::attach_as(&h, 0).unwrap();
+    let b = BroadcastReader::attach_as(&h, 1).unwrap();
+    a.canceller().cancel();
+    tx.send(b"m").unwrap();
+    assert!(matches!(a.recv(), Err(Error::Cancelled { .. })));
+    assert_eq!(*b.recv().unwrap(), *b"m");
+}
+
+#[test]
+fn a_canceller_that_outlives_its_reader_and_writer_does_nothing() {
+    let name = Name::new("wait-cancel-late");
+    let tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    let (cr, cw) = (rx.canceller(), tx.canceller());
+    drop(rx);
+    drop(tx);
+    cr.cancel(); // the mapping is gone: nothing is touched
+    cw.cancel();
+    assert!(!name.exists());
+}
+
+#[test]
+fn a_reader_whose_messages_come_back_to_back_spins_and_one_between_steps_does_not() {
+    let name = Name::new("wait-spin");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    // Messages already there when asked for: the estimate falls to zero.
+    for _ in 0..8 {
+        tx.send(b"m").unwrap();
+        drop(rx.recv().unwrap());
+    }
+    assert!(rx.spin_window() > Duration::ZERO, "back to back: it spins");
+    // A receive that had to give up says the gaps are long.
+    assert!(matches!(
+        rx.recv_timeout(Duration::from_millis(1)),
+        Err(Error::Timeout { .. })
+    ));
+    assert_eq!(
+        rx.spin_window(),
+        Duration::ZERO,
+        "a long gap: it sleeps at once"
+    );
+}

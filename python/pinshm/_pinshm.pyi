@@ -326,9 +326,9 @@ class MessageView:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        exc_type: Optional[Type[BaseException]] = None,
+        exc: Optional[BaseException] = None,
+        tb: Optional[TracebackType] = None,
     ) -> bool: ...
 
 # A PyO3 class: it cannot be subclassed.

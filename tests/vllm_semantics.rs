@@ -265,7 +265,10 @@ fn after_a_soft_clear_the_next_put_goes_from_the_first_byte_around_what_is_held(
     let held = r.get(hs[0]).unwrap();
     w.clear();
     let h = w.put("new_item", &[9; LEN]).unwrap();
-    assert_eq!(h.address, hs[1].address, "from the first byte, around the held slot");
+    assert_eq!(
+        h.address, hs[1].address,
+        "from the first byte, around the held slot"
+    );
     assert_eq!(h.monotonic_id, hs[4].monotonic_id + 1, "ids go on");
     drop(held);
     w.clear();

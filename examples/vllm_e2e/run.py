@@ -4,7 +4,9 @@ through the HTTP server, for three configurations:
 
 - ``stock``: vLLM alone (``VLLM_PLUGINS=""``: no plugin loads);
 - ``cache``: pinshm's plugin (the multimodal cache on pinshm);
-- ``queue``: pinshm's cache and MessageQueue (``PINSHM_VLLM_MESSAGE_QUEUE=1``).
+- ``queue``: pinshm's cache and MessageQueue (``PINSHM_VLLM_MESSAGE_QUEUE=1``);
+- ``zerocopy`` (ask for it with ``--configs``): the cache, with the workers'
+  decoded tensors viewing the slot (``PINSHM_VLLM_ZERO_COPY=1``).
 
     python run.py --python /path/to/venv/bin/python [--quick] [--out DIR]
 
@@ -38,6 +40,8 @@ CONFIGS = {
     "stock": {"VLLM_PLUGINS": ""},
     "cache": {},
     "queue": {"PINSHM_VLLM_MESSAGE_QUEUE": "1"},
+    # The cache with decoded tensors viewing the slot (read-only mapping).
+    "zerocopy": {"PINSHM_VLLM_ZERO_COPY": "1"},
 }
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -220,7 +224,7 @@ def read_log(text: str) -> dict:
 
 def base_env(cfg: str, probe: Path) -> dict:
     env = dict(os.environ)
-    for k in ("VLLM_PLUGINS", "PINSHM_VLLM_MESSAGE_QUEUE"):
+    for k in ("VLLM_PLUGINS", "PINSHM_VLLM_MESSAGE_QUEUE", "PINSHM_VLLM_ZERO_COPY"):
         env.pop(k, None)
     env.update(CONFIGS[cfg])
     env["PINSHM_E2E_PROBE"] = str(probe)

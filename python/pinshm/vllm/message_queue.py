@@ -206,29 +206,35 @@ def _dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list:
     return bufs
 
 
-def _inline(bufs: list) -> bytes:
-    """One channel message: kind, buffer count, each length, the buffers."""
+def _inline_parts(bufs: list) -> list:
+    """One channel message as parts the channel gathers into its slot
+    (no join): kind, buffer count, each length, then the buffers."""
     head = struct.pack(f"<BH{len(bufs)}I", _INLINE, len(bufs), *(memoryview(b).nbytes for b in bufs))
-    return b"".join([head, *bufs])
+    return [head, *bufs]
 
 
 def _inline_size(bufs: list) -> int:
     return 3 + 4 * len(bufs) + sum(memoryview(b).nbytes for b in bufs)
 
 
-def _loads_inline(data: bytes) -> Any:
+def _loads_inline(data: Any) -> Any:
+    """The object of an inline message (bytes, or a view of the slot: the
+    pickle is read in place, each out-of-band buffer copied once into an
+    owned bytearray)."""
     (n,) = _U16.unpack_from(data, 1)
     lens = struct.unpack_from(f"<{n}I", data, 3)
-    mv = memoryview(data)
     off = 3 + 4 * n
-    main = mv[off : off + lens[0]]
-    off += lens[0]
     oob = []
-    for length in lens[1:]:
-        # Writable, and owned: the arrays may outlive the message.
-        oob.append(bytearray(mv[off : off + length]))
-        off += length
-    return pickle.loads(main, buffers=oob)
+    with memoryview(data) as mv, mv[off : off + lens[0]] as main:
+        off += lens[0]
+        for length in lens[1:]:
+            # Writable, and owned: the arrays may outlive the message.
+            with mv[off : off + length] as part:
+                oob.append(bytearray(part))
+            off += length
+        # Released on the way out, raise or not: an exception's frames
+        # must not keep the slot.
+        return pickle.loads(main, buffers=oob)
 
 
 # ---------------------------------------------------------------------------
@@ -538,12 +544,13 @@ class MessageQueue:
         bufs = _dumps(obj)
         if self._tx is not None:
             deadline = None if timeout is None else time.monotonic() + timeout
-            # Out-of-band buffers (1 MiB and more) go to the store even when
-            # they would fit a chunk: there each side copies them once (as
-            # vLLM's ring does), where the channel's binding would copy them
-            # five times (join, slot, recv, bytes, bytearray).
-            if len(bufs) == 1 and _inline_size(bufs) <= self.max_chunk_bytes:
-                self._send(_inline(bufs), deadline)
+            # What fits a chunk travels in it: the parts are gathered
+            # straight into the slot (send_parts), and the reader copies
+            # each out-of-band buffer once out of a view of it (recv_view),
+            # one copy each side as in vLLM's ring. Only what does not fit
+            # goes through the store.
+            if _inline_size(bufs) <= self.max_chunk_bytes:
+                self._send_parts(_inline_parts(bufs), deadline)
             else:
                 self._send_stored(bufs, deadline)
         if self.n_remote_reader > 0:
@@ -559,10 +566,20 @@ class MessageQueue:
         copied into writable bytearrays, as vLLM does."""
         if self._is_local_reader:
             while True:
-                data = self._recv(timeout, indefinite)
-                kind = data[0]
-                if kind == _INLINE:
-                    return _loads_inline(data)
+                view = self._recv_view(timeout, indefinite)
+                mv = memoryview(view)
+                try:
+                    kind = mv[0]
+                    if kind == _INLINE:
+                        return _loads_inline(mv)
+                    data = bytes(mv)  # a few handles: small
+                finally:
+                    mv.release()
+                    try:
+                        view.release()  # the slot goes back to the writer
+                    except BufferError:
+                        # An export still alive: the slot goes with it.
+                        pass
                 if kind == _STORED:
                     return self._load_stored(data, zero_copy)
                 if kind != _READY:
@@ -628,24 +645,29 @@ class MessageQueue:
     # ---- the local transport ----
 
     def _send(self, data: bytes, deadline: Optional[float]) -> None:
-        """Sends one channel message, waiting on the futex for a slot; logs
-        who blocks every warning interval."""
+        self._send_parts([data], deadline)
+
+    def _send_parts(self, parts: list, deadline: Optional[float]) -> None:
+        """Sends one channel message gathered from `parts`, waiting on the
+        futex for a slot; logs who blocks every warning interval."""
         tx = self._tx
         try:
-            if tx.try_send(data):
-                return
+            tx.send_parts(parts, timeout=0)
+            return
         except pinshm.CancelledError:
             raise RuntimeError("cancelled") from None
+        except pinshm.WaitTimeoutError:
+            pass
         wait = _Wait(deadline)
         while True:
             if wait.expired():
                 raise TimeoutError(f"enqueue: no free slot, waiting for {self._channel_blockers()}")
             try:
-                tx.send(data, timeout=wait.step())
+                tx.send_parts(parts, timeout=wait.step())
                 return
             except pinshm.CancelledError:
                 raise RuntimeError("cancelled") from None
-            except pinshm.TimeoutError:
+            except pinshm.WaitTimeoutError:
                 wait.warn_if_due(self._channel_blockers)
 
     def _channel_blockers(self) -> str:
@@ -661,6 +683,22 @@ class MessageQueue:
             + (f"(pid {pid})" if pid is not None else "(not attached yet)")
             for i, pid in blockers
         )
+
+    def _recv_view(self, timeout: Optional[float], indefinite: bool) -> Any:
+        """The next channel message as a view of its slot (release it)."""
+        rx = self._rx
+        if self.shutting_down:
+            raise RuntimeError("cancelled")
+        wait = _Wait(None if timeout is None else time.monotonic() + timeout, quiet=indefinite)
+        while True:
+            try:
+                return rx.recv_view(timeout=wait.step())
+            except pinshm.CancelledError:
+                raise RuntimeError("cancelled") from None
+            except pinshm.WaitTimeoutError:
+                if wait.expired():
+                    raise TimeoutError(f"dequeue: nothing from the writer in {timeout} s") from None
+                wait.warn_if_due(lambda: f"the writer (pid {self.handle.writer_pid}) to send")
 
     def _recv(self, timeout: Optional[float], indefinite: bool) -> bytes:
         rx = self._rx

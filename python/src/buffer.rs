@@ -81,3 +81,48 @@ impl Drop for Buffer {
         unsafe { ffi::PyBuffer_Release(&mut *self.view) };
     }
 }
+
+/// Fills `view` (a `__getbuffer__` request) with a read-only export of the
+/// `len` bytes at `data`, owned by `owner`, which goes into `view.obj` and
+/// so lives at least as long as the export (and as long as any consumer
+/// keeps `view.obj`). `what` names the exporter in errors. A writable
+/// request is refused (`BufferError`).
+///
+/// # Safety
+/// 1. `view` is the `Py_buffer` Python asked to fill.
+/// 2. `data..data + len` stays valid, and nobody writes it, while `owner`
+///    lives.
+pub(crate) unsafe fn export_read_only(
+    owner: Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    data: *const u8,
+    len: usize,
+    what: &str,
+) -> PyResult<()> {
+    use pyo3::exceptions::PyBufferError;
+    if flags & ffi::PyBUF_WRITABLE != 0 {
+        return Err(PyBufferError::new_err(format!(
+            "a {what}'s buffer is read-only"
+        )));
+    }
+    let len = ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| PyBufferError::new_err(format!("{what} too large for a buffer")))?;
+    // SAFETY: the caller's contract: `view` is ours to fill, and the bytes
+    // (`readonly = 1`) outlive `owner`, to which FillInfo stores a new
+    // reference in `view.obj`.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            data.cast_mut().cast::<std::ffi::c_void>(),
+            len,
+            1,
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
+}

@@ -16,7 +16,6 @@
 //! `channel::STEP`: at most 100 ms later). In one thread, releasing is
 //! immediate.
 
-use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -335,36 +334,16 @@ impl MessageView {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let py = slf.py();
         let held = slf.get().hold(PyBufferError::new_err)?;
-        if flags & ffi::PyBUF_WRITABLE != 0 {
-            return Err(PyBufferError::new_err(
-                "a MessageView's buffer is read-only",
-            ));
-        }
-        let len = ffi::Py_ssize_t::try_from(held.len)
-            .map_err(|_| PyBufferError::new_err("message too large for a buffer"))?;
-        let data = held.data;
-        let owner = Bound::new(py, MessageExport { _held: held })?;
+        let (data, len) = (held.data, held.len);
+        let owner = Bound::new(slf.py(), MessageExport { _held: held })?;
         // SAFETY: `view` is the Py_buffer Python asked us to fill; the bytes
-        // (read-only, `readonly = 1`) stay valid while the message is held,
-        // which `owner` does (a clone of the `Arc<HeldMessage>`) for as long
-        // as it lives; FillInfo stores a new reference to `owner` in
-        // `view.obj`, so it lives at least until the buffer is released.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                owner.as_ptr(),
-                data.cast_mut().cast::<c_void>(),
-                len,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(py));
+        // stay valid, and unwritten, while the message is held, which
+        // `owner` does (a clone of the `Arc<HeldMessage>`) for as long as it
+        // lives.
+        unsafe {
+            crate::buffer::export_read_only(owner.into_any(), view, flags, data, len, "MessageView")
         }
-        Ok(())
     }
 
     /// # Safety

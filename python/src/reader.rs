@@ -8,9 +8,9 @@
 //! each buffer export of it (`SlotExport`, the export's `view.obj`): the
 //! read ends when the last of them goes.
 
-use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
@@ -141,7 +141,11 @@ impl Drop for Held {
         };
         // The last view is gone; a device copy from it may not be.
         match crate::release::event_for_release() {
-            Some(event) => lock(&PENDING).push((event, read)),
+            Some(event) => {
+                let mut p = lock(&PENDING);
+                p.push((event, read));
+                ANY_PENDING.store(true, Ordering::Release);
+            }
             None => drop(read),
         }
     }
@@ -176,12 +180,18 @@ impl Drop for Release {
 
 /// Reads waiting for their gate's event (see `crate::release`).
 static PENDING: Mutex<Vec<(Py<PyAny>, Release)>> = Mutex::new(Vec::new());
+/// Whether `PENDING` may be non-empty: a get, which flushes first, pays
+/// one load (not a lock) while no read is pending, the usual case.
+static ANY_PENDING: AtomicBool = AtomicBool::new(false);
 
 /// Ends every pending read whose event has completed; returns how many
 /// are still pending. Never waits. Called on every get, and by
 /// `pinshm.flush_releases()`.
 #[pyfunction]
 pub(crate) fn flush_releases(py: Python<'_>) -> usize {
+    if !ANY_PENDING.load(Ordering::Acquire) {
+        return 0;
+    }
     let mut pending = std::mem::take(&mut *lock(&PENDING));
     if pending.is_empty() {
         return 0;
@@ -191,6 +201,7 @@ pub(crate) fn flush_releases(py: Python<'_>) -> usize {
     pending.retain(|(event, _)| !crate::release::completed(py, event));
     let mut p = lock(&PENDING);
     p.extend(pending);
+    ANY_PENDING.store(!p.is_empty(), Ordering::Release);
     p.len()
 }
 
@@ -682,37 +693,17 @@ impl ReadGuard {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let py = slf.py();
         let held = slf.get().hold(PyBufferError::new_err)?;
-        if flags & ffi::PyBUF_WRITABLE != 0 {
-            return Err(PyBufferError::new_err("a ReadGuard's buffer is read-only"));
-        }
-        let len = ffi::Py_ssize_t::try_from(held.len)
-            .map_err(|_| PyBufferError::new_err("object too large for a buffer"))?;
-        let data = held.data;
+        let (data, len) = (held.data, held.len);
         // The export's owner: `view.obj`, holding the read for as long as
         // anyone keeps it, whether or not the buffer was released.
-        let owner = Bound::new(py, SlotExport { _held: held })?;
+        let owner = Bound::new(slf.py(), SlotExport { _held: held })?;
         // SAFETY: `view` is the Py_buffer Python asked us to fill; the bytes
-        // (read-only, `readonly = 1`) stay valid while the read is held,
-        // which `owner` does (a clone of the `Arc<Held>`) for as long as it
-        // lives; FillInfo stores a new reference to `owner` in `view.obj`,
-        // so it lives at least until the buffer is released and as long as
-        // any consumer keeps `view.obj`.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                owner.as_ptr(),
-                data.cast_mut().cast::<c_void>(),
-                len,
-                1,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(py));
+        // stay valid, and unwritten, while the read is held, which `owner`
+        // does (a clone of the `Arc<Held>`) for as long as it lives.
+        unsafe {
+            crate::buffer::export_read_only(owner.into_any(), view, flags, data, len, "ReadGuard")
         }
-        Ok(())
     }
 
     /// # Safety

@@ -33,32 +33,16 @@ impl Mapping {
     /// Pins `seg` by `spec` (`reserved`: every page of it is allocated),
     /// then pre-faults it if `prefault_after` (pre-faulting was asked for
     /// and not done at map time) and it was not pinned.
+    /// With `read_only_views`, also a second, read-only mapping of the
+    /// segment that payload views point into ([`Mapping::view_of`]).
     pub(crate) fn new(
         seg: Segment,
         spec: PinSpec,
         reserved: bool,
         prefault_after: bool,
+        read_only_views: bool,
     ) -> Result<Arc<Mapping>> {
-        let pinned = pin::pin(seg.as_ptr(), seg.len(), spec, reserved)?;
-        if pinned.is_none() && prefault_after {
-            seg.prefault();
-        }
-        Ok(Arc::new(Mapping {
-            pinned,
-            views: None,
-            seg,
-        }))
-    }
-
-    /// As [`Mapping::new`], with a second, read-only mapping of the
-    /// segment that payload views point into ([`Mapping::view_of`]).
-    pub(crate) fn with_read_only_views(
-        seg: Segment,
-        spec: PinSpec,
-        reserved: bool,
-        prefault_after: bool,
-    ) -> Result<Arc<Mapping>> {
-        let views = Some(seg.map_read_only()?);
+        let views = read_only_views.then(|| seg.map_read_only()).transpose()?;
         let pinned = pin::pin(seg.as_ptr(), seg.len(), spec, reserved)?;
         if pinned.is_none() && prefault_after {
             seg.prefault();

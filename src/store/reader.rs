@@ -114,11 +114,7 @@ impl StoreReader {
         // Pinned before an entry is taken, so a failure gives nothing back.
         let reserved = seg.is_reserved();
         let prefault = opts.prefault && reserved;
-        let map = if opts.read_only_views {
-            Mapping::with_read_only_views(seg, opts.pin, reserved, prefault)?
-        } else {
-            Mapping::new(seg, opts.pin, reserved, prefault)?
-        };
+        let map = Mapping::new(seg, opts.pin, reserved, prefault, opts.read_only_views)?;
         let (index, word, counted_from) = match opts.index {
             Some(index) => {
                 if index >= geo.n_readers {

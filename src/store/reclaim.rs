@@ -26,13 +26,19 @@ pub(super) struct Judge<'a> {
 }
 
 impl Judge<'_> {
-    /// The readers that still owe a read of `e`. In aggregate mode they owe
-    /// together: each counted one owes while the slot's one counter is short
-    /// of `refs` × the readers counted (worked out once, not per reader).
+    /// The readers that still owe a read of `e`.
     fn owing<'s>(&'s self, e: &'s Entry, slot: SlotPtr) -> impl Iterator<Item = u32> + 's {
-        let n = self.geo.n_readers;
-        let short = self.geo.aggregate.then(|| {
-            let readers = (0..n)
+        let short = self.aggregate_short(e, slot);
+        (0..self.geo.n_readers)
+            .filter(move |&i| self.owes(i, self.geo.reader(i).word(), e, slot, short))
+    }
+
+    /// In aggregate mode readers owe together: whether the slot's one
+    /// counter is short of `refs` × the readers counted (worked out once
+    /// per object, not per reader). `None` in per-reader mode.
+    fn aggregate_short(&self, e: &Entry, slot: SlotPtr) -> Option<bool> {
+        self.geo.aggregate.then(|| {
+            let readers = (0..self.geo.n_readers)
                 .filter(|&j| {
                     matches!(
                         self.geo.reader(j).state(),
@@ -41,18 +47,29 @@ impl Judge<'_> {
                 })
                 .count() as u64;
             (slot.reads_acquire(0) as u64) < e.refs as u64 * readers
-        });
-        (0..n).filter(move |&i| {
-            let r = self.geo.reader(i);
-            let counted = match r.state() {
-                // Attaching: its first counted id is being chosen; wait for
-                // it (microseconds; an attacher that dies is reaped).
-                reader_state::VACANT | reader_state::ATTACHING => true,
-                reader_state::ATTACHED => short.is_some() || e.id >= r.counted_from(),
-                _ => false,
-            };
-            counted && !self.stuck(i) && short.unwrap_or_else(|| slot.reads_acquire(i) < e.refs)
         })
+    }
+
+    /// Whether reader `i`, whose state word is `word`, owes a read of `e`
+    /// (`short`: [`Judge::aggregate_short`]).
+    fn owes(&self, i: u32, word: u64, e: &Entry, slot: SlotPtr, short: Option<bool>) -> bool {
+        let counted = match reader_state::state(word) {
+            // Attaching: its first counted id is being chosen; wait for it
+            // (microseconds; an attacher that dies is reaped).
+            reader_state::VACANT | reader_state::ATTACHING => true,
+            reader_state::ATTACHED => short.is_some() || e.id >= self.geo.reader(i).counted_from(),
+            _ => false,
+        };
+        counted && short.unwrap_or_else(|| slot.reads_acquire(i) < e.refs) && !self.stuck(i)
+    }
+
+    /// Whether reader `i`, whose state word is `word`, has a hazard or a
+    /// hold on object `id` in `slot`. After `invalidate`, the writer's half
+    /// of the hold protocol (see crate::shm); before it, a hint that may
+    /// miss a hold being taken.
+    fn holds(&self, i: u32, word: u64, id: u64, slot: SlotPtr) -> bool {
+        reader_state::state(word) != reader_state::LEFT
+            && (self.geo.reader(i).holds(id) || slot.held_by(i, reader_state::generation(word)))
     }
 
     /// Whether reader `i` is past the stuck-reader timeout.
@@ -75,57 +92,25 @@ impl Judge<'_> {
         }
     }
 
-    /// Readers (not left) with a hazard or a hold on object `id` in `slot`.
-    /// After `invalidate`, the writer's half of the hold protocol (see
-    /// crate::shm); before it, a hint that may miss a hold being taken.
+    /// Readers with a hazard or a hold on object `id` in `slot`.
     fn holders(&self, slot: SlotPtr, id: u64) -> impl Iterator<Item = u32> + '_ {
-        (0..self.geo.n_readers).filter(move |&i| {
-            let r = self.geo.reader(i);
-            let word = r.word();
-            reader_state::state(word) != reader_state::LEFT
-                && (r.holds(id) || slot.held_by(i, reader_state::generation(word)))
-        })
+        (0..self.geo.n_readers).filter(move |&i| self.holds(i, self.geo.reader(i).word(), id, slot))
     }
 
     /// Whether a reader keeps `e` (in `slot`): owes it a read (when
-    /// `owed` is asked and it has a key), or holds it. One pass over the
-    /// reader table, each entry's state word read once; the same answers
-    /// as [`Judge::owing`] and [`Judge::holders`].
-    /// `holds`: whether to look at hazards and holds as well.
+    /// `owed` is asked and it has a key), or (with `holds`) holds it. One
+    /// pass over the reader table, each entry's state word read once.
     fn in_use(&self, e: &Entry, slot: SlotPtr, owed: bool, holds: bool) -> bool {
         let owed = owed && e.key.is_some();
-        let short = (owed && self.geo.aggregate).then(|| {
-            let readers = (0..self.geo.n_readers)
-                .filter(|&j| {
-                    matches!(
-                        self.geo.reader(j).state(),
-                        reader_state::VACANT | reader_state::ATTACHING | reader_state::ATTACHED
-                    )
-                })
-                .count() as u64;
-            (slot.reads_acquire(0) as u64) < e.refs as u64 * readers
-        });
+        let short = if owed {
+            self.aggregate_short(e, slot)
+        } else {
+            None
+        };
         (0..self.geo.n_readers).any(|i| {
-            let r = self.geo.reader(i);
-            let word = r.word();
-            let state = reader_state::state(word);
-            if state == reader_state::LEFT {
-                return false;
-            }
-            if owed {
-                let counted = match state {
-                    reader_state::VACANT | reader_state::ATTACHING => true,
-                    reader_state::ATTACHED => short.is_some() || e.id >= r.counted_from(),
-                    _ => false,
-                };
-                if counted
-                    && short.unwrap_or_else(|| slot.reads_acquire(i) < e.refs)
-                    && !self.stuck(i)
-                {
-                    return true;
-                }
-            }
-            holds && (r.holds(e.id) || slot.held_by(i, reader_state::generation(word)))
+            let word = self.geo.reader(i).word();
+            (owed && self.owes(i, word, e, slot, short))
+                || (holds && self.holds(i, word, e.id, slot))
         })
     }
 

@@ -209,7 +209,7 @@ impl ObjectStore {
         geo.header().stamp();
         // The writer knows whether it reserved the pages.
         let reserved = cfg.reserve;
-        let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault)?;
+        let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault, false)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
         Ok(ObjectStore {
             space: Space::new(

@@ -1,38 +1,15 @@
 """Objects inherited by a forked child: the child reads and locks nothing of
 the parent's (PinshmError, as the core's Error::Forked), and never hangs."""
 
-import os
 import threading
 import time
 
 import pytest
 
 import pinshm
+from _fork import in_child
 
 KIB = 1024
-# A guard against a hang, not a timing assumption.
-WAIT_S = 15
-
-
-def in_child(body):
-    """Runs `body()` in a forked child; returns its exit code (the child
-    reports through it: body returns the code; an exception gives 99)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            code = body()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("the forked child hung")
 
 
 def refuses(call):

@@ -701,23 +701,13 @@ class MessageQueue:
                 wait.warn_if_due(lambda: f"the writer (pid {self.handle.writer_pid}) to send")
 
     def _recv(self, timeout: Optional[float], indefinite: bool) -> bytes:
-        rx = self._rx
-        if self.shutting_down:
-            raise RuntimeError("cancelled")
-        # A message already there needs no wait to be set up.
-        data = rx.try_recv()
-        if data is not None:
-            return data
-        wait = _Wait(None if timeout is None else time.monotonic() + timeout, quiet=indefinite)
-        while True:
-            try:
-                return rx.recv(timeout=wait.step())
-            except pinshm.CancelledError:
-                raise RuntimeError("cancelled") from None
-            except pinshm.TimeoutError:
-                if wait.expired():
-                    raise TimeoutError(f"dequeue: nothing from the writer in {timeout} s") from None
-                wait.warn_if_due(lambda: f"the writer (pid {self.handle.writer_pid}) to send")
+        """The next channel message, copied (the small ones of the
+        ready handshake)."""
+        view = self._recv_view(timeout, indefinite)
+        try:
+            return bytes(view)
+        finally:
+            view.release()
 
     # ---- the store, for messages larger than a chunk ----
 
@@ -777,7 +767,8 @@ class MessageQueue:
             except pinshm.FullError as e:
                 if wait.expired():
                     raise TimeoutError(f"enqueue: the store is full: {e}") from None
-                wait.warn_if_due(lambda: f"the store to free room: {e}")
+                why = f"the store to free room: {e}"
+                wait.warn_if_due(lambda: why)
                 if self.shutting_down:
                     raise RuntimeError("cancelled") from None
                 time.sleep(pause)

@@ -3,7 +3,8 @@
 under src/), an edge for every `crate::X` path that leaves the module.
 Prints the edges; exits 1 on an edge that does not point down the layer
 order below (DESIGN.md's layers, as src/lib.rs lists them), on a module
-missing from that order, on a cycle, or on a file over 800 lines."""
+missing from that order, on a cycle, on a Rust file over 800 lines, or on
+a module of the Python package (python/pinshm) over 500."""
 import os, re, sys
 
 # Lowest first: a module may import only modules before it.
@@ -55,6 +56,14 @@ for m in mods:
             upward.append(f"{m} -> {n} points up the layer order")
 for u in upward:
     print("LAYER:", u)
+PY = os.path.join(os.path.dirname(__file__), "..", "python", "pinshm")
+for root, _, files in os.walk(PY):
+    for f in files:
+        if f.endswith(".py"):
+            path = os.path.join(root, f)
+            n = open(path).read().count("\n")
+            if n > 500:
+                too_long.append((path, n))
 for p, n in too_long:
     print(f"TOO LONG: {p} has {n} lines")
 sys.exit(1 if cycles or too_long or upward else 0)

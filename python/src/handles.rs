@@ -149,7 +149,7 @@ impl std::hash::Hash for BroadcastHandle {
         (
             &h.name,
             h.nonce,
-            h.version,
+            h.layout_version,
             h.n_readers,
             h.slots,
             h.slot_size,
@@ -166,7 +166,7 @@ impl BroadcastHandle {
     fn new(
         name: String,
         nonce: u64,
-        version: u32,
+        layout_version: u32,
         n_readers: u32,
         slots: u32,
         slot_size: u32,
@@ -174,7 +174,7 @@ impl BroadcastHandle {
         BroadcastHandle(pinshm::BroadcastHandle {
             name,
             nonce,
-            version,
+            layout_version,
             n_readers,
             slots,
             slot_size,
@@ -185,6 +185,17 @@ impl BroadcastHandle {
     #[getter]
     fn name(&self) -> &str {
         &self.0.name
+    }
+    /// The channel's nonce: a channel recreated under the same name has
+    /// another.
+    #[getter]
+    fn nonce(&self) -> u64 {
+        self.0.nonce
+    }
+    /// The writer's channel layout version.
+    #[getter]
+    fn layout_version(&self) -> u32 {
+        self.0.layout_version
     }
     #[getter]
     fn n_readers(&self) -> u32 {
@@ -216,7 +227,7 @@ impl BroadcastHandle {
             (
                 h.name.clone(),
                 h.nonce,
-                h.version,
+                h.layout_version,
                 h.n_readers,
                 h.slots,
                 h.slot_size,

@@ -347,6 +347,25 @@ impl ObjectStore {
         Ok(d)
     }
 
+    /// Slots start, and a ring's capacity is a multiple of, this many bytes.
+    #[classattr]
+    const SLOT_ALIGN: usize = pinshm::StoreConfig::SLOT_ALIGN;
+
+    /// Ring bytes one object of `payload` bytes takes with `n_readers`
+    /// readers (slot header, read counters and 64-byte alignment
+    /// included): size a ring as a multiple of this.
+    #[staticmethod]
+    fn slot_len(n_readers: u32, payload: usize) -> usize {
+        pinshm::StoreConfig::slot_len(n_readers, payload)
+    }
+
+    /// The largest `max_object_size` a ring of `capacity` bytes accepts
+    /// with `n_readers` readers (0 when not even an empty object fits).
+    #[staticmethod]
+    fn largest_object(capacity: usize, n_readers: u32) -> usize {
+        pinshm::StoreConfig::largest_object(capacity, n_readers)
+    }
+
     /// What a reader process needs to attach (picklable).
     fn handle(&self, py: Python<'_>) -> PyResult<StoreHandle> {
         Ok(StoreHandle(self.with(py, false, |s| s.handle())?))

@@ -238,8 +238,8 @@ pub struct BroadcastHandle {
     pub name: String,
     /// The channel's nonce (a recreated channel of the same name differs).
     pub nonce: u64,
-    /// Layout version of the writer.
-    pub version: u32,
+    /// Layout version of the writer (as `StoreHandle::layout_version`).
+    pub layout_version: u32,
     /// Reader entries.
     pub n_readers: u32,
     /// Slots.

@@ -590,14 +590,14 @@ mod shell {
         }
         // SAFETY: as above.
         let c = unsafe { shm::read_header(seg.as_ptr()) };
-        if c.version != layout::VERSION || h.version != layout::VERSION {
+        if c.version != layout::VERSION || h.layout_version != layout::VERSION {
             return Err(bad(
                 "version",
                 format!(
                     "this build reads channel layout {}, the segment is {} and the handle {}",
                     layout::VERSION,
                     c.version,
-                    h.version
+                    h.layout_version
                 ),
             ));
         }

@@ -376,7 +376,7 @@ mod shell {
             BroadcastHandle {
                 name: self.seg.name().to_owned(),
                 nonce: self.nonce,
-                version: layout::VERSION,
+                layout_version: layout::VERSION,
                 n_readers: g.n_readers,
                 slots: g.slots,
                 slot_size: g.slot_size,

@@ -41,6 +41,9 @@ pub enum Eviction {
 }
 
 impl StoreConfig {
+    /// Slots start, and a ring's capacity is a multiple of, this many bytes.
+    pub const SLOT_ALIGN: usize = layout::SLOT_ALIGN;
+
     /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
     /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).
     pub fn new(capacity: usize, max_object_size: usize, n_readers: u32) -> Self {
@@ -70,6 +73,13 @@ impl StoreConfig {
     /// included): size a ring as a multiple of this.
     pub const fn slot_len(n_readers: u32, payload: usize) -> usize {
         layout::slot_len(n_readers, payload)
+    }
+
+    /// The largest `max_object_size` a ring of `capacity` bytes accepts
+    /// with `n_readers` readers (0 when not even an empty object fits): what
+    /// [`ObjectStore::create`](crate::ObjectStore::create) checks.
+    pub const fn largest_object(capacity: usize, n_readers: u32) -> usize {
+        capacity.saturating_sub(layout::slot_prefix_len(n_readers) + layout::SLOT_ALIGN)
     }
 
     /// The segment's name in /dev/shm (default: unique per process and call).
@@ -149,10 +159,10 @@ impl StoreConfig {
                 self.capacity
             ));
         }
-        let need = self
-            .max_object_size
-            .checked_add(layout::slot_prefix_len(self.n_readers) + layout::SLOT_ALIGN);
-        if need.is_none_or(|n| n > self.capacity) {
+        let room = layout::slot_prefix_len(self.n_readers) + layout::SLOT_ALIGN;
+        if self.capacity < room
+            || self.max_object_size > Self::largest_object(self.capacity, self.n_readers)
+        {
             return bad(format!(
                 "an object of max_object_size ({}) bytes plus its {}-byte slot header must fit in capacity ({})",
                 self.max_object_size,

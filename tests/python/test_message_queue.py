@@ -82,9 +82,9 @@ def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, u
     assert got == [(0, n, False), (1, n, False), (2, n, False)]
     # Arrays of 1 MiB and more went through the store, which grew (was
     # replaced) for the 4 MiB and the 64 MiB ones; every object was read.
-    assert mq._store_gen >= 2
-    mq._store.free_unused()
-    assert mq._store.stats()["objects"] == 0
+    assert mq._overflow.generation >= 2
+    mq._overflow.store.free_unused()
+    assert mq._overflow.store.stats()["objects"] == 0
 
 
 def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, queues):
@@ -145,8 +145,8 @@ def test_a_reader_that_raises_inside_its_read_still_releases_its_slot(unique_nam
             np.testing.assert_array_equal(got, payload)
             del got
     # Every object of the store was released by the reader, raise or not.
-    assert mq._store.free_unused() >= 0
-    assert mq._store.stats()["objects"] == 0
+    assert mq._overflow.store.free_unused() >= 0
+    assert mq._overflow.store.stats()["objects"] == 0
 
 
 def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, queues):
@@ -157,11 +157,11 @@ def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, queues
     got = rd.dequeue(zero_copy=True)
     assert not got.flags.writeable
     np.testing.assert_array_equal(got, big)
-    mq._store.free_unused()
-    assert mq._store.stats()["objects"] == 1  # the array holds its object
+    mq._overflow.store.free_unused()
+    assert mq._overflow.store.stats()["objects"] == 1  # the array holds its object
     del got
-    mq._store.free_unused()
-    assert mq._store.stats()["objects"] == 0
+    mq._overflow.store.free_unused()
+    assert mq._overflow.store.stats()["objects"] == 0
     mq.enqueue(big)
     copy = rd.dequeue()  # the default: an owned, writable copy
     assert copy.flags.writeable

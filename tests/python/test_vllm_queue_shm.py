@@ -28,7 +28,7 @@ def writer(name, conn):
     mq.enqueue(b"x" * (1 << 20))  # larger than a chunk: through the store
     assert rd.dequeue() == b"x" * (1 << 20)
     mq.enqueue(b"y" * (1 << 20))  # left unread in the store
-    names = [mq._tx.name] + ([mq._store.name] if mq._store is not None else [])
+    names = [mq._tx.name] + ([mq._overflow.store.name] if mq._overflow.store is not None else [])
     conn.send(names)
     signal.pause()
 
@@ -91,13 +91,13 @@ def test_a_queue_closed_cleanly_is_no_longer_tracked(unique_name):
 
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name())
     rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
-    assert mq._tracked == [mq._tx.name]
+    assert mq._tracked.names == [mq._tx.name]
     mq.enqueue(b"x" * (1 << 20))
-    assert len(mq._tracked) == 2
+    assert len(mq._tracked.names) == 2
     assert rd.dequeue() == b"x" * (1 << 20)
     rd.close()
     mq.close()
-    assert mq._tracked == []
+    assert mq._tracked.names == []
     del resource_tracker  # (the tracker itself is checked by the test above)
 
 
@@ -144,7 +144,7 @@ def test_vllm_sized_queues_take_little_dev_shm_and_still_carry_large_messages(un
             q.enqueue(big)
             assert r.dequeue() == big
             assert r.max_chunk_bytes == 24 << 20
-        used = sum(resident(n) for q in queues for n in q._tracked)
+        used = sum(resident(n) for q in queues for n in q._tracked.names)
         assert used <= 3 * 12 << 20, f"{used / 2**20:.1f} MiB resident for 3 queues"
     finally:
         for r in readers:
@@ -168,7 +168,7 @@ def test_the_channel_name_goes_once_every_reader_attached_and_messages_still_flo
         for t in threads:
             t.join()
         assert not os.path.exists("/dev/shm/" + name), "unlinked once both readers attached"
-        assert name not in mq._tracked
+        assert name not in mq._tracked.names
         for i in range(10):  # more than the slots: the READY fillers are skipped
             mq.enqueue(("m", i))
             assert [r.dequeue() for r in readers] == [("m", i)] * 2

@@ -15,6 +15,7 @@ import pytest
 
 import _vllm_workers
 import pinshm
+from pinshm.vllm import _wire as W
 from pinshm.vllm import storage as S
 
 MIB = 1 << 20
@@ -70,15 +71,15 @@ def test_put_get_roundtrip_of_arrays_bytes_and_str(make):
 def test_wire_handles_pass_vllms_checks_and_carry_the_whole_id():
     for offset, mid in [(0, 1), (4096, 2**32 - 1), (2**47, 2**32), (123, 2**48 - 1)]:
         h = pinshm.ObjectHandle(offset, mid, 7)
-        address, wire_id = S.to_wire(h)
+        address, wire_id = W.to_wire(h)
         assert type(address) is int and 0 <= address < 2**64
         assert type(wire_id) is int and 0 <= wire_id < 2**32
-        assert S.from_wire(address, wire_id, 7) == h
+        assert W.from_wire(address, wire_id, 7) == h
     # vLLM's ids count from 0: pinshm's first id (1) is vLLM's first (0).
-    assert S.to_wire(pinshm.ObjectHandle(0, 1, 7)) == (0, 0)
+    assert W.to_wire(pinshm.ObjectHandle(0, 1, 7)) == (0, 0)
     for bad in [(-1, 0), (2**64, 0), (0, 2**32), (0, -1), ("0", 0), (0, 1.0)]:
         with pytest.raises(pinshm.StaleError, match="has been modified or is invalid"):
-            S.from_wire(*bad, 7)
+            W.from_wire(*bad, 7)
 
 
 def test_a_reader_without_a_lock_is_refused(make):
@@ -341,6 +342,7 @@ def test_a_second_live_writer_of_a_name_gets_file_exists(unique_name):
 
 KILLED_WRITER = """
 import os, signal, sys
+from pinshm.vllm import _wire as W
 from pinshm.vllm import storage as S
 ring = S.SingleWriterShmRingBuffer(4 << 20, name=sys.argv[1], create=True)
 s = S.SingleWriterShmObjectStorage(1 << 20, 1, ring)

@@ -33,34 +33,9 @@ vLLM's; what differs underneath:
   tracker, as vLLM's ``SharedMemory`` does: a killed API server does not
   leave it behind.
 
-Handles on the wire
--------------------
-vLLM passes a handle as ``(address, monotonic_id)``: ``address`` an int in
-[0, 2**64), ``monotonic_id`` in [0, 2**32). A pinshm handle is the slot's
-offset, a 64-bit id that never repeats in a segment's life, and the
-segment's epoch. The wire form is::
-
-    n            = id - 1                         # vLLM counts from 0, pinshm from 1
-    address      = (n >> 32) << 48 | offset       # offset < 2**48
-    monotonic_id = n & 0xFFFF_FFFF
-
-so the ids vLLM sees are the ones its own store would give (0, 1, 2, ...),
-and the full id travels: a reader checks it against the slot, and no
-handle reads a later object at the same offset, however many puts a store
-sees (vLLM's own ids wrap at 2**31). The epoch does not travel: the
-drop-in never hard-clears, so it is constant for a store's life and
-readers take it from the segment. Past 2**48 ids (about 9 years at a
-million puts a second) ``put`` raises RuntimeError (after storing the
-object); rings of 2**48 bytes or more are refused.
-
-Signatures are pinshm's: HMAC-SHA256 keyed by the segment's secret over
-SHA-256(key), the offset (u64 LE) and the id's low 32 bits (u32 LE), which
-is vLLM 0.33.0's construction over pinshm's own address. They do not
-cover the id's high bits: a reader given a signed handle with other high
-bits (possible only after 2**32 puts) reads the object with that full id,
-if one is still there, whatever its key; the writer's check compares the
-whole handle. vLLM's ids wrap at 2**31, with the same exposure. The secret
-never leaves Rust, so ``get_auth_secret()`` is not offered.
+Handles travel as vLLM's ``(address, monotonic_id)``: see :mod:`._wire`.
+The handle-signing secret never leaves Rust, so ``get_auth_secret()`` is
+not offered.
 """
 
 from __future__ import annotations
@@ -68,9 +43,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import struct
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -82,6 +55,9 @@ from .._pinshm import (
     StoreReader,
     signature_bytes,
 )
+from ._serde import MsgpackSerde, ObjectSerde, zero_copy
+from ._tracker import announce, track, untrack
+from ._wire import MAX_ID, OFFSET_BITS, IdIndex, KeyIndex, from_wire, stale, to_wire
 
 __all__ = [
     "MsgpackSerde",
@@ -91,82 +67,11 @@ __all__ = [
     "SingleWriterShmRingBuffer",
 ]
 
-_OFFSET_BITS = 48
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
-_LOW_ID_BITS = 32
-_LOW_ID_MASK = (1 << _LOW_ID_BITS) - 1
-# Ids whose high bits fit above the offset: 2**48.
-_MAX_ID = 1 << (_LOW_ID_BITS + 64 - _OFFSET_BITS)
 # vLLM's storage counts a 4-byte in-use flag in every object's size.
 _FLAG_BYTES = 4
-# pinshm's slot alignment, and room for a slot's header and read counters
-# (at most 64 readers) beside the largest object.
-_SLOT_ALIGN = 64
-_SLOT_OVERHEAD = 4096
 
 _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
-
-
-def _stale(address: Any, monotonic_id: Any) -> StaleError:
-    return StaleError(
-        f"Data for address:id '{address}:{monotonic_id}' has been modified or is invalid."
-    )
-
-
-def _track(name: str) -> None:
-    """Registers the writer's segment with multiprocessing's resource
-    tracker, as vLLM's SharedMemory does, so a writer killed without
-    closing does not leave it in /dev/shm (the tracker unlinks it)."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.register("/" + name, "shared_memory")
-    except Exception:  # noqa: BLE001 - best effort, as in the stdlib
-        pass
-
-
-def _untrack(name: str) -> None:
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister("/" + name, "shared_memory")
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _announce() -> None:
-    """The plugin's "in use" line, held back until vLLM's logging is
-    configured: it is by the time vLLM builds a cache."""
-    from .plugin import announce
-
-    announce()
-
-
-def zero_copy() -> bool:
-    """Whether decoded tensors view the slot (``PINSHM_VLLM_ZERO_COPY=1``)."""
-    return os.environ.get("PINSHM_VLLM_ZERO_COPY", "0") == "1"
-
-
-def to_wire(handle: ObjectHandle) -> tuple[int, int]:
-    """The ``(address, monotonic_id)`` vLLM carries for ``handle`` (ids
-    from 0, as vLLM's own store counts)."""
-    n = handle.monotonic_id - 1
-    return (n >> _LOW_ID_BITS) << _OFFSET_BITS | handle.address, n & _LOW_ID_MASK
-
-
-def from_wire(address: Any, monotonic_id: Any, epoch: int) -> ObjectHandle:
-    """The handle vLLM's ``(address, monotonic_id)`` stands for; StaleError
-    (vLLM's message) for anything that cannot be one."""
-    if (
-        type(address) is not int
-        or type(monotonic_id) is not int
-        or not 0 <= address < 1 << 64
-        or not 0 <= monotonic_id <= _LOW_ID_MASK
-    ):
-        raise _stale(address, monotonic_id)
-    high = address >> _OFFSET_BITS
-    return ObjectHandle(address & _OFFSET_MASK, (high << _LOW_ID_BITS | monotonic_id) + 1, epoch)
 
 
 class SingleWriterShmRingBuffer:
@@ -181,9 +86,9 @@ class SingleWriterShmRingBuffer:
     """
 
     def __init__(self, data_buffer_size: int, name: Optional[str] = None, create: bool = False):
-        if type(data_buffer_size) is not int or not 0 < data_buffer_size < 1 << _OFFSET_BITS:
+        if type(data_buffer_size) is not int or not 0 < data_buffer_size < 1 << OFFSET_BITS:
             raise ValueError(
-                f"data_buffer_size must be an int in [1, 2**{_OFFSET_BITS}), "
+                f"data_buffer_size must be an int in [1, 2**{OFFSET_BITS}), "
                 f"not {data_buffer_size!r}"
             )
         self.data_buffer_size = data_buffer_size
@@ -206,15 +111,16 @@ class SingleWriterShmRingBuffer:
         if self._store is None:
             reserve = os.environ.get("PINSHM_VLLM_RESERVE", "0") == "1"
             # vLLM takes any size: the ring is the size rounded down to
-            # pinshm's 64-byte slot alignment, and the Rust-side object
-            # limit is what fits in it (the storage still checks the user's
-            # limit, with vLLM's message).
-            capacity = self.data_buffer_size - self.data_buffer_size % _SLOT_ALIGN
-            limit = min(max_object_size, capacity - _SLOT_OVERHEAD)
+            # pinshm's slot alignment, and the Rust-side object limit is
+            # what fits in it (the storage still checks the user's limit,
+            # with vLLM's message).
+            capacity = self.data_buffer_size - self.data_buffer_size % ObjectStore.SLOT_ALIGN
+            limit = min(max_object_size, ObjectStore.largest_object(capacity, n_readers))
             if limit <= 0:
                 raise ValueError(
                     f"data_buffer_size ({self.data_buffer_size}) is too small for a "
-                    f"pinshm store: it needs more than {_SLOT_OVERHEAD} bytes"
+                    f"pinshm store of {n_readers} readers: it needs more than "
+                    f"{ObjectStore.slot_len(n_readers, 0) + ObjectStore.SLOT_ALIGN} bytes"
                 )
             try:
                 self._store = ObjectStore(
@@ -234,7 +140,7 @@ class SingleWriterShmRingBuffer:
                     # replaced): vLLM's SharedMemory says FileExistsError.
                     raise FileExistsError(errno.EEXIST, str(e), self.name) from e
                 raise
-            _track(self.name)
+            track(self.name)
         return self._store
 
     def _open_reader(self) -> StoreReader:
@@ -255,7 +161,7 @@ class SingleWriterShmRingBuffer:
         read-only, and empty on a reader (the table is the writer's)."""
         if self._store is None:
             return {}
-        return _IdIndex(self._store)
+        return IdIndex(self._store)
 
     def clear(self) -> None:
         """Forgets every object (the store's soft clear: ids keep
@@ -272,7 +178,7 @@ class SingleWriterShmRingBuffer:
         store, self._store = self._store, None
         if store is not None:
             store.close()
-            _untrack(self.name)
+            untrack(self.name)
 
     def __del__(self) -> None:
         # A half-built object (the constructor raised) has no _store.
@@ -294,121 +200,6 @@ class SingleWriterShmRingBuffer:
         )
 
 
-class ObjectSerde:
-    """vLLM's serde interface: ``serialize(value)`` returns ``(data,
-    data_bytes, metadata, metadata_bytes)`` where ``data`` is bytes or a
-    list of buffers; ``deserialize(view)`` gets the metadata followed by the
-    data."""
-
-    def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
-        raise NotImplementedError
-
-    def deserialize(self, data: memoryview) -> Any:
-        raise NotImplementedError
-
-
-class _NumpyMsgpackSerde(ObjectSerde):
-    """The serde without vLLM: msgpack for the structure (bytes, str,
-    numbers, None, lists, dicts), numpy arrays out of band, so each array's
-    bytes are copied once into the slot and once out. Tuples come back as
-    lists. Needs the ``msgpack`` package."""
-
-    _EXT_ARRAY = 1
-
-    def __init__(self) -> None:
-        try:
-            import msgpack
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise ImportError(
-                "pinshm.vllm.MsgpackSerde needs vLLM or the msgpack package "
-                "(pip install msgpack)"
-            ) from e
-        self._msgpack = msgpack
-
-    def serialize(self, value: Any) -> tuple[list, int, bytes, int]:
-        import numpy as np
-
-        buffers: list[memoryview] = []
-        offset = 0
-
-        def default(obj: Any) -> Any:
-            nonlocal offset
-            if isinstance(obj, np.ndarray):
-                if obj.dtype.hasobject:
-                    raise TypeError("arrays of Python objects cannot be stored")
-                arr = np.ascontiguousarray(obj)
-                view = memoryview(arr).cast("B") if arr.nbytes else memoryview(b"")
-                buffers.append(view)
-                spec = [arr.dtype.str, list(arr.shape), offset, arr.nbytes]
-                offset += arr.nbytes
-                return self._msgpack.ExtType(self._EXT_ARRAY, self._msgpack.packb(spec))
-            raise TypeError(f"cannot serialize {type(obj).__name__}")
-
-        packed = self._msgpack.packb(value, default=default, use_bin_type=True)
-        metadata = struct.pack("<Q", len(packed)) + packed
-        return buffers, offset, metadata, len(metadata)
-
-    def deserialize(self, data: memoryview) -> Any:
-        import numpy as np
-
-        (length,) = struct.unpack_from("<Q", data)
-        base = 8 + length
-
-        def ext_hook(code: int, payload: bytes) -> Any:
-            if code != self._EXT_ARRAY:
-                return self._msgpack.ExtType(code, payload)
-            dtype, shape, offset, nbytes = self._msgpack.unpackb(payload)
-            start = base + offset
-            if start + nbytes > len(data):
-                raise ValueError("array runs past the object's end")
-            flat = np.frombuffer(data[start : start + nbytes], dtype=np.dtype(dtype))
-            # A copy: the caller's object outlives the read.
-            return flat.reshape(shape).copy()
-
-        return self._msgpack.unpackb(
-            data[8:base], ext_hook=ext_hook, raw=False, strict_map_key=False
-        )
-
-
-class MsgpackSerde(ObjectSerde):
-    """vLLM's ``MsgpackSerde`` (tensors and ``MultiModalKwargsItem`` by
-    msgpack with out-of-band buffers, anything else by pickle) when vLLM is
-    importable; otherwise a msgpack serde for bytes, str, numbers, numpy
-    arrays and dicts and lists of them."""
-
-    def __init__(self) -> None:
-        try:
-            from vllm.distributed.device_communicators.shm_object_storage import (
-                MsgpackSerde as _VllmSerde,
-            )
-        except ImportError:
-            self._inner: ObjectSerde = _NumpyMsgpackSerde()
-        else:
-            self._inner = _VllmSerde()
-            if zero_copy():
-                # Tensors that view the slot (no clone); the reader maps it
-                # read-only for them (see the module doc).
-                import torch
-                from vllm.multimodal.inputs import MultiModalKwargsItem
-                from vllm.v1.serial_utils import MsgpackDecoder
-
-                self._inner.tensor_decoder = MsgpackDecoder(torch.Tensor, share_mem=True)
-                self._inner.mm_decoder = MsgpackDecoder(MultiModalKwargsItem, share_mem=True)
-            # vLLM's decoder calls torch.frombuffer on the slot, which
-            # pinshm exports read-only; the tensors are cloned at once (or,
-            # zero-copy, live in read-only memory), so torch's warning about
-            # non-writable buffers says nothing here.
-            warnings.filterwarnings(
-                "ignore", message="The given buffer is not writable", category=UserWarning
-            )
-
-    def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
-        return self._inner.serialize(value)
-
-    def deserialize(self, data: memoryview) -> Any:
-        return self._inner.deserialize(data)
-
-
 @dataclass
 class ShmObjectStorageHandle:
     max_object_size: int
@@ -416,47 +207,6 @@ class ShmObjectStorageHandle:
     ring_buffer_handle: tuple[int, str]
     serde_class: type
     reader_lock: Any
-
-
-class _KeyIndex(Mapping):
-    """``key -> (address, monotonic_id)``, live and read-only."""
-
-    def __init__(self, store: ObjectStore):
-        self._store = store
-
-    def __getitem__(self, key: str) -> tuple[int, int]:
-        h = self._store.lookup(key) if isinstance(key, str) else None
-        if h is None:
-            raise KeyError(key)
-        return to_wire(h)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._store.is_cached(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([k for k, _ in self._store.keys()])
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-
-class _IdIndex(Mapping):
-    """``monotonic_id -> key``, live and read-only (a scan per lookup)."""
-
-    def __init__(self, store: ObjectStore):
-        self._store = store
-
-    def _ids(self) -> dict[int, str]:
-        return {to_wire(h)[1]: k for k, h in self._store.keys()}
-
-    def __getitem__(self, monotonic_id: int) -> str:
-        return self._ids()[monotonic_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids())
-
-    def __len__(self) -> int:
-        return len(self._store)
 
 
 class SingleWriterShmObjectStorage:
@@ -483,11 +233,11 @@ class SingleWriterShmObjectStorage:
         self._store: Optional[ObjectStore] = None
         self._reader: Optional[StoreReader] = None
         self._epoch: Optional[int] = None
-        _announce()
+        announce()
         if self.is_writer:
             self._store = ring_buffer._open_writer(max_object_size, n_readers)
-            self.key_index: Mapping[str, tuple[int, int]] = _KeyIndex(self._store)
-            self.id_index: Mapping[int, str] = _IdIndex(self._store)
+            self.key_index: Mapping[str, tuple[int, int]] = KeyIndex(self._store)
+            self.id_index: Mapping[int, str] = IdIndex(self._store)
         else:
             if reader_lock is None:
                 raise ValueError("Lock must be provided for readers.")
@@ -522,7 +272,7 @@ class SingleWriterShmObjectStorage:
             *data,
         ]
         h = store.put_parts(key, parts)
-        if h.monotonic_id - 1 >= _MAX_ID:
+        if h.monotonic_id - 1 >= MAX_ID:
             raise RuntimeError(
                 f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry"
             )
@@ -614,7 +364,7 @@ class SingleWriterShmObjectStorage:
             try:
                 data = self._writer().peek(self._handle(address, monotonic_id))
             except StaleError:
-                raise _stale(address, monotonic_id) from None
+                raise stale(address, monotonic_id) from None
             return self.ser_de.deserialize(memoryview(data))
         if self.is_writer:
             # A writer given a reader_lock counts its own gets as reads, as
@@ -632,7 +382,7 @@ class SingleWriterShmObjectStorage:
         try:
             guard = reader.get(h)
         except StaleError:
-            raise _stale(address, monotonic_id) from None
+            raise stale(address, monotonic_id) from None
         try:
             return self.ser_de.deserialize(memoryview(guard))
         finally:
@@ -665,7 +415,7 @@ class SingleWriterShmObjectStorage:
         try:
             reader.validate(h)
         except StaleError:
-            raise _stale(address, monotonic_id) from None
+            raise stale(address, monotonic_id) from None
 
     def close(self) -> None:
         self._store = None

@@ -1,0 +1,129 @@
+"""How the queue encodes an object: vLLM's pickle (protocol 5) with large
+buffers out of band, CPU tensors included, and the inline channel message
+that carries a pickle and its buffers in one slot.
+
+An inline message is::
+
+    kind (u8) | n (u16) | n lengths (u32 each) | pickle | buffer 1 | ...
+
+all little-endian, gathered straight into the slot by the channel's
+``send_parts`` (no join on the writer's side).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import warnings
+from pickle import PickleBuffer
+from typing import Any
+
+#: Out-of-band buffers below this size are pickled in band (as vLLM does).
+OOB_MIN_BYTES = 1 << 20
+
+# Message kinds (byte 0 of a channel message).
+INLINE = 0  #: the pickle and its buffers, in the message
+STORED = 1  #: handles of objects in the queue's overflow store
+READY = 2  #: wait_until_ready's probe
+
+_U16 = struct.Struct("<H")
+
+
+def _rebuild_tensor(buf: Any, shape: tuple, dtype_str: str) -> Any:
+    """Rebuilds a CPU tensor from an out-of-band buffer (a writable
+    bytearray, or a read-only view of the store in zero-copy mode)."""
+    import torch
+
+    dtype = getattr(torch, dtype_str)
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if mv.readonly:
+        with warnings.catch_warnings():
+            # Zero-copy mode: the tensor is a read-only view of the store.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).view(shape)
+    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a CPU tensor as an out-of-band buffer (torch's own reducer
+    copies its bytes into the pickle stream); anything else as pickle does.
+    Built-in types never reach ``reducer_override``."""
+
+    def __init__(self, file: Any, buffer_callback: Any, tensor_type: type) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        self._tensor_type = tensor_type
+
+    def reducer_override(self, obj: Any) -> Any:
+        # The exact type, as a dispatch table would match it: subclasses
+        # (nn.Parameter) keep their own reducers.
+        if type(obj) is not self._tensor_type:
+            return NotImplemented
+        import torch
+
+        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad:
+            return NotImplemented
+        try:
+            raw = obj.contiguous().reshape(-1).view(torch.uint8).numpy()
+        except RuntimeError:
+            return NotImplemented
+        dtype_str = str(obj.dtype).removeprefix("torch.")
+        return _rebuild_tensor, (PickleBuffer(raw), tuple(obj.shape), dtype_str)
+
+
+def dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list:
+    """``[pickle, *out-of-band buffers]``: buffers of ``oob_min`` bytes and
+    more travel out of band (no copy into the pickle)."""
+    bufs: list = [b""]
+
+    def oob(buf: PickleBuffer) -> bool:
+        raw = buf.raw()
+        if raw.nbytes < oob_min:
+            return True
+        bufs.append(raw)
+        return False
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        # No torch in this process: the object holds no tensor.
+        bufs[0] = pickle.dumps(obj, protocol=5, buffer_callback=oob)
+        return bufs
+    with io.BytesIO() as bio:
+        _Pickler(bio, oob, torch.Tensor).dump(obj)
+        bufs[0] = bio.getvalue()
+    return bufs
+
+
+def inline_size(bufs: list) -> int:
+    """Bytes of the inline message of ``bufs``."""
+    return 3 + 4 * len(bufs) + sum(memoryview(b).nbytes for b in bufs)
+
+
+def inline_parts(bufs: list) -> list:
+    """The inline message of ``bufs`` as parts the channel gathers into
+    its slot: the head (kind, count, lengths), then the buffers."""
+    head = struct.pack(f"<BH{len(bufs)}I", INLINE, len(bufs), *(memoryview(b).nbytes for b in bufs))
+    return [head, *bufs]
+
+
+def loads_inline(data: Any) -> Any:
+    """The object of an inline message (bytes, or a view of the slot: the
+    pickle is read in place, each out-of-band buffer copied once into an
+    owned bytearray)."""
+    (n,) = _U16.unpack_from(data, 1)
+    lens = struct.unpack_from(f"<{n}I", data, 3)
+    off = 3 + 4 * n
+    oob = []
+    with memoryview(data) as mv, mv[off : off + lens[0]] as main:
+        off += lens[0]
+        for length in lens[1:]:
+            # Writable, and owned: the arrays may outlive the message.
+            with mv[off : off + length] as part:
+                oob.append(bytearray(part))
+            off += length
+        # Released on the way out, raise or not: an exception's frames
+        # must not keep the slot.
+        return pickle.loads(main, buffers=oob)

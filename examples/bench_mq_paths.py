@@ -5,9 +5,9 @@ reader process, a reply channel back (one message in flight), back to back.
     python examples/bench_mq_paths.py [--quick]
 
 Each message is `("msg", t0_ns, numpy uint8 array of SIZE)` pickled by the
-queue's own `_dumps` (buffers of 1 MiB and more out of band). Paths:
-- `join + recv`: the queue's inline encoding today: `send(_inline(bufs))`
-  (a joined bytes first), `recv()` (a bytes copy), `_loads_inline` (a
+queue's own `dumps` (`pinshm.vllm._encoding`) (buffers of 1 MiB and more out of band). Paths:
+- `join + recv`: the queue's inline encoding before `send_parts`: the
+  parts joined into one bytes first, `recv()` (a bytes copy), `loads_inline` (a
   bytearray copy of each buffer): 4 copies of a large buffer.
 - `send_parts + recv_view`: the same bytes gathered straight into the slot
   (`send_parts`), read in place (`recv_view`), each buffer copied once into
@@ -26,14 +26,10 @@ import time
 import numpy as np
 
 import pinshm
-from pinshm.vllm.message_queue import _dumps, _inline, _loads_inline
+from pinshm.vllm._encoding import dumps, inline_parts, loads_inline
 
 KIB, MIB = 1 << 10, 1 << 20
 PATHS = ["join + recv", "send_parts + recv_view", "send_parts + recv_view, zero copy"]
-
-
-def head(bufs):
-    return struct.pack(f"<BH{len(bufs)}I", 0, len(bufs), *(memoryview(b).nbytes for b in bufs))
 
 
 def loads_view(v, zero_copy):
@@ -60,7 +56,7 @@ def child(h_rpc, q, path):
     q.put(tx.handle())
     while True:
         if path == PATHS[0]:
-            obj = _loads_inline(rx.recv())
+            obj = loads_inline(rx.recv())
         else:
             v = rx.recv_view()
             obj = loads_view(v, zero_copy=path == PATHS[2])
@@ -88,13 +84,13 @@ def run(path, size, n):
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     lat = []
     for _ in range(n):
-        bufs = _dumps(("msg", time.monotonic_ns(), payload))
+        bufs = dumps(("msg", time.monotonic_ns(), payload))
         if path == PATHS[0]:
-            tx.send(_inline(bufs))
+            tx.send(b"".join(inline_parts(bufs)))
         else:
-            tx.send_parts([head(bufs), *bufs])
+            tx.send_parts(inline_parts(bufs))
         lat.append(int.from_bytes(back.recv(), "little") / 1e3)
-    tx.send_parts([head(b := _dumps(("stop", 0, None))), *b])
+    tx.send_parts(inline_parts(dumps(("stop", 0, None))))
     back.recv()
     p.join(30)
     back.close()

@@ -105,6 +105,31 @@ fn object_over_the_limit_names_both_sizes() {
 }
 
 #[test]
+fn the_largest_object_a_ring_accepts_is_created_filled_and_one_byte_more_is_refused() {
+    for readers in [1, 3, 64] {
+        let capacity = 64 * 1024;
+        let largest = StoreConfig::largest_object(capacity, readers);
+        assert_eq!(
+            StoreConfig::slot_len(readers, largest) + StoreConfig::SLOT_ALIGN,
+            capacity,
+            "{readers} readers"
+        );
+        let name = Name::new("largest");
+        let mut w = store(&name, capacity, largest, readers);
+        w.put("k", &vec![7; largest]).unwrap();
+        drop(w);
+        let name = Name::new("largest1");
+        let e = ObjectStore::create(StoreConfig::new(capacity, largest + 1, readers).name(&*name))
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    }
+    // Smaller than one slot header: nothing fits, not even an empty object.
+    assert_eq!(StoreConfig::largest_object(64, 1), 0);
+    let name = Name::new("largest0");
+    assert!(ObjectStore::create(StoreConfig::new(64, 0, 1).name(&*name)).is_err());
+}
+
+#[test]
 fn an_unread_object_stays_where_it_is_and_the_writer_allocates_around_it() {
     let name = Name::new("fifo");
     let len = 10 * KIB;

@@ -108,21 +108,6 @@ def read_count(handle, rank, n, results):
     results.put(("read", got))
 
 
-def idle_cpu(handle, rank, results):
-    """Reads one message, then waits idle in dequeue for the next; reports
-    the CPU time and wall time of that wait."""
-    mq = MessageQueue.create_from_handle(handle, rank)
-    try:
-        mq.dequeue(timeout=60)
-        results.put(("waiting", None))
-        c0, t0 = time.process_time(), time.monotonic()
-        mq.dequeue(timeout=60)
-        c1, t1 = time.process_time(), time.monotonic()
-    finally:
-        mq.close()
-    results.put(("idle", (c1 - c0, t1 - t0)))
-
-
 def gloo_rank(rank, world, port, n, results):
     """One rank of a gloo process group over loopback: rank 0 broadcasts
     the stream (torch tensors included) with create_from_process_group,

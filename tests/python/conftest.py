@@ -1,7 +1,10 @@
 """Fixtures: every test gets segment names of its own, and every store,
-reader and channel a test opens is closed when it ends, failed or not."""
+reader, channel and queue a test opens is closed when it ends, failed or
+not. A test module sizes the `store` and `channel` fixtures with
+module-level STORE_SHAPE and CHANNEL_SHAPE."""
 
 import itertools
+import multiprocessing as mp
 import os
 import re
 
@@ -40,13 +43,30 @@ def closing():
 
 
 @pytest.fixture
-def store(unique_name, closing):
-    """A 4 MiB store for objects up to 1 MiB, one reader (tests needing
-    another shape define their own `store`)."""
-    return closing(pinshm.ObjectStore(4 << 20, 1 << 20, 1, name=unique_name()))
+def ctx():
+    """The spawn context: children start clean (no inherited mappings)."""
+    return mp.get_context("spawn")
+
+
+@pytest.fixture
+def store(request, unique_name, closing):
+    """A store of the module's STORE_SHAPE, (capacity, max_object_size,
+    n_readers); default 4 MiB for objects up to 1 MiB, one reader."""
+    capacity, max_object, n_readers = getattr(request.module, "STORE_SHAPE", (4 << 20, 1 << 20, 1))
+    return closing(pinshm.ObjectStore(capacity, max_object, n_readers, name=unique_name()))
 
 
 @pytest.fixture
 def reader(store, closing):
     """Reader 0 of `store`."""
     return closing(pinshm.StoreReader.attach(store.handle(), 0))
+
+
+@pytest.fixture
+def channel(request, unique_name, closing):
+    """A writer and reader 0 of a channel of the module's CHANNEL_SHAPE,
+    (n_readers, slots, slot_size); default one reader, 2 slots of 64 B."""
+    n_readers, slots, slot_size = getattr(request.module, "CHANNEL_SHAPE", (1, 2, 64))
+    tx = closing(pinshm.Broadcast(n_readers, slots, slot_size, name=unique_name()))
+    rx = closing(pinshm.BroadcastReader.attach(tx.handle(), 0))
+    return tx, rx

@@ -11,13 +11,6 @@ import pytest
 import pinshm
 
 
-@pytest.fixture
-def channel(unique_name, closing):
-    tx = closing(pinshm.Broadcast(1, 2, 64, name=unique_name()))
-    rx = closing(pinshm.BroadcastReader.attach(tx.handle(), 0))
-    return tx, rx
-
-
 def test_messages_arrive_in_order_as_bytes(channel):
     tx, rx = channel
     tx.send(b"one")

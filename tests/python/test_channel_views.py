@@ -15,12 +15,8 @@ from _fork import in_child
 WAIT_S = 20
 
 
-@pytest.fixture
-def channel(unique_name, closing):
-    """A writer and one reader over two slots of 4 KiB."""
-    tx = closing(pinshm.Broadcast(1, 2, 4096, name=unique_name()))
-    rx = closing(pinshm.BroadcastReader.attach(tx.handle(), 0))
-    return tx, rx
+# The `channel` fixture (conftest): one reader, two slots of 4 KiB.
+CHANNEL_SHAPE = (1, 2, 4096)
 
 
 def test_a_view_exports_the_messages_bytes_read_only(channel):

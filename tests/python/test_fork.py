@@ -1,13 +1,11 @@
 """Objects inherited by a forked child: the child reads and locks nothing of
 the parent's (PinshmError, as the core's Error::Forked), and never hangs."""
 
-import threading
-import time
 
-import pytest
 
 import pinshm
-from _fork import in_child
+from _fork import WAIT_S, in_child
+from _gates import in_call
 
 KIB = 1024
 
@@ -23,14 +21,8 @@ def refuses(call):
     return 1
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(64 * KIB, 16 * KIB, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
+# The `store` fixture (conftest): 64 KiB for objects up to 16 KiB.
+STORE_SHAPE = (64 * KIB, 16 * KIB, 1)
 
 
 def test_a_guard_inherited_by_a_forked_child_refuses_to_read_the_slot(store, reader):
@@ -57,11 +49,10 @@ def test_a_forked_child_refuses_at_once_where_a_parent_thread_held_a_lock_at_the
     b2.send(b"1")
     b2.send(b"2")
     got = []
-    receiver = threading.Thread(target=lambda: got.append(r1.recv()), daemon=True)
-    sender = threading.Thread(target=lambda: b2.send(b"3"), daemon=True)
-    receiver.start()
-    sender.start()
-    time.sleep(0.3)  # both are waiting now (a wait step is 100 ms)
+    receiver, receiving = in_call("recv", lambda: got.append(r1.recv()))
+    sender, sending = in_call("send", lambda: b2.send(b"3"))
+    # Both are in their waits (nothing to receive, no free slot).
+    assert receiving.wait(WAIT_S) and sending.wait(WAIT_S)
     assert receiver.is_alive() and sender.is_alive()
 
     def child():

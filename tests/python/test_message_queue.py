@@ -2,11 +2,8 @@
 broadcast channel and object store. The core tests need numpy alone;
 torch, vLLM and pyzmq tests are skipped where those are not installed."""
 
-import multiprocessing as mp
 import pickle
 import socket
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,38 +12,8 @@ import _mq_workers as w
 import pinshm
 from pinshm.vllm.message_queue import MessageQueue
 
-# A guard against a hang, not a timing assumption.
-JOIN_S = 120
-
-
-@pytest.fixture
-def ctx():
-    return mp.get_context("spawn")
-
-
-@pytest.fixture
-def queues():
-    """Registers queues, closed at teardown (last first), failed or not."""
-    opened = []
-
-    def register(mq):
-        opened.append(mq)
-        return mq
-
-    yield register
-    for mq in reversed(opened):
-        mq.close()
-
-
-def start(ctx, target, *args):
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def finish(p):
-    p.join(JOIN_S)
-    assert p.exitcode == 0, f"child exited with {p.exitcode}"
+from _gates import in_call
+from _procs import JOIN_S, finish, start
 
 
 def free_port():
@@ -66,9 +33,9 @@ class RaisesWhenRead:
         return _boom, ("the reader's code raised",)
 
 
-def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, unique_name, queues):
+def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, unique_name, closing):
     n = 10_000
-    mq = queues(MessageQueue(3, 3, max_chunk_bytes=2 * w.MIB, max_chunks=8, name=unique_name()))
+    mq = closing(MessageQueue(3, 3, max_chunk_bytes=2 * w.MIB, max_chunks=8, name=unique_name()))
     results = ctx.Queue()
     procs = [start(ctx, w.read_stream, mq.export_handle(), r, n, r == 2, results) for r in range(3)]
     mq.wait_until_ready()
@@ -87,9 +54,9 @@ def test_three_reader_processes_check_every_byte_of_ten_thousand_messages(ctx, u
     assert mq._overflow.store.stats()["objects"] == 0
 
 
-def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     outcome = []
 
     def blocked():
@@ -98,9 +65,8 @@ def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, queues
         except BaseException as e:  # noqa: BLE001 - the outcome is the test
             outcome.append(e)
 
-    t = threading.Thread(target=blocked)
-    t.start()
-    time.sleep(0.2)  # let it block (the outcome is the same if it has not)
+    t, entered = in_call("recv_view", blocked)
+    assert entered.wait(JOIN_S)  # the reader is in the channel's wait
     rd.shutdown()
     t.join(JOIN_S)
     assert not t.is_alive()
@@ -110,18 +76,18 @@ def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, queues
         rd.dequeue(timeout=1)
 
 
-def test_dequeue_with_a_short_timeout_raises_timeout_error(unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_dequeue_with_a_short_timeout_raises_timeout_error(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     with pytest.raises(TimeoutError):
         rd.dequeue(timeout=0.01)
     mq.enqueue("after")
     assert rd.dequeue(timeout=0.01) == "after"
 
 
-def test_enqueue_into_a_full_ring_raises_timeout_error_naming_the_reader(unique_name, queues):
-    mq = queues(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_enqueue_into_a_full_ring_raises_timeout_error_naming_the_reader(unique_name, closing):
+    mq = closing(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     mq.enqueue(1)
     mq.enqueue(2)
     with pytest.raises(TimeoutError, match=r"reader rank 0 \(pid \d+\), reader rank 1 \(not attached yet\)"):
@@ -130,9 +96,9 @@ def test_enqueue_into_a_full_ring_raises_timeout_error_naming_the_reader(unique_
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_a_reader_that_raises_inside_its_read_still_releases_its_slot(unique_name, queues, zero_copy):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_a_reader_that_raises_inside_its_read_still_releases_its_slot(unique_name, closing, zero_copy):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     big = np.arange(1 << 20, dtype=np.uint32)  # 4 MiB: through the store
     small = np.arange(1 << 10, dtype=np.uint32)  # in the channel
     for round_ in range(4):  # more rounds than slots: a leak would block
@@ -149,9 +115,9 @@ def test_a_reader_that_raises_inside_its_read_still_releases_its_slot(unique_nam
     assert mq._overflow.store.stats()["objects"] == 0
 
 
-def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     big = np.arange(1 << 20, dtype=np.uint32)
     mq.enqueue(big)
     got = rd.dequeue(zero_copy=True)
@@ -168,9 +134,9 @@ def test_a_zero_copy_array_holds_its_object_until_it_is_gone(unique_name, queues
     np.testing.assert_array_equal(copy, big)
 
 
-def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, queues):
+def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, closing):
     slots = 4
-    mq = queues(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=slots, name=unique_name()))
+    mq = closing(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=slots, name=unique_name()))
     results = ctx.Queue()
     stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, results)
     mq.enqueue(-1)
@@ -188,24 +154,9 @@ def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, queues):
     assert got == [-1, *range(n)]
 
 
-def test_an_idle_reader_uses_almost_no_cpu(ctx, unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
-    results = ctx.Queue()
-    p = start(ctx, w.idle_cpu, mq.export_handle(), 0, results)
-    mq.enqueue("first")
-    assert results.get(timeout=JOIN_S) == ("waiting", None)
-    time.sleep(2.0)
-    mq.enqueue("second")
-    kind, (cpu, wall) = results.get(timeout=JOIN_S)
-    finish(p)
-    assert wall >= 1.5
-    # The claim: a reader waiting for the writer sleeps (< 5 % of a core).
-    assert cpu < 0.05 * wall, f"idle reader used {cpu:.3f} s of CPU in {wall:.2f} s"
-
-
-def test_objects_vllm_sends_round_trip(unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=4, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_objects_vllm_sends_round_trip(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     objs = [
         None,
         ("execute_model", (1, 2), {"k": b"x" * 100}, 0),
@@ -219,9 +170,9 @@ def test_objects_vllm_sends_round_trip(unique_name, queues):
         assert pickle.dumps(got) == pickle.dumps(o)
 
 
-def test_a_writer_or_a_non_reader_cannot_do_the_others_job(unique_name, queues):
-    mq = queues(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
-    rd = queues(MessageQueue.create_from_handle(mq.export_handle(), 0))
+def test_a_writer_or_a_non_reader_cannot_do_the_others_job(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     with pytest.raises(RuntimeError, match="Only readers"):
         mq.dequeue()
     with pytest.raises(RuntimeError, match="Only writers"):
@@ -268,11 +219,11 @@ def test_four_processes_in_a_stateless_process_group_check_every_byte(ctx):
     assert got == [(r, n) for r in range(world)]
 
 
-def test_a_remote_reader_over_loopback_zmq_gets_every_byte(ctx, unique_name, queues):
+def test_a_remote_reader_over_loopback_zmq_gets_every_byte(ctx, unique_name, closing):
     pytest.importorskip("zmq")
     n = 1_000
     # Rank 0 reads through shared memory, rank 1 through ZMQ over TCP.
-    mq = queues(MessageQueue(2, 1, [0], max_chunk_bytes=2 * w.MIB, max_chunks=8, connect_ip="127.0.0.1", name=unique_name()))
+    mq = closing(MessageQueue(2, 1, [0], max_chunk_bytes=2 * w.MIB, max_chunks=8, connect_ip="127.0.0.1", name=unique_name()))
     h = mq.export_handle()
     assert h.remote_subscribe_addr.startswith("tcp://127.0.0.1:")
     results = ctx.Queue()

@@ -1,35 +1,13 @@
 """Readers and channel receivers in other processes (spawn start method)."""
 
 import hashlib
-import multiprocessing as mp
 import os
 import pickle
 
-import pytest
-
 import _workers
 import pinshm
-
-# A guard against a hang, not a timing assumption: every test finishes in
-# well under a second of work.
-JOIN_S = 120
-
-
-@pytest.fixture
-def ctx():
-    return mp.get_context("spawn")
-
-
-def run(ctx, target, *args):
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def finish(p):
-    p.join(JOIN_S)
-    assert p.exitcode == 0, f"child exited with {p.exitcode}"
-
+from _procs import JOIN_S, finish
+from _procs import start as run
 
 def test_two_spawned_readers_read_every_byte(ctx, unique_name, closing):
     store = closing(pinshm.ObjectStore(8 << 20, 1 << 20, 2, name=unique_name()))

@@ -2,7 +2,6 @@
 
 import gc
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,14 +11,8 @@ import pinshm
 KIB = 1024
 
 
-@pytest.fixture
-def store(unique_name, closing):
-    return closing(pinshm.ObjectStore(1 << 20, 64 * KIB, 1, name=unique_name()))
-
-
-@pytest.fixture
-def reader(store, closing):
-    return closing(pinshm.StoreReader.attach(store.handle(), 0))
+# The `store` fixture (conftest): 1 MiB for objects up to 64 KiB, one reader.
+STORE_SHAPE = (1 << 20, 64 * KIB, 1)
 
 
 def test_bytes_put_by_the_writer_are_read_back_by_a_reader(store, reader):
@@ -151,6 +144,17 @@ def test_an_invalid_configuration_raises_value_error(unique_name):
         pinshm.ObjectStore(1 << 20, 1024, 0, name=unique_name())
 
 
+def test_the_layout_sizes_bound_from_rust_size_a_ring_exactly(unique_name, closing):
+    cap, n = 1 << 16, 3
+    largest = pinshm.ObjectStore.largest_object(cap, n)
+    assert pinshm.ObjectStore.slot_len(n, largest) + pinshm.ObjectStore.SLOT_ALIGN == cap
+    s = closing(pinshm.ObjectStore(cap, largest, n, name=unique_name()))
+    s.put("k", bytes(largest))
+    assert s.stats()["bytes_in_use"] == pinshm.ObjectStore.slot_len(n, largest)
+    with pytest.raises(ValueError, match="max_object_size"):
+        pinshm.ObjectStore(cap, largest + 1, n, name=unique_name())
+
+
 def test_attaching_to_a_missing_segment_raises_pinshm_error(unique_name):
     with pytest.raises(pinshm.PinshmError, match="no shared memory segment"):
         pinshm.StoreReader.attach_by_name(unique_name())
@@ -251,6 +255,7 @@ def test_closing_a_reader_while_another_thread_is_inside_a_copy_on_it_works(
     h = store.put("big", bytes(32 * mib))
     store.protect("big")  # never freed by the reads below
     ended = []
+    copying = threading.Event()
 
     def copy_until_closed():
         # Copies of 32 MiB run with the GIL released: the main thread's
@@ -258,13 +263,14 @@ def test_closing_a_reader_while_another_thread_is_inside_a_copy_on_it_works(
         try:
             while True:
                 reader.get_copy_into(h, buf)
+                copying.set()
         except ValueError as e:
             ended.append(str(e))
 
     buf = bytearray(32 * mib)
     t = threading.Thread(target=copy_until_closed, daemon=True)
     t.start()
-    time.sleep(0.1)
+    assert copying.wait(30)  # copies are under way, back to back
     reader.close()  # not RuntimeError('Already borrowed')
     t.join(30)
     assert ended and "closed" in ended[0]

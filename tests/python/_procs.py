@@ -1,0 +1,17 @@
+"""Spawned child processes for the tests: started, then joined with a
+guard against a hang (not a timing assumption)."""
+
+JOIN_S = 120
+
+
+def start(ctx, target, *args):
+    """Starts `target(*args)` in a child of context `ctx`."""
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def finish(p):
+    """Joins `p`; it must have exited 0."""
+    p.join(JOIN_S)
+    assert p.exitcode == 0, f"child exited with {p.exitcode}"

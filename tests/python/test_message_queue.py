@@ -76,6 +76,93 @@ def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, closin
         rd.dequeue(timeout=1)
 
 
+@pytest.mark.parametrize("where", ["a slot", "store room"])
+def test_shutdown_from_another_thread_wakes_a_blocked_writer(unique_name, closing, where):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=8, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    if where == "a slot":
+        # Unread messages fill the ring: the next waits on the futex.
+        for i in range(8):
+            mq.enqueue(i)
+        blocked_call, msg = "send_parts", 8
+    else:
+        # Unread messages fill the overflow store (made for a few of the
+        # largest message) before the ring: the next put waits for room.
+        big = np.zeros(1 << 20, dtype=np.uint8)
+        need = pinshm.ObjectStore.slot_len(1, big.nbytes)
+        mq.enqueue(big)
+        while mq._overflow.store.stats()["largest_free_block"] >= need:
+            mq.enqueue(big)
+        blocked_call, msg = "sleep", big
+    outcome = []
+
+    def blocked():
+        try:
+            mq.enqueue(msg)
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test
+            outcome.append(e)
+
+    t, entered = in_call(blocked_call, blocked)
+    assert entered.wait(JOIN_S)  # the writer is in its wait
+    mq.shutdown()
+    t.join(JOIN_S)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert str(outcome[0]) == "cancelled"
+    # The reader still gets what was sent before.
+    assert rd.dequeue(timeout=10) is not None
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_arrays_inside_and_beyond_a_chunk_never_alias_memory_that_is_reused(unique_name, closing, zero_copy):
+    """Arrays kept from earlier messages keep their bytes while later
+    messages reuse the slots and the store: owned copies by default, and
+    with zero_copy=True views of the store that hold their objects (the
+    last three messages': what a reader holds must leave the store room
+    for the next message, or the writer waits for it)."""
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    sizes = [1 << 10, 40 << 10, 1 << 20, 3 << 20]  # two in a chunk, two beyond
+
+    def check(got):
+        tag = got["tag"]
+        assert got["a"].size == sizes[tag % len(sizes)]
+        assert np.all(got["a"] == tag % 251), f"message {tag}: its array changed"
+
+    kept = []
+    for round_ in range(6):  # more rounds than slots, and the store reused
+        for j, size in enumerate(sizes):
+            tag = round_ * len(sizes) + j
+            mq.enqueue({"a": np.full(size, tag % 251, dtype=np.uint8), "tag": tag}, timeout=10)
+            got = rd.dequeue(timeout=10, zero_copy=zero_copy)
+            assert got["tag"] == tag
+            kept.append(got)
+            if zero_copy and len(kept) > 3:
+                check(kept.pop(0))  # checked after later messages, then let go
+    for got in kept:
+        check(got)
+    if not zero_copy:
+        # Owned, writable: writing one changes no other.
+        kept[0]["a"][:] = 0
+        assert np.all(kept[len(sizes)]["a"] == len(sizes) % 251)
+
+
+def test_torch_tensors_inside_and_beyond_a_chunk_are_owned_copies(unique_name, closing):
+    torch = pytest.importorskip("torch")
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    kept = []
+    for i in range(8):
+        n = 1 << 8 if i % 2 == 0 else 1 << 19  # 1 KiB inline, 2 MiB stored
+        mq.enqueue(torch.full((n,), float(i)), timeout=10)
+        kept.append(rd.dequeue(timeout=10))
+    for i, t in enumerate(kept):
+        assert t.dtype == torch.float32 and t.numel() == (1 << 8 if i % 2 == 0 else 1 << 19)
+        assert bool((t == float(i)).all()), f"tensor {i} changed"
+    kept[0].add_(1)  # writable, and no other tensor shares its memory
+    assert bool((kept[2] == 2.0).all())
+
+
 def test_dequeue_with_a_short_timeout_raises_timeout_error(unique_name, closing):
     mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
     rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
@@ -196,7 +283,7 @@ def test_the_module_imports_nothing_optional():
 
 def test_four_processes_in_a_gloo_group_check_every_byte(ctx):
     pytest.importorskip("torch")
-    n, world = 2_000, 4
+    n, world = 10_000, 4
     port = free_port()
     results = ctx.Queue()
     procs = [start(ctx, w.gloo_rank, r, world, port, n, results) for r in range(world)]
@@ -209,7 +296,7 @@ def test_four_processes_in_a_gloo_group_check_every_byte(ctx):
 def test_four_processes_in_a_stateless_process_group_check_every_byte(ctx):
     pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    n, world = 1_000, 4
+    n, world = 10_000, 4
     port = free_port()
     results = ctx.Queue()
     procs = [start(ctx, w.stateless_rank, r, world, port, n, results) for r in range(world)]

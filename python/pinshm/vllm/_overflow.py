@@ -55,14 +55,17 @@ class OverflowWriter:
         store = self._store_for(sizes)
         seq = self._seq
         self._seq += 1
+        handles: list = []
         try:
-            handles = [self._put(store, f"{seq}.{i}", b, deadline, cancelled) for i, b in enumerate(bufs)]
+            for i, b in enumerate(bufs):
+                handles.append(self._put(store, f"{seq}.{i}", b, deadline, cancelled))
             send_ref(bytes([STORED]) + pickle.dumps((store.handle(), handles, sizes), protocol=5))
         except BaseException:
             # Objects put for a message never sent are owed reads nobody
             # will make: the store cannot reclaim past them. Retire it (it
             # goes when the queue closes); the next message makes another.
-            if self.store is store:
+            # A message none of whose parts went in leaves it as it was.
+            if handles and self.store is store:
                 self._retired.append(store)
                 self.store = None
             raise

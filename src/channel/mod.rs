@@ -33,7 +33,7 @@ use std::time::Duration;
 
 #[cfg(not(loom))]
 pub use reader::{BroadcastReader, Message};
-pub use spin::SpinPolicy;
+pub use spin::{SpinPolicy, WaitStats};
 #[cfg(not(loom))]
 pub use writer::Broadcast;
 

@@ -255,5 +255,6 @@ pub mod loom_api {
     pub use super::layout::reader_state;
     pub use super::reader::{ReaderCore, Received, Recv};
     pub use super::shm::{Geometry, Shm};
+    pub use super::spin::WaitPlan;
     pub use super::writer::{Blocked, WriterCore};
 }

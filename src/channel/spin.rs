@@ -19,6 +19,10 @@ const MAX_OVERSHOOT: Duration = Duration::from_millis(2);
 /// What a timed futex wake-up is assumed to overshoot before one is
 /// measured (the default timer slack, 50 µs, plus the wake-up).
 const OVERSHOOT_GUESS: Duration = Duration::from_micros(60);
+/// The part of a timed wake-up's lateness that is the timer's slack (the
+/// Linux default for a normal thread); the rest is the wake-up itself,
+/// which a futex wake costs too.
+const TIMER_SLACK: Duration = Duration::from_micros(50);
 
 /// How a reader waits, learned from its recent receives.
 ///
@@ -270,12 +274,28 @@ impl SpinPolicy {
 
     /// A receive that started at `start` got its message at `now`, having
     /// seen `trace`.
+    ///
+    /// A message caught by a futex wake-up (or found waiting) was seen
+    /// later than it came, by about a wake-up's latency (the measured
+    /// overshoot less the timer's slack): its arrival is put that much
+    /// earlier, or a late sighting would push the next prediction late, the
+    /// next message would come before the window, and so on.
     pub fn learn(&mut self, start: Instant, now: Instant, trace: WaitTrace) {
         self.waited(now.saturating_duration_since(start));
         if let Some(o) = trace.overshoot {
             self.overslept(o);
         }
-        self.arrived(now);
+        let seen_late = match trace.caught {
+            Caught::Spin | Caught::Window => Duration::ZERO,
+            Caught::Ready | Caught::Early | Caught::Sleep => self.wake_latency(),
+        };
+        self.arrived(now.checked_sub(seen_late).unwrap_or(now).max(start));
+    }
+
+    /// How late a sleeping reader sees a message, as learned: a timed
+    /// wake-up's overshoot less the timer's slack.
+    pub fn wake_latency(&self) -> Duration {
+        self.rhythm.overshoot.saturating_sub(TIMER_SLACK)
     }
 
     /// A receive waited `waited` for its message. A wait longer than the
@@ -373,15 +393,20 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     /// A policy that saw arrivals at `t0 + gaps[0]`, `+ gaps[1]`, …, each
-    /// after a long wait (the short spin is off), as a reader between
-    /// decode steps sees them.
+    /// after a long wait (the short spin is off) and as it came, as a
+    /// reader between decode steps sees them.
     fn fed(t0: Instant, gaps: impl IntoIterator<Item = Duration>) -> (SpinPolicy, Instant) {
         let mut p = SpinPolicy::new(CAP);
         let mut t = t0;
-        p.learn(t - 5 * MS, t, WaitTrace::default());
+        // Seen as they came (in a spin).
+        let spun = WaitTrace {
+            overshoot: None,
+            caught: Caught::Window,
+        };
+        p.learn(t - 5 * MS, t, spun);
         for g in gaps {
             t += g;
-            p.learn(t - g + 100 * US, t, WaitTrace::default());
+            p.learn(t - g + 100 * US, t, spun);
         }
         (p, t)
     }
@@ -512,6 +537,36 @@ mod tests {
         }
         let (w2, _, _) = p.predicted().unwrap();
         assert!(due - w2 <= MAX_OVERSHOOT + MAX_WINDOW);
+    }
+
+    #[test]
+    fn a_message_caught_by_a_futex_wake_up_is_dated_back_by_the_wake_latency() {
+        let t0 = Instant::now();
+        let (mut p, last) = fed(t0, [5 * MS; 8]);
+        for _ in 0..64 {
+            p.overslept(250 * US);
+        }
+        let lat = p.wake_latency();
+        assert!(lat > 150 * US && lat <= 200 * US, "{lat:?}");
+        let (_, due, _) = p.predicted().unwrap();
+        // Woken early at `due + lat` (it came at `due`): the next one is
+        // due a period after `due`, not after the sighting.
+        let seen = due + lat;
+        let trace = WaitTrace {
+            overshoot: None,
+            caught: Caught::Early,
+        };
+        p.learn(last + 100 * US, seen, trace);
+        let (_, next, _) = p.predicted().unwrap();
+        assert_eq!(next, due + 5 * MS);
+        // Caught in the window's spin, the sighting is the arrival.
+        let at = next + 3 * US;
+        let trace = WaitTrace {
+            overshoot: Some(10 * US),
+            caught: Caught::Window,
+        };
+        p.learn(next - 300 * US, at, trace);
+        assert_eq!(p.rhythm.last, Some(at));
     }
 
     #[test]

@@ -29,6 +29,8 @@ pub mod layout;
 pub mod reader;
 pub mod shm;
 pub mod spin;
+#[cfg(not(loom))]
+mod validate;
 pub mod writer;
 
 use std::time::Duration;

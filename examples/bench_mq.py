@@ -50,10 +50,11 @@ KIB, MIB = 1 << 10, 1 << 20
 SIZES = [KIB, 64 * KIB, MIB, 8 * MIB, 64 * MIB]
 CADENCE_S = 0.005
 MODES = ["b2b", "cadence"]
+READERS = [1, 2]
 
 
 def queue_class(impl):
-    if impl == "pinshm":
+    if impl.startswith("pinshm"):
         from pinshm.vllm.message_queue import MessageQueue
     else:
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
@@ -86,6 +87,8 @@ def reader(impl, handle, rank, handles_out):
     handles_out.put((rank, resp.export_handle()))
     resp.wait_until_ready()
     c0 = w0 = 0.0
+    rx = getattr(rpc, "_rx", None)  # pinshm's reader: where its waits went
+    stats = getattr(rx, "_wait_stats", None)
     while True:
         cmd, t0, _payload = rpc.dequeue(indefinite=True)
         t1 = time.monotonic_ns()
@@ -93,10 +96,12 @@ def reader(impl, handle, rank, handles_out):
         if cmd == "msg":
             resp.enqueue(t1 - t0)
         elif cmd == "begin":
+            if stats:
+                stats(True)
             c0, w0 = time.process_time(), time.monotonic()
             resp.enqueue(0)
         elif cmd == "end":
-            resp.enqueue((time.process_time() - c0, time.monotonic() - w0))
+            resp.enqueue((time.process_time() - c0, time.monotonic() - w0, dict(stats()) if stats else None))
         elif cmd == "idle":
             resp.enqueue(0)
             c0, w0 = time.process_time(), time.monotonic()
@@ -132,11 +137,19 @@ def phase(rpc, resps, mode, size, n):
             lat.append(one / 1e3)
     wcpu, wwall = time.process_time() - c0, time.monotonic() - w0
     rpc.enqueue(("end", 0, None))
-    rcpu = max(cpu / wall for cpu, wall in (r.dequeue() for r in resps))
-    return lat, 100 * rcpu, 100 * wcpu / wwall
+    ends = [r.dequeue() for r in resps]
+    rcpu = max(cpu / wall for cpu, wall, _ in ends)
+    return lat, 100 * rcpu, 100 * wcpu / wwall, [st for _, _, st in ends]
 
 
 def run(impl, n_readers, iters, idle_s):
+    # pinshm:<policy>: the readers' wait policy (the binding reads it at
+    # attach, in the spawned readers and in this process alike).
+    policy = impl.partition(":")[2]
+    if policy:
+        os.environ["PINSHM_READER_SPIN"] = policy
+    else:
+        os.environ.pop("PINSHM_READER_SPIN", None)
     ctx = mp.get_context("spawn")
     MQ = queue_class(impl)
     rpc = MQ(n_readers, n_readers)
@@ -152,7 +165,7 @@ def run(impl, n_readers, iters, idle_s):
     out = {"phases": {}}
     for size in SIZES:
         for mode in MODES:
-            lat, rcpu, wcpu = phase(rpc, resps, mode, size, iters[mode][size])
+            lat, rcpu, wcpu, stats = phase(rpc, resps, mode, size, iters[mode][size])
             q = statistics.quantiles(lat, n=100, method="inclusive")
             out["phases"][f"{mode} {size}"] = {
                 "median": statistics.median(lat),
@@ -160,6 +173,7 @@ def run(impl, n_readers, iters, idle_s):
                 "reader_cpu": rcpu,
                 "writer_cpu": wcpu,
                 "n": len(lat),
+                "wait_stats": stats,
             }
         if size == KIB:
             out["shm_small"] = shm_bytes()
@@ -207,7 +221,7 @@ def report(res, impls):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in MODES:
         for size in SIZES:
-            for n in (1, 2):
+            for n in READERS:
                 p = res["pinshm", n]["phases"][f"{mode} {size}"]
                 v = res["vllm", n]["phases"][f"{mode} {size}"] if both else None
                 row = f"| {mode} | {label(size)} | {n} | {us(p['median'])} | {us(p['p99'])} |"
@@ -220,14 +234,45 @@ def report(res, impls):
                 row += f" {p['writer_cpu']:.1f} % | {v['writer_cpu']:.1f} % |" if v else f" {p['writer_cpu']:.1f} % | |"
                 print(row)
     print()
+    if len(impls) > 2 or "pinshm" not in impls:
+        compare(res, impls)
     for impl in impls:
-        for n in (1, 2):
+        for n in READERS:
             r = res[impl, n]
             print(f"/dev/shm, {impl}, {n} reader(s): {r['shm_small'] / MIB:.1f} MiB after 1 KiB messages, "
                   f"{r['shm_end'] / MIB:.1f} MiB after 64 MiB ones")
     for impl in impls:
-        cpu, wall = res[impl, 1]["idle"]
+        if "idle" not in res[impl, READERS[0]]:
+            continue
+        cpu, wall = res[impl, READERS[0]]["idle"]
         print(f"idle reader, {impl}: {cpu * 1e3:.1f} ms CPU in {wall:.2f} s = {1e3 * cpu / wall:.2f} ms per s")
+
+
+def compare(res, impls):
+    """Every implementation against vLLM's (ratios > 1: faster than vLLM's),
+    and where pinshm's readers got their messages."""
+    base = "vllm" if "vllm" in impls else None
+    print("| mode | message | readers | impl | median | p99 | vLLM/impl median | p99 | reader CPU "
+          "| caught: ready/spin/early/window/sleep | timed-wake overshoot mean/max |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode in MODES:
+        for size in SIZES:
+            for n in READERS:
+                for impl in impls:
+                    p = res[impl, n]["phases"][f"{mode} {size}"]
+                    v = res[base, n]["phases"][f"{mode} {size}"] if base else None
+                    ratio = f"{v['median'] / p['median']:.2f}× | {v['p99'] / p['p99']:.2f}×" if v else " | "
+                    caught, over = "", ""
+                    sts = [st for st in p.get("wait_stats") or [] if st]
+                    if sts:
+                        tot = {k: sum(st[k] for st in sts) for k in sts[0]}
+                        caught = "/".join(str(int(tot[k])) for k in ("ready", "spin", "early", "window", "sleep"))
+                        if tot["overshoots"]:
+                            over = (f"{1e6 * tot['overshoot_total'] / tot['overshoots']:.0f}/"
+                                    f"{1e6 * max(st['overshoot_max'] for st in sts):.0f} µs")
+                    print(f"| {mode} | {label(size)} | {n} | {impl} | {us(p['median'])} | {us(p['p99'])} | {ratio} "
+                          f"| {p['reader_cpu']:.1f} % | {caught} | {over} |")
+    print()
 
 
 def plot(res, impls, path):
@@ -242,11 +287,11 @@ def plot(res, impls, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, mode in zip(axes, MODES):
         for impl in impls:
-            for n in (1, 2):
+            for n in READERS:
                 ph = res[impl, n]["phases"]
                 med = [ph[f"{mode} {s}"]["median"] for s in SIZES]
                 p99 = [ph[f"{mode} {s}"]["p99"] for s in SIZES]
-                style = "-" if impl == "pinshm" else "--"
+                style = "-" if impl.startswith("pinshm") else "--"
                 line = ax.plot(SIZES, med, style, marker="o", label=f"{impl}, {n} reader(s), median")[0]
                 ax.plot(SIZES, p99, style, color=line.get_color(), alpha=0.35, marker=".",
                         label=f"{impl}, {n} reader(s), p99")
@@ -270,14 +315,29 @@ def main():
     ap.add_argument("--png", default="bench_mq.png", help="where the plot goes")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--impl", choices=["both", "pinshm", "vllm"], default="both")
+    ap.add_argument("--policies", default="",
+                    help="also run pinshm with these reader wait policies (comma-separated: adaptive, "
+                         "predictive, never, fixed:<µs>), as impl pinshm:<policy>, in the same run")
+    ap.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M (default: all five)")
+    ap.add_argument("--modes", default=None, help="b2b,cadence (default: both)")
+    ap.add_argument("--readers", default="1,2", help="reader counts (default 1,2)")
+    ap.add_argument("--cadence-n", type=int, default=None, help="messages per cadence phase")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="only print the table and make the plot from a --json file of an earlier run")
     args = ap.parse_args()
+    global SIZES, MODES, READERS
+    if args.sizes:
+        mult = {"K": KIB, "M": MIB}
+        SIZES = [int(x[:-1]) * mult[x[-1].upper()] for x in args.sizes.split(",")]
+    if args.modes:
+        MODES = args.modes.split(",")
+    READERS = [int(x) for x in args.readers.split(",")]
     if args.replot:
         with open(args.replot) as f:
             raw = json.load(f)
         res = {(k.split()[0], int(k.split()[1])): r for k, r in raw.items()}
-        impls = [i for i in ("pinshm", "vllm") if (i, 1) in res]
+        READERS = sorted({n for _, n in res})
+        impls = list(dict.fromkeys(i for i, _ in res))
         report(res, impls)
         plot(res, impls, args.png)
         return
@@ -287,16 +347,19 @@ def main():
     else:
         b2b = {KIB: 2000, 64 * KIB: 1000, MIB: 300, 8 * MIB: 60, 64 * MIB: 15}
         cad = {KIB: 400, 64 * KIB: 400, MIB: 400, 8 * MIB: 100, 64 * MIB: 20}
+    if args.cadence_n:
+        cad = {k: args.cadence_n for k in cad}
     iters = {"b2b": b2b, "cadence": cad}
     idle_s = args.idle if args.idle is not None else (2.0 if args.quick else 5.0)
     impls = [] if args.impl == "vllm" else ["pinshm"]
+    impls += [f"pinshm:{p}" for p in args.policies.split(",") if p]
     if args.impl != "pinshm" and vllm_importable():
         impls.append("vllm")
     res = {}
     for impl in impls:
-        for n in (1, 2):
+        for n in READERS:
             t = time.monotonic()
-            res[impl, n] = run(impl, n, iters, idle_s if n == 1 else 0)
+            res[impl, n] = run(impl, n, iters, idle_s if n == READERS[0] else 0)
             print(f"{impl}, {n} reader(s): done in {time.monotonic() - t:.0f} s", file=sys.stderr)
     report(res, impls)
     if args.json:

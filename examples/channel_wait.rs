@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, SpinPolicy};
+use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, SpinPolicy, WaitStats};
 
 fn thread_cpu() -> Duration {
     let mut ru = std::mem::MaybeUninit::<nix::libc::rusage>::uninit();
@@ -30,6 +30,7 @@ struct Outcome {
     median_us: f64,
     p99_us: f64,
     reader_cpu: f64,
+    stats: WaitStats,
 }
 
 fn run(policy: SpinPolicy, cadence: Option<Duration>, n: usize) -> Outcome {
@@ -49,7 +50,8 @@ fn run(policy: SpinPolicy, cadence: Option<Duration>, n: usize) -> Outcome {
             drop(m);
             resp.send(&(now - sent).to_le_bytes()).unwrap();
         }
-        (thread_cpu() - c0).as_secs_f64() / w0.elapsed().as_secs_f64()
+        let cpu = (thread_cpu() - c0).as_secs_f64() / w0.elapsed().as_secs_f64();
+        (cpu, rx.wait_stats(false))
     });
     let mut lat = Vec::with_capacity(n);
     let mut tick = Instant::now();
@@ -65,7 +67,7 @@ fn run(policy: SpinPolicy, cadence: Option<Duration>, n: usize) -> Outcome {
         let r = back.recv().unwrap();
         lat.push(u64::from_le_bytes(r[..8].try_into().unwrap()) as f64 / 1e3);
     }
-    let cpu = reader.join().unwrap();
+    let (cpu, stats) = reader.join().unwrap();
     let warm = n / 10;
     let mut l = lat.split_off(warm);
     l.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -73,6 +75,7 @@ fn run(policy: SpinPolicy, cadence: Option<Duration>, n: usize) -> Outcome {
         median_us: l[l.len() / 2],
         p99_us: l[(l.len() * 99 / 100).min(l.len() - 1)],
         reader_cpu: 100.0 * cpu,
+        stats,
     }
 }
 
@@ -81,7 +84,11 @@ fn main() {
     let policies = [
         ("never spin", SpinPolicy::new(Duration::ZERO)),
         (
-            "adaptive, cap 200 µs (default)",
+            "adaptive, cap 200 µs (the old default)",
+            SpinPolicy::adaptive(Duration::from_micros(200)),
+        ),
+        (
+            "predictive, cap 200 µs (default)",
             SpinPolicy::new(Duration::from_micros(200)),
         ),
         (
@@ -94,17 +101,27 @@ fn main() {
         ),
     ];
     let (n_b2b, n_cad) = if quick { (5_000, 200) } else { (20_000, 600) };
-    println!("| pattern | reader spin | median | p99 | reader CPU |");
-    println!("|---|---|---|---|---|");
+    println!("| pattern | reader spin | median | p99 | reader CPU | caught: ready / spin / early / window / sleep | timed-wake overshoot mean / max |");
+    println!("|---|---|---|---|---|---|---|");
     for (pattern, cadence, n) in [
         ("back to back", None, n_b2b),
         ("every 5 ms", Some(Duration::from_millis(5)), n_cad),
     ] {
         for (name, p) in policies {
             let o = run(p, cadence, n);
+            let s = o.stats;
+            let over = if s.overshoots == 0 {
+                "-".to_owned()
+            } else {
+                format!(
+                    "{:.1} / {:.1} µs",
+                    s.overshoot_total.as_secs_f64() * 1e6 / s.overshoots as f64,
+                    s.overshoot_max.as_secs_f64() * 1e6
+                )
+            };
             println!(
-                "| {pattern} | {name} | {:.1} µs | {:.1} µs | {:.1} % |",
-                o.median_us, o.p99_us, o.reader_cpu
+                "| {pattern} | {name} | {:.1} µs | {:.1} µs | {:.1} % | {} / {} / {} / {} / {} | {over} |",
+                o.median_us, o.p99_us, o.reader_cpu, s.ready, s.spin, s.early, s.window, s.sleep
             );
         }
     }

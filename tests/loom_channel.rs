@@ -9,12 +9,14 @@
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_channel`
 #![cfg(loom)]
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use pinshm::__loom_channel::{reader_state, Blocked, Geometry, ReaderCore, Recv, Shm, WriterCore};
+use pinshm::__loom_channel::{
+    reader_state, Blocked, Geometry, ReaderCore, Recv, Shm, WaitPlan, WriterCore,
+};
 
 fn geo(n_readers: u32, slots: u32) -> Geometry {
     Geometry {
@@ -73,6 +75,76 @@ fn a_sleeping_reader_always_wakes_for_a_message() {
         let w = thread::spawn(move || send(&mut WriterCore::new(shm), 1, &|_| true));
         assert_eq!(receive(&mut r, 1), 1);
         w.join().unwrap();
+    });
+}
+
+/// A predicted window: the timed sleep before it (its timeout, an hour
+/// away, never fires; loom's futex ignores timeouts anyway), then the
+/// untimed one. Either way only the writer's notify can end them.
+fn planned(r: &mut ReaderCore, n: u64, window_passed: bool) -> u64 {
+    let now = Instant::now();
+    let window = if window_passed {
+        (now, now)
+    } else {
+        let wake = now + Duration::from_secs(3600);
+        (wake, wake)
+    };
+    let plan = WaitPlan {
+        spin: Duration::ZERO,
+        window: Some(window),
+    };
+    let mut got = 0;
+    while got < n {
+        match r.wait_planned(None, plan, &|| true).unwrap().0 {
+            Recv::Message(m) => {
+                assert_eq!(r.shm().read_payload(m.slot), m.seq + 100);
+                r.release(m.seq);
+                got += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    got
+}
+
+#[test]
+fn a_reader_sleeping_before_a_predicted_window_always_wakes_for_a_message() {
+    model(|| {
+        let shm = Shm::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+        assert_eq!(planned(&mut r, 2, false), 2);
+        w.join().unwrap();
+    });
+}
+
+#[test]
+fn a_reader_past_its_predicted_window_always_wakes_for_a_message() {
+    model(|| {
+        let shm = Shm::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 1, &|_| true));
+        assert_eq!(planned(&mut r, 1, true), 1);
+        w.join().unwrap();
+    });
+}
+
+#[test]
+fn a_reader_sleeping_before_a_predicted_window_always_wakes_when_cancelled() {
+    model(|| {
+        let shm = Shm::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let flag = r.cancel_flag().clone();
+        let t = thread::spawn(move || {
+            let wake = Instant::now() + Duration::from_secs(3600);
+            let plan = WaitPlan {
+                spin: Duration::ZERO,
+                window: Some((wake, wake)),
+            };
+            r.wait_planned(None, plan, &|| true).unwrap().0
+        });
+        shm.cancel_reader(&flag);
+        assert_eq!(t.join().unwrap(), Recv::Cancelled);
     });
 }
 

@@ -10,8 +10,10 @@
 //! * [`spin`]: how long a reader spins before it sleeps ([`SpinPolicy`]).
 //!
 //! Waiting: a reader spins only while it pays (a window learned from its
-//! recent waits, at most [`BroadcastConfig::spin`], see [`SpinPolicy`]); the
-//! writer waiting for a slot spins for `spin`. Then each sleeps on a futex
+//! recent waits, at most [`BroadcastConfig::spin`]; with a steady period,
+//! a timed sleep to just before the predicted arrival and a short spin
+//! around it, see [`SpinPolicy`]); the writer waiting for a slot spins for
+//! `spin`. Then each sleeps on a futex
 //! in the segment. A [`Canceller`] ends a wait from another thread at once. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
 //! asks the kernel whether the other side's open-file-description lock is
 //! still held (trusting an "alive" answer for one period, so a party that
@@ -27,13 +29,15 @@ pub mod layout;
 pub mod reader;
 pub mod shm;
 pub mod spin;
+#[cfg(not(loom))]
+mod validate;
 pub mod writer;
 
 use std::time::Duration;
 
 #[cfg(not(loom))]
 pub use reader::{BroadcastReader, Message};
-pub use spin::SpinPolicy;
+pub use spin::{SpinPolicy, WaitStats};
 #[cfg(not(loom))]
 pub use writer::Broadcast;
 
@@ -255,5 +259,6 @@ pub mod loom_api {
     pub use super::layout::reader_state;
     pub use super::reader::{ReaderCore, Received, Recv};
     pub use super::shm::{Geometry, Shm};
+    pub use super::spin::WaitPlan;
     pub use super::writer::{Blocked, WriterCore};
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shm::{CancelFlag, Shm};
+use super::spin::{Caught, WaitPlan, WaitTrace};
 use super::LIVENESS_RECHECK;
 
 /// A received message: its sequence number, slot and length.
@@ -151,50 +152,117 @@ impl ReaderCore {
     /// message futex, re-checking `writer_alive` at least every
     /// [`LIVENESS_RECHECK`]. A set cancel flag ends it before it sleeps
     /// (the shell also refuses to start a wait once cancelled).
+    // The loom models' entry; the shell plans its waits.
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub fn wait(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
         writer_alive: &dyn Fn() -> bool,
     ) -> Result<Recv, Corrupt> {
+        self.wait_planned(deadline, WaitPlan::spin(spin), writer_alive)
+            .map(|(r, _)| r)
+    }
+
+    /// As [`ReaderCore::wait`], following `plan`: spin for `plan.spin`;
+    /// then, with a window `(wake, until)`, sleep on the futex (the same
+    /// announce, re-check, sleep steps) with a timeout at `wake`, and spin
+    /// from there until `until`; then sleep untimed. Says when the message
+    /// came, and how late the timed sleep woke.
+    pub fn wait_planned(
+        &mut self,
+        deadline: Option<Instant>,
+        plan: WaitPlan,
+        writer_alive: &dyn Fn() -> bool,
+    ) -> Result<(Recv, WaitTrace), Corrupt> {
+        let mut trace = WaitTrace::default();
         if let Some(m) = self.poll()? {
-            return Ok(Recv::Message(m));
+            return Ok((Recv::Message(m), trace));
         }
-        if !spin.is_zero() && deadline.is_none_or(|d| d > Instant::now()) {
-            let t0 = Instant::now();
-            let mut k = 0u32;
-            loop {
-                std::hint::spin_loop();
-                if let Some(m) = self.poll()? {
-                    return Ok(Recv::Message(m));
-                }
-                k = k.wrapping_add(1);
-                if k % 64 == 0 {
-                    if self.cancel.is_set() {
-                        return Ok(Recv::Cancelled);
-                    }
-                    if t0.elapsed() >= spin {
-                        break;
-                    }
-                    std::thread::yield_now();
-                }
+        if !plan.spin.is_zero() {
+            trace.caught = Caught::Spin;
+            if let Some(r) = self.spin_until(Instant::now() + plan.spin, deadline)? {
+                return Ok((r, trace));
             }
         }
+        if let Some((wake, until)) = plan.window {
+            trace.caught = Caught::Early;
+            let slept = Instant::now() < wake;
+            if let Some(r) = self.sleep(deadline, Some(wake), writer_alive)? {
+                return Ok((r, trace));
+            }
+            if slept {
+                trace.overshoot = Some(Instant::now().saturating_duration_since(wake));
+            }
+            trace.caught = Caught::Window;
+            if let Some(r) = self.spin_until(until, deadline)? {
+                return Ok((r, trace));
+            }
+        }
+        trace.caught = Caught::Sleep;
+        let r = self.sleep(deadline, None, writer_alive)?;
+        Ok((r.expect("an untimed sleep ends with an outcome"), trace))
+    }
+
+    /// Spins until `until` (or `deadline`, if sooner): a message, a
+    /// cancel, or `None` (the time is up).
+    fn spin_until(
+        &mut self,
+        until: Instant,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Recv>, Corrupt> {
+        let until = deadline.map_or(until, |d| d.min(until));
+        if Instant::now() >= until {
+            return Ok(None);
+        }
+        let mut k = 0u32;
+        loop {
+            std::hint::spin_loop();
+            if let Some(m) = self.poll()? {
+                return Ok(Some(Recv::Message(m)));
+            }
+            k = k.wrapping_add(1);
+            if k % 64 == 0 {
+                if self.cancel.is_set() {
+                    return Ok(Some(Recv::Cancelled));
+                }
+                if Instant::now() >= until {
+                    return Ok(None);
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Sleeps on the message futex until an outcome, or until `until`
+    /// (`None`: no such limit) with `Ok(None)`. Announce, re-check, sleep,
+    /// withdraw: the one protocol every sleep of a reader follows.
+    fn sleep(
+        &mut self,
+        deadline: Option<Instant>,
+        until: Option<Instant>,
+        writer_alive: &dyn Fn() -> bool,
+    ) -> Result<Option<Recv>, Corrupt> {
         loop {
             let seen = self.shm.reader_announce();
             let outcome = self.check(deadline, writer_alive);
             let Ok(None) = outcome else {
                 self.shm.reader_awake(seen);
-                return outcome.map(|o| o.expect("matched Some"));
+                return outcome;
             };
-            let timeout = deadline.map_or(LIVENESS_RECHECK, |d| {
-                d.saturating_duration_since(Instant::now())
-                    .min(LIVENESS_RECHECK)
-            });
+            let now = Instant::now();
+            let mut timeout = LIVENESS_RECHECK;
+            for end in deadline.into_iter().chain(until) {
+                timeout = timeout.min(end.saturating_duration_since(now));
+            }
+            if until.is_some_and(|u| now >= u) {
+                self.shm.reader_awake(seen);
+                return Ok(None);
+            }
             self.shm.reader_sleep(seen, Some(timeout));
             self.shm.reader_awake(seen);
             if let Some(m) = self.poll()? {
-                return Ok(Recv::Message(m));
+                return Ok(Some(Recv::Message(m)));
             }
         }
     }
@@ -272,9 +340,11 @@ mod shell {
     use std::sync::Arc;
 
     use super::{Corrupt, ReaderCore, Recv};
-    use crate::channel::shm::{self, Geometry, Shm};
-    use crate::channel::SpinPolicy;
-    use crate::channel::{layout, BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
+    use crate::channel::shm::Shm;
+    use crate::channel::spin::WaitPlan;
+    use crate::channel::validate::validate;
+    use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
+    use crate::channel::{SpinPolicy, WaitStats};
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -309,6 +379,8 @@ mod shell {
         core: RefCell<ReaderCore>,
         /// The spin before sleeping, learned from recent waits.
         spin: Cell<SpinPolicy>,
+        /// How this reader's waits ended.
+        stats: Cell<WaitStats>,
         /// Shared with this reader's cancellers; detached at drop.
         cancel: Arc<CancelLink>,
         /// When the writer's liveness lock was last found held (a system
@@ -378,6 +450,7 @@ mod shell {
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
                     spin: Cell::new(SpinPolicy::new(spin)),
+                    stats: Cell::new(WaitStats::default()),
                     cancel,
                     writer_seen: Cell::new(None),
                     fork_gen,
@@ -413,9 +486,26 @@ mod shell {
             self.spin.set(policy);
         }
 
-        /// How long the next `recv` would spin before sleeping.
+        /// How long the next `recv` would spin at once before sleeping
+        /// (a learned period adds a spin around the next arrival instead,
+        /// see [`BroadcastReader::spin_policy`]).
         pub fn spin_window(&self) -> Duration {
             self.spin.get().window()
+        }
+
+        /// The policy as learned so far (its period, its predictions).
+        pub fn spin_policy(&self) -> SpinPolicy {
+            self.spin.get()
+        }
+
+        /// How this reader's waits ended, since it attached (or since the
+        /// last call with `reset`).
+        pub fn wait_stats(&self, reset: bool) -> WaitStats {
+            let st = self.stats.get();
+            if reset {
+                self.stats.set(WaitStats::default());
+            }
+            st
         }
 
         /// A handle that ends this reader's blocked `recv` from another
@@ -470,11 +560,12 @@ mod shell {
                     name: self.seg.name().to_owned(),
                 });
             }
-            let deadline = timeout.map(|t| Instant::now() + t);
-            let spin = if timeout == Some(Duration::ZERO) {
-                Duration::ZERO
+            let t0 = Instant::now();
+            let deadline = timeout.map(|t| t0 + t);
+            let plan = if timeout == Some(Duration::ZERO) {
+                WaitPlan::spin(Duration::ZERO)
             } else {
-                self.spin.get().window()
+                self.spin.get().plan(t0)
             };
             // Holding a message in every slot, this reader itself keeps the
             // writer from sending more: waiting would never end.
@@ -496,17 +587,24 @@ mod shell {
                     alive
                 }
             };
-            let t0 = Instant::now();
-            let got = self.core.borrow_mut().wait(deadline, spin, &alive);
-            let got = got.map_err(|c| self.corrupt(c))?;
+            let got = self.core.borrow_mut().wait_planned(deadline, plan, &alive);
+            let (got, trace) = got.map_err(|c| self.corrupt(c))?;
             if timeout != Some(Duration::ZERO) {
                 let mut policy = self.spin.get();
+                let now = Instant::now();
                 match got {
-                    Recv::Message(_) => policy.waited(t0.elapsed()),
-                    Recv::TimedOut | Recv::Cancelled => policy.gave_up(),
+                    Recv::Message(_) => policy.learn(t0, now, trace),
+                    Recv::TimedOut => policy.timed_out(now),
+                    Recv::Cancelled => {
+                        policy.gave_up();
+                        policy.forget();
+                    }
                     Recv::WriterGone => {}
                 }
                 self.spin.set(policy);
+                let mut st = self.stats.get();
+                st.count(&got, &trace);
+                self.stats.set(st);
             }
             match got {
                 Recv::Cancelled => Err(Error::Cancelled {
@@ -565,111 +663,6 @@ mod shell {
             self.seg.unlock(reader_slot(core.index()));
             tracing::debug!(name = self.seg.name(), "broadcast reader detached");
         }
-    }
-
-    /// Validates the header against the mapping and the handle.
-    fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, Duration)> {
-        let bad = |field, detail: String| Error::BadHeader {
-            name: h.name.clone(),
-            field,
-            detail,
-        };
-        if seg.len() < size_of::<layout::ChannelHeader>() {
-            return Err(bad(
-                "size",
-                format!("{} bytes is smaller than a header", seg.len()),
-            ));
-        }
-        // SAFETY: the mapping is page aligned and at least 256 bytes long.
-        let magic = unsafe { shm::magic(seg.as_ptr()) };
-        if magic != layout::MAGIC {
-            return Err(bad(
-                "magic",
-                format!("expected {:#x}, found {magic:#x} (not a broadcast channel, or its creator has not finished)", layout::MAGIC),
-            ));
-        }
-        // SAFETY: as above.
-        let c = unsafe { shm::read_header(seg.as_ptr()) };
-        if c.version != layout::VERSION || h.layout_version != layout::VERSION {
-            return Err(bad(
-                "version",
-                format!(
-                    "this build reads channel layout {}, the segment is {} and the handle {}",
-                    layout::VERSION,
-                    c.version,
-                    h.layout_version
-                ),
-            ));
-        }
-        if c.nonce != h.nonce {
-            return Err(Error::SegmentMismatch {
-                name: h.name.clone(),
-                expected: h.nonce,
-                found: c.nonce,
-            });
-        }
-        let want = |field, handle: u64, found: u64| {
-            if handle == found {
-                Ok(())
-            } else {
-                Err(bad(
-                    field,
-                    format!("the handle says {handle}, the segment says {found}"),
-                ))
-            }
-        };
-        want("n_readers", h.n_readers as u64, c.n_readers as u64)?;
-        want("slots", h.slots as u64, c.slots as u64)?;
-        want("slot_size", h.slot_size as u64, c.slot_size as u64)?;
-        if c.n_readers == 0 || c.n_readers > layout::MAX_READERS {
-            return Err(bad(
-                "n_readers",
-                format!("{} is not in 1..={}", c.n_readers, layout::MAX_READERS),
-            ));
-        }
-        if c.slots == 0 || c.slots > layout::MAX_SLOTS {
-            return Err(bad(
-                "slots",
-                format!("{} is not in 1..={}", c.slots, layout::MAX_SLOTS),
-            ));
-        }
-        if c.slot_size == 0 || c.slot_size > layout::MAX_SLOT_SIZE {
-            return Err(bad(
-                "slot_size",
-                format!("{} is not in 1..={}", c.slot_size, layout::MAX_SLOT_SIZE),
-            ));
-        }
-        want(
-            "slot_stride",
-            layout::slot_stride(c.slot_size) as u64,
-            c.slot_stride,
-        )?;
-        want(
-            "header_len",
-            layout::header_len(c.n_readers) as u64,
-            c.header_len,
-        )?;
-        let total = layout::total_len(c.n_readers, c.slots, c.slot_size)
-            .ok_or_else(|| bad("total_len", "overflows".into()))?;
-        want("total_len", total as u64, c.total_len)?;
-        if total > seg.len() {
-            return Err(bad(
-                "total_len",
-                format!(
-                    "{total} bytes exceed the segment's {}: the segment is too small",
-                    seg.len()
-                ),
-            ));
-        }
-        let spin = Duration::from_nanos(c.spin_ns.min(super::super::MAX_SPIN.as_nanos() as u64));
-        Ok((
-            Geometry {
-                n_readers: c.n_readers,
-                slots: c.slots,
-                slot_size: c.slot_size,
-            },
-            spin,
-        ))
     }
 
     /// A message, in place in its slot: derefs to its bytes. While it lives

@@ -1,4 +1,4 @@
-//! Layer 6: asynchronous host↔device copies into and out of slots.
+//! Asynchronous host↔device copies into and out of slots.
 //!
 //! A [`CopyEngine`] starts copies and hands back [`Ticket`]s that complete
 //! later. [`CpuEngine`] emulates a device with host memory and a worker

@@ -54,7 +54,7 @@ pub(super) struct Entry {
 }
 
 /// A copy into a reserved slot (a device-to-host DMA, say), seen by the
-/// store. Implemented by the copy layer.
+/// store. Implemented in `store/device.rs` over a copy engine's ticket.
 pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
     /// Whether the copy has finished (successfully or not).
     fn is_done(&self) -> bool;

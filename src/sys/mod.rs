@@ -1,6 +1,7 @@
-//! Layer 0: the operating system. POSIX shared memory, process liveness
-//! (open-file-description locks), clocks and futexes; the only code that calls nix
-//! and memmap2.
+//! The operating system: POSIX shared memory, process liveness
+//! (open-file-description locks), clocks and futexes; the only code that
+//! calls nix and memmap2. Only the plain-data modules (dtype, layout,
+//! error) sit below it.
 
 pub(crate) mod clock;
 pub(crate) mod fork;

@@ -360,6 +360,15 @@ fn a_sleeping_reader_is_woken_when_the_writer_is_dropped() {
 }
 
 #[test]
+fn timeouts_too_long_for_the_clock_wait_without_a_deadline() {
+    let name = Name::new("bcast-max-timeout");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 2, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    tx.send_timeout(b"a", Duration::MAX).unwrap();
+    assert_eq!(&rx.recv_timeout(Duration::MAX).unwrap()[..], b"a");
+}
+
+#[test]
 fn timeouts_on_both_sides_say_what_they_waited_for() {
     let name = Name::new("bcast-timeouts");
     let mut tx = Broadcast::create(BroadcastConfig::new(2, 2, 64).name(&*name)).unwrap();

@@ -339,9 +339,10 @@ impl BroadcastReader {
     }
 
     /// Where this reader's waits got their messages, for benchmarks: a
-    /// dict of counts (`ready`, `spin`, `early`, `window`, `sleep`,
-    /// `gave_up`, `overshoots`) and the timed wake-ups' lateness in seconds
-    /// (`overshoot_total`, `overshoot_max`); `reset` zeroes them after.
+    /// list of `(name, value)` pairs (`dict()` it): counts (`ready`,
+    /// `spin`, `early`, `window`, `sleep`, `gave_up`, `overshoots`) and the
+    /// timed wake-ups' lateness in seconds (`overshoot_total`,
+    /// `overshoot_max`); `reset` zeroes them after.
     #[pyo3(signature = (reset=false))]
     fn _wait_stats(&self, py: Python<'_>, reset: bool) -> PyResult<Vec<(&'static str, f64)>> {
         let shared = self.shared()?;

@@ -355,15 +355,23 @@ impl ObjectStore {
     /// readers (slot header, read counters and 64-byte alignment
     /// included): size a ring as a multiple of this.
     #[staticmethod]
-    fn slot_len(n_readers: u32, payload: usize) -> usize {
-        pinshm::StoreConfig::slot_len(n_readers, payload)
+    fn slot_len(n_readers: u32, payload: usize) -> PyResult<usize> {
+        check_readers(n_readers)?;
+        // Room for the rounding: no slot is within a page of usize::MAX.
+        if payload > isize::MAX as usize {
+            return Err(PyValueError::new_err(format!(
+                "payload of {payload} bytes: no slot is that large"
+            )));
+        }
+        Ok(pinshm::StoreConfig::slot_len(n_readers, payload))
     }
 
     /// The largest `max_object_size` a ring of `capacity` bytes accepts
     /// with `n_readers` readers (0 when not even an empty object fits).
     #[staticmethod]
-    fn largest_object(capacity: usize, n_readers: u32) -> usize {
-        pinshm::StoreConfig::largest_object(capacity, n_readers)
+    fn largest_object(capacity: usize, n_readers: u32) -> PyResult<usize> {
+        check_readers(n_readers)?;
+        Ok(pinshm::StoreConfig::largest_object(capacity, n_readers))
     }
 
     /// What a reader process needs to attach (picklable).
@@ -431,4 +439,15 @@ fn name_part(py: Python<'_>, e: PyErr, i: usize, part: &Bound<'_, PyAny>) -> PyE
             type_name(part)
         ),
     )
+}
+
+/// The layout helpers' reader count, as a store is created with.
+fn check_readers(n_readers: u32) -> PyResult<()> {
+    if n_readers == 0 || n_readers > pinshm::StoreConfig::MAX_READERS {
+        return Err(PyValueError::new_err(format!(
+            "n_readers must be 1..={}, got {n_readers}",
+            pinshm::StoreConfig::MAX_READERS
+        )));
+    }
+    Ok(())
 }

@@ -561,7 +561,8 @@ mod shell {
                 });
             }
             let t0 = Instant::now();
-            let deadline = timeout.map(|t| t0 + t);
+            // A timeout too long to add to the clock is no deadline.
+            let deadline = timeout.and_then(|t| t0.checked_add(t));
             let plan = if timeout == Some(Duration::ZERO) {
                 WaitPlan::spin(Duration::ZERO)
             } else {

@@ -188,6 +188,9 @@ impl SpinPolicy {
     /// recent waits say pays, and around the predicted arrival when
     /// messages come at a steady period.
     pub fn new(cap: Duration) -> SpinPolicy {
+        // At most MAX_SPIN, as a channel's configured spin is: deadlines
+        // are `now + spin`, and a longer spin is a core spent, not a wait.
+        let cap = cap.min(super::MAX_SPIN);
         SpinPolicy {
             cap,
             estimate: Duration::ZERO,
@@ -207,8 +210,9 @@ impl SpinPolicy {
         }
     }
 
-    /// Always spin for `spin` before sleeping (what a fixed busy window
-    /// does: vLLM's readers spin this way).
+    /// Always spin for `spin` (at most [`MAX_SPIN`](super::MAX_SPIN))
+    /// before sleeping (what a fixed busy window does: vLLM's readers spin
+    /// this way).
     pub fn fixed(spin: Duration) -> SpinPolicy {
         SpinPolicy {
             fixed: true,
@@ -391,6 +395,21 @@ mod tests {
     const CAP: Duration = Duration::from_micros(200);
     const US: Duration = Duration::from_micros(1);
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_spin_longer_than_max_spin_is_max_spin_and_its_plans_add_to_the_clock() {
+        let t0 = Instant::now();
+        for p in [
+            SpinPolicy::new(Duration::MAX),
+            SpinPolicy::adaptive(Duration::MAX),
+            SpinPolicy::fixed(Duration::MAX),
+        ] {
+            assert_eq!(p.cap(), crate::channel::MAX_SPIN);
+            let mut p = p;
+            p.gave_up();
+            assert!(t0.checked_add(p.plan(t0).spin).is_some());
+        }
+    }
 
     /// A policy that saw arrivals at `t0 + gaps[0]`, `+ gaps[1]`, …, each
     /// after a long wait (the short spin is off) and as it came, as a

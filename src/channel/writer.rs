@@ -456,7 +456,8 @@ mod shell {
                     name: self.seg.name().to_owned(),
                 });
             }
-            let deadline = timeout.map(|t| Instant::now() + t);
+            // A timeout too long to add to the clock is no deadline.
+            let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
             let seg = &self.seg;
             let seen = std::cell::RefCell::new(&mut self.reader_seen);
             // A dead reader is noticed within about two re-check periods

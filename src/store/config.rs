@@ -43,6 +43,8 @@ pub enum Eviction {
 impl StoreConfig {
     /// Slots start, and a ring's capacity is a multiple of, this many bytes.
     pub const SLOT_ALIGN: usize = layout::SLOT_ALIGN;
+    /// The most readers a store takes.
+    pub const MAX_READERS: u32 = layout::MAX_READERS;
 
     /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
     /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).

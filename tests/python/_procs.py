@@ -12,6 +12,12 @@ def start(ctx, target, *args):
 
 
 def finish(p):
-    """Joins `p`; it must have exited 0."""
+    """Joins `p`; it must have exited 0. A child still running after
+    JOIN_S is killed (so pytest does not wait for it at exit) and fails
+    the test."""
     p.join(JOIN_S)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        raise AssertionError(f"child {p.pid} still running after {JOIN_S} s: killed")
     assert p.exitcode == 0, f"child exited with {p.exitcode}"

@@ -38,8 +38,14 @@ def closing():
         return obj
 
     yield register
+    errors = []
     for obj in reversed(opened):
-        obj.close()
+        try:
+            obj.close()
+        except Exception as e:  # noqa: BLE001 - close the rest, then raise
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture

@@ -81,19 +81,20 @@ def test_shutdown_from_another_thread_wakes_a_blocked_writer(unique_name, closin
     mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=8, name=unique_name()))
     rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
     if where == "a slot":
-        # Unread messages fill the ring: the next waits on the futex.
+        # Unread messages fill the ring: the next waits on the futex (its
+        # second send_parts; the first only tries).
         for i in range(8):
-            mq.enqueue(i)
-        blocked_call, msg = "send_parts", 8
+            mq.enqueue(i, timeout=10)
+        blocked_call, nth, msg = "send_parts", 2, 8
     else:
         # Unread messages fill the overflow store (made for a few of the
         # largest message) before the ring: the next put waits for room.
         big = np.zeros(1 << 20, dtype=np.uint8)
         need = pinshm.ObjectStore.slot_len(1, big.nbytes)
-        mq.enqueue(big)
+        mq.enqueue(big, timeout=10)
         while mq._overflow.store.stats()["largest_free_block"] >= need:
-            mq.enqueue(big)
-        blocked_call, msg = "sleep", big
+            mq.enqueue(big, timeout=10)
+        blocked_call, nth, msg = "sleep", 1, big
     outcome = []
 
     def blocked():
@@ -102,8 +103,8 @@ def test_shutdown_from_another_thread_wakes_a_blocked_writer(unique_name, closin
         except BaseException as e:  # noqa: BLE001 - the outcome is the test
             outcome.append(e)
 
-    t, entered = in_call(blocked_call, blocked)
-    assert entered.wait(JOIN_S)  # the writer is in its wait
+    t, entered = in_call(blocked_call, blocked, nth)
+    assert entered.wait(JOIN_S)  # the writer is at its wait
     mq.shutdown()
     t.join(JOIN_S)
     assert not t.is_alive()
@@ -161,6 +162,47 @@ def test_torch_tensors_inside_and_beyond_a_chunk_are_owned_copies(unique_name, c
         assert bool((t == float(i)).all()), f"tensor {i} changed"
     kept[0].add_(1)  # writable, and no other tensor shares its memory
     assert bool((kept[2] == 2.0).all())
+
+
+def test_the_overflow_store_rewinds_once_every_object_was_read(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    big = np.arange(1 << 18, dtype=np.uint32)  # 1 MiB: beyond a chunk
+    for _ in range(3):
+        mq.enqueue(big, timeout=10)
+        # Unread, its objects start at the store's first byte: the previous
+        # message's pages are reused, not the next ones of the ring.
+        assert min(h.address for _, h in mq._overflow.store.keys()) == 0
+        np.testing.assert_array_equal(rd.dequeue(timeout=10), big)
+    assert mq._overflow.generation == 1
+
+
+def test_a_message_that_could_not_go_in_leaves_the_overflow_store_in_use(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=8, name=unique_name()))
+    rd = closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    blob = b"x" * (3 << 20)  # in band: one object, beyond a chunk
+    mq.enqueue(blob, timeout=10)
+    mq.enqueue(blob, timeout=10)
+    store = mq._overflow.store
+    with pytest.raises(TimeoutError, match="the store is full"):
+        mq.enqueue(blob, timeout=0.2)
+    # Nothing of it went in: the store is not retired, nothing leaks.
+    assert mq._overflow.store is store and mq._overflow.generation == 1
+    assert [rd.dequeue(timeout=10) for _ in range(2)] == [blob, blob]
+    mq.enqueue(blob, timeout=10)
+    assert rd.dequeue(timeout=10) == blob
+    assert mq._overflow.store is store
+
+
+def test_enqueue_after_shutdown_puts_nothing_in_the_overflow_store(unique_name, closing):
+    mq = closing(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, name=unique_name()))
+    closing(MessageQueue.create_from_handle(mq.export_handle(), 0))
+    mq.enqueue(np.zeros(1 << 20, dtype=np.uint8), timeout=10)
+    mq.shutdown()
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="cancelled"):
+            mq.enqueue(np.zeros(1 << 20, dtype=np.uint8), timeout=10)
+    assert mq._overflow.generation == 1 and len(mq._overflow.store) == 2
 
 
 def test_dequeue_with_a_short_timeout_raises_timeout_error(unique_name, closing):

@@ -3,9 +3,9 @@
 The writer puts a message's pickle and each of its out-of-band buffers as
 objects of a pinshm store it owns, and sends their handles through the
 channel (a ``STORED`` message); each reader reads them from the store.
-Messages come in order, so a store is replaced (by one twice the size of
-the largest message) without a handshake: a reader that gets a handle of
-the new store is done with the old one.
+Messages come in order, so a store is replaced (by one of the power of
+two at or above twice the message that did not fit) without a handshake:
+a reader that gets a handle of the new store is done with the old one.
 
 The store is sparse, as vLLM's rings are: /dev/shm holds the pages the
 messages touched. Once every object was read, the next message is put
@@ -51,6 +51,10 @@ class OverflowWriter:
         """Puts `bufs` (the pickle, then its buffers) and sends the
         handles with `send_ref`; waits while the store is full of unread
         objects, until `deadline` or until `cancelled()`."""
+        if cancelled():
+            # After shutdown() nothing goes in: a put would only fill, or
+            # make, a store no reader will read.
+            raise RuntimeError("cancelled")
         sizes = [memoryview(b).nbytes for b in bufs]
         store = self._store_for(sizes)
         seq = self._seq
@@ -93,13 +97,16 @@ class OverflowWriter:
                 store.clear()
             return store
         capacity = 1 << max(2 * need, self.min_capacity).bit_length()
+        name = f"{self.prefix}-big{self.generation + 1}"
+        # Sparse: a full /dev/shm is NoSpaceError from that put. Made
+        # before the old one is retired: if this fails, the old one stays
+        # current, as it was.
+        limit = pinshm.ObjectStore.largest_object(capacity, self.n_readers)
+        new = pinshm.ObjectStore(capacity, limit, self.n_readers, name=name, reserve=False)
         if store is not None:
             self._retired.append(store)
         self.generation += 1
-        name = f"{self.prefix}-big{self.generation}"
-        # Sparse: a full /dev/shm is NoSpaceError from that put.
-        limit = pinshm.ObjectStore.largest_object(capacity, self.n_readers)
-        self.store = pinshm.ObjectStore(capacity, limit, self.n_readers, name=name, reserve=False)
+        self.store = new
         self._capacity = capacity
         # Readers attach to it by name at their first large message: the
         # name stays, covered by the resource tracker.

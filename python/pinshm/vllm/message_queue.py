@@ -46,6 +46,10 @@ from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger
 
 __all__ = ["Handle", "MessageQueue", "install", "LONG_WAIT_TIME_LOG_MSG"]
 
+# Pickles from a writer of the release before the split name the tensor
+# rebuilder here: a newer reader still reads them.
+_rebuild_tensor = enc._rebuild_tensor
+
 
 @dataclass
 class Handle:

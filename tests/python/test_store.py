@@ -153,6 +153,11 @@ def test_the_layout_sizes_bound_from_rust_size_a_ring_exactly(unique_name, closi
     assert s.stats()["bytes_in_use"] == pinshm.ObjectStore.slot_len(n, largest)
     with pytest.raises(ValueError, match="max_object_size"):
         pinshm.ObjectStore(cap, largest + 1, n, name=unique_name())
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="n_readers"):
+            pinshm.ObjectStore.slot_len(bad, 1)
+        with pytest.raises(ValueError, match="n_readers"):
+            pinshm.ObjectStore.largest_object(cap, bad)
 
 
 def test_attaching_to_a_missing_segment_raises_pinshm_error(unique_name):

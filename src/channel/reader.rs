@@ -188,7 +188,7 @@ impl ReaderCore {
         if let Some((wake, until)) = plan.window {
             trace.caught = Caught::Early;
             let slept = Instant::now() < wake;
-            if let Some(r) = self.sleep(deadline, Some(wake), writer_alive)? {
+            if let Some(r) = self.sleep(deadline, Some(wake), writer_alive, &mut trace.slept)? {
                 return Ok((r, trace));
             }
             if slept {
@@ -200,7 +200,7 @@ impl ReaderCore {
             }
         }
         trace.caught = Caught::Sleep;
-        let r = self.sleep(deadline, None, writer_alive)?;
+        let r = self.sleep(deadline, None, writer_alive, &mut trace.slept)?;
         Ok((r.expect("an untimed sleep ends with an outcome"), trace))
     }
 
@@ -236,12 +236,14 @@ impl ReaderCore {
 
     /// Sleeps on the message futex until an outcome, or until `until`
     /// (`None`: no such limit) with `Ok(None)`. Announce, re-check, sleep,
-    /// withdraw: the one protocol every sleep of a reader follows.
+    /// withdraw: the one protocol every sleep of a reader follows. Sets
+    /// `slept` once it has waited on the futex.
     fn sleep(
         &mut self,
         deadline: Option<Instant>,
         until: Option<Instant>,
         writer_alive: &dyn Fn() -> bool,
+        slept: &mut bool,
     ) -> Result<Option<Recv>, Corrupt> {
         loop {
             let seen = self.shm.reader_announce();
@@ -260,6 +262,7 @@ impl ReaderCore {
                 return Ok(None);
             }
             self.shm.reader_sleep(seen, Some(timeout));
+            *slept = true;
             self.shm.reader_awake(seen);
             if let Some(m) = self.poll()? {
                 return Ok(Some(Recv::Message(m)));

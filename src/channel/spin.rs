@@ -133,6 +133,9 @@ pub struct WaitTrace {
     pub overshoot: Option<Duration>,
     /// When the message came (for a wait that got one).
     pub caught: Caught,
+    /// The reader slept on the futex (a sleep phase that found its message
+    /// at the first look did not): only then was it seen late.
+    pub slept: bool,
 }
 
 /// How a reader's waits ended (receives with a wait; `try_recv` is not
@@ -291,6 +294,7 @@ impl SpinPolicy {
         }
         let seen_late = match trace.caught {
             Caught::Spin | Caught::Window => Duration::ZERO,
+            Caught::Early | Caught::Sleep if !trace.slept => Duration::ZERO,
             Caught::Ready | Caught::Early | Caught::Sleep => self.wake_latency(),
         };
         self.arrived(now.checked_sub(seen_late).unwrap_or(now).max(start));
@@ -421,6 +425,7 @@ mod tests {
         let spun = WaitTrace {
             overshoot: None,
             caught: Caught::Window,
+            slept: false,
         };
         p.learn(t - 5 * MS, t, spun);
         for g in gaps {
@@ -574,15 +579,31 @@ mod tests {
         let trace = WaitTrace {
             overshoot: None,
             caught: Caught::Early,
+            slept: true,
         };
         p.learn(last + 100 * US, seen, trace);
         let (_, next, _) = p.predicted().unwrap();
         assert_eq!(next, due + 5 * MS);
+        // Found at the sleep's first look, before any futex wait: seen as
+        // it came, not dated back.
+        let mut q = p;
+        let found = next + 2 * US;
+        q.learn(
+            next - 300 * US,
+            found,
+            WaitTrace {
+                overshoot: None,
+                caught: Caught::Early,
+                slept: false,
+            },
+        );
+        assert_eq!(q.rhythm.last, Some(found));
         // Caught in the window's spin, the sighting is the arrival.
         let at = next + 3 * US;
         let trace = WaitTrace {
             overshoot: Some(10 * US),
             caught: Caught::Window,
+            slept: true,
         };
         p.learn(next - 300 * US, at, trace);
         assert_eq!(p.rhythm.last, Some(at));

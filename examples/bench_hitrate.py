@@ -68,6 +68,9 @@ import sys
 import time
 from collections import OrderedDict
 
+# examples/ is the script's directory, so its sibling imports by name.
+from bench import vllm_storage
+
 KIB = 1024
 MIB = 1024 * KIB
 MIN_SIZE = 256 * KIB
@@ -211,15 +214,6 @@ class Pinshm:
         self.store.close()
 
 
-def vllm_module():
-    """vLLM's storage module, or None when vLLM is not importable."""
-    try:
-        from vllm.distributed.device_communicators import shm_object_storage
-    except Exception:  # noqa: BLE001 (any import failure: no vLLM here)
-        return None
-    return shm_object_storage
-
-
 def raw_serde_class(mod):
     class RawBytesSerde(mod.ObjectSerde):
         """Bytes in as one part (copied into the object by put), the length
@@ -350,7 +344,7 @@ def main():
 
     sizes = catalog(args.keys)
     total = sum(sizes)
-    mod = None if (args.no_vllm or args.ideal_only) else vllm_module()
+    mod = None if (args.no_vllm or args.ideal_only) else vllm_storage()
     notes = []
     if mod is None and not (args.no_vllm or args.ideal_only):
         notes.append("vLLM is not importable here: its columns are skipped")

@@ -63,7 +63,7 @@ class OverflowWriter:
         try:
             for i, b in enumerate(bufs):
                 handles.append(self._put(store, f"{seq}.{i}", b, deadline, cancelled))
-            send_ref(bytes([STORED]) + pickle.dumps((store.handle(), handles, sizes), protocol=5))
+            send_ref(bytes([STORED]) + pickle.dumps((store.handle(), handles), protocol=5))
         except BaseException:
             # Objects put for a message never sent are owed reads nobody
             # will make: the store cannot reclaim past them. Retire it (it
@@ -160,7 +160,6 @@ class OverflowReader:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._name: Optional[str] = None
         self._reader: Optional[pinshm.StoreReader] = None
 
     def load(self, ref: memoryview, zero_copy: bool) -> Any:
@@ -168,7 +167,7 @@ class OverflowReader:
         kind). Copied into owned, writable buffers; with `zero_copy`, the
         out-of-band buffers are read-only views that hold their objects
         until the last array over them is gone."""
-        store_handle, handles, _sizes = pickle.loads(ref)
+        store_handle, handles = pickle.loads(ref)
         reader = self._attach(store_handle)
         if not zero_copy:
             # One pass each (no zero-filling); each read is acknowledged
@@ -201,12 +200,10 @@ class OverflowReader:
         if self._reader is not None:
             self._reader.close()
         self._reader = None
-        self._name = None
 
     def _attach(self, store_handle: Any) -> pinshm.StoreReader:
-        if self._reader is None or self._name != store_handle.name:
+        if self._reader is None or self._reader.name != store_handle.name:
             # Messages come in order: an older store is not read again.
             self.close()
             self._reader = pinshm.StoreReader.attach(store_handle, self.rank)
-            self._name = store_handle.name
         return self._reader

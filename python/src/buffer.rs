@@ -126,3 +126,24 @@ pub(crate) unsafe fn export_read_only(
     }
     Ok(())
 }
+
+/// What a view's `release()` takes: the held value in `held`, unless
+/// exports of it (its other clones) are alive, which is a BufferError
+/// naming `what`. `None` once released. Clones are made only under this
+/// mutex, so the count cannot grow meanwhile; it may only shrink.
+pub(crate) fn take_unshared<T>(
+    held: &std::sync::Mutex<Option<std::sync::Arc<T>>>,
+    what: &str,
+) -> PyResult<Option<std::sync::Arc<T>>> {
+    let mut st = crate::lock(held);
+    if let Some(h) = st.as_ref() {
+        let others = std::sync::Arc::strong_count(h) - 1;
+        if others > 0 {
+            return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                "cannot release a {what} while {others} exported view(s) of it are \
+                 alive (release the memoryviews, delete the arrays)"
+            )));
+        }
+    }
+    Ok(st.take())
+}

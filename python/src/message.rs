@@ -271,22 +271,8 @@ impl MessageView {
     /// Releases the message. BufferError while exports of the view are
     /// alive; releasing twice does nothing.
     fn release(&self) -> PyResult<()> {
-        let held = {
-            let mut st = lock(&self.held);
-            if let Some(h) = st.as_ref() {
-                // Clones are made only under this mutex (`hold`): the count
-                // cannot grow meanwhile.
-                let others = Arc::strong_count(h) - 1;
-                if others > 0 {
-                    return Err(PyBufferError::new_err(format!(
-                        "cannot release a MessageView while {others} exported view(s) of it are \
-                         alive (release the memoryviews, delete the arrays)"
-                    )));
-                }
-            }
-            st.take()
-        };
-        drop(held);
+        // Dropped outside the mutex (the message's drop may lock the reader).
+        drop(crate::buffer::take_unshared(&self.held, "MessageView")?);
         Ok(())
     }
 

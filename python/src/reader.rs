@@ -33,15 +33,13 @@ struct Shared {
     home: Home,
 }
 
-/// One read held open: the core's guard, with its borrow of the reader
-/// erased, and the reader it borrows.
+/// One read held open: the read (the core's guard, with its borrow of the
+/// reader erased, and the reader it borrows) and the object's bytes.
 struct Held {
-    /// Dropped by `Drop for Held`, under the reader's mutex, before
-    /// `reader` (fields drop after `drop` returns); leaked, never used
-    /// again, in a forked child.
-    guard: ManuallyDrop<pinshm::ReadGuard<'static>>,
-    reader: Arc<Shared>,
-    /// The object's bytes: `guard`'s slice, taken once at `new`.
+    /// Ended by `Drop for Held`, at once or once its release gate's event
+    /// completes; leaked, never used again, in a forked child.
+    read: ManuallyDrop<Release>,
+    /// The object's bytes: the guard's slice, taken once at `new`.
     data: *const u8,
     len: usize,
 }
@@ -59,8 +57,8 @@ pub(crate) struct SlotExport {
 }
 
 // SAFETY: the guard's only thread-bound parts are its reference to the
-// reader, used only by the guard's `Drop`, which `Drop for Held` runs with
-// the reader's mutex held (so every use of the reader is serialised, by
+// reader, used only by the guard's `Drop`, which `Drop for Release` runs
+// with the reader's mutex held (so every use of the reader is serialised, by
 // that mutex), and pointers into the mapping, which the reader keeps
 // mapped and which are only read (`bytes`), never written.
 unsafe impl Send for Held {}
@@ -78,25 +76,29 @@ impl Held {
             let (data, len) = (guard.as_ptr(), guard.len());
             // SAFETY: erasing the guard's borrow of the reader to 'static is
             // sound because the `Held` built here:
-            // 1. keeps the borrowed reader alive: it owns a clone of the Arc
-            //    that holds it (`reader`), and drops the guard before that
-            //    clone (`Drop for Held`); a leaked `Held` leaks its Arc too,
-            //    and a guard leaked by `Drop for Held` (in a forked child)
-            //    is never used again, so the reference can never dangle;
+            // 1. keeps the borrowed reader alive: its `Release` owns a clone
+            //    of the Arc that holds it (`reader`), and drops the guard
+            //    before that clone (`Drop for Release`; fields drop after
+            //    it); a leaked `Held` or `Release` leaks its Arc too, and a
+            //    guard leaked in a forked child is never used again, so the
+            //    reference can never dangle;
             // 2. keeps it in place: the reader lives inside the Arc's heap
             //    allocation and is never moved out nor borrowed mutably
             //    (see `Shared`), so the shared borrow stays valid;
             // 3. keeps it single-threaded: the guard touches the reader only
-            //    in its `Drop` (acknowledge, release the hazard), which runs
-            //    under the reader's mutex, like every other use of it.
+            //    in its `Drop` (acknowledge, release the hold), which runs
+            //    under the reader's mutex (`Drop for Release`), like every
+            //    other use of it.
             // The guard, for its part, keeps the slot from being reused, so
             // `data..data + len` holds the object until the guard drops.
             let guard = unsafe {
                 std::mem::transmute::<pinshm::ReadGuard<'_>, pinshm::ReadGuard<'static>>(guard)
             };
             Ok(Held {
-                guard: ManuallyDrop::new(guard),
-                reader,
+                read: ManuallyDrop::new(Release {
+                    guard: ManuallyDrop::new(guard),
+                    reader,
+                }),
                 data,
                 len,
             })
@@ -106,7 +108,7 @@ impl Held {
     /// The Forked error in a forked child: there the slot may be reused
     /// (the parent's read ends without the child), so nothing reads it.
     fn not_forked(&self) -> PyResult<()> {
-        self.reader.home.not_forked()
+        self.read.reader.home.not_forked()
     }
 
     fn bytes(&self) -> &[u8] {
@@ -117,7 +119,7 @@ impl Held {
     }
 
     fn handle(&self) -> pinshm::ObjectHandle {
-        self.guard.handle()
+        self.read.guard.handle()
     }
 }
 
@@ -128,17 +130,11 @@ impl Drop for Held {
         // the fork (locked forever here), and the core's drop would touch
         // nothing shared anyway. So it is leaked (`ManuallyDrop`), with the
         // bytes it points to, which nothing reads any more.
-        if self.reader.home.forked() {
+        if self.read.reader.home.forked() {
             return;
         }
-        // SAFETY: taken once, here; `self.guard` is not used afterwards.
-        // The `Release` keeps its own clone of the reader's Arc, so the
-        // reader the guard borrows outlives the guard (Held's argument).
-        let guard = unsafe { ManuallyDrop::take(&mut self.guard) };
-        let read = Release {
-            guard: ManuallyDrop::new(guard),
-            reader: Arc::clone(&self.reader),
-        };
+        // SAFETY: taken once, here; `self.read` is not used afterwards.
+        let read = unsafe { ManuallyDrop::take(&mut self.read) };
         // The last view is gone; a device copy from it may not be.
         match crate::release::event_for_release() {
             Some(event) => {
@@ -564,7 +560,7 @@ impl ReadGuard {
     /// tensor).
     fn tensor_layout(&self) -> PyResult<crate::tensor::Layout> {
         let held = self.hold(PyValueError::new_err)?;
-        let found = held.guard.kind();
+        let found = held.read.guard.kind();
         if found != pinshm::ObjectKind::Tensor {
             return Err(to_py(pinshm::Error::WrongKind {
                 expected: pinshm::ObjectKind::Tensor,
@@ -580,7 +576,7 @@ impl ReadGuard {
     /// is not an item).
     fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, crate::tensor::Meta)> {
         let held = self.hold(PyValueError::new_err)?;
-        let found = held.guard.kind();
+        let found = held.read.guard.kind();
         if found != pinshm::ObjectKind::Item {
             return Err(to_py(pinshm::Error::WrongKind {
                 expected: pinshm::ObjectKind::Item,
@@ -615,24 +611,10 @@ impl ReadGuard {
     /// Releases the read (acknowledging it). BufferError while exports of
     /// the guard are alive (memoryviews, arrays, or any object keeping an
     /// export's `view.obj`); releasing twice does nothing.
-    fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let held = {
-            let mut st = lock(&self.held);
-            if let Some(h) = st.as_ref() {
-                // Clones are made only under this mutex (`hold`), so the
-                // count cannot grow meanwhile; it may only shrink.
-                let others = Arc::strong_count(h) - 1;
-                if others > 0 {
-                    return Err(PyBufferError::new_err(format!(
-                        "cannot release a ReadGuard while {others} exported view(s) of it are \
-                         alive (release the memoryviews, delete the arrays)"
-                    )));
-                }
-            }
-            st.take()
-        };
+    fn release(&self) -> PyResult<()> {
+        // Dropped outside the mutex (the read's drop locks the reader).
+        let held = crate::buffer::take_unshared(&self.held, "ReadGuard")?;
         debug_assert!(held.as_ref().is_none_or(|h| h.handle() == self.handle));
-        let _ = py;
         drop(held);
         Ok(())
     }
@@ -663,7 +645,6 @@ impl ReadGuard {
     #[pyo3(signature = (exc_type=None, _exc=None, _tb=None))]
     fn __exit__(
         &self,
-        py: Python<'_>,
         exc_type: Option<&Bound<'_, PyAny>>,
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
@@ -671,7 +652,7 @@ impl ReadGuard {
         if exc_type.is_some_and(|t| !t.is_none()) {
             self.drop_hold();
         } else {
-            self.release(py)?;
+            self.release()?;
         }
         Ok(false)
     }

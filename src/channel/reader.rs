@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shm::{CancelFlag, Shm};
-use super::spin::{Caught, WaitPlan, WaitTrace};
+use super::spin::{spin_until, Caught, Spun, WaitPlan, WaitTrace};
 use super::LIVENESS_RECHECK;
 
 /// A received message: its sequence number, slot and length.
@@ -212,26 +212,12 @@ impl ReaderCore {
         deadline: Option<Instant>,
     ) -> Result<Option<Recv>, Corrupt> {
         let until = deadline.map_or(until, |d| d.min(until));
-        if Instant::now() >= until {
-            return Ok(None);
-        }
-        let mut k = 0u32;
-        loop {
-            std::hint::spin_loop();
-            if let Some(m) = self.poll()? {
-                return Ok(Some(Recv::Message(m)));
-            }
-            k = k.wrapping_add(1);
-            if k % 64 == 0 {
-                if self.cancel.is_set() {
-                    return Ok(Some(Recv::Cancelled));
-                }
-                if Instant::now() >= until {
-                    return Ok(None);
-                }
-                std::thread::yield_now();
-            }
-        }
+        let cancel = Arc::clone(&self.cancel);
+        Ok(match spin_until(until, &cancel, || self.poll())? {
+            Spun::Got(m) => Some(Recv::Message(m)),
+            Spun::Cancelled => Some(Recv::Cancelled),
+            Spun::TimeUp => None,
+        })
     }
 
     /// Sleeps on the message futex until an outcome, or until `until`

@@ -4,6 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::shm::CancelFlag;
+
 /// Below this a period is not predicted (the short-wait spin covers it).
 const MIN_PERIOD: Duration = Duration::from_micros(500);
 /// Above this a period is not predicted (a wake-up costs nothing there).
@@ -389,6 +391,46 @@ fn ewma(avg: Duration, x: Duration, w: u32) -> Duration {
         avg + (x - avg) / w
     } else {
         avg - (avg - x) / w
+    }
+}
+
+/// How a [`spin_until`] ended.
+pub(crate) enum Spun<T> {
+    /// `poll` gave this.
+    Got(T),
+    /// The cancel flag was set.
+    Cancelled,
+    /// `until` passed.
+    TimeUp,
+}
+
+/// The busy wait both sides of the channel use: spins until `poll` gives
+/// a value, `cancel` is set, or `until` passes, looking at the flag and
+/// the clock every 64 turns and yielding the CPU then.
+pub(crate) fn spin_until<T, E>(
+    until: Instant,
+    cancel: &CancelFlag,
+    mut poll: impl FnMut() -> Result<Option<T>, E>,
+) -> Result<Spun<T>, E> {
+    if Instant::now() >= until {
+        return Ok(Spun::TimeUp);
+    }
+    let mut k = 0u32;
+    loop {
+        std::hint::spin_loop();
+        if let Some(v) = poll()? {
+            return Ok(Spun::Got(v));
+        }
+        k = k.wrapping_add(1);
+        if k % 64 == 0 {
+            if cancel.is_set() {
+                return Ok(Spun::Cancelled);
+            }
+            if Instant::now() >= until {
+                return Ok(Spun::TimeUp);
+            }
+            std::thread::yield_now();
+        }
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::layout::reader_state;
 use super::shm::{CancelFlag, Shm};
+use super::spin::{spin_until, Spun};
 use super::LIVENESS_RECHECK;
 
 /// Why [`WriterCore::wait_slot`] returned without a free slot.
@@ -120,23 +121,14 @@ impl WriterCore {
             return Ok(());
         }
         if !spin.is_zero() && deadline.is_none_or(|d| d > Instant::now()) {
-            let t0 = Instant::now();
-            let mut k = 0u32;
-            loop {
-                std::hint::spin_loop();
-                if self.scan(None) {
-                    return Ok(());
-                }
-                k = k.wrapping_add(1);
-                if k % 64 == 0 {
-                    if self.cancel.is_set() {
-                        return Err(Blocked::Cancelled);
-                    }
-                    if t0.elapsed() >= spin {
-                        break;
-                    }
-                    std::thread::yield_now();
-                }
+            let now = Instant::now();
+            let until = now.checked_add(spin).unwrap_or(now);
+            let cancel = Arc::clone(&self.cancel);
+            let free = || Ok::<_, std::convert::Infallible>(self.scan(None).then_some(()));
+            match spin_until(until, &cancel, free) {
+                Ok(Spun::Got(())) => return Ok(()),
+                Ok(Spun::Cancelled) => return Err(Blocked::Cancelled),
+                Ok(Spun::TimeUp) | Err(_) => {}
             }
         }
         let mut blockers = Vec::new();

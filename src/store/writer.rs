@@ -438,7 +438,6 @@ impl ObjectStore {
     /// readers may get it from now on. `None` if it was cleared meanwhile.
     fn publish(&mut self, id: u64, pos: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
-        let n_readers = self.space.geo.n_readers;
         let span = self.space.ring.find(id).filter(|s| s.pos == pos)?;
         let address = span.pos;
         let e = &span.value;
@@ -448,7 +447,7 @@ impl ObjectStore {
             id,
             layout::slot_tag(id, address, epoch, e.size, e.kind as u32),
             e.size,
-            layout::slot_len(n_readers, e.size as usize) as u64,
+            span.len,
             e.kind as u32,
         );
         if !self.keys.pending.is_empty() {

@@ -469,6 +469,10 @@ pub struct Backing {
     /// Bit i: chunk i (of [`Backing::CHUNK`] bytes) is backed.
     bits: Vec<u64>,
     len: u64,
+    /// Chunks not backed yet: once none are (a reserved segment from the
+    /// start, a sparse one after its first lap), `ensure` has nothing to
+    /// look at.
+    unbacked: u64,
 }
 
 impl Backing {
@@ -484,6 +488,7 @@ impl Backing {
         Backing {
             bits: vec![word; chunks.div_ceil(64) as usize],
             len,
+            unbacked: if backed { 0 } else { chunks },
         }
     }
 
@@ -495,7 +500,7 @@ impl Backing {
     /// error nothing is marked, so a later call tries again (once space
     /// is free).
     pub fn ensure(&mut self, seg: &Segment, offset: u64, len: u64) -> Result<()> {
-        if len == 0 {
+        if len == 0 || self.unbacked == 0 {
             return Ok(());
         }
         let end = offset.saturating_add(len).min(self.len);
@@ -516,6 +521,7 @@ impl Backing {
             for k in run_start..c {
                 self.bits[(k / 64) as usize] |= 1 << (k % 64);
             }
+            self.unbacked -= c - run_start;
         }
         Ok(())
     }

@@ -10,7 +10,7 @@
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release), while it holds the slot; in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `holds[i]` (generation and count in one word) | reader `i`: +1 (Relaxed CAS) only under its validated hazard, −1 (Release RMW) when a guard or view goes; writer: 0 at publish (no live holder exists then) | writer (Acquire) after the hazard scan | a count of reader `i`'s current generation keeps the slot; another generation's word is a dead holder's leftover |
-//! | `ReaderEntry::hazards[0]` | reader (Relaxed + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken |
+//! | `ReaderEntry::hazards[0]` | reader (Release + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken. Every store to the word is Release, so whichever one the writer's load reads (a clear, or a later get's hazard), every hold taken before it is visible |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
 //! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
@@ -24,8 +24,8 @@
 //! reports `Stale`. On a match, add one to `holds[i]` in S, then clear the
 //! hazard (Release). The two SeqCst fences are ordered one way or the
 //! other: if the reader's comes first, the writer's hazard load sees the
-//! hazard, or its Release clear, after which the hold is visible to the
-//! writer's hold load (Acquire); if the writer's comes first, the reader's
+//! hazard, its Release clear, or a later get's Release hazard store, after
+//! each of which the hold is visible to the writer's hold load (Acquire); if the writer's comes first, the reader's
 //! load sees 0 (it backs off). A held slot is never reused, and a hold is
 //! written only into a slot the hazard keeps valid, never into bytes that
 //! became another object's payload. The writer's cost per reclaimed slot is

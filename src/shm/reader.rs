@@ -131,9 +131,17 @@ impl ReaderPtr {
 
     /// Publishes a hazard on `id` in word `k`, then a SeqCst fence (the
     /// Dekker pair of [`SlotPtr::invalidate`]'s fence).
+    ///
+    /// The store is Release, not Relaxed: a writer whose hazard load
+    /// (Acquire) reads this value, not the previous get's Release clear,
+    /// must still see that get's hold. A later Relaxed store of the same
+    /// thread heads no release sequence under C++20, and AArch64 may make
+    /// it visible before the hold, so the writer would synchronize with
+    /// nothing and could reuse a held slot. Release costs nothing on x86
+    /// (a plain `mov`) and an `stlr` on AArch64.
     pub fn set_hazard(&self, k: usize, id: u64) {
         debug_assert!(k < layout::HAZARDS_PER_READER);
-        self.hazard(k).store(id, Ordering::Relaxed);
+        self.hazard(k).store(id, Ordering::Release);
         fence(Ordering::SeqCst);
     }
 

@@ -104,11 +104,7 @@ fn child_hardening() {
 #[test]
 fn a_reader_in_another_pid_namespace_keeps_its_guard_while_the_ring_fills() {
     let exe = std::env::current_exe().unwrap();
-    let probe = Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "true"])
-        .status();
-    if !probe.map(|s| s.success()).unwrap_or(false) {
-        eprintln!("skipped: cannot create a PID namespace here (needs root and unshare)");
+    if !common::namespaces_allowed(&["--pid", "--fork", "--mount-proc"], "a PID namespace") {
         return;
     }
     let name = Name::new("pidns");

@@ -321,9 +321,7 @@ fn a_create_larger_than_free_dev_shm_fails_at_create() {
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    let probe = Command::new("unshare").args(["-m", "true"]).status();
-    if !probe.map(|s| s.success()).unwrap_or(false) {
-        eprintln!("skipped: cannot create a mount namespace here (needs root and unshare)");
+    if !common::namespaces_allowed(&["-m"], "a mount namespace") {
         return;
     }
     let out = Command::new("unshare")

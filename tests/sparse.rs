@@ -68,12 +68,7 @@ fn a_sparse_channel_costs_the_pages_its_messages_touch() {
 /// Runs `role` of this binary in a mount namespace whose /dev/shm is a
 /// 32 MiB tmpfs; its stdout, or `None` where that cannot be done here.
 fn in_small_dev_shm(role: &str) -> Option<String> {
-    let probe = Command::new("unshare")
-        .args(["-m", "true"])
-        .stderr(Stdio::null())
-        .status();
-    if !probe.map(|s| s.success()).unwrap_or(false) {
-        eprintln!("skipped: cannot create a mount namespace here (needs root and unshare)");
+    if !common::namespaces_allowed(&["-m"], "a mount namespace") {
         return None;
     }
     let out = Command::new("unshare")

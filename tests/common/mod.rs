@@ -139,3 +139,26 @@ impl Rng {
         self.next() % n
     }
 }
+
+/// Whether `unshare ARGS true` works here (root and namespaces allowed).
+/// Where it does not, the test is skipped, said so on stderr; with
+/// `PINSHM_REQUIRE_NS=1` (set by `.ci/run`, which runs as root) that is a
+/// failure instead, so a green run means the namespace tests ran.
+#[allow(dead_code)]
+pub fn namespaces_allowed(args: &[&str], what: &str) -> bool {
+    let ok = std::process::Command::new("unshare")
+        .args(args)
+        .arg("true")
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        assert!(
+            std::env::var("PINSHM_REQUIRE_NS").as_deref() != Ok("1"),
+            "PINSHM_REQUIRE_NS=1 but {what} cannot be created here"
+        );
+        eprintln!("skipped: cannot create {what} here (needs root and unshare)");
+    }
+    ok
+}

@@ -106,6 +106,22 @@ impl World {
         v
     }
 
+    /// The writer tries twice, as a put on a full ring does, against a
+    /// reader thread returning what its guard read: a valid guard saw the
+    /// old bytes, and a reuse came after the read.
+    fn reclaim_twice_against(&self, reader: thread::JoinHandle<Option<u64>>) {
+        let mut reused = false;
+        for _ in 0..2 {
+            reused |= self.writer_reclaim();
+        }
+        if let Some(v) = reader.join().unwrap() {
+            assert_eq!(v, 100, "the guard read the old bytes");
+        }
+        if reused {
+            assert_eq!(self.slot.id_acquire(), NEW);
+        }
+    }
+
     /// get + guard drop: the payload it read, if the handle was valid.
     fn reader_guard(&self) -> Option<u64> {
         self.reader_get().then(|| self.reader_read_and_drop())
@@ -120,19 +136,7 @@ fn a_guarded_slot_is_never_reused_under_the_reader() {
             let w = w.clone();
             thread::spawn(move || w.reader_guard())
         };
-        // The writer keeps trying, as a put on a full ring does.
-        let mut reused = false;
-        for _ in 0..2 {
-            reused |= w.writer_reclaim();
-        }
-        let read = r.join().unwrap();
-        // A valid guard saw the old bytes; a reuse came after the read.
-        if let Some(v) = read {
-            assert_eq!(v, 100);
-        }
-        if reused {
-            assert_eq!(w.slot.id_acquire(), NEW);
-        }
+        w.reclaim_twice_against(r);
     });
 }
 
@@ -166,16 +170,7 @@ fn a_second_get_does_not_hide_the_first_guards_hold() {
                 Some(w.reader_read_and_drop())
             })
         };
-        let mut reused = false;
-        for _ in 0..2 {
-            reused |= w.writer_reclaim();
-        }
-        if let Some(v) = r.join().unwrap() {
-            assert_eq!(v, 100, "the guard read the old bytes");
-        }
-        if reused {
-            assert_eq!(w.slot.id_acquire(), NEW);
-        }
+        w.reclaim_twice_against(r);
     });
 }
 

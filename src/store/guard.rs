@@ -11,6 +11,12 @@ use crate::shm::SlotPtr;
 /// read; while it lives the slot cannot be reused. Guards are not limited
 /// in number, and the writer allocates around the objects they hold.
 ///
+/// Across `fork`: the guard is the parent's. In the child every segment
+/// mapping is made inaccessible at the fork (see `crate::sys::fork`), so
+/// reading an inherited guard's bytes faults (SIGSEGV) instead of returning
+/// bytes that the parent's release let the writer replace; dropping it in
+/// the child releases nothing.
+///
 /// A guard cannot outlive its reader:
 ///
 /// ```compile_fail

@@ -1,38 +1,180 @@
-//! Which process a handle belongs to, across `fork`.
+//! Which process a handle belongs to, across `fork`, and what a forked child
+//! must not keep of its parent's segments.
 //!
 //! A forked child inherits every mapping and every open file description of
 //! its parent, and with them the parent's liveness locks (they belong to
-//! the description, not the pid). A child that used or dropped an
-//! inherited `StoreReader` or `ObjectStore` as its own would release the
-//! parent's lock, clear the parent's hazard words or unlink the parent's
-//! segment. So each handle records the fork generation it was made in, and
-//! in any other generation it touches nothing shared.
+//! the description, not the pid). Two things follow, and this module
+//! answers both:
 //!
-//! The generation is a counter that a `pthread_atfork` child handler bumps:
-//! libc's `fork` (Rust's, Python's `os.fork`, multiprocessing's fork start
-//! method) runs it in every child. Checking it is one relaxed load, where a
-//! pid check would be a system call.
+//! - **Handles.** A child that used or dropped an inherited `StoreReader`
+//!   or `ObjectStore` as its own would release the parent's lock, clear the
+//!   parent's hazard words or unlink the parent's segment. So each handle
+//!   records the fork generation it was made in, and in any other
+//!   generation it touches nothing shared. The generation is a counter that
+//!   the `pthread_atfork` child handler bumps: libc's `fork` (Rust's,
+//!   Python's `os.fork`, multiprocessing's fork start method) runs it in
+//!   every child. Checking it is one relaxed load, where a pid check would
+//!   be a system call.
+//! - **Liveness and bytes.** A lock dies only when the *last* reference to
+//!   its open file description goes, and a child's inherited descriptor and
+//!   inherited mapping are such references: a child that does nothing with
+//!   pinshm would keep a killed parent alive in everyone's eyes, and a
+//!   guard, view or array it inherited would go on reading a slot the
+//!   writer has since reused. So every segment registers its descriptor and
+//!   its mappings here ([`hold`]), and the child handler drops the child's
+//!   references to all of them before the child runs a line of its own:
+//!   each descriptor is replaced (`dup3`, same number) by one on
+//!   `/dev/null`, and each mapping by an inaccessible anonymous one at the
+//!   same address (`mmap(MAP_FIXED, PROT_NONE)`). The address range stays
+//!   reserved, so an inherited pointer faults (SIGSEGV) instead of reading
+//!   whatever the child maps there later; the handle's own drop still
+//!   unmaps and closes exactly what it owns.
+//!
+//! The registry is a spin lock and a list. The prepare handler takes the
+//! lock, so no fork happens while a segment is half registered (opened but
+//! not yet listed, or unmapped but still listed); the parent handler
+//! releases it, the child handler releases it after clearing the list.
+//! Every section under the lock is a few system calls, none of which
+//! waits for another process.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::UnsafeCell;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Once;
 
 use nix::libc;
 
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-extern "C" fn in_child() {
-    // Async-signal-safe: one atomic add.
-    GENERATION.fetch_add(1, Ordering::Relaxed);
+/// What a segment handle owns that a child must not keep.
+#[derive(Clone, Copy, Debug)]
+enum Inherited {
+    /// A descriptor of a segment's open file description.
+    Fd(RawFd),
+    /// A mapping of a segment: `len` bytes at `addr`.
+    Map { addr: usize, len: usize },
 }
 
-/// This process's fork generation, registering the handler on first use
+struct Registry {
+    locked: AtomicBool,
+    /// Only touched with `locked` held.
+    entries: UnsafeCell<Vec<(u64, Inherited)>>,
+    /// Only touched with `locked` held.
+    next: UnsafeCell<u64>,
+}
+
+// SAFETY: `entries` and `next` are only reached through a `Held`, which
+// exists only while `locked` is held (or, in the fork handlers, while the
+// prepare handler's hold is still in force).
+unsafe impl Sync for Registry {}
+
+static REGISTRY: Registry = Registry {
+    locked: AtomicBool::new(false),
+    entries: UnsafeCell::new(Vec::new()),
+    next: UnsafeCell::new(0),
+};
+
+/// A descriptor that refers to no segment (`/dev/null`, or an empty memfd
+/// where there is none), opened once: what the child handler puts in place
+/// of every inherited segment descriptor. -1 if neither could be opened.
+static SPARE_FD: AtomicI32 = AtomicI32::new(-1);
+
+fn lock() {
+    while REGISTRY
+        .locked
+        .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        std::hint::spin_loop();
+        // SAFETY: a plain system call, async-signal-safe (the prepare
+        // handler spins here too).
+        unsafe { libc::sched_yield() };
+    }
+}
+
+fn unlock() {
+    REGISTRY.locked.store(false, Ordering::Release);
+}
+
+extern "C" fn before_fork() {
+    lock();
+}
+
+extern "C" fn in_parent() {
+    unlock();
+}
+
+extern "C" fn in_child() {
+    // Async-signal-safe: atomics and raw system calls, no allocation (the
+    // list is cleared in place, its elements are `Copy`).
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: the prepare handler took the lock in the thread that forked,
+    // which is this one; no other thread exists in the child.
+    let entries = unsafe { &mut *REGISTRY.entries.get() };
+    let spare = SPARE_FD.load(Ordering::Relaxed);
+    for &(_, what) in entries.iter() {
+        match what {
+            Inherited::Fd(fd) if spare >= 0 => {
+                // SAFETY: `fd` is open (its handle closes it only under the
+                // lock, after removing it from the list); dup3 atomically
+                // makes that number refer to the spare description instead,
+                // so the handle's later close still closes its own number.
+                unsafe { libc::dup3(spare, fd, libc::O_CLOEXEC) };
+            }
+            Inherited::Fd(_) => {}
+            Inherited::Map { addr, len } => {
+                // SAFETY: addr..addr+len is a mapping of ours (its handle
+                // unmaps it only under the lock, after removing it); the new
+                // anonymous mapping replaces it in place, so nothing else of
+                // the child's is touched, and nothing reads it: PROT_NONE.
+                unsafe {
+                    libc::mmap(
+                        addr as *mut libc::c_void,
+                        len,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_FIXED
+                            | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+            }
+        }
+    }
+    entries.clear();
+    unlock();
+}
+
+fn open_spare() -> RawFd {
+    // SAFETY: a NUL-terminated path and plain flags.
+    let fd = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd >= 0 {
+        return fd;
+    }
+    // SAFETY: a NUL-terminated name and plain flags.
+    let fd = unsafe { libc::memfd_create(c"pinshm-forked".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        tracing::warn!(
+            "neither /dev/null nor memfd_create is available: a forked child keeps its \
+             parent's segment descriptors, and with them its liveness locks"
+        );
+    }
+    fd
+}
+
+/// This process's fork generation, registering the handlers on first use
 /// (call it before any handle exists, then compare with [`current`]).
 pub fn register() -> u64 {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // SAFETY: `in_child` is an `extern "C" fn()` that lives forever and
-        // only does an atomic add, which is safe in a forked child.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        SPARE_FD.store(open_spare(), Ordering::Relaxed);
+        // SAFETY: the handlers are `extern "C" fn()`s that live forever and
+        // only use atomics and raw system calls, which is safe in a forked
+        // child.
+        let rc =
+            unsafe { libc::pthread_atfork(Some(before_fork), Some(in_parent), Some(in_child)) };
         if rc != 0 {
             tracing::warn!(
                 rc,
@@ -47,6 +189,63 @@ pub fn register() -> u64 {
 /// process forked since.
 pub fn current() -> u64 {
     GENERATION.load(Ordering::Relaxed)
+}
+
+/// A registration: what [`Held::forget`] takes back.
+#[derive(Debug)]
+pub struct Token(u64);
+
+/// The registry, locked: no fork happens while it lives. Open, map, unmap
+/// and close a segment's descriptor and mappings while holding it, so a
+/// child never inherits one that is not listed.
+pub struct Held(());
+
+/// Locks the registry (registering the fork handlers first).
+pub fn hold() -> Held {
+    register();
+    lock();
+    Held(())
+}
+
+impl Held {
+    fn add(&mut self, what: Inherited) -> Token {
+        // SAFETY: `self` proves the lock is held.
+        let (entries, next) = unsafe { (&mut *REGISTRY.entries.get(), &mut *REGISTRY.next.get()) };
+        *next += 1;
+        entries.push((*next, what));
+        Token(*next)
+    }
+
+    /// Lists descriptor `fd`: a forked child's copy of it is replaced.
+    pub fn add_fd(&mut self, fd: RawFd) -> Token {
+        self.add(Inherited::Fd(fd))
+    }
+
+    /// Lists the mapping `ptr..ptr + len`: a forked child's copy of it is
+    /// made inaccessible.
+    pub fn add_map(&mut self, ptr: *const u8, len: usize) -> Token {
+        self.add(Inherited::Map {
+            addr: ptr as usize,
+            len,
+        })
+    }
+
+    /// Takes a registration back (before its descriptor closes or its
+    /// mapping goes, under the same hold). A no-op in a forked child, whose
+    /// list starts empty.
+    pub fn forget(&mut self, token: &Token) {
+        // SAFETY: `self` proves the lock is held.
+        let entries = unsafe { &mut *REGISTRY.entries.get() };
+        if let Some(i) = entries.iter().position(|&(id, _)| id == token.0) {
+            entries.swap_remove(i);
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        unlock();
+    }
 }
 
 #[cfg(test)]

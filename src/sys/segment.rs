@@ -6,6 +6,7 @@
 //! dropped.
 
 use std::fs::File;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -22,10 +23,11 @@ use crate::sys::{fork, liveness};
 #[derive(Debug)]
 pub struct Segment {
     name: String,
-    map: MmapRaw,
+    map: Listed<MmapRaw>,
     /// Our own open file description: its liveness locks live as long as
-    /// this (and die with the process).
-    file: File,
+    /// this (and die with the process; a forked child drops its copy at
+    /// once, see `crate::sys::fork`).
+    file: Listed<File>,
     /// Whether dropping this handle unlinks the name (the creator's, until
     /// `unlink_now`).
     owner: AtomicBool,
@@ -88,11 +90,13 @@ impl Segment {
     /// it, pre-faulting every page when `prefault` is set.
     pub fn create(name: &str, len: usize, prefault: bool, reserve_pages: bool) -> Result<Segment> {
         let pname = posix_name(name)?;
-        let fd: OwnedFd = shm_open(
-            pname.as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
+        let file = Listed::file(|| {
+            shm_open(
+                pname.as_str(),
+                OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+                Mode::S_IRUSR | Mode::S_IWUSR,
+            )
+        })
         .map_err(|e| match e {
             Errno::EEXIST => Error::AlreadyExists {
                 name: name.to_owned(),
@@ -104,7 +108,6 @@ impl Segment {
             let _ = shm_unlink(pname.as_str());
             e
         };
-        let file = File::from(fd);
         reserve(&file, len, name, reserve_pages).map_err(cleanup)?;
         let map = map(&file, len, prefault, name).map_err(cleanup)?;
         Ok(Segment {
@@ -132,13 +135,13 @@ impl Segment {
     /// Opens an existing segment read-only (for inspection: loads only).
     pub fn open_read_only(name: &str) -> Result<Segment> {
         let (pname, file, len) = open_file(name, OFlag::O_RDONLY)?;
-        let map = MmapOptions::new()
-            .len(len)
-            .map_raw_read_only(&file)
-            .map_err(|e| Error::Os {
-                op: "mmap",
-                name: name.to_owned(),
-                source: e,
+        let map =
+            Listed::map(|| MmapOptions::new().len(len).map_raw_read_only(&*file)).map_err(|e| {
+                Error::Os {
+                    op: "mmap",
+                    name: name.to_owned(),
+                    source: e,
+                }
             })?;
         Ok(Segment {
             name: pname,
@@ -153,15 +156,17 @@ impl Segment {
     /// payload views handed out through it fault on a write instead of
     /// changing bytes other processes read.
     pub fn map_read_only(&self) -> Result<ReadOnlyMap> {
-        MmapOptions::new()
-            .len(self.len())
-            .map_raw_read_only(&self.file)
-            .map(ReadOnlyMap)
-            .map_err(|e| Error::Os {
-                op: "mmap",
-                name: self.name().to_owned(),
-                source: e,
-            })
+        Listed::map(|| {
+            MmapOptions::new()
+                .len(self.len())
+                .map_raw_read_only(&*self.file)
+        })
+        .map(ReadOnlyMap)
+        .map_err(|e| Error::Os {
+            op: "mmap",
+            name: self.name().to_owned(),
+            source: e,
+        })
     }
 
     /// Whether every page of the segment's file is allocated (its creator
@@ -181,24 +186,8 @@ impl Segment {
     /// without it. `MADV_POPULATE_READ` (Linux 5.14); on older kernels one
     /// relaxed atomic load per page.
     pub fn prefault(&self) {
-        let (ptr, len) = (self.as_ptr(), self.len());
-        // SAFETY: ptr..ptr+len is this process's live mapping; the advice
-        // only faults its pages in and changes no byte.
-        let r = unsafe { nix::libc::madvise(ptr.cast(), len, nix::libc::MADV_POPULATE_READ) };
-        if r == 0 {
-            return;
-        }
-        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-            .ok()
-            .flatten()
-            .unwrap_or(4096) as usize;
-        for off in (0..len).step_by(page) {
-            // SAFETY: in bounds of the live mapping; other processes may
-            // write these bytes, so the load is atomic (u8 needs no
-            // alignment).
-            let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
-            b.load(Ordering::Relaxed);
-        }
+        // SAFETY: our own live mapping, whole.
+        unsafe { populate(self.as_ptr(), self.len()) };
     }
 
     /// Allocates the pages of `offset..offset + len` of the file
@@ -416,15 +405,15 @@ impl Drop for Segment {
 }
 
 /// Opens `name` with `flags`; its POSIX name, file and (non-zero) size.
-fn open_file(name: &str, flags: OFlag) -> Result<(String, File, usize)> {
+fn open_file(name: &str, flags: OFlag) -> Result<(String, Listed<File>, usize)> {
     let pname = posix_name(name)?;
-    let fd = shm_open(pname.as_str(), flags, Mode::empty()).map_err(|e| match e {
-        Errno::ENOENT => Error::NotFound {
-            name: name.to_owned(),
-        },
-        e => sys_err("shm_open", name, e),
-    })?;
-    let file = File::from(fd);
+    let file =
+        Listed::file(|| shm_open(pname.as_str(), flags, Mode::empty())).map_err(|e| match e {
+            Errno::ENOENT => Error::NotFound {
+                name: name.to_owned(),
+            },
+            e => sys_err("shm_open", name, e),
+        })?;
     let len = file
         .metadata()
         .map_err(|e| Error::Os {
@@ -446,7 +435,7 @@ fn open_file(name: &str, flags: OFlag) -> Result<(String, File, usize)> {
 /// A read-only mapping of a whole segment ([`Segment::map_read_only`]),
 /// unmapped on drop.
 #[derive(Debug)]
-pub struct ReadOnlyMap(MmapRaw);
+pub struct ReadOnlyMap(Listed<MmapRaw>);
 
 // SAFETY: as `Segment`: raw pointers only, to memory only read through it.
 unsafe impl Send for ReadOnlyMap {}
@@ -552,17 +541,96 @@ fn reserve(file: &File, len: usize, name: &str, reserve_pages: bool) -> Result<(
     }
 }
 
-fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<MmapRaw> {
-    let mut opts = MmapOptions::new();
-    opts.len(len);
-    if prefault {
-        opts.populate();
-    }
-    opts.map_raw(file).map_err(|e| Error::Os {
+fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<Listed<MmapRaw>> {
+    let map = Listed::map(|| MmapOptions::new().len(len).map_raw(file)).map_err(|e| Error::Os {
         op: "mmap",
         name: name.to_owned(),
         source: e,
-    })
+    })?;
+    if prefault {
+        // After the registry's lock is released (faulting a large segment
+        // in takes a while, and a fork would wait for it): the same read
+        // faults `MAP_POPULATE` makes.
+        // SAFETY: the mapping just made, whole.
+        unsafe { populate(map.as_mut_ptr(), len) };
+    }
+    Ok(map)
+}
+
+/// A segment's descriptor or mapping, listed with `crate::sys::fork` (a
+/// forked child's copy is dropped at the fork): opened or mapped, and
+/// closed or unmapped, under the registry's lock, so a fork never sees it
+/// half listed.
+#[derive(Debug)]
+pub struct Listed<T> {
+    inner: ManuallyDrop<T>,
+    token: fork::Token,
+}
+
+impl Listed<File> {
+    fn file(open: impl FnOnce() -> nix::Result<OwnedFd>) -> nix::Result<Listed<File>> {
+        let mut held = fork::hold();
+        let fd = open()?;
+        let token = held.add_fd(fd.as_raw_fd());
+        Ok(Listed {
+            inner: ManuallyDrop::new(File::from(fd)),
+            token,
+        })
+    }
+}
+
+impl Listed<MmapRaw> {
+    fn map(map: impl FnOnce() -> std::io::Result<MmapRaw>) -> std::io::Result<Listed<MmapRaw>> {
+        let mut held = fork::hold();
+        let m = map()?;
+        let token = held.add_map(m.as_ptr(), m.len());
+        Ok(Listed {
+            inner: ManuallyDrop::new(m),
+            token,
+        })
+    }
+}
+
+impl<T> std::ops::Deref for Listed<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T> Drop for Listed<T> {
+    fn drop(&mut self) {
+        let mut held = fork::hold();
+        // SAFETY: dropped exactly once, here; `inner` is not used after.
+        unsafe { ManuallyDrop::drop(&mut self.inner) };
+        held.forget(&self.token);
+    }
+}
+
+/// Faults every page of `ptr..ptr + len` in (read faults, changing no
+/// byte): `MADV_POPULATE_READ` (Linux 5.14); on older kernels one relaxed
+/// atomic load per page.
+///
+/// # Safety
+/// `ptr..ptr + len` is a live mapping of this process.
+unsafe fn populate(ptr: *mut u8, len: usize) {
+    // SAFETY: ptr..ptr+len is a live mapping (the caller's promise); the
+    // advice only faults its pages in and changes no byte.
+    let r = unsafe { nix::libc::madvise(ptr.cast(), len, nix::libc::MADV_POPULATE_READ) };
+    if r == 0 {
+        return;
+    }
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .unwrap_or(4096) as usize;
+    for off in (0..len).step_by(page) {
+        // SAFETY: in bounds of the live mapping; other processes may
+        // write these bytes, so the load is atomic (u8 needs no
+        // alignment).
+        let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
+        b.load(Ordering::Relaxed);
+    }
 }
 
 /// Free bytes in /dev/shm, for error messages (0 if unknown).

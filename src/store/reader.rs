@@ -228,9 +228,23 @@ impl StoreReader {
     /// As [`StoreReader::get_copy`], into `out` (cleared first, its capacity
     /// reused): no allocation, and no page faults on a buffer used before.
     pub fn get_copy_into(&self, h: ObjectHandle, out: &mut Vec<u8>) -> Result<()> {
+        let start = self.begin_copy(h)?;
+        self.finish_copy(h, start, out)
+    }
+
+    /// The first half of an optimistic copy (seqlock begin): the slot and
+    /// what its validation found. A half of its own so that a test can
+    /// reuse the slot between the check and the copy, deterministically.
+    fn begin_copy(&self, h: ObjectHandle) -> Result<CopyStart> {
         self.check_attached()?;
         let slot = self.slot(h)?;
         let (data, len, _) = self.validate_slot(h, &slot, slot.id_acquire())?;
+        Ok(CopyStart { slot, data, len })
+    }
+
+    /// The second half: the copy, the check after it, the acknowledgement.
+    fn finish_copy(&self, h: ObjectHandle, start: CopyStart, out: &mut Vec<u8>) -> Result<()> {
+        let CopyStart { slot, data, len } = start;
         out.clear();
         out.reserve(len);
         // SAFETY: `data..data+len` lies in the data region (validate checked
@@ -459,6 +473,14 @@ impl Drop for StoreReader {
             "reader detached"
         );
     }
+}
+
+/// What [`StoreReader::begin_copy`] validated: the slot, and the payload's
+/// start and length in this process's mapping.
+struct CopyStart {
+    slot: SlotPtr,
+    data: *const u8,
+    len: usize,
 }
 
 /// Takes reader entry `i`, whose lock the caller holds: no live reader can

@@ -165,12 +165,11 @@ impl Judge<'_> {
         if !owed_checked && e.key.is_some() && self.owing(e, slot).next().is_some() {
             return false;
         }
-        if !e.invalid {
-            slot.invalidate();
-        }
+        // A slot invalidated before (a hard clear) has no tag to put back.
+        let tag = (!e.invalid).then(|| slot.invalidate());
         if self.in_use(e, slot, false, true) {
-            if !e.invalid {
-                slot.restore(e.id);
+            if let Some(tag) = tag {
+                slot.restore(e.id, tag);
             }
             // The walk looks at its holds from now on.
             e.held_seen.set(true);

@@ -94,6 +94,8 @@ pub struct ObjectStore {
     stats: StoreStats,
     /// The key of handle signatures (also in the segment, for readers).
     secret: [u8; 32],
+    /// The key of slot tags, from `secret` ([`layout::tag_key`]).
+    tag_key: u64,
     /// The fork generation this store was made in (see `sys::fork`): in a
     /// forked child it changes nothing shared.
     fork_gen: u64,
@@ -225,6 +227,7 @@ impl ObjectStore {
             nonce,
             stats: StoreStats::default(),
             secret,
+            tag_key: layout::tag_key(&secret),
             fork_gen,
             map,
         })
@@ -445,7 +448,7 @@ impl ObjectStore {
         let slot = self.slot_at(address);
         slot.publish(
             id,
-            layout::slot_tag(id, address, epoch, e.size, e.kind as u32),
+            layout::keyed_slot_tag(self.tag_key, id, address, epoch, e.size, e.kind as u32),
             e.size,
             span.len,
             e.kind as u32,

@@ -1,4 +1,4 @@
-//! The segment layout, version 5, written down once.
+//! The segment layout, version 6, written down once.
 //!
 //! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
 //! `stale_reads` and `attached_ns` (for the inspector and stuck readers).
@@ -14,6 +14,11 @@
 //! the instant a hold is being taken. The header's ring head and tail
 //! became the allocator's cursor and high-water mark (objects are no longer
 //! freed in FIFO order).
+//! Version 6 keyed the slot tag with the segment's secret
+//! ([`keyed_slot_tag`]), and the writer zeroes a slot's tag with its id when
+//! it frees it: a reader checks id and tag after an optimistic copy, and
+//! neither can be reproduced by the payload of a newer object that covers
+//! the old header.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -41,7 +46,7 @@ use bytemuck::{Pod, Zeroable};
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -198,9 +203,11 @@ pub struct ReaderEntry {
 pub struct SlotHeader {
     /// Atomic. Monotonic id of the object here; 0 while free or being written.
     pub id: u64,
-    /// `slot_tag(id, address, epoch, size, kind)`: a stale handle that
-    /// points into the middle of a newer object's payload cannot match it by
-    /// accident, and a corrupted size or kind is caught before it is used.
+    /// `keyed_slot_tag(key, id, address, epoch, size, kind)`: a stale
+    /// handle that points into the middle of a newer object's payload cannot
+    /// match it, by accident or by the payload's design, and a corrupted
+    /// size or kind is caught before it is used. Zeroed with `id` when the
+    /// slot is freed (v6).
     pub tag: u64,
     /// Payload bytes.
     pub size: u64,
@@ -264,17 +271,45 @@ pub const fn round_up(v: usize, to: usize) -> usize {
     (v + to - 1) & !(to - 1)
 }
 
-/// The check word stored in a slot: a 64-bit mix of id, address, epoch,
-/// payload size and kind.
+/// splitmix64's finaliser: a bijection of 64-bit words that spreads every
+/// input bit over the output.
+const fn splitmix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// An unkeyed 64-bit mix of id, address, epoch, payload size and kind:
+/// what layout version 5 stored as the tag. Everything in it is in a
+/// handle (or follows from one), so whoever builds a payload from a
+/// handle can compute it; the stored tag is [`keyed_slot_tag`].
 pub fn slot_tag(id: u64, address: u64, epoch: u64, size: u64, kind: u32) -> u64 {
-    let mix = |mut x: u64| {
-        // splitmix64 finaliser
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^ (x >> 31)
-    };
-    let a = mix(id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC);
-    mix(a ^ size.rotate_left(7) ^ ((kind as u64) << 57))
+    let a = splitmix(id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC);
+    splitmix(a ^ size.rotate_left(7) ^ ((kind as u64) << 57))
+}
+
+/// The key of a segment's tags, from its `secret` (random at create,
+/// never in a handle, never printed).
+pub fn tag_key(secret: &[u8; 32]) -> u64 {
+    secret.chunks_exact(8).fold(MAGIC, |k, w| {
+        splitmix(k ^ u64::from_le_bytes(w.try_into().expect("8 bytes")))
+    })
+}
+
+/// The check word stored in a slot (v6): [`slot_tag`] mixed with the
+/// segment's [`tag_key`].
+///
+/// Keyed because a slot's header can become another object's payload: once
+/// a slot is freed, a newer object may start before it, and its payload
+/// bytes then lie where the old header was. Payload bytes equal to the old
+/// id, size or kind are easy (small integers in a token tensor); equal to
+/// the unkeyed tag, easy for anyone holding the old handle. Equal to the
+/// keyed tag, only by a 2^-64 accident or by someone who maps the segment
+/// and reads its secret, a party that could write the bytes it wants
+/// anyway. So a reader that checks the tag, at the start of a read and
+/// again after an optimistic copy, never takes payload bytes for a header.
+pub fn keyed_slot_tag(key: u64, id: u64, address: u64, epoch: u64, size: u64, kind: u32) -> u64 {
+    splitmix(slot_tag(id, address, epoch, size, kind) ^ key)
 }
 
 #[cfg(test)]
@@ -325,7 +360,7 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, kind), 36);
         assert_eq!(offset_of!(SlotHeader, reserved), 40);
 
-        assert_eq!(LAYOUT_VERSION, 5);
+        assert_eq!(LAYOUT_VERSION, 6);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
         assert_eq!(header_len(MAX_READERS), 12288);
@@ -373,5 +408,19 @@ mod tests {
         assert_ne!(t, slot_tag(7, 4096, 100, 10, 0));
         assert_ne!(t, slot_tag(7, 4096, 99, 11, 0));
         assert_ne!(t, slot_tag(7, 4096, 99, 10, 1));
+    }
+
+    #[test]
+    fn the_stored_tag_depends_on_the_secret() {
+        let (k1, k2) = (tag_key(&[1; 32]), tag_key(&[2; 32]));
+        assert_ne!(k1, k2);
+        let mut one_bit = [1; 32];
+        one_bit[31] ^= 0x80;
+        assert_ne!(k1, tag_key(&one_bit), "every byte of the secret counts");
+        let t = keyed_slot_tag(k1, 7, 4096, 99, 10, 0);
+        assert_ne!(t, keyed_slot_tag(k2, 7, 4096, 99, 10, 0));
+        assert_ne!(t, slot_tag(7, 4096, 99, 10, 0), "not the handle's mix");
+        assert_ne!(t, keyed_slot_tag(k1, 8, 4096, 99, 10, 0));
+        assert_ne!(t, keyed_slot_tag(k1, 7, 4096, 99, 11, 0));
     }
 }

@@ -160,6 +160,76 @@ fn child_store_on_small_shm() {
 }
 
 #[test]
+fn a_put_that_cannot_get_pages_evicts_nothing() {
+    if let Some(text) = in_small_dev_shm("child_nospace_keeps_the_cache") {
+        assert!(text.contains("RESULT nospace ok"), "{text}");
+    }
+}
+
+/// Fills what is left of /dev/shm with a file of `name`.
+fn fill_dev_shm(name: &str) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(format!("/dev/shm/{name}")).unwrap();
+    for chunk in [64 * KIB, 4 * KIB, 1] {
+        let block = vec![1u8; chunk];
+        while f.write_all(&block).is_ok() {}
+    }
+}
+
+#[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
+fn child_nospace_keeps_the_cache() {
+    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_nospace_keeps_the_cache") {
+        return;
+    }
+    // Issue 26, point 7. A 256 MiB sparse store on a 32 MiB /dev/shm.
+    let mut w = ObjectStore::create(
+        StoreConfig::new(256 * MIB, 24 * MIB, 1)
+            .name("pinshm-test-nospace-cache")
+            .reserve(false)
+            .prefault(false),
+    )
+    .unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    // Six cached objects, read (so they may go), then /dev/shm is full.
+    for i in 0..6u64 {
+        let h = w.put(&format!("k{i}"), &pattern(i, 4 * MIB)).unwrap();
+        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB));
+    }
+    fill_dev_shm("pinshm-test-nospace-filler");
+    // An unread 8 MiB object: no pages past the high-water mark, so it
+    // wraps into what is backed, in k0's and k1's place.
+    w.put("big", &pattern(9, 8 * MIB)).unwrap();
+    let before = w.stats();
+    assert_eq!(before.nospace_fallbacks, 1, "{before:?}");
+    assert_eq!(before.evictions, 2, "{before:?}");
+    let kept: Vec<String> = (2..6).map(|i| format!("k{i}")).collect();
+    assert!(kept.iter().all(|k| w.is_cached(k)), "{before:?}");
+    // 20 MiB from the cursor (after big) would take k2..k5 and pages past
+    // the high-water mark, which /dev/shm has not got; what is backed
+    // has no 20 MiB beside the unread big. The put fails, and displaces
+    // nothing: no span that could not be backed costs an eviction.
+    let err = w.put("x", &pattern(10, 20 * MIB)).unwrap_err();
+    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+    let after = w.stats();
+    assert_eq!(after.evictions, before.evictions, "{after:?}");
+    for (i, k) in (2..6u64).zip(&kept) {
+        let h = w
+            .lookup(k)
+            .unwrap_or_else(|| panic!("{k} was forgotten: {after:?}"));
+        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB), "{k}");
+    }
+    // A put that fits in what is backed displaces what it covers, and
+    // that is what is counted: k2 alone.
+    let h = w.put("y", &pattern(11, 4 * MIB)).unwrap();
+    assert_eq!(r.get_copy(h).unwrap(), pattern(11, 4 * MIB));
+    assert_eq!(w.stats().evictions, before.evictions + 1, "{:?}", w.stats());
+    assert!(!w.is_cached("k2"));
+    assert!(kept[1..].iter().all(|k| w.is_cached(k)));
+    println!("RESULT nospace ok ({err})");
+}
+
+#[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_channel_on_small_shm() {
     if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_channel_on_small_shm") {

@@ -492,6 +492,58 @@ fn a_slot_reused_during_a_copy_gives_stale_never_mixed_bytes() {
     assert!(whole > 0);
 }
 
+/// The 64 bytes of a slot header for `h`, as a payload can spell them
+/// from the handle alone: its id, size and kind, and the tag's unkeyed mix
+/// of them with the address and the epoch (what layout v5 stored).
+fn forged_header(h: ObjectHandle, size: u64, slot_len: u64) -> Vec<u8> {
+    let tag = layout::slot_tag(h.monotonic_id, h.address, h.epoch, size, 0);
+    let mut v = Vec::with_capacity(64);
+    for w in [h.monotonic_id, tag, size, slot_len] {
+        v.extend_from_slice(&w.to_le_bytes());
+    }
+    v.extend_from_slice(&1u32.to_le_bytes()); // refs
+    v.extend_from_slice(&0u32.to_le_bytes()); // kind: raw
+    v.resize(64, 0);
+    v
+}
+
+#[test]
+fn a_newer_payload_spelling_the_old_header_never_passes_for_the_old_object() {
+    // Issue 26, point 5. Objects of mixed sizes: p, then a at its end, then
+    // f filling the ring but for a tail too short for b. Once p and a are read, b (as long as both) wraps
+    // to 0 and its payload covers a's old header, where it spells a's id,
+    // size, kind, slot length and unkeyed tag. A stale handle of a must
+    // still be refused, never answered with b's bytes.
+    let name = Name::new("forged");
+    let capacity = 64 * KIB;
+    let mut w = store(&name, capacity, capacity / 2, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let p = w.put("p", &pattern(1, 64)).unwrap();
+    let a = w.put("a", &pattern(2, 256)).unwrap();
+    assert_eq!(a.address, p.address + slot(1, 64) as u64, "a follows p");
+    let used = slot(1, 64) + slot(1, 256);
+    for (i, len) in [capacity / 2, capacity / 2 - used - 2 * slot(1, 0) - 64]
+        .into_iter()
+        .enumerate()
+    {
+        w.put(&format!("f{i}"), &pattern(3 + i as u64, len))
+            .unwrap();
+    }
+    r.acknowledge(p).unwrap();
+    assert_eq!(r.get_copy(a).unwrap(), pattern(2, 256));
+    // b's slot is p's and a's; its payload starts one prefix in.
+    let b_len = used - slot(1, 0);
+    let off = (a.address - p.address) as usize - slot(1, 0);
+    let mut bytes = pattern(4, b_len);
+    bytes[off..off + 64].copy_from_slice(&forged_header(a, 256, slot(1, 256) as u64));
+    let b = w.put("b", &bytes).unwrap();
+    assert_eq!(b.address, p.address, "b took p's and a's place");
+    assert_stale(r.get_copy(a), a);
+    assert_stale(r.get(a), a);
+    assert_stale(r.validate(a), a);
+    assert_eq!(r.get_copy(b).unwrap(), bytes, "b itself reads whole");
+}
+
 #[test]
 fn reader_slots_are_limited_and_freed_on_detach() {
     let name = Name::new("slots");

@@ -72,9 +72,9 @@ impl World {
         if self.slot.reads_acquire(0) < REFS {
             return false; // the reader owes a read
         }
-        self.slot.invalidate();
+        let tag = self.slot.invalidate();
         if self.me.holds(OLD) || self.slot.held_by(0, GEN) {
-            self.slot.restore(OLD);
+            self.slot.restore(OLD, tag);
             return false;
         }
         self.slot.begin_write();

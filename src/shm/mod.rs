@@ -7,6 +7,7 @@
 //! | field | written by | read by | protocol |
 //! |---|---|---|---|
 //! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
+//! | `SlotHeader::tag` | writer: the keyed tag (Relaxed, before the id's Release) to publish, 0 (Relaxed, with the id's 0, before the SeqCst fence) to reclaim, the old tag (Relaxed, before the id's Release) to back off | readers: Relaxed after an id load (Acquire) at validation; Relaxed after the Acquire fence that ends an optimistic copy | with the id, the slot's identity: the id can be spelled by a newer object's payload over the freed header, the keyed tag cannot |
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release), while it holds the slot; in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `holds[i]` (generation and count in one word) | reader `i`: +1 (Relaxed CAS) only under its validated hazard, −1 (Release RMW) when a guard or view goes; writer: 0 at publish (no live holder exists then) | writer (Acquire) after the hazard scan | a count of reader `i`'s current generation keeps the slot; another generation's word is a dead holder's leftover |
@@ -33,11 +34,24 @@
 //! SeqCst accesses: the same cost on x86, and loom can check them; see
 //! `loom_tests`.)
 //!
-//! Copying out without a hazard (`get_copy`): load `id` (Acquire), copy with
-//! [`copy_racy`] (relaxed byte-wise atomic loads, never a racing plain
-//! read), Acquire fence, load `id` again; a change means the slot was reused
-//! under the copy, which is then thrown away (`Stale`): a torn read is never
-//! returned. This is crossbeam's seqlock read.
+//! Copying out without a hazard (`get_copy`): load `id` (Acquire) and the
+//! tag, copy with [`copy_racy`] (relaxed byte-wise atomic loads, never a
+//! racing plain read), Acquire fence, load `id` and the tag again; a change
+//! of either means the slot was reused under the copy, which is then thrown
+//! away (`Stale`): a torn read is never returned. This is crossbeam's
+//! seqlock read, with one difference: the words re-checked may lie inside
+//! the next object's payload (a newer object that starts before the freed
+//! slot covers its header), so the id word may read as the old id again,
+//! from payload bytes. Reclaiming zeroes the tag with the id before the
+//! SeqCst fence, and every later write to the slot's bytes follows that
+//! fence (and `begin_write`'s Release fence): a copy that saw any of them
+//! synchronizes, through the reader's Acquire fence, with the zeroing, so
+//! its re-check reads 0 or a later write at the tag, never the old tag
+//! from before. A later write equal to the old tag is a payload that spells
+//! a tag keyed by the segment's secret ([`crate::layout::keyed_slot_tag`]):
+//! a 2^-64 accident, or a party that maps the segment and could write any
+//! bytes it likes. (`validate` re-checks the same two words, after the
+//! same fence.)
 
 pub(crate) mod atomic;
 mod header;
@@ -64,9 +78,9 @@ pub(super) unsafe fn field<'a, A: atomic::Word>(base: *mut u8, off: usize) -> &'
 /// Copies `len` bytes that a writer may be overwriting at the same time
 /// (the optimistic half of a seqlock read) as relaxed byte-wise atomic
 /// loads (RFC 3301's "atomic memcpy"), never as a plain read the compiler
-/// may assume stable. The caller re-checks the slot's id after an Acquire
-/// fence ([`SlotPtr::id_recheck`]) and discards the bytes if the slot was
-/// reused meanwhile.
+/// may assume stable. The caller re-checks the slot's id and tag after an
+/// Acquire fence ([`SlotPtr::identity_recheck`]) and discards the bytes if
+/// the slot was reused meanwhile.
 ///
 /// Honest limits: the writer's side is plain writes (a `&mut [u8]` handed
 /// to a `put_with` closure), so when writer and reader are threads of one
@@ -189,9 +203,9 @@ mod tests {
         });
         // SAFETY: as above.
         let me = unsafe { ReaderPtr::new(rp.0) };
-        slot.invalidate();
+        let tag = slot.invalidate();
         if me.holds(7) || slot.held_by(1, 5) {
-            slot.restore(7);
+            slot.restore(7, tag);
         }
         let _ = reader.join().unwrap();
         assert!(!slot.held_by(1, 5), "every hold was given back");

@@ -37,6 +37,11 @@ impl SlotPtr {
         self.u64_at(offset_of!(SlotHeader, id))
     }
 
+    /// The tag word.
+    fn tag(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(SlotHeader, tag))
+    }
+
     /// Reader `i`'s acknowledged-read counter.
     fn reads(&self, i: u32) -> &AtomicU32 {
         debug_assert!(i < self.n_readers);
@@ -76,7 +81,7 @@ impl SlotPtr {
     /// holder's leftovers at most.
     pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32) {
         let r = Ordering::Relaxed;
-        self.u64_at(offset_of!(SlotHeader, tag)).store(tag, r);
+        self.tag().store(tag, r);
         self.u64_at(offset_of!(SlotHeader, size)).store(size, r);
         self.u64_at(offset_of!(SlotHeader, slot_len))
             .store(slot_len, r);
@@ -102,13 +107,32 @@ impl SlotPtr {
     }
 
     /// First half of reclaiming: no new guard can validate after this.
-    pub fn invalidate(&self) {
+    /// Returns the tag, which it zeroes with the id, for
+    /// [`SlotPtr::restore`].
+    ///
+    /// The tag goes too because the slot's header may become payload: a
+    /// newer object that starts before it covers it, and may write the old
+    /// id there (any small integer may be it). A reader whose copy saw a
+    /// byte written after this (the next object's, after the SeqCst fence
+    /// here and the Release fence of its `begin_write`) loads, after its
+    /// Acquire fence, either the zeroed tag or a later write of that word;
+    /// never the old tag, which only the segment's secret reproduces
+    /// ([`layout::keyed_slot_tag`]). So [`SlotPtr::identity_recheck`] finds
+    /// the change even when the id word was written back to the old id.
+    pub fn invalidate(&self) -> u64 {
+        // Only the writer stores the tag: reading it back is no race.
+        let tag = self.tag().load(Ordering::Relaxed);
         self.id().store(0, Ordering::Relaxed);
+        self.tag().store(0, Ordering::Relaxed);
         fence(Ordering::SeqCst);
+        tag
     }
 
-    /// Backs off a reclaim that found a hazard or a hold.
-    pub fn restore(&self, id: u64) {
+    /// Backs off a reclaim that found a hazard or a hold: the tag that
+    /// [`SlotPtr::invalidate`] returned, then the id (Release: a reader
+    /// that loads the id again loads the tag again).
+    pub fn restore(&self, id: u64, tag: u64) {
+        self.tag().store(tag, Ordering::Relaxed);
         self.id().store(id, Ordering::Release);
     }
 
@@ -133,17 +157,28 @@ impl SlotPtr {
         self.id().load(Ordering::Acquire)
     }
 
-    /// The id again after an optimistic copy (seqlock end).
-    pub fn id_recheck(&self) -> u64 {
+    /// Id and tag again after an optimistic copy (seqlock end); the caller
+    /// compares both with what it validated before the copy.
+    ///
+    /// The id alone is not enough: once the slot is freed, a newer object
+    /// may start before it and its payload then covers this header, so the
+    /// id word can read as the old id again (the payload's bytes, not a
+    /// header's). The tag cannot: [`SlotPtr::invalidate`] zeroes it before
+    /// any reuse, and the stored tag is keyed by the segment's secret, so
+    /// no payload spells it but by a 2^-64 accident (see
+    /// [`layout::keyed_slot_tag`]). The tag covers size and kind (it mixes
+    /// them), so it is the slot's whole identity.
+    pub fn identity_recheck(&self) -> (u64, u64) {
         fence(Ordering::Acquire);
-        self.id().load(Ordering::Relaxed)
+        let r = Ordering::Relaxed;
+        (self.id().load(r), self.tag().load(r))
     }
 
     /// Tag, size and kind; meaningful only between two equal id loads.
     pub fn meta(&self) -> (u64, u64, u32) {
         let r = Ordering::Relaxed;
         (
-            self.u64_at(offset_of!(SlotHeader, tag)).load(r),
+            self.tag().load(r),
             self.u64_at(offset_of!(SlotHeader, size)).load(r),
             self.u32_at(offset_of!(SlotHeader, kind)).load(r),
         )
@@ -154,7 +189,7 @@ impl SlotPtr {
         let r = Ordering::Relaxed;
         SlotHeader {
             id: self.id().load(r),
-            tag: self.u64_at(offset_of!(SlotHeader, tag)).load(r),
+            tag: self.tag().load(r),
             size: self.u64_at(offset_of!(SlotHeader, size)).load(r),
             slot_len: self.u64_at(offset_of!(SlotHeader, slot_len)).load(r),
             refs: self.u32_at(offset_of!(SlotHeader, refs)).load(r),

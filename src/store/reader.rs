@@ -71,6 +71,8 @@ pub struct StoreReader {
     word: u64,
     /// The segment's signing secret, copied at attach.
     secret: [u8; 32],
+    /// The key of its slot tags ([`layout::tag_key`] of `secret`).
+    tag_key: u64,
     /// The fork generation this reader attached in (see `sys::fork`): in a
     /// forked child it reads nothing and writes nothing shared.
     fork_gen: u64,
@@ -147,13 +149,15 @@ impl StoreReader {
             }
         };
         tracing::debug!(name = %sh.name, index, counted_from, pinned = map.is_pinned(), "reader attached");
+        let secret = geo.header().read().secret;
         Ok(StoreReader {
             geo,
             index,
             me: geo.reader(index),
             counted_from,
             word,
-            secret: geo.header().read().secret,
+            secret,
+            tag_key: layout::tag_key(&secret),
             fork_gen,
             outstanding: Cell::new(0),
             map,
@@ -203,7 +207,9 @@ impl StoreReader {
             self.outstanding.set(self.outstanding.get() + 1);
         }
         self.me.clear_hazard(0);
-        let (data, len, kind) = checked?;
+        let Valid {
+            data, len, kind, ..
+        } = checked?;
         Ok(ReadGuard {
             reader: self,
             slot,
@@ -228,9 +234,24 @@ impl StoreReader {
     /// As [`StoreReader::get_copy`], into `out` (cleared first, its capacity
     /// reused): no allocation, and no page faults on a buffer used before.
     pub fn get_copy_into(&self, h: ObjectHandle, out: &mut Vec<u8>) -> Result<()> {
+        let start = self.begin_copy(h)?;
+        self.finish_copy(h, start, out)
+    }
+
+    /// The first half of an optimistic copy (seqlock begin): the slot and
+    /// what its validation found. A half of its own so that a test can
+    /// reuse the slot between the check and the copy, deterministically.
+    fn begin_copy(&self, h: ObjectHandle) -> Result<CopyStart> {
         self.check_attached()?;
         let slot = self.slot(h)?;
-        let (data, len, _) = self.validate_slot(h, &slot, slot.id_acquire())?;
+        let valid = self.validate_slot(h, &slot, slot.id_acquire())?;
+        Ok(CopyStart { slot, valid })
+    }
+
+    /// The second half: the copy, the check after it, the acknowledgement.
+    fn finish_copy(&self, h: ObjectHandle, start: CopyStart, out: &mut Vec<u8>) -> Result<()> {
+        let CopyStart { slot, valid } = start;
+        let Valid { data, len, .. } = valid;
         out.clear();
         out.reserve(len);
         // SAFETY: `data..data+len` lies in the data region (validate checked
@@ -240,7 +261,9 @@ impl StoreReader {
         // counted): copy_racy reads it as atomics, and such a copy is
         // detected below and discarded.
         unsafe { copy_racy(data, out.as_mut_ptr(), len) };
-        if slot.id_recheck() != h.monotonic_id {
+        // Id and tag, not the id alone: a newer object's payload over the
+        // freed header can spell the old id (see SlotPtr::identity_recheck).
+        if slot.identity_recheck() != (h.monotonic_id, valid.tag) {
             return Err(self.stale(h, "slot reused during the copy"));
         }
         // SAFETY: the first len bytes were initialised by the copy.
@@ -262,10 +285,11 @@ impl StoreReader {
     pub fn validate(&self, h: ObjectHandle) -> Result<()> {
         self.check_attached()?;
         let slot = self.slot(h)?;
-        self.validate_slot(h, &slot, slot.id_acquire())?;
-        // The tag and size were read between two loads of the id: if the
-        // slot changed meanwhile, they may not be the handle's.
-        if slot.id_recheck() != h.monotonic_id {
+        let valid = self.validate_slot(h, &slot, slot.id_acquire())?;
+        // The tag and size were read after a load of the id: if the slot
+        // changed meanwhile, they may not be the handle's. As after a copy,
+        // the id and the tag must both be the ones checked.
+        if slot.identity_recheck() != (h.monotonic_id, valid.tag) {
             return Err(self.stale(h, "slot reused during the check"));
         }
         Ok(())
@@ -362,17 +386,14 @@ impl StoreReader {
 
     /// Given the slot's id as just loaded, checks it, the tag and the size
     /// against the handle and the process-local bounds.
-    fn validate_slot(
-        &self,
-        h: ObjectHandle,
-        slot: &SlotPtr,
-        id: u64,
-    ) -> Result<(*const u8, usize, ObjectKind)> {
+    fn validate_slot(&self, h: ObjectHandle, slot: &SlotPtr, id: u64) -> Result<Valid> {
         if id != h.monotonic_id {
             return Err(self.stale(h, "id mismatch"));
         }
         let (tag, size, kind) = slot.meta();
-        if tag != layout::slot_tag(h.monotonic_id, h.address, h.epoch, size, kind) {
+        if tag
+            != layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
+        {
             return Err(self.stale(
                 h,
                 "tag mismatch (other epoch or segment, or a corrupted slot header)",
@@ -384,7 +405,12 @@ impl StoreReader {
             .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
         let kind = ObjectKind::from_code(kind)
             .ok_or_else(|| self.stale(h, "unknown object kind (a corrupted slot header)"))?;
-        Ok((data, size as usize, kind))
+        Ok(Valid {
+            data,
+            len: size as usize,
+            kind,
+            tag,
+        })
     }
 
     /// This reader's attach generation (what its hold words carry).
@@ -461,6 +487,21 @@ impl Drop for StoreReader {
     }
 }
 
+/// What [`StoreReader::validate_slot`] found: the payload's start and
+/// length in this process's mapping, its kind, and the tag it checked.
+struct Valid {
+    data: *const u8,
+    len: usize,
+    kind: ObjectKind,
+    tag: u64,
+}
+
+/// What [`StoreReader::begin_copy`] validated, and in which slot.
+struct CopyStart {
+    slot: SlotPtr,
+    valid: Valid,
+}
+
 /// Takes reader entry `i`, whose lock the caller holds: no live reader can
 /// have it. Returns our state word and the first id we are counted for.
 fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
@@ -489,5 +530,66 @@ fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
             return (word(next, ATTACHED), from);
         }
         // The writer marked the dead last holder left meanwhile: again.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ObjectStore, StoreConfig};
+
+    /// Removes the segment when the test ends, by panic too.
+    struct Unlink(String);
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
+        }
+    }
+
+    /// Issue 26, point 5: the slot is freed and reused between the check
+    /// at the start of a copy and the copy itself, by a newer object whose
+    /// payload covers the old header and spells the old id, size, kind and
+    /// unkeyed tag there. The check after the copy must refuse it.
+    #[test]
+    fn a_copy_of_a_slot_reused_under_a_forged_header_is_stale() {
+        let name = format!("pinshm-unit-forgedcopy-{}", std::process::id());
+        let _unlink = Unlink(name.clone());
+        let capacity = 64 * 1024;
+        let slot = |len| layout::slot_len(1, len);
+        let mut w =
+            ObjectStore::create(StoreConfig::new(capacity, capacity / 2, 1).name(&name)).unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        let p = w.put("p", &[1; 64]).unwrap();
+        let a = w.put("a", &[2; 256]).unwrap();
+        assert_eq!(a.address, p.address + slot(64) as u64);
+        let used = slot(64) + slot(256);
+        // The rest of the ring but a tail too short for b, unread.
+        w.put("f0", &vec![3; capacity / 2]).unwrap();
+        w.put("f1", &vec![3; capacity / 2 - used - 2 * slot(0) - 64])
+            .unwrap();
+        r.acknowledge(p).unwrap();
+        r.acknowledge(a).unwrap();
+        // The check passes: a is whole and in place.
+        let start = r.begin_copy(a).unwrap();
+        // Now b reuses p's and a's place, spelling a's header at a's address.
+        let tag = layout::slot_tag(a.monotonic_id, a.address, a.epoch, 256, 0);
+        let mut bytes = vec![4u8; used - slot(0)];
+        let off = (a.address - p.address) as usize - slot(0);
+        for (i, word) in [a.monotonic_id, tag, 256, slot(256) as u64, 1]
+            .into_iter()
+            .enumerate()
+        {
+            bytes[off + 8 * i..off + 8 * i + 8].copy_from_slice(&word.to_le_bytes());
+        }
+        let b = w.put("b", &bytes).unwrap();
+        assert_eq!(b.address, p.address, "b took p's and a's place");
+        let mut out = Vec::new();
+        match r.finish_copy(a, start, &mut out) {
+            Err(Error::Stale { .. }) => {}
+            other => panic!(
+                "a copy of b's bytes passed for a: {other:?}, {} bytes",
+                out.len()
+            ),
+        }
     }
 }

@@ -165,12 +165,11 @@ impl Judge<'_> {
         if !owed_checked && e.key.is_some() && self.owing(e, slot).next().is_some() {
             return false;
         }
-        if !e.invalid {
-            slot.invalidate();
-        }
+        // A slot invalidated before (a hard clear) has no tag to put back.
+        let tag = (!e.invalid).then(|| slot.invalidate());
         if self.in_use(e, slot, false, true) {
-            if !e.invalid {
-                slot.restore(e.id);
+            if let Some(tag) = tag {
+                slot.restore(e.id, tag);
             }
             // The walk looks at its holds from now on.
             e.held_seen.set(true);
@@ -194,6 +193,18 @@ impl Judge<'_> {
             held_by: self.holders(slot, e.id).collect(),
         }
     }
+}
+
+/// Why [`Space::allocate`] found no room.
+#[derive(Debug)]
+pub(super) enum NoRoom {
+    /// Nothing fits below the limit around the objects that must stay
+    /// ([`Error::Full`]).
+    Full(Error),
+    /// A run was found, but its pages could not be backed (the error of
+    /// [`Backing::ensure`], `NoSpace` on a full /dev/shm). Nothing was
+    /// freed for it.
+    Unbacked(Error),
 }
 
 /// The writer's data region: its validated bounds, the allocator over it,
@@ -272,17 +283,20 @@ impl Space {
 
     /// Finds room for `slot_len` bytes below `limit`, reclaiming the
     /// objects in the way that may go and allocating around those that must
-    /// stay. Returns the plan, its run free (not yet committed).
+    /// stay. Returns the plan, its run free (not yet committed) and backed:
+    /// the pages of a sparse segment under it (at `data_at +` its position
+    /// in the segment) are allocated before any victim goes.
     /// Reclaimed objects' keys are forgotten in `keys`; what happens is
     /// counted in `stats`; dead readers are told by `seg`'s locks.
     pub(super) fn allocate(
         &mut self,
         slot_len: u64,
         limit: u64,
+        data_at: u64,
         keys: &mut Keys,
         stats: &mut StoreStats,
         seg: &Segment,
-    ) -> Result<Plan> {
+    ) -> Result<Plan, NoRoom> {
         let mut reaped = false;
         let mut passes = 0;
         let mut replans = 0;
@@ -301,6 +315,13 @@ impl Space {
                 .plan_within(slot_len, limit, |span| judge.may_go_in_walk(span, policy));
             match plan {
                 Some(plan) => {
+                    // Pages first, victims after: a span that cannot be
+                    // backed (a full /dev/shm) must cost no object. Freed
+                    // first, they would be forgotten, and the caller's
+                    // fallback into the backed part evict others besides.
+                    if let Err(e) = self.backing.ensure(seg, data_at + plan.pos, slot_len) {
+                        return Err(NoRoom::Unbacked(e));
+                    }
                     let Err(kept) = self.free_all(&plan.victims, keys, stats) else {
                         return Ok(plan);
                     };
@@ -330,7 +351,7 @@ impl Space {
                 }
                 None => {}
             }
-            return Err(self.full(slot_len, stats));
+            return Err(NoRoom::Full(self.full(slot_len, stats)));
         }
     }
 

@@ -11,7 +11,7 @@ use crate::geometry::{validate_header, Geometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
-use super::reclaim::Space;
+use super::reclaim::{NoRoom, Space};
 use crate::shm::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
@@ -94,6 +94,8 @@ pub struct ObjectStore {
     stats: StoreStats,
     /// The key of handle signatures (also in the segment, for readers).
     secret: [u8; 32],
+    /// The key of slot tags, from `secret` ([`layout::tag_key`]).
+    tag_key: u64,
     /// The fork generation this store was made in (see `sys::fork`): in a
     /// forked child it changes nothing shared.
     fork_gen: u64,
@@ -225,6 +227,7 @@ impl ObjectStore {
             nonce,
             stats: StoreStats::default(),
             secret,
+            tag_key: layout::tag_key(&secret),
             fork_gen,
             map,
         })
@@ -354,37 +357,40 @@ impl ObjectStore {
             });
         }
         let slot_len = layout::slot_len(self.space.geo.n_readers, len) as u64;
-        let mut plan = self.space.allocate(
+        // Pages never written before are backed by the allocation, before
+        // it frees anything: a full /dev/shm is an error, never a SIGBUS in
+        // the fill below, and never an eviction for a span not taken.
+        let data_at = layout::header_len(self.space.geo.n_readers) as u64;
+        let plan = match self.space.allocate(
             slot_len,
             self.space.geo.capacity,
+            data_at,
             &mut self.keys,
             &mut self.stats,
             self.map.seg(),
-        )?;
-        // Pages never written before are backed first: a full /dev/shm is
-        // an error, never a SIGBUS in the fill below.
-        let header_len = layout::header_len(self.space.geo.n_readers) as u64;
-        if let Err(e) = self
-            .space
-            .backing
-            .ensure(self.map.seg(), header_len + plan.pos, slot_len)
-        {
-            // /dev/shm is full: the store carries on in the part of the
-            // ring it already has (below the high-water mark, all backed),
-            // as a smaller cache, and tries the rest again on later puts.
-            let backed = self.space.ring.high_water();
-            plan = match self.space.allocate(
-                slot_len,
-                backed,
-                &mut self.keys,
-                &mut self.stats,
-                self.map.seg(),
-            ) {
-                Ok(p) if p.pos + slot_len <= backed => p,
-                _ => return Err(e),
-            };
-            self.stats.nospace_fallbacks += 1;
-        }
+        ) {
+            Ok(plan) => plan,
+            Err(NoRoom::Full(e)) => return Err(e),
+            Err(NoRoom::Unbacked(e)) => {
+                // /dev/shm is full: the store carries on in the part of the
+                // ring it already has (below the high-water mark, all
+                // backed), as a smaller cache, and tries the rest again on
+                // later puts.
+                let backed = self.space.ring.high_water();
+                let Ok(plan) = self.space.allocate(
+                    slot_len,
+                    backed,
+                    data_at,
+                    &mut self.keys,
+                    &mut self.stats,
+                    self.map.seg(),
+                ) else {
+                    return Err(e);
+                };
+                self.stats.nospace_fallbacks += 1;
+                plan
+            }
+        };
         let (slot, payload) = self.slot_and_payload(plan.pos, len as u64);
         // Being written: id 0, and the span marked for the inspector's walk.
         slot.mark_skip(slot_len);
@@ -445,7 +451,7 @@ impl ObjectStore {
         let slot = self.slot_at(address);
         slot.publish(
             id,
-            layout::slot_tag(id, address, epoch, e.size, e.kind as u32),
+            layout::keyed_slot_tag(self.tag_key, id, address, epoch, e.size, e.kind as u32),
             e.size,
             span.len,
             e.kind as u32,

@@ -18,7 +18,8 @@
 //! ([`keyed_slot_tag`]), and the writer zeroes a slot's tag with its id when
 //! it frees it: a reader checks id and tag after an optimistic copy, and
 //! neither can be reproduced by the payload of a newer object that covers
-//! the old header.
+//! the old header. It also added `SegmentHeader::backed`, how much of the
+//! data region the writer has backed: readers touch nothing past it.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -164,8 +165,14 @@ pub struct SegmentHeader {
     /// Random at create: the key of the handles' HMAC signatures (v4).
     /// Readers map it; the inspector never prints it.
     pub secret: [u8; 32],
+    /// Atomic. Bytes of the data region, from its start, that the writer
+    /// has backed (allocated in /dev/shm, v6): a reader touches no byte at
+    /// or past it, so a handle past what was ever written (stale, of
+    /// another store, corrupted) allocates no page and cannot raise
+    /// SIGBUS. Only grows; `capacity` for a reserved store.
+    pub backed: u64,
     /// Zero. Room for fields of later versions.
-    pub reserved: [u64; 13],
+    pub reserved: [u64; 12],
 }
 
 /// One reader's row of the reader table.
@@ -339,7 +346,8 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, cleared_below), 104);
         assert_eq!(offset_of!(SegmentHeader, flags), 112);
         assert_eq!(offset_of!(SegmentHeader, secret), 120);
-        assert_eq!(offset_of!(SegmentHeader, reserved), 152);
+        assert_eq!(offset_of!(SegmentHeader, backed), 152);
+        assert_eq!(offset_of!(SegmentHeader, reserved), 160);
 
         assert_eq!(size_of::<ReaderEntry>(), 128);
         assert_eq!(offset_of!(ReaderEntry, state), 0);

@@ -264,3 +264,89 @@ fn child_channel_on_small_shm() {
     }
     println!("RESULT channel ok ({err})");
 }
+
+/// Handles at `count` addresses the writer of a `capacity`-byte store
+/// never wrote (the first MiB holds what it did write): what a stale handle
+/// of an earlier segment of the name, one of another store, or a corrupted
+/// message carries.
+fn handles_past_the_written(
+    h: pinshm::ObjectHandle,
+    capacity: usize,
+    count: u64,
+) -> Vec<pinshm::ObjectHandle> {
+    let step = ((capacity - MIB) as u64 / count) & !63;
+    (0..count)
+        .map(|i| pinshm::ObjectHandle {
+            address: MIB as u64 + i * step,
+            monotonic_id: h.monotonic_id + 1 + i,
+            epoch: h.epoch,
+        })
+        .collect()
+}
+
+/// Every read of such a handle is `Stale`, refused before it touches a
+/// byte there: a read fault on a hole of a shared tmpfs mapping would
+/// allocate a page.
+fn refuse_all(r: &StoreReader, forged: &[pinshm::ObjectHandle]) {
+    let mut out = Vec::new();
+    for &f in forged {
+        let stale = |what: &str, e: Error| assert!(e.is_stale(), "{what} of {f:?}: {e}");
+        stale("get", r.get(f).map(drop).unwrap_err());
+        stale("get_copy_into", r.get_copy_into(f, &mut out).unwrap_err());
+        stale("validate", r.validate(f).unwrap_err());
+        stale("acknowledge", r.acknowledge(f).unwrap_err());
+    }
+}
+
+#[test]
+fn handles_past_what_the_writer_wrote_allocate_no_page() {
+    let name = Name::new("pastwritten");
+    let capacity = 64 * MIB;
+    let mut w = ObjectStore::create(
+        StoreConfig::new(capacity, MIB, 1)
+            .name(&*name)
+            .reserve(false)
+            .prefault(false),
+    )
+    .unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w.put("a", &pattern(1, 4 * KIB)).unwrap();
+    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
+    let before = allocated(&name);
+    // 192 handles, four reads each: 768 reads that must touch nothing.
+    refuse_all(&r, &handles_past_the_written(h, capacity, 192));
+    assert_eq!(allocated(&name), before, "pages allocated by reads");
+    // What was written still reads.
+    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
+}
+
+#[test]
+fn handles_past_what_the_writer_wrote_raise_no_sigbus_on_a_full_dev_shm() {
+    if let Some(text) = in_small_dev_shm("child_reads_past_written_on_full_shm") {
+        assert!(text.contains("RESULT past ok"), "{text}");
+    }
+}
+
+#[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
+fn child_reads_past_written_on_full_shm() {
+    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_reads_past_written_on_full_shm") {
+        return;
+    }
+    // A 256 MiB sparse store on a 32 MiB /dev/shm, then /dev/shm full: a
+    // read fault on a hole would be SIGBUS (the child would end with 135).
+    let capacity = 256 * MIB;
+    let mut w = ObjectStore::create(
+        StoreConfig::new(capacity, MIB, 1)
+            .name("pinshm-test-past-written")
+            .reserve(false)
+            .prefault(false),
+    )
+    .unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let h = w.put("a", &pattern(1, 4 * KIB)).unwrap();
+    fill_dev_shm("pinshm-test-past-written-filler");
+    refuse_all(&r, &handles_past_the_written(h, capacity, 192));
+    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
+    println!("RESULT past ok");
+}

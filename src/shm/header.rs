@@ -112,6 +112,23 @@ impl HeaderPtr {
             .load(Ordering::Acquire)
     }
 
+    /// How much of the data region, from its start, the writer has backed:
+    /// a reader touches no byte at or past it. Acquire, though a stale
+    /// (smaller) answer only makes a read of a new object fail `Stale`: a
+    /// reader that learned of the object through a synchronising channel
+    /// (any real one) sees at least the value stored before its publish.
+    pub fn backed(&self) -> u64 {
+        self.u64_at(offset_of!(SegmentHeader, backed))
+            .load(Ordering::Acquire)
+    }
+
+    /// Publishes the backed extent (after the pages are allocated: Release,
+    /// so a reader that sees it sees them).
+    pub fn set_backed(&self, bytes: u64) {
+        self.u64_at(offset_of!(SegmentHeader, backed))
+            .store(bytes, Ordering::Release);
+    }
+
     /// Publishes the next id, the allocator's cursor and its high-water
     /// mark (for attach and inspection).
     pub fn set_progress(&self, next_id: u64, cursor: u64, high_water: u64) {

@@ -379,9 +379,17 @@ impl StoreReader {
         if h.monotonic_id == 0 {
             return Err(self.stale(h, "id 0 is never used"));
         }
-        self.geo
+        let slot = self
+            .geo
             .slot(h.address)
-            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))
+            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))?;
+        // Before any byte of it is touched: a read fault on a page the
+        // writer never backed would allocate it (and raise SIGBUS on a full
+        // /dev/shm). `geo.slot` checked that this cannot overflow.
+        if h.address + self.geo.prefix_len > self.geo.header().backed() {
+            return Err(self.stale(h, "address past what the writer has written"));
+        }
+        Ok(slot)
     }
 
     /// Given the slot's id as just loaded, checks it, the tag and the size
@@ -403,6 +411,10 @@ impl StoreReader {
             .geo
             .payload(h.address, size)
             .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
+        // `payload` checked that this sum stays within the capacity.
+        if h.address + self.geo.prefix_len + size > self.geo.header().backed() {
+            return Err(self.stale(h, "size runs past what the writer has written"));
+        }
         let kind = ObjectKind::from_code(kind)
             .ok_or_else(|| self.stale(h, "unknown object kind (a corrupted slot header)"))?;
         Ok(Valid {

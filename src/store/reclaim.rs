@@ -319,8 +319,16 @@ impl Space {
                     // backed (a full /dev/shm) must cost no object. Freed
                     // first, they would be forgotten, and the caller's
                     // fallback into the backed part evict others besides.
+                    let before = self.backing.backed();
                     if let Err(e) = self.backing.ensure(seg, data_at + plan.pos, slot_len) {
                         return Err(NoRoom::Unbacked(e));
+                    }
+                    if self.backing.backed() != before {
+                        // Readers touch nothing past this (a forged or
+                        // stale handle allocates no page there).
+                        self.geo
+                            .header()
+                            .set_backed(self.backing.backed().saturating_sub(data_at));
                     }
                     let Err(kept) = self.free_all(&plan.victims, keys, stats) else {
                         return Ok(plan);

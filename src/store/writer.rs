@@ -159,7 +159,7 @@ impl ObjectStore {
         )?;
         // A sparse segment's header is backed before it is written (an
         // error here, never SIGBUS).
-        let mut backing = Backing::new(total as u64, cfg.reserve);
+        let mut backing = Backing::prefix(total as u64, cfg.reserve);
         backing.ensure(&seg, 0, header_len as u64)?;
         // The lock before the stamp: whoever sees the magic sees a writer
         // whose death the kernel will report.
@@ -204,7 +204,8 @@ impl ObjectStore {
             cleared_below: 0,
             flags,
             secret,
-            reserved: [0; 13],
+            backed: backing.backed().saturating_sub(header_len as u64),
+            reserved: [0; 12],
         };
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);

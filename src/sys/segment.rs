@@ -453,6 +453,15 @@ impl ReadOnlyMap {
 /// ([`Segment::back`]), kept in the writer's memory: a write into a chunk
 /// not yet backed backs it first, one `fallocate` per run of new chunks.
 /// A reserved segment starts fully backed.
+///
+/// A store's backing is a prefix ([`Backing::prefix`]): a write backs
+/// everything below it too, so one number says what is backed and the
+/// writer publishes it for readers (`SegmentHeader::backed`), who refuse an
+/// address past it before touching a byte (a read fault on a hole would
+/// allocate a page, or raise SIGBUS on a full /dev/shm). That costs a store
+/// nothing: its allocator fills the ring from the start on the first lap.
+/// A channel's is not: its slots are as large as its largest message, and
+/// a small message touches the start of its slot only.
 #[derive(Debug)]
 pub struct Backing {
     /// Bit i: chunk i (of [`Backing::CHUNK`] bytes) is backed.
@@ -462,6 +471,10 @@ pub struct Backing {
     /// start, a sparse one after its first lap), `ensure` has nothing to
     /// look at.
     unbacked: u64,
+    /// Whether every write backs all below it too ([`Backing::prefix`]).
+    contiguous: bool,
+    /// Chunks `0..leading` are all backed.
+    leading: u64,
 }
 
 impl Backing {
@@ -478,7 +491,23 @@ impl Backing {
             bits: vec![word; chunks.div_ceil(64) as usize],
             len,
             unbacked: if backed { 0 } else { chunks },
+            contiguous: false,
+            leading: if backed { chunks } else { 0 },
         }
+    }
+
+    /// As [`Backing::new`], backed as a prefix: a write backs every byte
+    /// below it as well, so what is backed is always `0..backed()`.
+    pub fn prefix(len: u64, backed: bool) -> Backing {
+        Backing {
+            contiguous: true,
+            ..Backing::new(len, backed)
+        }
+    }
+
+    /// Bytes from the start of the file that are all backed.
+    pub fn backed(&self) -> u64 {
+        (self.leading * Self::CHUNK).min(self.len)
     }
 
     fn is_backed(&self, chunk: u64) -> bool {
@@ -493,6 +522,7 @@ impl Backing {
             return Ok(());
         }
         let end = offset.saturating_add(len).min(self.len);
+        let offset = if self.contiguous { 0 } else { offset };
         let (first, last) = (offset / Self::CHUNK, (end - 1) / Self::CHUNK);
         let mut c = first;
         while c <= last {
@@ -511,6 +541,9 @@ impl Backing {
                 self.bits[(k / 64) as usize] |= 1 << (k % 64);
             }
             self.unbacked -= c - run_start;
+        }
+        while self.leading * Self::CHUNK < self.len && self.is_backed(self.leading) {
+            self.leading += 1;
         }
         Ok(())
     }

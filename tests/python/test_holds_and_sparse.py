@@ -198,3 +198,29 @@ def test_the_torch_gate_releases_at_once_without_cuda():
     from pinshm import cuda_release
 
     assert cuda_release.torch_cuda_event() is None
+
+
+def test_handles_past_what_the_writer_wrote_are_stale_and_allocate_nothing(unique_name, closing):
+    # Issue 26, point 3: a stale, foreign or corrupted handle at an address
+    # the writer never wrote is refused before any byte there is touched (a
+    # read fault on a hole of /dev/shm allocates a page, or raises SIGBUS
+    # when /dev/shm is full).
+    name = unique_name()
+    mib = 1 << 20
+    store = closing(pinshm.ObjectStore(64 * mib, mib, 1, name=name, reserve=False))
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("a", b"x" * 4096)
+    assert reader.get_copy(h) == b"x" * 4096
+
+    def allocated():
+        return os.stat(f"/dev/shm/{name}").st_blocks * 512
+
+    before = allocated()
+    out = bytearray(mib)
+    for i in range(192):
+        f = pinshm.ObjectHandle(mib + i * (63 * mib // 192) // 64 * 64, h.monotonic_id + 1 + i, h.epoch)
+        for read in (reader.get, reader.get_copy, reader.validate, reader.acknowledge,
+                     lambda f: reader.get_copy_into(f, out)):
+            with pytest.raises(pinshm.StaleError):
+                read(f)
+    assert allocated() == before

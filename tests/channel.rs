@@ -662,3 +662,22 @@ fn random_bytes_scribbled_over_the_channel_give_typed_errors_only() {
     }
     assert!(typed > 0, "scribbling produced no error at all");
 }
+
+#[test]
+fn attached_readers_counts_each_index_once_it_has_attached() {
+    let name = Name::new("attached");
+    let tx = Broadcast::create(BroadcastConfig::new(2, 4, 64).name(&*name)).unwrap();
+    assert_eq!(tx.attached_readers().unwrap(), 0);
+    let r0 = BroadcastReader::attach_as(&tx.handle(), 0).unwrap();
+    assert_eq!(tx.attached_readers().unwrap(), 1);
+    drop(r0);
+    assert_eq!(
+        tx.attached_readers().unwrap(),
+        1,
+        "a reader that left has attached"
+    );
+    let _r0 = BroadcastReader::attach_as(&tx.handle(), 0).unwrap();
+    assert_eq!(tx.attached_readers().unwrap(), 1, "the same index again");
+    let _r1 = BroadcastReader::attach_as(&tx.handle(), 1).unwrap();
+    assert_eq!(tx.attached_readers().unwrap(), 2);
+}

@@ -219,6 +219,16 @@ impl Broadcast {
         })?
     }
 
+    /// How many reader indices have attached since the channel was made,
+    /// each counted once (still attached, left or dead).
+    #[getter]
+    fn attached_readers(&self, py: Python<'_>) -> PyResult<u32> {
+        locked(py, &self.home, &self.inner, false, |b| match b.as_ref() {
+            Some(b) => b.attached_readers().map_err(to_py),
+            None => Err(closed("Broadcast")),
+        })?
+    }
+
     /// What a reader process needs to attach (picklable).
     fn handle(&self, py: Python<'_>) -> PyResult<BroadcastHandle> {
         locked(py, &self.home, &self.inner, false, |b| match b.as_ref() {

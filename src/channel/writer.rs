@@ -417,6 +417,28 @@ mod shell {
                 .collect()
         }
 
+        /// How many reader indices have attached since the channel was
+        /// created, each counted once (whether it is still attached, has
+        /// left or has died): what a writer waits for before it removes the
+        /// channel's name (nobody else needs it to attach), and what vLLM's
+        /// writer-side `wait_until_ready` waits for. `Forked` in a forked
+        /// child (the readers are the parent's).
+        pub fn attached_readers(&self) -> Result<u32> {
+            if fork::current() != self.fork_gen {
+                return Err(Error::Forked {
+                    name: self.seg.name().to_owned(),
+                });
+            }
+            let shm = self.core.shm();
+            let n = shm.geometry().n_readers;
+            let attached = (0..n)
+                .filter(|&i| {
+                    layout::reader_state::of(shm.state_word(i)) != layout::reader_state::VACANT
+                })
+                .count();
+            Ok(attached as u32)
+        }
+
         /// Largest message.
         pub fn slot_size(&self) -> usize {
             self.core.shm().geometry().slot_size as usize

@@ -176,3 +176,59 @@ def test_the_channel_name_goes_once_every_reader_attached_and_messages_still_flo
         for r in readers:
             r.close()
         mq.close()
+
+
+def test_the_handshake_works_from_one_thread_as_in_vllm(unique_name):
+    # vLLM's writer-side wait_until_ready returns once every local reader
+    # exists (its subscription arrived), not once each has called its own;
+    # vLLM's tests/distributed/test_shm_broadcast.py calls them in turn from
+    # one thread. Issue 27, point 1.
+    import threading
+
+    mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=3, name=unique_name())
+    name = mq._tx.name
+    readers = [MessageQueue.create_from_handle(mq.export_handle(), r) for r in (0, 1)]
+    done = threading.Event()
+    try:
+        # A guard against a hang (the test fails instead of blocking pytest).
+        t = threading.Thread(target=lambda: (mq.wait_until_ready(), done.set()), daemon=True)
+        t.start()
+        assert done.wait(10), "the writer's wait_until_ready waited for the readers' calls"
+        assert not os.path.exists("/dev/shm/" + name), "unlinked once both readers attached"
+        for r in readers:
+            r.wait_until_ready()
+        for i in range(5):
+            mq.enqueue(("m", i))
+            assert [r.dequeue() for r in readers] == [("m", i)] * 2
+    finally:
+        mq.shutdown()
+        for r in readers:
+            r.close()
+        mq.close()
+
+
+def test_the_writer_waits_for_a_reader_that_has_not_attached(unique_name):
+    import threading
+
+    mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=3, name=unique_name())
+    first = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (mq.wait_until_ready(), done.set()), daemon=True)
+    late = None
+    try:
+        t.start()
+        assert not done.wait(0.3), "returned with reader 1 not attached"
+        assert os.path.exists("/dev/shm/" + mq._tx.name), "the name stays until all attach"
+        late = MessageQueue.create_from_handle(mq.export_handle(), 1)
+        assert done.wait(10)
+        for r in (first, late):
+            r.wait_until_ready()
+        mq.enqueue("x")
+        assert first.dequeue() == "x" and late.dequeue() == "x"
+    finally:
+        mq.shutdown()
+        t.join(5)
+        for r in (first, late):
+            if r is not None:
+                r.close()
+        mq.close()

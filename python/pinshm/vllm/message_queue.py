@@ -32,6 +32,7 @@ name ``MessageQueue`` inside vLLM.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -169,10 +170,12 @@ class MessageQueue:
         return self
 
     def wait_until_ready(self) -> None:
-        """Collective: the writer and every reader call it (concurrently:
-        each waits for the others, as in vLLM). Locally the writer learns
-        that every reader has attached, then removes the channel's name
-        (see :meth:`_ready_handshake`); remote readers do vLLM's XPUB
+        """Collective, as in vLLM: the writer's call returns once every
+        local reader has attached (made its queue with
+        ``create_from_handle``), whether or not it has called its own yet,
+        and removes the channel's name (see :meth:`_ready_handshake`); a
+        reader's returns once the writer's has. So they may be called in
+        turn from one thread, writer first. Remote readers do vLLM's XPUB
         handshake."""
         if self._is_writer:
             if self._tx is not None:
@@ -193,22 +196,33 @@ class MessageQueue:
             self._remote.wait_for_ready()
 
     def _ready_handshake(self) -> None:
-        """Sends READY, then drops the channel's name once every local
-        reader has attached, so that no kill can leave it in /dev/shm (the
-        mapping stays; the name was only for attaching).
+        """Waits until every local reader has attached, drops the channel's
+        name (so that no kill can leave it in /dev/shm: the mapping stays,
+        the name was only for attaching), then sends READY.
 
-        The channel tells the writer that every reader has attached
-        through its slots: the send that reuses READY's slot
-        (``max_chunks`` sends later) waits until every reader has released
-        READY. READY announces those ``max_chunks`` fillers and each reader
-        reads them all in its ``wait_until_ready``, so the ring is empty
-        again when the handshake ends."""
-        fillers = self.max_chunks
-        self._send(bytes([enc.READY]) + fillers.to_bytes(4, "little"), None)
-        for _ in range(fillers):
-            self._send(bytes([enc.READY]), None)
+        As vLLM's writer, which returns once every local reader's socket
+        has subscribed, that is once the readers *exist*: it does not wait
+        for their own ``wait_until_ready`` calls, so a writer and its
+        readers may call it in turn from one thread. The channel counts the
+        reader indices that have attached (``Broadcast.attached_readers``);
+        READY is one message, which each reader's ``wait_until_ready``
+        reads (it announces no fillers: a reader still skips those a writer
+        of an older release sends)."""
+        wait = Wait(None)
+        pause = 0.0005
+        while self._tx.attached_readers < self.n_local_reader:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            wait.warn_if_due(self._unattached)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
         self._tx.unlink()
         self._tracked.discard(self._tx.name)
+        self._send(bytes([enc.READY]) + (0).to_bytes(4, "little"), None)
+
+    def _unattached(self) -> str:
+        n = self._tx.attached_readers
+        return f"{self.n_local_reader - n} of {self.n_local_reader} local reader(s) to attach"
 
     # As vLLM's static methods, called the same way; classmethods so that
     # the functions build this class.

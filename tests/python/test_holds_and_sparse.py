@@ -2,13 +2,11 @@
 cost what their data touches and never raise SIGBUS, through the binding."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 import pinshm
+from _small_shm import run_in_small_dev_shm
 
 MIB = 1 << 20
 
@@ -60,23 +58,8 @@ def test_nine_vllm_sized_queues_cost_a_few_mib(unique_name, closing):
     assert total <= 16 * MIB, f"nine queues allocated {total} bytes"
 
 
-def _run_in_small_dev_shm(code):
-    """Runs `code` in a fresh interpreter whose /dev/shm is a 32 MiB tmpfs
-    (a private mount namespace); skips where that is not allowed."""
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip("cannot create a mount namespace here (needs root and unshare)")
-    script = "mount -t tmpfs -o size=32m pinshm-test /dev/shm && exec \"$0\" -c \"$1\""
-    return subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_a_sparse_store_on_a_small_dev_shm_raises_nospace_not_sigbus():
-    out = _run_in_small_dev_shm(
+    out = run_in_small_dev_shm(
         """
         import pinshm
         MIB = 1 << 20
@@ -104,7 +87,7 @@ def test_a_sparse_store_on_a_small_dev_shm_raises_nospace_not_sigbus():
 
 
 def test_a_sparse_channel_on_a_small_dev_shm_raises_nospace_not_sigbus():
-    out = _run_in_small_dev_shm(
+    out = run_in_small_dev_shm(
         """
         import pinshm
         MIB = 1 << 20

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from pinshm.vllm import plugin, storage
+from _small_shm import run_in_small_dev_shm
 
 
 def stand_in():
@@ -53,22 +54,25 @@ def test_register_leaves_a_module_that_is_not_vllm_033s_alone_and_warns(caplog, 
     assert not any("in use" in r.getMessage() for r in caplog.records)
 
 
-def test_the_message_queue_switch_installs_it(monkeypatch, fresh_plugin):
+def test_the_message_queue_switch_chooses_auto_by_default(monkeypatch, fresh_plugin):
     calls = []
-    monkeypatch.setattr(plugin, "install_message_queue", lambda: calls.append(1))
+    monkeypatch.setattr(plugin, "install_message_queue", lambda mode="1": calls.append(mode))
     m = stand_in()
     plugin.register(m)
-    assert calls == [], "off unless asked for"
+    assert calls == ["auto"], "auto unless told otherwise"
+    monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "0")
+    plugin.register(m)
+    assert calls == ["auto"], "0: vLLM's queue, nothing rebound"
     monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "1")
     plugin.register(m)
-    assert calls == [1]
+    assert calls == ["auto", "1"]
 
 
 def test_a_queue_that_cannot_be_rebound_leaves_the_cache_rebound(caplog, monkeypatch, fresh_plugin):
     def broken():
         raise NameError("name 'ObjectRef' is not defined")
 
-    monkeypatch.setattr(plugin, "install_message_queue", broken)
+    monkeypatch.setattr(plugin, "install_message_queue", lambda mode="1": broken())
     monkeypatch.setenv("PINSHM_VLLM_MESSAGE_QUEUE", "1")
     m = stand_in()
     with caplog.at_level(logging.INFO):
@@ -294,3 +298,96 @@ def threading_lock():
     import threading
 
     return threading.Lock()
+
+
+def test_auto_takes_vllms_own_check_to_choose_the_queue(monkeypatch):
+    from pinshm.vllm import _auto
+
+    mib = 1 << 20
+    monkeypatch.setattr(_auto, "shm_free_bytes", lambda path=_auto.SHM_PATH: 64 * mib)
+    # vLLM's executor queue on a container's 64 MiB: 10 chunks of 16 MiB.
+    use, why = _auto.choose(2, 16 * mib, 10, False)
+    assert use and why == "pinshm queue in use: vLLM's needs 160 MiB of /dev/shm, 64 MiB free"
+    assert not _auto.choose(2, 1 * mib, 10, False)[0], "10 MiB fits: vLLM's"
+    assert _auto.choose(2, 1 * mib, 10, True)[0], "with the tensor arena it does not"
+    assert not _auto.choose(0, 16 * mib, 10, False)[0], "no local readers, no ring"
+    # vLLM's arithmetic to the byte: chunks plus 1 + n_reader metadata bytes each.
+    assert _auto.vllm_queue_bytes(2, 1000, 10, False) == 10 * (1000 + 3)
+
+
+AUTO_STAND_IN_QUEUE = """
+class Handle:
+    pass
+
+
+class MessageQueue:
+    # vLLM's, in the part the chooser uses: its check refuses what does
+    # not fit, its group helper builds through the module's name.
+    def __init__(self, n_reader, n_local_reader, local_reader_ranks=None,
+                 max_chunk_bytes=24 << 20, max_chunks=10, connect_ip=None,
+                 enable_shm_tensor_arena=False):
+        import shutil
+        need = (max_chunk_bytes + 1 + n_local_reader) * max_chunks
+        if need > shutil.disk_usage("/dev/shm").free:
+            raise RuntimeError("Insufficient space in /dev/shm")
+        self.handle = Handle()
+
+    def export_handle(self):
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle, rank):
+        return ("vllm reader", rank)
+
+    @staticmethod
+    def create_from_process_group(n_local_reader, max_chunk_bytes, max_chunks):
+        writer = MessageQueue(n_local_reader, n_local_reader, None, max_chunk_bytes, max_chunks)
+        return writer, MessageQueue.create_from_handle(writer.export_handle(), 0)
+"""
+
+PROBE_AUTO = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+from pinshm.vllm import plugin
+plugin.register()
+import vllm.distributed.device_communicators.shm_broadcast as sb
+import vllm.v1.executor.multiproc_executor as ex
+mib = 1 << 20
+print("SAME", ex.MessageQueue is sb.MessageQueue)
+big = sb.MessageQueue(2, 2, max_chunk_bytes=16 * mib, max_chunks=10)
+print("BIG", type(big).__module__)
+small = sb.MessageQueue(2, 2, max_chunk_bytes=1 * mib, max_chunks=10)
+print("SMALL", type(small).__module__)
+print("READ_BIG", type(sb.MessageQueue.create_from_handle(big.export_handle(), 0)).__module__)
+print("READ_SMALL", sb.MessageQueue.create_from_handle(small.export_handle(), 1))
+w, r = sb.MessageQueue.create_from_process_group(2, 16 * mib, 10)
+print("GROUP", type(w).__module__, type(r).__module__)
+for q in (big, w, r):
+    q.close()
+"""
+
+
+def test_auto_uses_pinshms_queue_where_vllms_would_not_fit_a_container(tmp_path):
+    # Issue 27, point 2: a stand-in for vLLM whose queue refuses, as
+    # vLLM's does, what /dev/shm cannot hold, on a container's 64 MiB.
+    for rel, text in STAND_IN.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    (tmp_path / "vllm/distributed/device_communicators/shm_broadcast.py").write_text(AUTO_STAND_IN_QUEUE)
+    (tmp_path / "vllm/v1/executor/multiproc_executor.py").write_text(
+        "from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env["PINSHM_VLLM_MESSAGE_QUEUE"] = ""
+    out = run_in_small_dev_shm(PROBE_AUTO, size="64m", env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    pinshm_mq = "pinshm.vllm.message_queue"
+    assert "SAME True" in text, text
+    assert f"BIG {pinshm_mq}" in text, text
+    assert "SMALL vllm.distributed.device_communicators.shm_broadcast" in text, text
+    assert f"READ_BIG {pinshm_mq}" in text, "a reader follows its handle"
+    assert "READ_SMALL ('vllm reader', 1)" in text, text
+    assert f"GROUP {pinshm_mq} {pinshm_mq}" in text, "vLLM's group helper goes through the chooser"
+    assert "pinshm queue in use: vLLM's needs 160 MiB of /dev/shm, 64 MiB free" in text, text

@@ -24,10 +24,19 @@ LONG_WAIT_TIME_LOG_MSG = (
 
 
 def _warning_interval() -> float:
-    """vLLM's VLLM_RINGBUFFER_WARNING_INTERVAL (seconds, default 60)."""
+    """vLLM's VLLM_RINGBUFFER_WARNING_INTERVAL (seconds, default 60): the
+    value vLLM's queue module uses where it is imported (it reads the
+    variable once, into a module constant that vLLM's own tests patch),
+    else the environment's."""
+    import sys
+
+    vllm_queue = sys.modules.get("vllm.distributed.device_communicators.shm_broadcast")
+    value = getattr(vllm_queue, "VLLM_RINGBUFFER_WARNING_INTERVAL", None)
+    if value is None:
+        value = os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", "60")
     try:
-        return float(os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", "60"))
-    except ValueError:
+        return float(value)
+    except (TypeError, ValueError):
         return 60.0
 
 

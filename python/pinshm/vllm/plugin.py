@@ -11,11 +11,15 @@ other still happens.
   looks up in ``vllm.multimodal.cache.shm`` (rebinding them in
   ``shm_object_storage`` alone would be too late: the cache module imported
   them already), so ``--mm-processor-cache-type shm`` runs on pinshm.
-- **The queue** (opt-in, ``PINSHM_VLLM_MESSAGE_QUEUE=1``): ``MessageQueue``
-  and ``Handle`` in every module of :data:`QUEUE_MODULES` that imports, so
-  vLLM's executor and ``GroupCoordinator`` use
-  :class:`pinshm.vllm.message_queue.MessageQueue`. Each module is its own
-  attempt too (``ray_executor_v2`` raises ``NameError`` without ray).
+- **The queue** (``PINSHM_VLLM_MESSAGE_QUEUE``): ``MessageQueue`` in every
+  module of :data:`QUEUE_MODULES` that imports, so vLLM's executor and
+  ``GroupCoordinator`` build their queues through pinshm. ``auto`` (the
+  default): each queue is vLLM's where vLLM's own /dev/shm check passes
+  and pinshm's where it would refuse to start (a container's 64 MiB;
+  :mod:`pinshm.vllm._auto`); ``1``: always pinshm's
+  (:class:`pinshm.vllm.message_queue.MessageQueue`, and ``Handle`` too);
+  ``0``: always vLLM's, nothing rebound. Each module is its own attempt
+  (``ray_executor_v2`` raises ``NameError`` without ray).
 
 vLLM's own ``VLLM_PLUGINS`` allowlist switches the plugin off (list the
 plugins you want without ``pinshm``). A vLLM whose modules lack the names
@@ -109,12 +113,48 @@ def _rebind_cache(module: Optional[ModuleType]) -> str:
     return module.__name__
 
 
-def _rebind_queue(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """Rebinds MessageQueue and Handle in each of `modules` that imports.
-    Returns (rebound, failures); the first module is required."""
+#: vLLM's own MessageQueue, once ``auto`` has put its chooser in its place.
+_vllm_queue: Optional[type] = None
+
+
+def queue_mode() -> str:
+    """``PINSHM_VLLM_MESSAGE_QUEUE``: ``auto`` (unset or empty too), ``1``
+    or ``0``; anything else is ``auto``, with a warning."""
+    value = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        _warn("pinshm: PINSHM_VLLM_MESSAGE_QUEUE=%s is not auto, 1 or 0; using auto", value)
+        return "auto"
+    return value
+
+
+def _queue_classes(mode: str) -> tuple[type, Optional[type]]:
+    """What to bind to ``MessageQueue`` and ``Handle`` (None: leave it)."""
+    global _vllm_queue
     from .message_queue import Handle, MessageQueue
 
+    if mode == "1":
+        return MessageQueue, Handle
+    from . import _auto
+
+    if _vllm_queue is None:
+        current = importlib.import_module(QUEUE_MODULES[0]).MessageQueue
+        # Rebinding again (vLLM loads plugins more than once) keeps the
+        # first: vLLM's own class, not a chooser or pinshm's.
+        _vllm_queue = getattr(current, "vllm", current)
+        if _vllm_queue is MessageQueue:
+            raise RuntimeError("MessageQueue is pinshm's already (PINSHM_VLLM_MESSAGE_QUEUE=1 earlier)")
+    return _auto.make(_vllm_queue), None
+
+
+def _rebind_queue(modules: tuple[str, ...], mode: str = "1") -> tuple[list[str], list[str]]:
+    """Rebinds MessageQueue (and, in mode 1, Handle) in each of `modules`
+    that imports. Returns (rebound, failures); the first module is
+    required."""
     done, failed = [], []
+    try:
+        MessageQueue, Handle = _queue_classes(mode)
+    except Exception as e:  # noqa: BLE001 - the required module, as below
+        raise RuntimeError(f"{modules[0]}: {type(e).__name__}: {e}") from e
     for i, modname in enumerate(modules):
         try:
             mod = importlib.import_module(modname)
@@ -128,17 +168,18 @@ def _rebind_queue(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
             failed.append(f"{modname} ({type(e).__name__}: {e})")
             continue
         mod.MessageQueue = MessageQueue
-        if hasattr(mod, "Handle"):
+        if Handle is not None and hasattr(mod, "Handle"):
             mod.Handle = Handle
         done.append(modname)
     return done, failed
 
 
-def install_message_queue() -> list[str]:
-    """Rebinds vLLM's ``MessageQueue`` to pinshm's in every module of
-    :data:`QUEUE_MODULES` that imports; returns those rebound. Raises only
-    if the required one (shm_broadcast) cannot be rebound."""
-    done, failed = _rebind_queue(QUEUE_MODULES)
+def install_message_queue(mode: str = "1") -> list[str]:
+    """Rebinds vLLM's ``MessageQueue`` in every module of
+    :data:`QUEUE_MODULES` that imports, to pinshm's (mode ``1``) or to the
+    chooser of ``auto``; returns those rebound. Raises only if the
+    required one (shm_broadcast) cannot be rebound."""
+    done, failed = _rebind_queue(QUEUE_MODULES, mode)
     for f in failed:
         logging.getLogger("vllm.plugins.pinshm").debug("pinshm: MessageQueue not rebound in %s", f)
     with _lock:
@@ -148,8 +189,8 @@ def install_message_queue() -> list[str]:
 
 def register(module: Optional[ModuleType] = None) -> None:
     """Rebinds vLLM's shared-memory cache classes (in ``module``, default
-    :data:`CACHE_MODULE`) and, with ``PINSHM_VLLM_MESSAGE_QUEUE=1``, its
-    MessageQueue. Idempotent: vLLM may load plugins more than once in a
+    :data:`CACHE_MODULE`) and, unless ``PINSHM_VLLM_MESSAGE_QUEUE=0``, its
+    MessageQueue (see the module doc). Idempotent: vLLM may load plugins more than once in a
     process. Never raises: vLLM calls plugins unguarded in every command."""
     global _pending
     parts, problems = [], []
@@ -159,10 +200,11 @@ def register(module: Optional[ModuleType] = None) -> None:
     except Exception as e:  # noqa: BLE001 - see the docstring
         rebound.pop("cache", None)
         problems.append(f"the shm multimodal cache stays vLLM's: {type(e).__name__}: {e}")
-    if os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE") == "1":
+    mode = queue_mode()
+    if mode != "0":
         try:
-            install_message_queue()
-            parts.append("MessageQueue")
+            install_message_queue(mode)
+            parts.append("MessageQueue" if mode == "1" else "MessageQueue where vLLM's would not fit /dev/shm (auto)")
         except Exception as e:  # noqa: BLE001
             rebound.pop("queue", None)
             problems.append(f"MessageQueue stays vLLM's: {type(e).__name__}: {e}")

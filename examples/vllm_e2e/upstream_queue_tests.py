@@ -1,0 +1,114 @@
+"""Runs vLLM 0.33.0's own queue tests (tests/distributed/test_shm_broadcast.py)
+against pinshm's MessageQueue, in a venv with vLLM and torch (never in CI).
+
+    V/bin/python examples/vllm_e2e/upstream_queue_tests.py vllm-0.33.0.tar.gz [pytest args]
+
+The test file comes from vLLM's source distribution (PyPI's
+vllm-0.33.0.tar.gz; a source checkout's tests/ directory works too) and is
+run from a temporary directory, changed in two ways only:
+
+* the swap: a conftest binds pinshm's class to the name ``MessageQueue`` of
+  ``vllm.distributed.device_communicators.shm_broadcast`` before the file
+  imports it (what pinshm's vLLM plugin does in an engine), and provides
+  the ``caplog_vllm`` fixture of vLLM's tests/conftest.py;
+* the lines that set vLLM's spin state (``_spin_condition.busy_loop_s``,
+  ``_spin_condition.last_read``), which pinshm's queue does not have, are
+  dropped.
+
+Tests that read vLLM's internals in other ways (its ring's metadata, its
+spin condition's call counts, its tensor arena) are run too: they fail by
+design, and the report says which and why (`DIFFERS`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+TEST = "tests/distributed/test_shm_broadcast.py"
+
+CONFTEST = '''
+import logging
+
+import pytest
+
+from vllm.distributed.device_communicators import shm_broadcast
+from pinshm.vllm.message_queue import MessageQueue
+
+shm_broadcast.MessageQueue = MessageQueue
+
+
+@pytest.fixture
+def caplog_vllm(caplog, monkeypatch):
+    """As vLLM's tests/conftest.py: vLLM's logger propagates to the root,
+    whose level is INFO for the test."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        yield caplog
+'''
+
+# Tests that read or patch vLLM's queue internals: what each looks at.
+DIFFERS = {
+    "test_message_queue_idle_wake": "counts calls of vLLM's _spin_condition.wait",
+    "test_message_queue_busy_to_idle": "counts calls of vLLM's _spin_condition.wait",
+    "test_tensor_broadcast": "patches vLLM's _reduce_tensor and MessageQueue.recv (its overflow socket)",
+    "test_broadcast_retains_values_after_ring_reuse": "patches MessageQueue.recv (vLLM's overflow socket) and counts its calls",
+    "test_acquire_read_releases_slot_when_reader_raises": "reads vLLM's ring metadata (writer.buffer) and acquire_read/acquire_write",
+    "test_reader_rechecks_shm_after_idle_wait_timeout_without_notify": "drives vLLM's notify sockets and poller",
+    "test_busy_reader_consumes_write_notifications": "drives vLLM's notify sockets",
+    "test_create_from_handle_tolerates_arena_attach_failure": "vLLM's tensor arena, not reproduced",
+    "test_tensor_arena_registry_is_weak_and_survives_shutdown": "vLLM's tensor arena, not reproduced",
+    "test_reader_timeout_caps_indefinite_waits": "uses vLLM's inner class MessageQueue.ReadTimeoutWithWarnings",
+}
+
+
+def extract(source: str, into: str) -> str:
+    dest = os.path.join(into, "test_shm_broadcast.py")
+    if os.path.isdir(source):
+        with open(os.path.join(source, TEST)) as f:
+            text = f.read()
+    else:
+        with tarfile.open(source) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith(TEST))
+            text = tar.extractfile(member).read().decode()
+    dropped = re.compile(r"^\s*\w+\._spin_condition\.(busy_loop_s|last_read)\s*=.*$", re.M)
+    text, n = dropped.subn(lambda m: re.sub(r"\S.*", "pass  # pinshm: vLLM's spin state", m.group(0)), text)
+    print(f"{n} line(s) setting vLLM's spin state dropped")
+    with open(dest, "w") as f:
+        f.write(text)
+    with open(os.path.join(into, "conftest.py"), "w") as f:
+        f.write(CONFTEST)
+    return dest
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pinshm-upstream-") as tmp:
+        extract(sys.argv[1], tmp)
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-q", *sys.argv[2:], tmp],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+        )
+    out = r.stdout + r.stderr
+    print(out[-20000:])
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) \S*::(\w+)", out, re.M)))
+    unexpected = [t for t in failed if t not in DIFFERS]
+    for t in failed:
+        print(f"{'DIFFERS' if t in DIFFERS else 'FAILED '} {t}: {DIFFERS.get(t, 'unexpected')}")
+    passed = set(re.findall(r"^PASSED \S*::(\w+)", out, re.M))
+    passed_anyway = [t for t in DIFFERS if t in passed]
+    if passed_anyway:
+        print("listed as differing but passed:", ", ".join(passed_anyway))
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

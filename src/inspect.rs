@@ -123,7 +123,9 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     // it from the start. Bounded over values a corrupt segment may hold:
     // the step count is capped (at most one slot per 64 bytes) and no
     // arithmetic on them can overflow; a bad length ends the walk.
-    let end = high.min(cap);
+    // Nor past what the writer backed: a read of a hole would allocate a
+    // page (SIGBUS on a full /dev/shm), whatever the high-water mark says.
+    let end = high.min(cap).min(hp.backed());
     let max_steps = (cap / layout::SLOT_ALIGN as u64).min(1 << 20) + 2;
     let mut pos = 0u64;
     let mut steps = 0;

@@ -256,3 +256,45 @@ fn a_forked_child_faults_on_an_inherited_guard_instead_of_reading_a_reused_slot(
         other => panic!("the child ended with {other:?}"),
     }
 }
+
+/// An inherited handle's accessors in a forked child answer without
+/// touching the parent's (now inaccessible) mapping: neutral values, or
+/// `Forked`, never a fault.
+#[test]
+fn a_forked_childs_inherited_handles_answer_without_touching_shared_memory() {
+    let store = Name::new("fork-acc-store");
+    let chan = Name::new("fork-acc-chan");
+    let len = 16 << 10;
+    let mut w = ObjectStore::create(StoreConfig::new(4 * len, len, 1).name(&*store)).unwrap();
+    let r = StoreReader::attach_as(&w.handle(), 0).unwrap();
+    let h = w.put("a", &pattern(1, 100)).unwrap();
+    let mut b = Broadcast::create(BroadcastConfig::new(1, 2, 64).name(&*chan)).unwrap();
+    let br = BroadcastReader::attach_as(&b.handle(), 0).unwrap();
+    b.send(b"x").unwrap();
+    // SAFETY: the child calls pinshm accessors and _exits; a parent thread
+    // holds none of their locks (nothing else runs in this test).
+    let child = match unsafe { fork() }.unwrap() {
+        ForkResult::Child => {
+            let forked = |e: Error| matches!(e, Error::Forked { .. });
+            let ok = r.epoch() == 0
+                && !r.writer_alive()
+                && r.check_writer().is_err_and(forked)
+                && r.get(h).is_err_and(forked)
+                && w.peek(h).is_err_and(forked)
+                && w.stats().objects == 1
+                && !br.writer_alive()
+                && b.blocking_readers().is_empty()
+                && b.attached_readers().is_err_and(forked);
+            // SAFETY: _exit ends the child at once.
+            unsafe { nix::libc::_exit(if ok { 0 } else { 1 }) }
+        }
+        ForkResult::Parent { child } => child,
+    };
+    assert_eq!(
+        waitpid(child, None).unwrap(),
+        WaitStatus::Exited(child, 0),
+        "0: every accessor answered as documented; a signal: one touched the mapping"
+    );
+    assert_eq!(r.epoch(), h.epoch);
+    assert!(r.writer_alive());
+}

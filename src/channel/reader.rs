@@ -528,8 +528,10 @@ mod shell {
         }
 
         /// Whether the writer is still there (holds its liveness lock).
+        /// False in a forked child, which cannot tell (the reader is the
+        /// parent's: attach anew).
         pub fn writer_alive(&self) -> bool {
-            self.seg.held_by_other(WRITER_SLOT)
+            self.is_owner() && self.seg.held_by_other(WRITER_SLOT)
         }
 
         fn recv_deadline(

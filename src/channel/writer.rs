@@ -409,6 +409,9 @@ mod shell {
         /// expected anyway). Empty when the next slot is free. For a log
         /// line that names who blocks; the answer may be stale at once.
         pub fn blocking_readers(&mut self) -> Vec<(u32, Option<u32>)> {
+            if fork::current() != self.fork_gen {
+                return Vec::new(); // the readers are the parent's
+            }
             let blockers = self.core.blockers();
             let shm = self.core.shm();
             blockers

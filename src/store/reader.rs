@@ -176,8 +176,13 @@ impl StoreReader {
 
     /// The segment's current epoch, which every handle issued since the
     /// last hard clear carries (a handle known only by address and id, as
-    /// vLLM sends them, is rebuilt with it).
+    /// vLLM sends them, is rebuilt with it). 0, which no epoch is, in a
+    /// forked child: the reader is the parent's, and the child's copy of
+    /// the mapping is inaccessible (`crate::sys::fork`).
     pub fn epoch(&self) -> u64 {
+        if !self.is_owner() {
+            return 0;
+        }
         self.geo.header().epoch()
     }
 
@@ -325,9 +330,12 @@ impl StoreReader {
 
     /// Whether the writer that created this segment still runs: it has not
     /// closed the store, and the kernel reports its writer lock held (a
-    /// check that cannot decide counts as alive).
+    /// check that cannot decide counts as alive). False in a forked child,
+    /// which cannot tell (the reader is the parent's: attach anew).
     pub fn writer_alive(&self) -> bool {
-        self.geo.header().writer_pid() != 0 && self.map.seg().held_by_other(liveness::WRITER_SLOT)
+        self.is_owner()
+            && self.geo.header().writer_pid() != 0
+            && self.map.seg().held_by_other(liveness::WRITER_SLOT)
     }
 
     /// Whether this is the process that attached (not a forked child).
@@ -366,6 +374,7 @@ impl StoreReader {
     /// `Err(WriterGone)` if the writer has exited or died. Objects already
     /// published stay readable; nothing new will come.
     pub fn check_writer(&self) -> Result<()> {
+        self.check_owner()?;
         if self.writer_alive() {
             Ok(())
         } else {

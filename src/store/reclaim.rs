@@ -203,7 +203,8 @@ pub(super) enum NoRoom {
     Full(Error),
     /// A run was found, but its pages could not be backed (the error of
     /// [`Backing::ensure`], `NoSpace` on a full /dev/shm). Nothing was
-    /// freed for it.
+    /// freed for the plan that could not be backed (an earlier plan that a
+    /// racing reader spoiled may have freed some of its victims).
     Unbacked(Error),
 }
 

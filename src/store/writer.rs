@@ -500,6 +500,7 @@ impl ObjectStore {
     /// reads until its slot is reused, as a reader's would; anything that
     /// is not a published object of this store is [`Error::Stale`].
     pub fn peek(&self, h: ObjectHandle) -> Result<&[u8]> {
+        self.check_owner()?;
         let stale = || Error::Stale {
             address: h.address,
             monotonic_id: h.monotonic_id,
@@ -710,15 +711,21 @@ impl ObjectStore {
         self.map.is_pinned()
     }
 
-    /// Counters and the ring's state, with what blocks reclamation.
+    /// Counters and the ring's state, with what blocks reclamation. In a
+    /// forked child, this process's counters only: what is read from shared
+    /// memory (`stale_reads`, `oldest_unread`) is the parent's.
     pub fn stats(&self) -> StoreStats {
-        let oldest_unread = self.space.oldest_blocker().map(Box::new);
+        let shared = self.is_owner();
+        let oldest_unread = shared
+            .then(|| self.space.oldest_blocker().map(Box::new))
+            .flatten();
         StoreStats {
             objects: self.space.ring.len() as u64,
             bytes_in_use: self.space.ring.used(),
             largest_free_block: self.space.ring.largest_free(),
             // Read from shared memory: saturate, never overflow.
             stale_reads: (0..self.space.geo.n_readers)
+                .filter(|_| shared)
                 .map(|i| self.space.geo.reader(i).stale_reads())
                 .fold(0u64, u64::saturating_add),
             oldest_unread,

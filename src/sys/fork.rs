@@ -39,7 +39,7 @@
 
 use std::cell::UnsafeCell;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Once;
 
 use nix::libc;
@@ -74,11 +74,6 @@ static REGISTRY: Registry = Registry {
     next: UnsafeCell::new(0),
 };
 
-/// A descriptor that refers to no segment (`/dev/null`, or an empty memfd
-/// where there is none), opened once: what the child handler puts in place
-/// of every inherited segment descriptor. -1 if neither could be opened.
-static SPARE_FD: AtomicI32 = AtomicI32::new(-1);
-
 fn lock() {
     while REGISTRY
         .locked
@@ -111,7 +106,14 @@ extern "C" fn in_child() {
     // SAFETY: the prepare handler took the lock in the thread that forked,
     // which is this one; no other thread exists in the child.
     let entries = unsafe { &mut *REGISTRY.entries.get() };
-    let spare = SPARE_FD.load(Ordering::Relaxed);
+    // Opened here, not once for the process: code that closes descriptors
+    // it does not own (a daemonising library, `os.closerange`) could have
+    // closed a kept one, and its number be another file's by now.
+    let spare = if entries.iter().any(|(_, w)| matches!(w, Inherited::Fd(_))) {
+        open_spare()
+    } else {
+        -1
+    };
     for &(_, what) in entries.iter() {
         match what {
             Inherited::Fd(fd) if spare >= 0 => {
@@ -144,9 +146,18 @@ extern "C" fn in_child() {
         }
     }
     entries.clear();
+    if spare >= 0 {
+        // SAFETY: our own descriptor, opened above and used by nothing else.
+        unsafe { libc::close(spare) };
+    }
     unlock();
 }
 
+/// A descriptor that refers to no segment: `/dev/null`, or an empty memfd
+/// where there is none; -1 if neither can be had (the child then keeps its
+/// copies of the parent's descriptors, and with them its locks). Called in
+/// the child handler: `open` is async-signal-safe, `memfd_create` a plain
+/// system call.
 fn open_spare() -> RawFd {
     // SAFETY: a NUL-terminated path and plain flags.
     let fd = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
@@ -154,14 +165,7 @@ fn open_spare() -> RawFd {
         return fd;
     }
     // SAFETY: a NUL-terminated name and plain flags.
-    let fd = unsafe { libc::memfd_create(c"pinshm-forked".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        tracing::warn!(
-            "neither /dev/null nor memfd_create is available: a forked child keeps its \
-             parent's segment descriptors, and with them its liveness locks"
-        );
-    }
-    fd
+    unsafe { libc::memfd_create(c"pinshm-forked".as_ptr(), libc::MFD_CLOEXEC) }
 }
 
 /// This process's fork generation, registering the handlers on first use
@@ -169,7 +173,6 @@ fn open_spare() -> RawFd {
 pub fn register() -> u64 {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        SPARE_FD.store(open_spare(), Ordering::Relaxed);
         // SAFETY: the handlers are `extern "C" fn()`s that live forever and
         // only use atomics and raw system calls, which is safe in a forked
         // child.
@@ -200,17 +203,39 @@ pub struct Token(u64);
 /// child never inherits one that is not listed.
 pub struct Held(());
 
-/// Locks the registry (registering the fork handlers first).
+/// Locks the registry (registering the fork handlers first), with room
+/// for one more entry: nothing allocates under the lock (an allocator's own
+/// fork handler may take its lock after ours is taken).
 pub fn hold() -> Held {
     register();
-    lock();
-    Held(())
+    loop {
+        lock();
+        // SAFETY: the lock is held.
+        let entries = unsafe { &mut *REGISTRY.entries.get() };
+        if entries.len() < entries.capacity() {
+            return Held(());
+        }
+        let want = entries.capacity() * 2 + 8;
+        unlock();
+        let mut bigger = Vec::with_capacity(want);
+        lock();
+        // SAFETY: the lock is held.
+        let entries = unsafe { &mut *REGISTRY.entries.get() };
+        if entries.capacity() < want {
+            bigger.extend_from_slice(entries);
+            std::mem::swap(entries, &mut bigger);
+        }
+        unlock();
+        drop(bigger); // the old list (or the unused new one), unlocked
+    }
 }
 
 impl Held {
+    /// Lists `what`; at most one per hold (`hold` made room for one).
     fn add(&mut self, what: Inherited) -> Token {
         // SAFETY: `self` proves the lock is held.
         let (entries, next) = unsafe { (&mut *REGISTRY.entries.get(), &mut *REGISTRY.next.get()) };
+        debug_assert!(entries.len() < entries.capacity(), "hold() made room");
         *next += 1;
         entries.push((*next, what));
         Token(*next)

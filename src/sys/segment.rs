@@ -522,7 +522,16 @@ impl Backing {
             return Ok(());
         }
         let end = offset.saturating_add(len).min(self.len);
-        let offset = if self.contiguous { 0 } else { offset };
+        // A prefix: everything below `leading` is backed, so start there
+        // (not at 0: a large sparse ring has many chunks to skip).
+        let offset = if self.contiguous {
+            if end <= self.backed() {
+                return Ok(());
+            }
+            self.leading * Self::CHUNK
+        } else {
+            offset
+        };
         let (first, last) = (offset / Self::CHUNK, (end - 1) / Self::CHUNK);
         let mut c = first;
         while c <= last {

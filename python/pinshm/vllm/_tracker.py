@@ -6,6 +6,8 @@ classes that make segments send."""
 
 from __future__ import annotations
 
+import os
+
 
 def track(name: str) -> None:
     """Registers segment `name` (best effort, as in the stdlib)."""
@@ -34,6 +36,10 @@ class Tracked:
 
     def __init__(self) -> None:
         self._names: list[str] = []
+        # A forked child shares its parent's tracker: its copy of this
+        # object must not take back the parent's names (a child that closes
+        # or drops it would leave a SIGKILLed parent's segments behind).
+        self._pid = os.getpid()
 
     @property
     def names(self) -> list[str]:
@@ -46,7 +52,8 @@ class Tracked:
     def discard(self, name: str) -> None:
         if name in self._names:
             self._names.remove(name)
-            untrack(name)
+            if os.getpid() == self._pid:
+                untrack(name)
 
     def clear(self) -> None:
         for name in list(self._names):

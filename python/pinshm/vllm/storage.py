@@ -141,6 +141,7 @@ class SingleWriterShmRingBuffer:
                     raise FileExistsError(errno.EEXIST, str(e), self.name) from e
                 raise
             track(self.name)
+            self._tracked_by = os.getpid()
         return self._store
 
     def _open_reader(self) -> StoreReader:
@@ -178,7 +179,10 @@ class SingleWriterShmRingBuffer:
         store, self._store = self._store, None
         if store is not None:
             store.close()
-            untrack(self.name)
+            # Not in a forked child: the tracker is shared with the parent,
+            # whose name this is (the child's close did nothing to it).
+            if getattr(self, "_tracked_by", None) == os.getpid():
+                untrack(self.name)
 
     def __del__(self) -> None:
         # A half-built object (the constructor raised) has no _store.

@@ -323,3 +323,42 @@ def test_the_poller_comes_back_after_it_ended_idle(unique_name, closing, gate):
         gate[-1].done = True
         eventually(lambda: store.free_unused() == 1, f"round {round}: released, the reader idle")
         time.sleep(1.5)  # past the poller's idle end
+
+
+def test_a_forked_child_polls_its_own_reads_and_never_its_parents(unique_name, closing, gate):
+    import os
+
+    from _fork import in_child
+
+    store = small_store(unique_name, closing)
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    gated_read(store, reader, "a")  # the parent's, pending: never completes here
+    theirs = gate[0]
+    child_name = unique_name("child")
+
+    def child():
+        seen = theirs.queries
+        cstore = pinshm.ObjectStore(3 * 64 * KIB, OBJ, 1, name=child_name)
+        creader = pinshm.StoreReader.attach(cstore.handle(), 0)
+        try:
+            gated_read(cstore, creader, "c")
+            gate[-1].done = True
+            end = time.monotonic() + DEADLINE_S
+            while cstore.free_unused() != 1:
+                if time.monotonic() > end:
+                    return 1  # its own read, completed, never released
+                time.sleep(0.005)
+            return 0 if theirs.queries == seen else 2  # 2: polled the parent's
+        finally:
+            creader.close()
+            cstore.close()
+
+    try:
+        assert in_child(child) == 0
+    finally:
+        if os.path.exists(f"/dev/shm/{child_name}"):
+            os.unlink(f"/dev/shm/{child_name}")
+    # The parent's read is still pending, and still its poller's.
+    assert store.free_unused() == 0
+    theirs.done = True
+    eventually(lambda: store.free_unused() == 1, "the parent's read, once completed")

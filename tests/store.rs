@@ -852,6 +852,34 @@ fn read_only_views_show_the_same_bytes_through_another_mapping() {
 }
 
 #[test]
+fn a_read_only_view_of_an_empty_object_at_the_end_of_the_ring_is_valid() {
+    use pinshm::ReaderOptions;
+    let name = Name::new("roviewsend");
+    // One object fills the ring but for one slot prefix: the empty object
+    // put next lies last, its (empty) payload at the end of the segment.
+    let len = 4 * KIB;
+    let prefix = layout::slot_prefix_len(1);
+    let capacity = slot(1, len) + prefix;
+    let mut w = store(&name, capacity, len, 1);
+    let ro = StoreReader::attach_with(&w.handle(), ReaderOptions::default().read_only_views(true))
+        .unwrap();
+    let a = w.put("a", &pattern(1, len)).unwrap();
+    let e = w.put("e", b"").unwrap();
+    assert_eq!(
+        e.address as usize,
+        capacity - prefix,
+        "the empty object lies last"
+    );
+    assert_eq!(&ro.get(a).unwrap()[..], &pattern(1, len)[..]);
+    let g = ro.get(e).unwrap();
+    assert!(g.is_empty());
+    assert_eq!(&g[..], b"");
+    drop(g);
+    assert_eq!(ro.get_copy(e).unwrap(), b"");
+    assert_eq!(w.free_unused(), 2);
+}
+
+#[test]
 fn a_put_walks_past_many_objects_found_held_for_the_first_time() {
     let name = Name::new("manyheld");
     let len = 1000;

@@ -377,9 +377,14 @@ def set_release_gate(gate: Optional[Callable[[], Optional[_Event]]]) -> None:
     goes; it returns None (release now) or an event whose `query()` says
     when a device copy from the slot has completed (a torch.cuda.Event
     recorded on the current stream, say). The read is acknowledged, and
-    its slot given back, only then: pending reads are polled on later gets
-    and by `flush_releases()`, never waited for."""
+    its slot given back, only then: pending reads are polled, never waited
+    for, by a release thread of this process (about every millisecond
+    while any is pending, so a completed read is released with no further
+    call), on gets, by `flush_releases()` and by `StoreReader.close()`. A
+    pending read keeps its reader attached, closed or not, until its event
+    completes. Copies out (`get_copy`, `get_copy_into`) are never gated."""
 
 def flush_releases() -> int:
     """Ends every pending gated read whose event has completed; returns how
-    many are still pending. Never waits."""
+    many are still pending. Waits for a poll under way (the release
+    thread's), never for an event."""

@@ -6,20 +6,51 @@ A worker that turns slots into tensors (the slot is the tensor when the
 ring is pinned) and copies them with `.to(device, non_blocking=True)` may
 drop the last view before the DMA has read it. `install()` makes every
 release, in a process where CUDA is initialised, record a
-`torch.cuda.Event` on the current stream (after the copies queued on it)
-and wait for it without blocking anyone: the slot is reused only after.
-Where CUDA is not initialised, releases happen at once, as without a gate.
+`torch.cuda.Event` and wait for it without blocking anyone (pinshm's
+release poller acknowledges the read once the event has completed): the
+slot is reused only after. Where CUDA is not initialised, releases happen
+at once, as without a gate. Copies out (`get_copy`, `get_copy_into`) are
+never gated.
+
+Which stream. pinshm cannot see which stream a copy from a slot was queued
+on. The event is recorded on:
+
+- the current stream (`torch.cuda.current_stream()`, of the current
+  device) at the moment the read's last view goes: right when the copies
+  were queued on that stream, e.g. the view is dropped inside the same
+  `with torch.cuda.stream(s):` block that copied from it, or everything
+  runs on the default stream;
+- and, with `install(streams=[s, ...])`, on each of those streams too: for
+  copies queued on side streams while the view may be dropped elsewhere
+  (another stream current, or garbage collection at any moment). The read
+  is released once every one of those events has completed.
+
+A copy queued on a stream that is neither current when the view goes nor
+named in `streams` is not waited for: the slot may be reused under it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any, Iterable, List, Optional, Sequence
 
 from . import set_release_gate
 
 
-def torch_cuda_event() -> Optional[Any]:
-    """The gate: an event recorded on the current CUDA stream, or None
+class AllEvents:
+    """Completes once each of its events has (`query()` true for all)."""
+
+    def __init__(self, events: Iterable[Any]) -> None:
+        self._events: List[Any] = list(events)
+
+    def query(self) -> bool:
+        self._events = [e for e in self._events if not e.query()]
+        return not self._events
+
+
+def torch_cuda_event(streams: Optional[Sequence[Any]] = None) -> Optional[Any]:
+    """The gate: an event recorded on the current CUDA stream (and, if
+    `streams` is given, one on each of them: see the module doc), or None
     (release now) where torch or CUDA is not in use in this process."""
     import sys
 
@@ -28,12 +59,22 @@ def torch_cuda_event() -> Optional[Any]:
         return None
     event = torch.cuda.Event()
     event.record()
-    return event
+    if not streams:
+        return event
+    events = [event]
+    for stream in streams:
+        e = torch.cuda.Event()
+        e.record(stream)
+        events.append(e)
+    return AllEvents(events)
 
 
-def install() -> None:
-    """Gates every release of this process on the GPU (see the module doc)."""
-    set_release_gate(torch_cuda_event)
+def install(streams: Optional[Iterable[Any]] = None) -> None:
+    """Gates every release of this process on the GPU: on the current
+    stream when the last view goes, and on each of `streams` (see the
+    module doc)."""
+    chosen = tuple(streams) if streams is not None else None
+    set_release_gate(functools.partial(torch_cuda_event, chosen))
 
 
 def uninstall() -> None:

@@ -57,6 +57,23 @@ pub(crate) fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) ->
     r
 }
 
+/// Runs `f` with the GIL, on a thread that is not Python's (the release
+/// poller), unless the interpreter is exiting: then None, and the GIL is
+/// never taken. A thread that passes the door counts itself in `PASSING`
+/// until it has let go of the GIL again (not just until it has it, as in
+/// `released`: its thread state ends with `f`, and Python code in `f` may
+/// let go of the GIL meanwhile), so `at_exit` waits for `f` to be done.
+pub(crate) fn with_gil_unless_exiting<R>(f: impl FnOnce(Python<'_>) -> R) -> Option<R> {
+    PASSING.fetch_add(1, SeqCst);
+    if CLOSED.load(SeqCst) {
+        PASSING.fetch_sub(1, SeqCst);
+        return None;
+    }
+    let r = Python::with_gil(f);
+    PASSING.fetch_sub(1, SeqCst);
+    Some(r)
+}
+
 /// Whether the interpreter is shutting down (`at_exit` has run).
 pub(crate) fn exiting() -> bool {
     CLOSED.load(SeqCst)

@@ -247,7 +247,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<message::MessageView>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(release::set_release_gate, m)?)?;
-    m.add_function(wrap_pyfunction!(reader::flush_releases, m)?)?;
+    m.add_function(wrap_pyfunction!(release::flush_releases, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;
     Ok(())

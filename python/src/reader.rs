@@ -10,7 +10,6 @@
 
 use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
@@ -42,6 +41,9 @@ struct Held {
     /// The object's bytes: the guard's slice, taken once at `new`.
     data: *const u8,
     len: usize,
+    /// Whether its end waits for the release gate: not for a copy out
+    /// (`get_copy`), which the CPU has finished before the read ends.
+    gated: bool,
 }
 
 /// The owner of one buffer export of a `ReadGuard`: what the exported
@@ -68,8 +70,13 @@ unsafe impl Send for Held {}
 unsafe impl Sync for Held {}
 
 impl Held {
-    fn new(py: Python<'_>, shared: &Arc<Shared>, h: pinshm::ObjectHandle) -> PyResult<Held> {
-        flush_releases(py);
+    fn new(
+        py: Python<'_>,
+        shared: &Arc<Shared>,
+        h: pinshm::ObjectHandle,
+        gated: bool,
+    ) -> PyResult<Held> {
+        crate::release::flush_releases(py);
         let reader = Arc::clone(shared);
         locked_shared(py, &shared.home, &shared.reader, move |r| {
             let guard = r.get(h).map_err(to_py)?;
@@ -101,6 +108,7 @@ impl Held {
                 }),
                 data,
                 len,
+                gated,
             })
         })?
     }
@@ -135,13 +143,10 @@ impl Drop for Held {
         }
         // SAFETY: taken once, here; `self.read` is not used afterwards.
         let read = unsafe { ManuallyDrop::take(&mut self.read) };
-        // The last view is gone; a device copy from it may not be.
-        match crate::release::event_for_release() {
-            Some(event) => {
-                let mut p = lock(&PENDING);
-                p.push((event, read));
-                ANY_PENDING.store(true, Ordering::Release);
-            }
+        // The last view is gone; a device copy from it may not be (a
+        // copy out, by the CPU, is done).
+        match self.gated.then(crate::release::event_for_release).flatten() {
+            Some(event) => crate::release::pend(event, Box::new(read)),
             None => drop(read),
         }
     }
@@ -158,6 +163,12 @@ struct Release {
 // which runs under the reader's mutex (`Drop for Release`).
 unsafe impl Send for Release {}
 
+impl crate::release::Gated for Release {
+    fn forked(&self) -> bool {
+        self.reader.home.forked()
+    }
+}
+
 impl Drop for Release {
     fn drop(&mut self) {
         // A forked child's: leaked, as in `Drop for Held`.
@@ -172,33 +183,6 @@ impl Drop for Release {
         // and the reader it borrows is alive (`self.reader` drops later).
         unsafe { ManuallyDrop::drop(&mut self.guard) };
     }
-}
-
-/// Reads waiting for their gate's event (see `crate::release`).
-static PENDING: Mutex<Vec<(Py<PyAny>, Release)>> = Mutex::new(Vec::new());
-/// Whether `PENDING` may be non-empty: a get, which flushes first, pays
-/// one load (not a lock) while no read is pending, the usual case.
-static ANY_PENDING: AtomicBool = AtomicBool::new(false);
-
-/// Ends every pending read whose event has completed; returns how many
-/// are still pending. Never waits. Called on every get, and by
-/// `pinshm.flush_releases()`.
-#[pyfunction]
-pub(crate) fn flush_releases(py: Python<'_>) -> usize {
-    if !ANY_PENDING.load(Ordering::Acquire) {
-        return 0;
-    }
-    let mut pending = std::mem::take(&mut *lock(&PENDING));
-    if pending.is_empty() {
-        return 0;
-    }
-    // Outside the lock: `query()` is Python code, which may drop views
-    // (and so push to PENDING) itself.
-    pending.retain(|(event, _)| !crate::release::completed(py, event));
-    let mut p = lock(&PENDING);
-    p.extend(pending);
-    ANY_PENDING.store(!p.is_empty(), Ordering::Release);
-    p.len()
 }
 
 /// Copies `src` into `dst` (same length), with the GIL released for large
@@ -249,6 +233,18 @@ pub(crate) struct StoreReader {
     shared: Mutex<Option<Arc<Shared>>>,
     index: u32,
     name: String,
+}
+
+impl Drop for StoreReader {
+    /// As `close()`, but a pass of the release poller under way is not
+    /// waited for (it ends the completed reads itself).
+    fn drop(&mut self) {
+        drop(lock(&self.shared).take());
+        if !crate::gil::exiting() {
+            Python::with_gil(crate::release::flush_if_idle);
+        }
+        crate::release::nudge();
+    }
 }
 
 impl StoreReader {
@@ -331,7 +327,7 @@ impl StoreReader {
     /// A zero-copy view of the object: a `ReadGuard` exporting its bytes
     /// through the buffer protocol, holding the slot until released.
     fn get(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<ReadGuard> {
-        let held = Held::new(py, &self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0, true)?;
         Ok(ReadGuard {
             handle: handle.0,
             len: held.len,
@@ -413,13 +409,14 @@ impl StoreReader {
         PyTuple::new(py, [arrays.into_any(), meta_dict.into_any()])
     }
 
-    /// A copy of the object's bytes; the read is acknowledged.
+    /// A copy of the object's bytes; the read is acknowledged (never gated
+    /// by `set_release_gate`: the copy is done).
     fn get_copy<'py>(
         &self,
         py: Python<'py>,
         handle: ObjectHandle,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let held = Held::new(py, &self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0, false)?;
         let out = bytes_copy(py, held.bytes());
         drop(held);
         out
@@ -428,6 +425,7 @@ impl StoreReader {
     /// Copies the object's bytes into the start of `buffer` (any writable
     /// contiguous buffer) and returns how many were written. A buffer
     /// smaller than the object raises ValueError; the read still counts.
+    /// Never gated by `set_release_gate`, as `get_copy`.
     fn get_copy_into(
         &self,
         py: Python<'_>,
@@ -435,7 +433,7 @@ impl StoreReader {
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let mut out = Buffer::writable(buffer)?;
-        let held = Held::new(py, &self.shared()?, handle.0)?;
+        let held = Held::new(py, &self.shared()?, handle.0, false)?;
         let src = held.bytes();
         let dst = out.as_mut_slice();
         if dst.len() < src.len() {
@@ -507,10 +505,14 @@ impl StoreReader {
     }
 
     /// Detaches. Guards still held keep the reader attached until the last
-    /// is released. Closing twice does nothing.
+    /// is released, and so do reads waiting for their release gate's
+    /// events: those already completed are released here, the others when
+    /// theirs completes (by the release poller, with no further call).
+    /// Closing twice does nothing.
     fn close(&self, py: Python<'_>) {
         let shared = lock(&self.shared).take();
         crate::gil::released(py, || drop(shared));
+        crate::release::flush_releases(py);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

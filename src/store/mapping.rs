@@ -50,15 +50,24 @@ impl Mapping {
         Ok(Arc::new(Mapping { pinned, views, seg }))
     }
 
-    /// Where the bytes at `p` (inside the read-write mapping) are seen in
-    /// the read-only one, if there is one; `p` itself otherwise. The same
+    /// Where the bytes at `p` (inside the read-write mapping, or one past
+    /// its end: an empty payload that ends the ring) are seen in the
+    /// read-only one, if there is one; `p` itself otherwise. The same
     /// pages either way: only the permission differs.
+    ///
+    /// `p` one past the end maps to one past the end of the read-only
+    /// mapping: a pointer Rust allows (an allocation's end), from which
+    /// only an empty slice is ever made (a payload of `len` bytes at
+    /// offset `off` has `off + len <= seg.len()`), which reads nothing.
     pub(crate) fn view_of(&self, p: *const u8) -> *const u8 {
         match &self.views {
             Some(ro) => {
-                let off = p as usize - self.seg.as_ptr() as usize;
-                debug_assert!(off < self.seg.len());
-                // In bounds: both mappings span the whole segment.
+                let off = (p as usize).wrapping_sub(self.seg.as_ptr() as usize);
+                debug_assert!(off <= self.seg.len(), "a payload outside the segment");
+                // In bounds or one past the end: both mappings span the
+                // whole segment. `wrapping_add` forms the pointer without
+                // any in-bounds precondition; it keeps `ro`'s provenance,
+                // so it reads the read-only mapping where it is in bounds.
                 ro.as_ptr().wrapping_add(off)
             }
             None => p,

@@ -3,8 +3,8 @@ torch, pinshm from the kit's wheel): a multimodal input to the GPU the way
 vLLM's worker does it today (decode a copy, pin_memory() copies it again,
 then H2D) against the path from a pinned slot (the slot is the tensor:
 pin_memory() returns it, H2D is a DMA from it), and the event-gated
-release under a deliberately slow copy, with the bytes on the device
-checked. Prints one line per figure and ends with PASS or FAIL."""
+release under a deliberately slow copy, on the current stream and on a
+side stream, with the bytes on the device checked. Prints one line per figure and ends with PASS or FAIL."""
 
 import statistics
 import sys
@@ -93,6 +93,37 @@ def main():
     print(f"gated release: pending after the views went {pending}, slot kept through 40 puts {kept and still}, pending after sync {left}, device bytes right {good}")
     if pending < 1 or not kept or left != 0 or not good:
         failures.append("gated release")
+
+    # The same on a side stream: the copy is queued on `side`, behind a
+    # long kernel there, and the last view goes with the default stream
+    # current. install(streams=[side]) records the release's event on
+    # `side` too, so the slot is kept until that copy is done; the release
+    # poller then releases it with no further call on the reader.
+    side = torch.cuda.Stream()
+    hs = store.put_tensor("side", np.full(16 * MIB, 7, dtype=np.uint8))
+    cuda_release.install(streams=[side])
+    try:
+        view = torch.from_dlpack(reader.get_tensor(hs))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on `side`
+            on_side = view.to(dev, non_blocking=True)
+        del view  # the default stream is current again
+    finally:
+        cuda_release.uninstall()
+    pending_side = pinshm.flush_releases()
+    for i in range(40):
+        reader.get(store.put(f"side-fill{i}", bytes(16 * MIB))).release()
+    kept_side = store.is_cached("side")
+    side.synchronize()
+    deadline = time.monotonic() + 5
+    while pinshm.flush_releases() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left_side = pinshm.flush_releases()
+    torch.cuda.current_stream().wait_stream(side)
+    good_side = bool((on_side == 7).all())
+    print(f"gated release, side stream: pending after the views went {pending_side}, slot kept through 40 puts {kept_side}, pending after sync {left_side}, device bytes right {good_side}")
+    if pending_side < 1 or not kept_side or left_side != 0 or not good_side:
+        failures.append("gated release on a side stream")
     reader.close()
     store.close()
     if failures:

@@ -6,7 +6,8 @@
 #   3. the bandwidth table (pinned vs pageable, registration, pack/unpack);
 #   4. the bench (examples/bench.rs, --quick);
 #   5. the Python side with the machine's torch (py_pinned.py): vLLM's path
-#      to the GPU against the pinned slot's, and the event-gated release.
+#      to the GPU against the pinned slot's, and the event-gated release
+#      (a copy on the current stream, and one on a side stream).
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail

@@ -68,6 +68,11 @@ fn a_sparse_channel_costs_the_pages_its_messages_touch() {
 /// Runs `role` of this binary in a mount namespace whose /dev/shm is a
 /// 32 MiB tmpfs; its stdout, or `None` where that cannot be done here.
 fn in_small_dev_shm(role: &str) -> Option<String> {
+    in_small_dev_shm_with(role, &[])
+}
+
+/// As [`in_small_dev_shm`], with more environment for the child.
+fn in_small_dev_shm_with(role: &str, env: &[(&str, &str)]) -> Option<String> {
     if !common::namespaces_allowed(&["-m"], "a mount namespace") {
         return None;
     }
@@ -81,6 +86,7 @@ fn in_small_dev_shm(role: &str) -> Option<String> {
         .arg(std::env::current_exe().unwrap())
         .arg(role)
         .env("PINSHM_CHILD", role)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .output()
@@ -349,4 +355,77 @@ fn child_reads_past_written_on_full_shm() {
     refuse_all(&r, &handles_past_the_written(h, capacity, 192));
     assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
     println!("RESULT past ok");
+}
+
+/// Issue 27, point 3: a cache (a sparse store) and a queue (a sparse
+/// channel) share a 32 MiB /dev/shm; the cache is filled with far more than
+/// fits, then the queue's larger messages come. With a headroom the cache
+/// stops growing before it takes what the queue needs; without one it
+/// starves the queue (the control, which shows the test can fail).
+#[test]
+fn a_cache_with_a_headroom_never_starves_the_queue_beside_it() {
+    if let Some(with) =
+        in_small_dev_shm_with("child_cache_beside_queue", &[("PINSHM_HEADROOM", "1")])
+    {
+        assert!(with.contains("RESULT queue ok 10 of 10"), "{with}");
+        let without =
+            in_small_dev_shm_with("child_cache_beside_queue", &[("PINSHM_HEADROOM", "0")])
+                .expect("allowed once");
+        assert!(without.contains("RESULT queue starved"), "{without}");
+    }
+}
+
+#[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
+fn child_cache_beside_queue() {
+    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_cache_beside_queue") {
+        return;
+    }
+    let headroom = std::env::var("PINSHM_HEADROOM").as_deref() == Ok("1");
+    // The queue: 10 slots of 2 MiB, as vLLM's (smaller), small messages
+    // first, so its pages are not taken yet.
+    let mut tx =
+        Broadcast::create(BroadcastConfig::new(1, 10, 2 * MIB).name("pinshm-test-beside-chan"))
+            .unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    tx.send(b"hello").unwrap();
+    assert_eq!(&*rx.recv().unwrap(), b"hello");
+    // The cache: 256 MiB on a 32 MiB /dev/shm, 100 distinct 512 KiB
+    // objects, each read (so it may go): every put must succeed.
+    let mut cfg = StoreConfig::new(256 * MIB, MIB, 1)
+        .name("pinshm-test-beside-cache")
+        .reserve(false)
+        .prefault(false);
+    if headroom {
+        // What the queue's slots can take, and a little more.
+        cfg = cfg.shm_headroom(22 * MIB as u64);
+    }
+    let mut w = ObjectStore::create(cfg).unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    for i in 0..100u64 {
+        let h = w
+            .put(&format!("k{i}"), &pattern(i, 512 * KIB))
+            .unwrap_or_else(|e| panic!("put {i}: {e}"));
+        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 512 * KIB));
+    }
+    // The queue's large messages.
+    let mut sent = 0;
+    for i in 0..10u64 {
+        match tx.send(&pattern(i, 2 * MIB - 4 * KIB)) {
+            Ok(()) => {
+                assert_eq!(rx.recv().unwrap().len(), 2 * MIB - 4 * KIB);
+                sent += 1;
+            }
+            Err(Error::NoSpace { .. }) => break,
+            Err(e) => panic!("send {i}: {e}"),
+        }
+    }
+    if sent == 10 {
+        println!(
+            "RESULT queue ok {sent} of 10 ({:?})",
+            w.stats().nospace_fallbacks
+        );
+    } else {
+        println!("RESULT queue starved after {sent} of 10");
+    }
 }

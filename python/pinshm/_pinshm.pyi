@@ -134,6 +134,7 @@ class ObjectStore:
         prefault: Optional[bool] = None,
         eviction: Literal["fifo", "second_chance"] = "second_chance",
         pin: Literal["auto", "off", "require"] = "auto",
+        shm_headroom: int = 0,
     ) -> ObjectStore: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:

@@ -55,13 +55,18 @@ impl ObjectStore {
     /// `get_cached` since the allocator last passed it stays one more lap)
     /// or `"fifo"` (the oldest reclaimable object goes).
     ///
+    /// `shm_headroom` (bytes, default 0; sparse stores): new pages are
+    /// backed only while /dev/shm keeps that much free afterwards; below
+    /// it the store reuses what it has (a cache beside a queue that must
+    /// not run out).
+    ///
     /// `pin` is `"auto"` (default: a `cuda` build with a driver pins a
     /// reserved segment in this process), `"off"` (never: a process that
     /// must stay CUDA-free, such as vLLM's API server, which forks the
     /// engine) or `"require"` (pin or raise).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=None, eviction="second_chance", pin="auto"
+        *, reserve=true, prefault=None, eviction="second_chance", pin="auto", shm_headroom=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -75,6 +80,7 @@ impl ObjectStore {
         prefault: Option<bool>,
         eviction: &str,
         pin: &str,
+        shm_headroom: u64,
     ) -> PyResult<Self> {
         let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
@@ -91,7 +97,8 @@ impl ObjectStore {
             .reserve(reserve)
             .prefault(prefault.unwrap_or(reserve))
             .eviction(eviction)
-            .pin(pin);
+            .pin(pin)
+            .shm_headroom(shm_headroom);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }

@@ -14,6 +14,7 @@ pub struct StoreConfig {
     pub(crate) name: Option<String>,
     pub(crate) prefault: bool,
     pub(crate) reserve: bool,
+    pub(crate) shm_headroom: u64,
     pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
@@ -56,6 +57,7 @@ impl StoreConfig {
             name: None,
             prefault: true,
             reserve: true,
+            shm_headroom: 0,
             pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
@@ -123,6 +125,20 @@ impl StoreConfig {
     /// segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
         self.reserve = yes;
+        self
+    }
+
+    /// For a sparse store ([`StoreConfig::reserve`] off): back new pages
+    /// only while /dev/shm keeps at least `bytes` free afterwards (default
+    /// 0: until it is full). Below that the store stops growing and reuses
+    /// the part of its ring it has, as on a full /dev/shm: a put lands in
+    /// what is backed, evicting there, or fails with
+    /// [`Error::NoSpace`](crate::Error::NoSpace) (whose `available` is the
+    /// free space less the headroom). For a cache that shares /dev/shm
+    /// with something that cannot fail, such as a message queue: the cache
+    /// is the elastic user, the queue keeps what it needs.
+    pub fn shm_headroom(mut self, bytes: u64) -> Self {
+        self.shm_headroom = bytes;
         self
     }
 

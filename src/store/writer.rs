@@ -161,6 +161,8 @@ impl ObjectStore {
         // error here, never SIGBUS).
         let mut backing = Backing::prefix(total as u64, cfg.reserve);
         backing.ensure(&seg, 0, header_len as u64)?;
+        // The headroom is for the data: a store always gets its header.
+        let backing = backing.headroom(cfg.shm_headroom);
         // The lock before the stamp: whoever sees the magic sees a writer
         // whose death the kernel will report.
         if !seg.try_lock(liveness::WRITER_SLOT)? {

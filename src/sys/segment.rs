@@ -475,6 +475,8 @@ pub struct Backing {
     contiguous: bool,
     /// Chunks `0..leading` are all backed.
     leading: u64,
+    /// Free bytes of /dev/shm that backing must leave ([`Backing::headroom`]).
+    headroom: u64,
 }
 
 impl Backing {
@@ -493,6 +495,7 @@ impl Backing {
             unbacked: if backed { 0 } else { chunks },
             contiguous: false,
             leading: if backed { chunks } else { 0 },
+            headroom: 0,
         }
     }
 
@@ -503,6 +506,14 @@ impl Backing {
             contiguous: true,
             ..Backing::new(len, backed)
         }
+    }
+
+    /// Backs new pages only while /dev/shm keeps `bytes` free afterwards
+    /// (else `NoSpace`, as when it is full): one `statvfs` per run of new
+    /// chunks, none once everything is backed.
+    pub fn headroom(mut self, bytes: u64) -> Backing {
+        self.headroom = bytes;
+        self
     }
 
     /// Bytes from the start of the file that are all backed.
@@ -545,6 +556,18 @@ impl Backing {
             }
             let from = run_start * Self::CHUNK;
             let to = (c * Self::CHUNK).min(self.len);
+            if self.headroom > 0 {
+                let free = shm_free_bytes();
+                if free < (to - from).saturating_add(self.headroom) {
+                    let err = Error::NoSpace {
+                        name: seg.name().to_owned(),
+                        requested: to - from,
+                        available: free.saturating_sub(self.headroom),
+                    };
+                    tracing::debug!(%err, headroom = self.headroom, "not backing: /dev/shm is under the headroom");
+                    return Err(err);
+                }
+            }
             seg.back(from, to - from)?;
             for k in run_start..c {
                 self.bits[(k / 64) as usize] |= 1 << (k % 64);

@@ -427,3 +427,14 @@ def test_vllms_own_serde_carries_tensors_and_multimodal_items(make):
     a, i = w.put("mm", item)
     got = r.get(a, i, w.get_signature("mm"), "mm")
     assert torch.equal(got["pixel_values"].data, torch.ones(3, 5))
+
+
+def test_the_cache_leaves_a_headroom_of_dev_shm(monkeypatch):
+    # Issue 27, point 3: the cache is /dev/shm's elastic user.
+    from pinshm.vllm import storage
+
+    monkeypatch.setenv("PINSHM_VLLM_SHM_HEADROOM", "12345")
+    assert storage.shm_headroom() == 12345
+    monkeypatch.delenv("PINSHM_VLLM_SHM_HEADROOM")
+    st = os.statvfs("/dev/shm")
+    assert storage.shm_headroom() == min(st.f_blocks * st.f_frsize // 4, 1 << 30)

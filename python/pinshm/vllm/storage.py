@@ -41,6 +41,7 @@ not offered.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 from collections.abc import Mapping
@@ -59,6 +60,8 @@ from ._serde import MsgpackSerde, ObjectSerde, zero_copy
 from ._tracker import announce, track, untrack
 from ._wire import MAX_ID, OFFSET_BITS, IdIndex, KeyIndex, from_wire, stale, to_wire
 
+logger = logging.getLogger("vllm.pinshm.storage")
+
 __all__ = [
     "MsgpackSerde",
     "ObjectSerde",
@@ -72,6 +75,25 @@ _FLAG_BYTES = 4
 
 _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
+
+
+def shm_headroom() -> int:
+    """Free bytes of /dev/shm a sparse cache leaves when it grows, for the
+    queues and other segments beside it, which cannot fail where a cache
+    can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else a
+    quarter of /dev/shm's size, at most 1 GiB (16 MiB of a container's
+    64 MiB, enough for vLLM's executor queue's messages)."""
+    value = os.environ.get("PINSHM_VLLM_SHM_HEADROOM")
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            logger.warning("PINSHM_VLLM_SHM_HEADROOM=%r is not a byte count; using the default", value)
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return min(st.f_blocks * st.f_frsize // 4, 1 << 30)
 
 
 class SingleWriterShmRingBuffer:
@@ -133,6 +155,9 @@ class SingleWriterShmRingBuffer:
                     prefault=reserve,
                     # vLLM's API server forks the engine core: no CUDA here.
                     pin="off",
+                    # The cache is /dev/shm's elastic user: it leaves the
+                    # queues beside it what they need.
+                    shm_headroom=0 if reserve else shm_headroom(),
                 )
             except PinshmError as e:
                 if os.path.exists(os.path.join("/dev/shm", self.name)):

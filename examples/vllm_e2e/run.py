@@ -3,12 +3,16 @@
 through the HTTP server, for three configurations:
 
 - ``stock``: vLLM alone (``VLLM_PLUGINS=""``: no plugin loads);
-- ``cache``: pinshm's plugin (the multimodal cache on pinshm);
+- ``auto``: pinshm's plugin as installed: the multimodal cache on pinshm,
+  each queue vLLM's or pinshm's by vLLM's /dev/shm check (the default,
+  ``PINSHM_VLLM_MESSAGE_QUEUE=auto``);
+- ``cache``: the cache alone (``PINSHM_VLLM_MESSAGE_QUEUE=0``);
 - ``queue``: pinshm's cache and MessageQueue (``PINSHM_VLLM_MESSAGE_QUEUE=1``);
 - ``zerocopy`` (ask for it with ``--configs``): the cache, with the workers'
   decoded tensors viewing the slot (``PINSHM_VLLM_ZERO_COPY=1``).
 
     python run.py --python /path/to/venv/bin/python [--quick] [--out DIR]
+    python run.py ... --shm-size 64m --reference DIR/runs.json   # a container's /dev/shm
 
 ``--python`` (or ``$VLLM_PYTHON``) is any interpreter with vLLM and pinshm
 installed; this script itself needs only the standard library. Per run it
@@ -38,7 +42,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
     "stock": {"VLLM_PLUGINS": ""},
-    "cache": {},
+    # The plugin as installed: the cache, and each queue vLLM's or pinshm's
+    # by vLLM's own /dev/shm check (PINSHM_VLLM_MESSAGE_QUEUE=auto).
+    "auto": {},
+    "cache": {"PINSHM_VLLM_MESSAGE_QUEUE": "0"},
     "queue": {"PINSHM_VLLM_MESSAGE_QUEUE": "1"},
     # The cache with decoded tensors viewing the slot (read-only mapping).
     "zerocopy": {"PINSHM_VLLM_ZERO_COPY": "1"},
@@ -383,13 +390,16 @@ def med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
-def summarize(runs: list[dict]) -> tuple[dict, str]:
+def summarize(runs: list[dict], reference: list[dict] = ()) -> tuple[dict, str]:
     rows = {}
     for r in runs:
         rows.setdefault((r["mode"], r["config"]), []).append(r)
     summary = {}
     for (mode, cfg), rs in rows.items():
-        stock = rows.get((mode, "stock"), [])
+        # Stock's tokens from this run where stock ran to the end (in a
+        # small /dev/shm it does not start), else from --reference's.
+        stock = [r for r in rows.get((mode, "stock"), []) if "tokens" in r]
+        stock = stock or [r for r in reference if r.get("mode") == mode and r.get("config") == "stock" and "tokens" in r]
         ref = stock[0] if stock else None
         same = None
         if ref is not None and "tokens" in ref:
@@ -432,6 +442,19 @@ def summarize(runs: list[dict]) -> tuple[dict, str]:
     return summary, "\n".join(md) + "\n"
 
 
+def in_container(size: str) -> None:
+    """Re-runs this command in a private mount namespace whose /dev/shm is
+    a fresh tmpfs of `size` (what a container gets), so the harness's own
+    /dev/shm sampling sees the same one; exits with its status."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        sys.exit(f"--shm-size needs a private mount namespace (root and unshare): {probe.stderr.decode().strip()}")
+    env = dict(os.environ, PINSHM_E2E_IN_CONTAINER=size)
+    script = f'mount -t tmpfs -o size={size} pinshm-e2e /dev/shm && exec "$0" "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, sys.executable, *sys.argv]
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=os.environ.get("VLLM_PYTHON"), help="a Python with vLLM and pinshm")
@@ -442,7 +465,24 @@ def main() -> None:
     ap.add_argument("--configs", default="stock,cache,queue")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--port", type=int, default=18123)
+    ap.add_argument(
+        "--shm-size",
+        default=None,
+        help="run everything (this harness, the engines) with a private /dev/shm of this size, "
+        "as a container's (64m is Docker's default): unshare -m and a tmpfs, which needs root",
+    )
+    ap.add_argument("--images", type=int, default=None, help="distinct images per pass (default 12)")
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help="runs.json of an earlier run (stock on a roomy /dev/shm) to compare tokens with",
+    )
     args = ap.parse_args()
+    if args.images is not None:
+        os.environ["E2E_IMAGES"] = str(args.images)
+    if args.shm_size and os.environ.get("PINSHM_E2E_IN_CONTAINER") != args.shm_size:
+        in_container(args.shm_size)
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -450,6 +490,7 @@ def main() -> None:
     if not (model / "BUILT").exists():
         subprocess.run([args.python, str(HERE / "build_model.py"), str(model)], check=True)
     passes, singles, repeat = (1, 1, 1) if args.quick else (3, 3, args.repeat)
+    import workload  # after E2E_IMAGES is set
     versions = subprocess.run(
         [args.python, "-c", "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"],
         capture_output=True, text=True, check=True,
@@ -468,8 +509,14 @@ def main() -> None:
                 brief = {k: r.get(k) for k in ("rc", "hits", "items", "init_s", "pass_s", "exit_s", "shm_peak_queues_mib", "shm_left", "tracebacks", "forced_kills")}
                 print(json.dumps(brief), flush=True)
                 (args.out / "runs.json").write_text(json.dumps(runs, indent=1, default=str))
-    summary, md = summarize(runs)
-    head = f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; {'quick' if args.quick else f'{repeat} runs'} per row, medians\n\n"
+    reference = json.loads(args.reference.read_text()) if args.reference else []
+    summary, md = summarize(runs, reference)
+    shm = f"/dev/shm {args.shm_size} (private tmpfs)" if args.shm_size else "the host's /dev/shm"
+    head = (
+        f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; {shm}; "
+        f"{workload.N_IMAGES} distinct images per pass; "
+        f"{'quick' if args.quick else f'{repeat} runs'} per row, medians\n\n"
+    )
     (args.out / "summary.json").write_text(json.dumps({"versions": versions, "rows": summary}, indent=1))
     (args.out / "summary.md").write_text(head + md)
     print(head + md)

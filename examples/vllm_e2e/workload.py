@@ -3,9 +3,12 @@ up 64x64 images, seeded, so every run sees the same pixels."""
 
 import base64
 import io
+import os
 
-N_IMAGES = 12
-PER_PASS = 20
+# E2E_IMAGES: distinct images per pass (default 12); with more, a pass has
+# as many prompts as it takes to show each image twice (two per prompt).
+N_IMAGES = int(os.environ.get("E2E_IMAGES", "12"))
+PER_PASS = max(20, N_IMAGES)
 PROMPT = "user: <image> <image> what is in the picture\nassistant:"
 SINGLE_PROMPT = "user: <image> describe the image\nassistant:"
 
@@ -20,7 +23,7 @@ def image(i: int):
 
 def pass_pairs():
     """(first image, second image) of each prompt of a pass: 40 items over
-    12 images."""
+    12 images by default."""
     return [(i % N_IMAGES, (3 * i + 1) % N_IMAGES) for i in range(PER_PASS)]
 
 

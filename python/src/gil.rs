@@ -57,21 +57,33 @@ pub(crate) fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) ->
     r
 }
 
-/// Runs `f` with the GIL, on a thread that is not Python's (the release
-/// poller), unless the interpreter is exiting: then None, and the GIL is
-/// never taken. A thread that passes the door counts itself in `PASSING`
-/// until it has let go of the GIL again (not just until it has it, as in
-/// `released`: its thread state ends with `f`, and Python code in `f` may
-/// let go of the GIL meanwhile), so `at_exit` waits for `f` to be done.
-pub(crate) fn with_gil_unless_exiting<R>(f: impl FnOnce(Python<'_>) -> R) -> Option<R> {
+/// Runs `f` with the GIL, then `then` on its result with the GIL let go
+/// again, on a thread that is not Python's (the release poller), unless
+/// the interpreter is exiting: then None, and the GIL is never taken. A
+/// thread that passes the door counts itself in `PASSING` until `then` is
+/// done (not just until it has the GIL, as in `released`: its thread state
+/// ends with `f`, Python code in `f` may let go of the GIL meanwhile, and
+/// `then` ends reads of segments the exit may be about to unmap), so
+/// `at_exit` waits for both.
+pub(crate) fn with_gil_unless_exiting_then<R, S>(
+    f: impl FnOnce(Python<'_>) -> R,
+    then: impl FnOnce(R) -> S,
+) -> Option<S> {
     PASSING.fetch_add(1, SeqCst);
     if CLOSED.load(SeqCst) {
         PASSING.fetch_sub(1, SeqCst);
         return None;
     }
+    // Counted out even if `f` or `then` unwinds.
+    struct Out;
+    impl Drop for Out {
+        fn drop(&mut self) {
+            PASSING.fetch_sub(1, SeqCst);
+        }
+    }
+    let _out = Out;
     let r = Python::with_gil(f);
-    PASSING.fetch_sub(1, SeqCst);
-    Some(r)
+    Some(then(r))
 }
 
 /// Whether the interpreter is shutting down (`at_exit` has run).

@@ -163,11 +163,7 @@ struct Release {
 // which runs under the reader's mutex (`Drop for Release`).
 unsafe impl Send for Release {}
 
-impl crate::release::Gated for Release {
-    fn forked(&self) -> bool {
-        self.reader.home.forked()
-    }
-}
+impl crate::release::Gated for Release {}
 
 impl Drop for Release {
     fn drop(&mut self) {
@@ -236,13 +232,12 @@ pub(crate) struct StoreReader {
 }
 
 impl Drop for StoreReader {
-    /// As `close()`, but a pass of the release poller under way is not
-    /// waited for (it ends the completed reads itself).
+    /// As `close()`, but its completed reads are left to the release
+    /// poller, woken (or started) here: a drop may run with an exception
+    /// pending (a dealloc during an unwind), so it calls no Python (a
+    /// `query()` would fail for that exception, and count as completed).
     fn drop(&mut self) {
         drop(lock(&self.shared).take());
-        if !crate::gil::exiting() {
-            Python::with_gil(crate::release::flush_if_idle);
-        }
         crate::release::nudge();
     }
 }
@@ -591,7 +586,9 @@ impl ReadGuard {
     /// Drops the guard's own hold, whatever exports remain (they keep the
     /// read until they go).
     fn drop_hold(&self) {
-        drop(lock(&self.held).take());
+        // Taken out first: the read's drop may call the gate (Python).
+        let held = lock(&self.held).take();
+        drop(held);
     }
 }
 

@@ -22,22 +22,35 @@
 //! - every get, `flush_releases()` and `StoreReader.close()`, which wait
 //!   (GIL released) for a pass under way, then make their own: a get
 //!   still sees every read whose event completed before it began;
-//! - dropping a `StoreReader`, which makes a pass unless one is under way.
+//! - dropping a `StoreReader` only wakes the poller (starting it if none
+//!   runs): a drop may run with an exception pending (a dealloc during an
+//!   unwind), where no Python call of ours belongs.
+//!
+//! Python code called from a drop (the gate, when a read's last view
+//! goes; `query()`) runs with the exception pending, if any, set aside
+//! and restored after: it neither fails for it nor swallows it.
 //!
 //! One pass at a time (`State::busy`): a pass takes the pending list out,
 //! queries with the GIL held and no lock of ours, and puts back what has
-//! not completed. The reads that complete are ended (acknowledged) with
+//! not completed (`Pass`'s drop, so a panic in a pass puts back what it
+//! has not seen complete, and ends the pass). The reads that complete are ended (acknowledged) with
 //! the GIL released by the poller, held by the others (each waits only for
 //! its reader's mutex, never held across a wait for the GIL: see lib.rs).
 //! A pending read keeps its reader attached (as a guard does), closed or
 //! not, until its event completes: nothing forgets a copy in flight.
 //!
-//! In a forked child the pending reads of the parent are the parent's:
-//! they are forgotten (never queried, never ended, their events never
-//! touched), and a pass the parent had under way at the fork does not
-//! block the child.
+//! The state is per fork generation (`Gen`, found by `here()`): a forked
+//! child's first use swaps in a fresh one and leaks the parent's without
+//! locking it (the poller, not holding the GIL, may have held its mutex at
+//! the `os.fork()`, which needs only the GIL: locked forever in the
+//! child). So the parent's pending reads are forgotten in the child
+//! (never queried, never ended, their events never touched), and a pass
+//! the parent had under way at the fork does not block the child. Nothing
+//! holds a mutex of ours while it waits for the GIL or runs Python code
+//! (`GATE` is held only to clone or swap the gate), so no `pthread_atfork`
+//! handler is needed either.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::Duration;
@@ -48,14 +61,50 @@ use crate::lock;
 
 /// Whether a gate is set: a read's drop checks only this when none is.
 static SET: AtomicBool = AtomicBool::new(false);
+/// Held only to clone or swap the gate (no Python code runs under it: the
+/// gate replaced is dropped after).
 static GATE: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
 
-/// How often the poller polls while reads are pending.
+/// How often the poller polls while reads are pending and some completed
+/// in its last pass.
 const POLL_EVERY: Duration = Duration::from_millis(1);
+/// How often it polls while none completed in its last pass (a read that
+/// pends meanwhile wakes it at once).
+const POLL_IDLE: Duration = Duration::from_millis(10);
 /// How long the poller waits for a read to pend before its thread ends
 /// (a process that gates no more reads has no thread of ours left: a
 /// later `os.fork()` sees one thread fewer).
 const IDLE_EXIT: Duration = Duration::from_secs(1);
+
+/// Runs `f` with the exception pending, if any, set aside (restored
+/// after): Python code called from a drop (a dealloc during an unwind)
+/// must neither fail for it nor clear it.
+fn keeping_exception<R>(_py: Python<'_>, f: impl FnOnce() -> R) -> R {
+    let (mut t, mut v, mut tb) = (
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
+    // SAFETY: the GIL is held (`_py`); PyErr_Fetch moves the pending
+    // exception's three (possibly null) references into ours, leaving none
+    // pending. Fetch/Restore are in every version we support (deprecated,
+    // not removed, in 3.12).
+    #[allow(deprecated)]
+    unsafe {
+        pyo3::ffi::PyErr_Fetch(&mut t, &mut v, &mut tb)
+    };
+    let r = f();
+    if !t.is_null() {
+        // SAFETY: the GIL is held; `f` left no exception pending (every
+        // error of ours is reported or dropped before it returns), and
+        // Restore takes back the three references Fetch gave us.
+        #[allow(deprecated)]
+        unsafe {
+            pyo3::ffi::PyErr_Restore(t, v, tb)
+        };
+    }
+    r
+}
 
 /// Sets (or, with None, clears) the release gate: a callable taking no
 /// arguments, called when a read's last view goes, returning None (release
@@ -63,277 +112,355 @@ const IDLE_EXIT: Duration = Duration::from_secs(1);
 #[pyfunction]
 #[pyo3(signature = (gate))]
 pub(crate) fn set_release_gate(gate: Option<Py<PyAny>>) {
-    let mut g = lock(&GATE);
-    SET.store(gate.is_some(), Ordering::Release);
-    *g = gate;
+    let old = {
+        let mut g = lock(&GATE);
+        SET.store(gate.is_some(), Ordering::Release);
+        std::mem::replace(&mut *g, gate)
+    };
+    // Its decref may run Python code: not under our mutex.
+    drop(old);
 }
 
 /// The event to wait for before releasing a read whose last view just
 /// went, if a gate is set and returns one. A gate that raises is reported
 /// (as an unraisable exception) and the read released at once: the gate
 /// is the caller's promise about its copies, and without an answer there
-/// is nothing to wait for.
+/// is nothing to wait for. An exception pending (this runs in a drop) is
+/// set aside meanwhile.
 pub(crate) fn event_for_release() -> Option<Py<PyAny>> {
     if !SET.load(Ordering::Acquire) || crate::gil::exiting() {
         return None;
     }
     Python::with_gil(|py| {
         let gate = lock(&GATE).as_ref().map(|g| g.clone_ref(py))?;
-        match gate.call0(py) {
+        keeping_exception(py, || match gate.call0(py) {
             Ok(ev) if ev.is_none(py) => None,
             Ok(ev) => Some(ev),
             Err(e) => {
                 e.write_unraisable(py, Some(gate.bind(py)));
                 None
             }
-        }
+        })
     })
 }
 
 /// Whether `event` has completed (`query()` true). An event whose query
 /// raises counts as completed (reported as unraisable): a broken event
-/// must not hold a slot for the life of the process.
+/// must not hold a slot for the life of the process. An exception already
+/// pending is set aside meanwhile (so it is never taken for the query's).
 fn completed(py: Python<'_>, event: &Py<PyAny>) -> bool {
-    match event
-        .call_method0(py, "query")
-        .and_then(|r| r.is_truthy(py))
-    {
-        Ok(done) => done,
-        Err(e) => {
-            e.write_unraisable(py, Some(event.bind(py)));
-            true
+    keeping_exception(py, || {
+        match event
+            .call_method0(py, "query")
+            .and_then(|r| r.is_truthy(py))
+        {
+            Ok(done) => done,
+            Err(e) => {
+                e.write_unraisable(py, Some(event.bind(py)));
+                true
+            }
         }
-    }
+    })
 }
 
 /// A read waiting for its event: dropping it ends the read.
-pub(crate) trait Gated: Send {
-    /// Whether the read is a forked parent's (then it is forgotten).
-    fn forked(&self) -> bool;
-}
+pub(crate) trait Gated: Send {}
 
 type Entry = (Py<PyAny>, Box<dyn Gated>);
 
 struct State {
     /// Reads waiting for their events, but those a pass has taken out.
     pending: Vec<Entry>,
-    /// The pass under way, by (fork generation, thread): one at a time.
-    busy: Option<(u64, ThreadId)>,
+    /// The thread whose pass is under way: one at a time.
+    busy: Option<ThreadId>,
     /// How many reads the pass under way has taken out of `pending`.
     in_flight: usize,
 }
 
-static STATE: Mutex<State> = Mutex::new(State {
-    pending: Vec::new(),
-    busy: None,
-    in_flight: 0,
-});
-/// `pending.len() + in_flight`: a get, which flushes first, pays one load
-/// (not a lock) while no read is pending, the usual case.
-static COUNT: AtomicUsize = AtomicUsize::new(0);
-/// Wakes the poller: a read went pending.
-static WAKE: Condvar = Condvar::new();
-/// A pass ended.
-static IDLE: Condvar = Condvar::new();
-/// 1 + the fork generation the poller was started in (0: never).
-static POLLER: AtomicU64 = AtomicU64::new(0);
+/// The state of one fork generation of the process (see the module doc).
+struct Gen {
+    generation: u64,
+    state: Mutex<State>,
+    /// `pending.len() + in_flight`: a get, which flushes first, pays a
+    /// load or two (not a lock) while no read is pending, the usual case.
+    count: AtomicUsize,
+    /// Wakes the poller: a read went pending, or a pass left reads.
+    wake: Condvar,
+    /// A pass ended.
+    idle: Condvar,
+    /// Whether a poller runs (or is starting) in this generation.
+    poller: AtomicBool,
+}
 
-impl State {
-    /// The pass under way, unless it is a forked parent's (whose thread
-    /// is not in this process: it never ends here).
-    fn busy_here(&self) -> Option<ThreadId> {
-        self.busy
-            .filter(|&(g, _)| g == pinshm::fork_generation())
-            .map(|(_, t)| t)
-    }
+/// This generation's `Gen`, leaked (never freed: a reference to one is
+/// `'static`); null before the first use.
+static HERE: AtomicPtr<Gen> = AtomicPtr::new(std::ptr::null_mut());
 
-    fn count(&mut self) {
-        if self.busy_here().is_none() {
-            self.in_flight = 0;
+/// The state of this process's fork generation: in a forked child, on
+/// first use, a fresh one, the parent's left as it is (leaked, never
+/// locked: its mutex may be held by a thread that is not here).
+fn here() -> &'static Gen {
+    let generation = pinshm::fork_generation();
+    loop {
+        let now = HERE.load(Ordering::Acquire);
+        // SAFETY: a non-null `HERE` is a `Box<Gen>` turned raw and never
+        // freed (below), so it is valid, and shared only, for 'static.
+        if let Some(g) = unsafe { now.as_ref() } {
+            if g.generation == generation {
+                return g;
+            }
         }
-        COUNT.store(self.pending.len() + self.in_flight, Ordering::Release);
-    }
-
-    /// Starts a pass: takes the pending reads out, forgetting a forked
-    /// parent's.
-    fn begin(&mut self) -> Vec<Entry> {
-        let (parents, batch): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.pending)
-            .into_iter()
-            .partition(|(_, read)| read.forked());
-        // The parent's are forgotten: never ended, their events never
-        // dropped (a CUDA event of the parent must not be touched here).
-        std::mem::forget(parents);
-        self.busy = Some((pinshm::fork_generation(), std::thread::current().id()));
-        self.in_flight = batch.len();
-        batch
-    }
-
-    /// Ends a pass: puts back what is still pending; returns the count.
-    fn end(&mut self, still: Vec<Entry>) -> usize {
-        self.pending.extend(still);
-        self.busy = None;
-        self.in_flight = 0;
-        self.count();
-        IDLE.notify_all();
-        self.pending.len()
+        let fresh = Box::into_raw(Box::new(Gen {
+            generation,
+            state: Mutex::new(State {
+                pending: Vec::new(),
+                busy: None,
+                in_flight: 0,
+            }),
+            count: AtomicUsize::new(0),
+            wake: Condvar::new(),
+            idle: Condvar::new(),
+            poller: AtomicBool::new(false),
+        }));
+        match HERE.compare_exchange(now, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // The old one (the parent's) is leaked on purpose.
+            // SAFETY: published just now; never freed from here on.
+            Ok(_) => return unsafe { &*fresh },
+            // Another thread swapped first: ours was never shared.
+            // SAFETY: `fresh` came from `Box::into_raw` above and nobody
+            // else has seen it.
+            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
+        }
     }
 }
 
-/// Splits `batch` by `query()`: what is still pending, and the reads to
-/// end (their events dropped here, with the GIL).
-fn query_all(py: Python<'_>, batch: Vec<Entry>) -> (Vec<Entry>, Vec<Box<dyn Gated>>) {
-    let mut still = Vec::new();
+impl Gen {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    fn publish(&self, s: &State) {
+        self.count
+            .store(s.pending.len() + s.in_flight, Ordering::Release);
+    }
+
+    /// Starts a pass: takes the pending reads out.
+    fn begin(&'static self, s: &mut State) -> Pass {
+        let batch = std::mem::take(&mut s.pending);
+        s.busy = Some(std::thread::current().id());
+        s.in_flight = batch.len();
+        Pass { gen: self, batch }
+    }
+
+    fn wait_idle<'a>(&self, s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.idle
+            .wait_timeout(s, POLL_EVERY)
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+    }
+}
+
+/// A pass under way: its drop (at its end, or in a panic) puts back the
+/// reads still in `batch` (not seen complete), ends the pass, and wakes
+/// (starting it if none runs) the poller if reads remain.
+struct Pass {
+    gen: &'static Gen,
+    batch: Vec<Entry>,
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        let g = self.gen;
+        if g.generation != pinshm::fork_generation() {
+            // Forked during the pass (from a `query()`): the reads and the
+            // state are the parent's, left untouched.
+            std::mem::forget(std::mem::take(&mut self.batch));
+            return;
+        }
+        let mut s = g.lock();
+        s.pending.append(&mut self.batch);
+        s.busy = None;
+        s.in_flight = 0;
+        g.publish(&s);
+        let left = !s.pending.is_empty();
+        drop(s);
+        g.idle.notify_all();
+        if left {
+            start_poller(g);
+            g.wake.notify_one();
+        }
+    }
+}
+
+/// Queries the reads of `pass`: those completed come out, to be ended
+/// (their events dropped here, with the GIL); the rest stay in the pass.
+fn query_all(py: Python<'_>, pass: &mut Pass) -> Vec<Box<dyn Gated>> {
     let mut done = Vec::new();
-    for (event, read) in batch {
-        if completed(py, &event) {
+    let mut i = 0;
+    while i < pass.batch.len() {
+        // Taken out only once seen complete: a panic here leaves every
+        // other read in the pass, to be put back.
+        if completed(py, &pass.batch[i].0) {
+            let (event, read) = pass.batch.swap_remove(i);
             drop(event);
             done.push(read);
         } else {
-            still.push((event, read));
+            i += 1;
         }
     }
-    (still, done)
+    done
 }
 
 /// Queues `read` until `event` completes, and wakes the poller (starting
 /// it if this process has none).
 pub(crate) fn pend(event: Py<PyAny>, read: Box<dyn Gated>) {
-    let mut s = lock(&STATE);
+    let g = here();
+    let mut s = g.lock();
     s.pending.push((event, read));
-    s.count();
+    g.publish(&s);
     drop(s);
-    start_poller();
-    WAKE.notify_one();
+    start_poller(g);
+    g.wake.notify_one();
 }
 
-fn start_poller() {
-    let want = pinshm::fork_generation().wrapping_add(1);
-    let now = POLLER.load(Ordering::Acquire);
-    if now == want
-        || POLLER
-            .compare_exchange(now, want, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-    {
+fn start_poller(g: &'static Gen) {
+    if g.poller.swap(true, Ordering::AcqRel) {
         return;
     }
     // Without a poller (no thread to be had), gets and flush_releases
     // still poll: nothing panics, reads end later.
     if std::thread::Builder::new()
         .name("pinshm-release".into())
-        .spawn(poll)
+        .spawn(move || poll(g))
         .is_err()
     {
-        POLLER.store(now, Ordering::Release);
+        g.poller.store(false, Ordering::Release);
     }
 }
 
-/// The poller's body (see the module doc). It ends when the interpreter
-/// exits or after `IDLE_EXIT` with nothing pending; it is never running
-/// in a forked child (threads do not survive a fork), where a new one
-/// starts if the child gates reads of its own.
-fn poll() {
-    let generation = pinshm::fork_generation();
-    loop {
-        let mut batch = {
-            let mut s = lock(&STATE);
-            loop {
-                if crate::gil::exiting() || pinshm::fork_generation() != generation {
-                    return;
-                }
-                if s.pending.is_empty() {
-                    let (g, wait) = WAKE
-                        .wait_timeout(s, IDLE_EXIT)
-                        .unwrap_or_else(|p| p.into_inner());
-                    s = g;
-                    if wait.timed_out() && s.pending.is_empty() {
-                        // Under the lock: a read pended after this starts
-                        // a new poller (`pend` looks after pushing).
-                        POLLER.store(0, Ordering::Release);
-                        return;
-                    }
-                } else if s.busy_here().is_some() {
-                    s = wait_idle(s);
-                } else {
-                    break;
-                }
-            }
-            s.begin()
-        };
-        let polled =
-            crate::gil::with_gil_unless_exiting(|py| query_all(py, std::mem::take(&mut batch)));
-        let Some((still, done)) = polled else {
-            // Exiting: the batch goes back unpolled (nothing is ended
-            // unasked, and the pass ends, so nobody waits for it).
-            lock(&STATE).end(batch);
-            return;
-        };
-        // Ended with no GIL: each end waits for its reader's mutex only.
-        drop(done);
-        let left = lock(&STATE).end(still);
-        if left > 0 {
-            std::thread::sleep(POLL_EVERY);
+/// Marks the poller gone if its thread unwinds (a later read starts one).
+struct Running(&'static Gen);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poller.store(false, Ordering::Release);
         }
     }
 }
 
-fn wait_idle(s: MutexGuard<'_, State>) -> MutexGuard<'_, State> {
-    IDLE.wait_timeout(s, POLL_EVERY)
-        .unwrap_or_else(|p| p.into_inner())
-        .0
+/// The poller's body (see the module doc). It ends when the interpreter
+/// exits or after `IDLE_EXIT` with nothing pending and no pass under way;
+/// it is never running in a forked child (threads do not survive a fork),
+/// where a new one starts, on the child's own state, if the child gates
+/// reads of its own.
+fn poll(g: &'static Gen) {
+    let _running = Running(g);
+    loop {
+        let mut pass = {
+            let mut s = g.lock();
+            loop {
+                if crate::gil::exiting() {
+                    return;
+                }
+                if s.busy.is_some() {
+                    // A get's pass has the list out: it wakes us (`idle`).
+                    s = g.wait_idle(s);
+                } else if !s.pending.is_empty() {
+                    break;
+                } else {
+                    let (guard, wait) = g
+                        .wake
+                        .wait_timeout(s, IDLE_EXIT)
+                        .unwrap_or_else(|p| p.into_inner());
+                    s = guard;
+                    if wait.timed_out() && s.pending.is_empty() && s.busy.is_none() {
+                        // Under the lock: a read pended, or left by a
+                        // pass, after this starts a new poller (`pend` and
+                        // `Pass` look after putting it in).
+                        g.poller.store(false, Ordering::Release);
+                        return;
+                    }
+                }
+            }
+            g.begin(&mut s)
+        };
+        // Counted in the exit door until the reads are ended (with no
+        // GIL: each end waits for its reader's mutex only).
+        let polled = crate::gil::with_gil_unless_exiting_then(
+            |py| query_all(py, &mut pass),
+            |done| {
+                let progressed = !done.is_empty();
+                drop(done);
+                progressed
+            },
+        );
+        // The pass ends here, exiting or not: the batch goes back (nothing
+        // is ended unasked), and nobody waits for the pass.
+        drop(pass);
+        let Some(progressed) = polled else {
+            return;
+        };
+        let s = g.lock();
+        if !s.pending.is_empty() {
+            let every = if progressed { POLL_EVERY } else { POLL_IDLE };
+            // A read pended meanwhile wakes us at once.
+            drop(g.wake.wait_timeout(s, every));
+        }
+    }
 }
 
 /// Ends every pending read whose event has completed; returns how many
 /// are still pending. Waits (GIL released) for a pass under way, then
 /// makes its own, unless called from within a pass (a `query()` or a
 /// gate that calls it): then it only counts. Never waits for an event.
+/// Once the interpreter is exiting it only counts.
 #[pyfunction]
 pub(crate) fn flush_releases(py: Python<'_>) -> usize {
-    flush(py, true)
-}
-
-/// As `flush_releases`, but where a pass is under way (the poller's, most
-/// often) it makes none and waits for nothing (a reader's drop).
-pub(crate) fn flush_if_idle(py: Python<'_>) {
-    flush(py, false);
-}
-
-fn flush(py: Python<'_>, wait: bool) -> usize {
-    if COUNT.load(Ordering::Acquire) == 0 {
+    let g = here();
+    if g.count() == 0 {
         return 0;
     }
     let me = std::thread::current().id();
-    let batch = {
-        let mut s = lock(&STATE);
-        match s.busy_here() {
-            None => Some(s.begin()),
-            Some(t) if t == me || !wait => None,
+    let mut pass = loop {
+        if crate::gil::exiting() {
+            return g.count();
+        }
+        let mut s = g.lock();
+        match s.busy {
+            None => break g.begin(&mut s),
+            Some(t) if t == me => return g.count(),
             Some(_) => {
                 drop(s);
-                Some(crate::gil::released(py, || {
-                    let mut s = lock(&STATE);
-                    while s.busy_here().is_some() {
-                        s = wait_idle(s);
+                // Only waits: the pass begins once the GIL is back (a
+                // thread held at the exit door never holds the pass).
+                crate::gil::released(py, || {
+                    let mut s = g.lock();
+                    while s.busy.is_some() && !crate::gil::exiting() {
+                        s = g.wait_idle(s);
                     }
-                    s.begin()
-                }))
+                });
             }
         }
     };
-    let Some(batch) = batch else {
-        return COUNT.load(Ordering::Acquire);
-    };
-    let (still, done) = query_all(py, batch);
+    let done = query_all(py, &mut pass);
     // Ends the reads with the GIL held: each waits only for its reader's
     // mutex, which nobody holds while waiting for the GIL.
     drop(done);
-    lock(&STATE).end(still);
-    COUNT.load(Ordering::Acquire)
+    drop(pass);
+    g.count()
 }
 
-/// Wakes the poller (a reader was closed or dropped: the reads it has
-/// pending are polled at once).
+/// Wakes the poller, starting it if none runs (a reader was closed or
+/// dropped: the reads it has pending are polled at once). Calls no Python.
 pub(crate) fn nudge() {
-    if COUNT.load(Ordering::Acquire) > 0 {
-        WAKE.notify_one();
+    let g = here();
+    if g.count() > 0 {
+        start_poller(g);
+        g.wake.notify_one();
     }
 }

@@ -430,3 +430,66 @@ def test_a_child_forked_while_the_poller_polls_never_hangs(unique_name, closing)
         pinshm.set_release_gate(None)
         pinshm.flush_releases()
     eventually(lambda: store.free_unused() == 1, "the parent's reads, once completed")
+
+
+def raises(exc):
+    raise exc
+
+
+def test_a_reader_dropped_while_an_exception_unwinds_keeps_pending_reads(
+    unique_name, closing, gate
+):
+    # The reader's drop runs with the exception pending: a query() made
+    # there would fail for it (and count as completed, ending a read whose
+    # copy may still be in flight) and the exception would be lost.
+    store = small_store(unique_name, closing)
+
+    def pending_reader():
+        reader = pinshm.StoreReader.attach(store.handle(), 0)
+        gated_read(store, reader, "a")
+        return reader
+
+    with pytest.raises(KeyError, match="goes on"):
+        # The reader lives only on the value stack, which the unwind pops
+        # (dropping it) with the KeyError pending.
+        print(pending_reader(), raises(KeyError("goes on")))
+    gc.collect()
+    time.sleep(0.05)  # the poller polls meanwhile: its queries see no exception
+    assert store.free_unused() == 0, "a read ended while its event had not completed"
+    gate[0].done = True
+    eventually(lambda: store.free_unused() == 1, "the read, once its event completed")
+
+
+def test_a_view_dropped_while_an_exception_unwinds_calls_the_gate_cleanly(
+    unique_name, closing
+):
+    # The last view going during an unwind calls the gate with the
+    # exception pending: the gate's call must neither fail for it (then
+    # the read would be released at once) nor swallow it.
+    events = []
+
+    def make():
+        events.append(FakeEvent())
+        return events[-1]
+
+    store = small_store(unique_name, closing)
+    reader = closing(pinshm.StoreReader.attach(store.handle(), 0))
+    h = store.put("a", b"a" * OBJ)
+    pinshm.set_release_gate(make)
+    try:
+
+        with pytest.raises(KeyError, match="goes on"):
+            # The view (holding the read) lives only on the value stack,
+            # which the unwind pops with the KeyError pending.
+            print(memoryview(reader.get(h)), raises(KeyError("goes on")))
+        gc.collect()
+        assert len(events) == 1, "the gate was not asked (or failed)"
+        time.sleep(0.05)
+        assert store.free_unused() == 0, "released before its event completed"
+        events[0].done = True
+        eventually(lambda: store.free_unused() == 1, "the read, once its event completed")
+    finally:
+        pinshm.set_release_gate(None)
+        for ev in events:
+            ev.done = True
+        pinshm.flush_releases()

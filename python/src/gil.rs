@@ -26,12 +26,16 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
+use crate::per_fork::PerFork;
+
 /// Set (once) by `at_exit`: the interpreter is shutting down.
 static CLOSED: AtomicBool = AtomicBool::new(false);
 /// The thread that ran `at_exit` (it finalizes: it is never held back).
 static EXITING: OnceLock<ThreadId> = OnceLock::new();
-/// Threads between the door and the GIL.
-static PASSING: AtomicUsize = AtomicUsize::new(0);
+/// Threads between the door and the GIL, per fork generation: a thread
+/// counted when another forked is not in the child (whose exit must not
+/// wait `DRAIN` for it). A thread counts itself out where it counted in.
+static PASSING: PerFork<AtomicUsize> = PerFork::new(|| AtomicUsize::new(0));
 
 /// Longest `at_exit` waits for passing threads to retake the GIL (a thread
 /// stopped in a debugger must not hang the exit).
@@ -41,19 +45,20 @@ const DRAIN: Duration = Duration::from_secs(2);
 /// interpreter is exiting, a thread other than the exiting one does not
 /// come back (see the module doc).
 pub(crate) fn released<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) -> R {
-    let r = py.allow_threads(|| {
+    let (r, passing) = py.allow_threads(|| {
         let r = f();
-        PASSING.fetch_add(1, SeqCst);
+        let passing = PASSING.get();
+        passing.fetch_add(1, SeqCst);
         if CLOSED.load(SeqCst) && EXITING.get() != Some(&std::thread::current().id()) {
-            PASSING.fetch_sub(1, SeqCst);
+            passing.fetch_sub(1, SeqCst);
             loop {
                 std::thread::sleep(Duration::from_secs(3600));
             }
         }
-        r
+        (r, passing)
     });
     // The GIL is held again.
-    PASSING.fetch_sub(1, SeqCst);
+    passing.fetch_sub(1, SeqCst);
     r
 }
 
@@ -69,19 +74,20 @@ pub(crate) fn with_gil_unless_exiting_then<R, S>(
     f: impl FnOnce(Python<'_>) -> R,
     then: impl FnOnce(R) -> S,
 ) -> Option<S> {
-    PASSING.fetch_add(1, SeqCst);
+    let passing = PASSING.get();
+    passing.fetch_add(1, SeqCst);
     if CLOSED.load(SeqCst) {
-        PASSING.fetch_sub(1, SeqCst);
+        passing.fetch_sub(1, SeqCst);
         return None;
     }
     // Counted out even if `f` or `then` unwinds.
-    struct Out;
+    struct Out(&'static AtomicUsize);
     impl Drop for Out {
         fn drop(&mut self) {
-            PASSING.fetch_sub(1, SeqCst);
+            self.0.fetch_sub(1, SeqCst);
         }
     }
-    let _out = Out;
+    let _out = Out(passing);
     let r = Python::with_gil(f);
     Some(then(r))
 }
@@ -96,12 +102,13 @@ pub(crate) fn exiting() -> bool {
 pub(crate) fn at_exit(py: Python<'_>) {
     let _ = EXITING.set(std::thread::current().id());
     CLOSED.store(true, SeqCst);
-    if PASSING.load(SeqCst) == 0 {
+    let passing = PASSING.get();
+    if passing.load(SeqCst) == 0 {
         return;
     }
     py.allow_threads(|| {
         let end = Instant::now() + DRAIN;
-        while PASSING.load(SeqCst) > 0 && Instant::now() < end {
+        while passing.load(SeqCst) > 0 && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(1));
         }
     });

@@ -24,6 +24,7 @@ mod channel;
 mod gil;
 mod handles;
 mod message;
+mod per_fork;
 mod reader;
 mod release;
 mod store;

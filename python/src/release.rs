@@ -39,7 +39,7 @@
 //! A pending read keeps its reader attached (as a guard does), closed or
 //! not, until its event completes: nothing forgets a copy in flight.
 //!
-//! The state is per fork generation (`Gen`, found by `here()`): a forked
+//! The state is per fork generation (`Gen`, a `PerFork`): a forked
 //! child's first use swaps in a fresh one and leaks the parent's without
 //! locking it (the poller, not holding the GIL, may have held its mutex at
 //! the `os.fork()`, which needs only the GIL: locked forever in the
@@ -50,7 +50,7 @@
 //! (`GATE` is held only to clone or swap the gate), so no `pthread_atfork`
 //! handler is needed either.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::Duration;
@@ -58,6 +58,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 
 use crate::lock;
+use crate::per_fork::PerFork;
 
 /// Whether a gate is set: a read's drop checks only this when none is.
 static SET: AtomicBool = AtomicBool::new(false);
@@ -179,7 +180,6 @@ struct State {
 
 /// The state of one fork generation of the process (see the module doc).
 struct Gen {
-    generation: u64,
     state: Mutex<State>,
     /// `pending.len() + in_flight`: a get, which flushes first, pays a
     /// load or two (not a lock) while no read is pending, the usual case.
@@ -190,48 +190,28 @@ struct Gen {
     idle: Condvar,
     /// Whether a poller runs (or is starting) in this generation.
     poller: AtomicBool,
+    /// The generation it belongs to.
+    generation: u64,
 }
 
-/// This generation's `Gen`, leaked (never freed: a reference to one is
-/// `'static`); null before the first use.
-static HERE: AtomicPtr<Gen> = AtomicPtr::new(std::ptr::null_mut());
+static HERE: PerFork<Gen> = PerFork::new(|| Gen {
+    state: Mutex::new(State {
+        pending: Vec::new(),
+        busy: None,
+        in_flight: 0,
+    }),
+    count: AtomicUsize::new(0),
+    wake: Condvar::new(),
+    idle: Condvar::new(),
+    poller: AtomicBool::new(false),
+    generation: pinshm::fork_generation(),
+});
 
 /// The state of this process's fork generation: in a forked child, on
 /// first use, a fresh one, the parent's left as it is (leaked, never
 /// locked: its mutex may be held by a thread that is not here).
 fn here() -> &'static Gen {
-    let generation = pinshm::fork_generation();
-    loop {
-        let now = HERE.load(Ordering::Acquire);
-        // SAFETY: a non-null `HERE` is a `Box<Gen>` turned raw and never
-        // freed (below), so it is valid, and shared only, for 'static.
-        if let Some(g) = unsafe { now.as_ref() } {
-            if g.generation == generation {
-                return g;
-            }
-        }
-        let fresh = Box::into_raw(Box::new(Gen {
-            generation,
-            state: Mutex::new(State {
-                pending: Vec::new(),
-                busy: None,
-                in_flight: 0,
-            }),
-            count: AtomicUsize::new(0),
-            wake: Condvar::new(),
-            idle: Condvar::new(),
-            poller: AtomicBool::new(false),
-        }));
-        match HERE.compare_exchange(now, fresh, Ordering::AcqRel, Ordering::Acquire) {
-            // The old one (the parent's) is leaked on purpose.
-            // SAFETY: published just now; never freed from here on.
-            Ok(_) => return unsafe { &*fresh },
-            // Another thread swapped first: ours was never shared.
-            // SAFETY: `fresh` came from `Box::into_raw` above and nobody
-            // else has seen it.
-            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
-        }
-    }
+    HERE.get()
 }
 
 impl Gen {

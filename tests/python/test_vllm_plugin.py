@@ -337,7 +337,18 @@ class MessageQueue:
 
     @staticmethod
     def create_from_handle(handle, rank):
-        return ("vllm reader", rank)
+        # As vLLM 0.33's: a bare instance through the module's name.
+        self = MessageQueue.__new__(MessageQueue)
+        self.rank = rank
+        return self
+
+    @staticmethod
+    def recv(socket, timeout):
+        return ("vllm recv", socket)
+
+    def dequeue(self):
+        # As vLLM 0.33's overflow path: its static recv, through the name.
+        return MessageQueue.recv("local", None)
 
     @staticmethod
     def create_from_process_group(n_local_reader, max_chunk_bytes, max_chunks):
@@ -359,7 +370,9 @@ print("BIG", type(big).__module__)
 small = sb.MessageQueue(2, 2, max_chunk_bytes=1 * mib, max_chunks=10)
 print("SMALL", type(small).__module__)
 print("READ_BIG", type(sb.MessageQueue.create_from_handle(big.export_handle(), 0)).__module__)
-print("READ_SMALL", sb.MessageQueue.create_from_handle(small.export_handle(), 1))
+small_reader = sb.MessageQueue.create_from_handle(small.export_handle(), 1)
+print("READ_SMALL", type(small_reader).__module__, small_reader.rank)
+print("DEQUEUE", small_reader.dequeue())
 w, r = sb.MessageQueue.create_from_process_group(2, 16 * mib, 10)
 print("GROUP", type(w).__module__, type(r).__module__)
 for q in (big, w, r):
@@ -388,6 +401,7 @@ def test_auto_uses_pinshms_queue_where_vllms_would_not_fit_a_container(tmp_path)
     assert f"BIG {pinshm_mq}" in text, text
     assert "SMALL vllm.distributed.device_communicators.shm_broadcast" in text, text
     assert f"READ_BIG {pinshm_mq}" in text, "a reader follows its handle"
-    assert "READ_SMALL ('vllm reader', 1)" in text, text
+    assert "READ_SMALL vllm.distributed.device_communicators.shm_broadcast 1" in text, text
+    assert "DEQUEUE ('vllm recv', 'local')" in text, "vLLM's statics reached through the name"
     assert f"GROUP {pinshm_mq} {pinshm_mq}" in text, "vLLM's group helper goes through the chooser"
     assert "pinshm queue in use: vLLM's needs 160 MiB of /dev/shm, 64 MiB free" in text, text

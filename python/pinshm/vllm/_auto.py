@@ -82,15 +82,31 @@ def make(vllm_class: type) -> type:
     """The class to bind to ``MessageQueue`` inside vLLM, choosing between
     `vllm_class` (vLLM's own) and pinshm's for each queue built."""
 
-    class AutoMessageQueue:
+    class Forward(type):
+        """What vLLM's own code reaches through the name ``MessageQueue``
+        besides building queues (``MessageQueue.recv`` inside its
+        ``dequeue``, ``MessageQueue.ReadTimeoutWithWarnings``): vLLM's."""
+
+        def __getattr__(cls, name: str) -> Any:
+            return getattr(vllm_class, name)
+
+    class AutoMessageQueue(metaclass=Forward):
         """vLLM's ``MessageQueue`` or pinshm's, per queue: see the module
         doc. Constructing it returns an instance of the chosen class."""
 
         vllm = vllm_class
         pinshm = PinshmMessageQueue
 
-        def __new__(
-            cls,
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs:
+                # vLLM's own create_from_handle makes its reader with
+                # `MessageQueue.__new__(MessageQueue)` (the name is this
+                # class now) and fills it in: a bare instance of vLLM's.
+                return object.__new__(vllm_class)
+            return cls._build(*args, **kwargs)
+
+        @staticmethod
+        def _build(
             n_reader: int,
             n_local_reader: int,
             local_reader_ranks: Optional[list] = None,

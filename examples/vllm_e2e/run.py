@@ -463,7 +463,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one pass and one run per configuration")
     ap.add_argument("--modes", default="offline,server")
     ap.add_argument("--configs", default="stock,cache,queue")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=None, help="runs per configuration (default 3; 1 with --quick)")
     ap.add_argument("--port", type=int, default=18123)
     ap.add_argument(
         "--shm-size",
@@ -489,7 +489,8 @@ def main() -> None:
     model = args.model or args.out / "tiny-llava"
     if not (model / "BUILT").exists():
         subprocess.run([args.python, str(HERE / "build_model.py"), str(model)], check=True)
-    passes, singles, repeat = (1, 1, 1) if args.quick else (3, 3, args.repeat)
+    passes, singles = (1, 1) if args.quick else (3, 3)
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     import workload  # after E2E_IMAGES is set
     versions = subprocess.run(
         [args.python, "-c", "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"],
@@ -515,7 +516,7 @@ def main() -> None:
     head = (
         f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; {shm}; "
         f"{workload.N_IMAGES} distinct images per pass; "
-        f"{'quick' if args.quick else f'{repeat} runs'} per row, medians\n\n"
+        f"{'quick, ' if args.quick else ''}{repeat} run(s) per row, medians\n\n"
     )
     (args.out / "summary.json").write_text(json.dumps({"versions": versions, "rows": summary}, indent=1))
     (args.out / "summary.md").write_text(head + md)

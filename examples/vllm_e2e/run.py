@@ -338,29 +338,34 @@ def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int,
         sampler = Sampler(proc.pid, before, ("vllm_mm_", "VLLM_OBJECT_STORAGE"))
         sampler.start()
         try:
+            ready = True
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited ({proc.returncode}) before it was ready")
+                    # It refused to start (stock vLLM in a small /dev/shm):
+                    # recorded with its log, not raised.
+                    ready = False
+                    break
                 try:
                     urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                     break
                 except OSError:
                     time.sleep(0.5)  # polling a server's readiness, not a test
-            res["init_s"] = time.monotonic() - t0
-            tokens, pass_s = [], []
-            pairs = workload.pass_pairs()
-            for _ in range(passes):
-                t = time.monotonic()
-                with ThreadPoolExecutor(4) as ex:  # 4 concurrent clients
-                    got = list(ex.map(lambda ab: chat(port, list(ab), "what is in the picture"), pairs))
-                pass_s.append(time.monotonic() - t)
-                tokens.append(got)
-            single_s, single_tokens = [], []
-            for i in range(singles):
-                t = time.monotonic()
-                single_tokens.append(chat(port, [100 + i], "describe the image"))
-                single_s.append(time.monotonic() - t)
-            res.update(pass_s=pass_s, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
+            if ready:
+                res["init_s"] = time.monotonic() - t0
+                tokens, pass_s = [], []
+                pairs = workload.pass_pairs()
+                for _ in range(passes):
+                    t = time.monotonic()
+                    with ThreadPoolExecutor(4) as ex:  # 4 concurrent clients
+                        got = list(ex.map(lambda ab: chat(port, list(ab), "what is in the picture"), pairs))
+                    pass_s.append(time.monotonic() - t)
+                    tokens.append(got)
+                single_s, single_tokens = [], []
+                for i in range(singles):
+                    t = time.monotonic()
+                    single_tokens.append(chat(port, [100 + i], "describe the image"))
+                    single_s.append(time.monotonic() - t)
+                res.update(pass_s=pass_s, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
         finally:
             # As a user stops it (Ctrl-C); its API server then SIGKILLs the
             # engine core and the workers.

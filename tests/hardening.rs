@@ -80,65 +80,63 @@ fn hold_a_guard() {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_hardening() {
-    let Ok(role) = std::env::var("PINSHM_CHILD") else {
-        return;
-    };
-    match role.as_str() {
-        "hold" => hold_a_guard(),
-        "emfile_writer" => emfile_writer(),
-        "leak_pending_get" => leak_pending_get(),
-        "die_as_writer" => {
-            let name = std::env::var("PINSHM_NAME").unwrap();
-            let w = ObjectStore::create(
-                StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name),
-            )
-            .unwrap();
-            // Gone without closing the store: as a crash leaves it.
-            std::mem::forget(w);
-            std::process::exit(0);
+    if let Ok(role) = std::env::var("PINSHM_CHILD") {
+        match role.as_str() {
+            "hold" => hold_a_guard(),
+            "emfile_writer" => emfile_writer(),
+            "leak_pending_get" => leak_pending_get(),
+            "die_as_writer" => {
+                let name = std::env::var("PINSHM_NAME").unwrap();
+                let w = ObjectStore::create(
+                    StoreConfig::new(4 * StoreConfig::slot_len(1, LEN), LEN, 1).name(name),
+                )
+                .unwrap();
+                // Gone without closing the store: as a crash leaves it.
+                std::mem::forget(w);
+                std::process::exit(0);
+            }
+            other => panic!("unknown role {other}"),
         }
-        other => panic!("unknown role {other}"),
     }
 }
 
 #[test]
 fn a_reader_in_another_pid_namespace_keeps_its_guard_while_the_ring_fills() {
     let exe = std::env::current_exe().unwrap();
-    if !common::namespaces_allowed(&["--pid", "--fork", "--mount-proc"], "a PID namespace") {
-        return;
-    }
-    let name = Name::new("pidns");
-    let mut w = small_store(&name);
-    let data = pattern(7, LEN);
-    let h = w.put("guarded", &data).unwrap();
-    // The reader runs as pid 1 of a new PID namespace: the pid it records
-    // names another process (or none) in ours.
-    let mut child = Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc"])
-        .arg(exe)
-        .args(["child_hardening", "--exact", "--ignored", "--nocapture"])
-        .env("PINSHM_CHILD", "hold")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    send(&mut child, &serde_json::to_string(&w.handle()).unwrap());
-    send(&mut child, &serde_json::to_string(&h).unwrap());
-    let before = expect_line(&mut lines, "HOLDING");
-    assert_eq!(before, checksum(&data).to_string());
+    if common::namespaces_allowed(&["--pid", "--fork", "--mount-proc"], "a PID namespace") {
+        let name = Name::new("pidns");
+        let mut w = small_store(&name);
+        let data = pattern(7, LEN);
+        let h = w.put("guarded", &data).unwrap();
+        // The reader runs as pid 1 of a new PID namespace: the pid it records
+        // names another process (or none) in ours.
+        let mut child = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc"])
+            .arg(exe)
+            .args(["child_hardening", "--exact", "--ignored", "--nocapture"])
+            .env("PINSHM_CHILD", "hold")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        send(&mut child, &serde_json::to_string(&w.handle()).unwrap());
+        send(&mut child, &serde_json::to_string(&h).unwrap());
+        let before = expect_line(&mut lines, "HOLDING");
+        assert_eq!(before, checksum(&data).to_string());
 
-    let puts = fill_until_full(&mut w, "fill");
-    assert!(puts < 4, "the guarded object kept its slot");
-    assert_eq!(w.stats().dead_readers_reaped, 0, "a live reader was reaped");
-    send(&mut child, "check");
-    assert_eq!(
-        expect_line(&mut lines, "STILL"),
-        before,
-        "the bytes under the guard changed"
-    );
-    send(&mut child, "done");
-    assert!(child.wait().unwrap().success());
+        let puts = fill_until_full(&mut w, "fill");
+        assert!(puts < 4, "the guarded object kept its slot");
+        assert_eq!(w.stats().dead_readers_reaped, 0, "a live reader was reaped");
+        send(&mut child, "check");
+        assert_eq!(
+            expect_line(&mut lines, "STILL"),
+            before,
+            "the bytes under the guard changed"
+        );
+        send(&mut child, "done");
+        assert!(child.wait().unwrap().success());
+    }
 }
 
 /// The writer half of test 2, in a child so that its descriptor limit

@@ -36,110 +36,113 @@ fn kill9(child: &mut std::process::Child) {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_role() {
-    let Ok(role) = std::env::var("PINSHM_CHILD") else {
-        return;
-    };
-    let mut out = std::io::stdout();
-    match role.as_str() {
-        "hold" => {
-            let sh: StoreHandle =
-                serde_json::from_str(&std::env::var("PINSHM_HANDLE").unwrap()).unwrap();
-            let r = StoreReader::attach_as(&sh, 1).unwrap();
-            let mut guards = Vec::new();
-            for line in std::io::stdin().lock().lines() {
-                let h: ObjectHandle = serde_json::from_str(&line.unwrap()).unwrap();
-                guards.push(r.get(h).unwrap());
-                writeln!(out, "RESULT held {}", guards.len()).unwrap();
-                out.flush().unwrap();
+    if let Ok(role) = std::env::var("PINSHM_CHILD") {
+        let mut out = std::io::stdout();
+        match role.as_str() {
+            "hold" => {
+                let sh: StoreHandle =
+                    serde_json::from_str(&std::env::var("PINSHM_HANDLE").unwrap()).unwrap();
+                let r = StoreReader::attach_as(&sh, 1).unwrap();
+                let mut guards = Vec::new();
+                for line in std::io::stdin().lock().lines() {
+                    let h: ObjectHandle = serde_json::from_str(&line.unwrap()).unwrap();
+                    guards.push(r.get(h).unwrap());
+                    writeln!(out, "RESULT held {}", guards.len()).unwrap();
+                    out.flush().unwrap();
+                }
+                std::thread::sleep(Duration::from_secs(60));
             }
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "writer" => {
-            let name = std::env::var("PINSHM_NAME").unwrap();
-            let mut w = ObjectStore::create(StoreConfig::new(8 * MIB, MIB, 1).name(name)).unwrap();
-            writeln!(
-                out,
-                "RESULT {}",
-                serde_json::to_string(&w.handle()).unwrap()
-            )
-            .unwrap();
-            let mut rng = Rng(99);
-            let t0 = Instant::now();
-            for i in 0u64.. {
-                // Bounded: a stuck parent must not leave this running.
-                assert!(
-                    t0.elapsed() < Duration::from_secs(30),
-                    "writer child gave up"
-                );
-                let len = 1 + rng.below(64 * KIB as u64) as usize;
-                let h = loop {
-                    match w.put(&format!("k{i}"), &pattern(i, len)) {
-                        Ok(h) => break h,
-                        Err(Error::Full { .. }) => std::thread::sleep(Duration::from_micros(200)),
-                        Err(e) => panic!("{e}"),
-                    }
-                };
+            "writer" => {
+                let name = std::env::var("PINSHM_NAME").unwrap();
+                let mut w =
+                    ObjectStore::create(StoreConfig::new(8 * MIB, MIB, 1).name(name)).unwrap();
                 writeln!(
                     out,
-                    "RESULT {} {} {} {len} {i}",
-                    h.address, h.monotonic_id, h.epoch
+                    "RESULT {}",
+                    serde_json::to_string(&w.handle()).unwrap()
                 )
                 .unwrap();
+                let mut rng = Rng(99);
+                let t0 = Instant::now();
+                for i in 0u64.. {
+                    // Bounded: a stuck parent must not leave this running.
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(30),
+                        "writer child gave up"
+                    );
+                    let len = 1 + rng.below(64 * KIB as u64) as usize;
+                    let h = loop {
+                        match w.put(&format!("k{i}"), &pattern(i, len)) {
+                            Ok(h) => break h,
+                            Err(Error::Full { .. }) => {
+                                std::thread::sleep(Duration::from_micros(200))
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    };
+                    writeln!(
+                        out,
+                        "RESULT {} {} {} {len} {i}",
+                        h.address, h.monotonic_id, h.epoch
+                    )
+                    .unwrap();
+                    out.flush().unwrap();
+                }
+            }
+            "flip" => {
+                // Flip random bytes of the segment file's mapping until stdin closes.
+                let path = std::env::var("PINSHM_PATH").unwrap();
+                let total: u64 = std::env::var("PINSHM_LEN").unwrap().parse().unwrap();
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .unwrap();
+                // A raw shared mapping of the segment, written with volatile byte
+                // stores: exactly the hostile writer this test wants.
+                let map = memmap2::MmapOptions::new()
+                    .len(total as usize)
+                    .map_raw(&f)
+                    .unwrap();
+                let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let d = done.clone();
+                std::thread::spawn(move || {
+                    let mut line = String::new();
+                    let _ = std::io::stdin().read_line(&mut line);
+                    d.store(true, std::sync::atomic::Ordering::Relaxed);
+                });
+                writeln!(out, "RESULT flipping").unwrap();
                 out.flush().unwrap();
+                let mut rng = Rng(0xbad);
+                let mut n = 0u64;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Mostly the data region; sometimes the reader table.
+                    let at = if rng.below(10) == 0 {
+                        256 + rng.below(4096 - 256)
+                    } else {
+                        4096 + rng.below(total - 4096)
+                    };
+                    // SAFETY: at < total, inside the mapping.
+                    unsafe {
+                        map.as_mut_ptr()
+                            .add(at as usize)
+                            .write_volatile(rng.next() as u8)
+                    };
+                    n += 1;
+                }
+                writeln!(out, "RESULT {n}").unwrap();
             }
-        }
-        "flip" => {
-            // Flip random bytes of the segment file's mapping until stdin closes.
-            let path = std::env::var("PINSHM_PATH").unwrap();
-            let total: u64 = std::env::var("PINSHM_LEN").unwrap().parse().unwrap();
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(path)
-                .unwrap();
-            // A raw shared mapping of the segment, written with volatile byte
-            // stores: exactly the hostile writer this test wants.
-            let map = memmap2::MmapOptions::new()
-                .len(total as usize)
-                .map_raw(&f)
-                .unwrap();
-            let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let d = done.clone();
-            std::thread::spawn(move || {
-                let mut line = String::new();
-                let _ = std::io::stdin().read_line(&mut line);
-                d.store(true, std::sync::atomic::Ordering::Relaxed);
-            });
-            writeln!(out, "RESULT flipping").unwrap();
-            out.flush().unwrap();
-            let mut rng = Rng(0xbad);
-            let mut n = 0u64;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                // Mostly the data region; sometimes the reader table.
-                let at = if rng.below(10) == 0 {
-                    256 + rng.below(4096 - 256)
-                } else {
-                    4096 + rng.below(total - 4096)
-                };
-                // SAFETY: at < total, inside the mapping.
-                unsafe {
-                    map.as_mut_ptr()
-                        .add(at as usize)
-                        .write_volatile(rng.next() as u8)
-                };
-                n += 1;
+            "crash" => {
+                let name = std::env::var("PINSHM_NAME").unwrap();
+                let mut w =
+                    ObjectStore::create(StoreConfig::new(MIB, 64 * KIB, 1).name(name)).unwrap();
+                w.put("a", &pattern(1, 1000)).unwrap();
+                writeln!(out, "RESULT created").unwrap();
+                out.flush().unwrap();
+                std::thread::sleep(Duration::from_secs(60));
             }
-            writeln!(out, "RESULT {n}").unwrap();
+            other => panic!("unknown role {other}"),
         }
-        "crash" => {
-            let name = std::env::var("PINSHM_NAME").unwrap();
-            let mut w = ObjectStore::create(StoreConfig::new(MIB, 64 * KIB, 1).name(name)).unwrap();
-            w.put("a", &pattern(1, 1000)).unwrap();
-            writeln!(out, "RESULT created").unwrap();
-            out.flush().unwrap();
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        other => panic!("unknown role {other}"),
     }
 }
 
@@ -317,14 +320,10 @@ fn fifty_writers_crashing_in_a_row_leave_nothing_behind() {
 #[test]
 fn a_create_larger_than_free_dev_shm_fails_at_create() {
     // In a private mount namespace, /dev/shm is an 8 MiB tmpfs.
-    if std::env::var("PINSHM_CHILD").is_ok() {
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    if !common::namespaces_allowed(&["-m"], "a mount namespace") {
-        return;
-    }
-    let out = Command::new("unshare")
+    if std::env::var("PINSHM_CHILD").is_err() {
+        let exe = std::env::current_exe().unwrap();
+        if common::namespaces_allowed(&["-m"], "a mount namespace") {
+            let out = Command::new("unshare")
         .args(["-m", "sh", "-c", "mount -t tmpfs -o size=8m pinshm-test /dev/shm && exec \"$0\" child_small_shm --exact --ignored --nocapture"])
         .arg(exe)
         .env("PINSHM_CHILD", "smallshm")
@@ -332,35 +331,36 @@ fn a_create_larger_than_free_dev_shm_fails_at_create() {
         .stderr(Stdio::piped())
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(text.contains("RESULT nospace"), "{text}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(text.contains("RESULT nospace"), "{text}");
+        }
+    }
 }
 
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_small_shm() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("smallshm") {
-        return;
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("smallshm") {
+        let e = ObjectStore::create(StoreConfig::new(16 * MIB, MIB, 1).name("pinshm-test-nospace"))
+            .unwrap_err();
+        assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("16781312") || msg.contains("bytes"), "{msg}");
+        assert!(
+            !std::path::Path::new("/dev/shm/pinshm-test-nospace").exists(),
+            "nothing left after the failure"
+        );
+        // What fits, works.
+        let mut w = ObjectStore::create(StoreConfig::new(4 * MIB, MIB, 1).name("pinshm-test-fits"))
+            .unwrap();
+        w.put("a", &[1; 1000]).unwrap();
+        println!("RESULT nospace ({msg})");
     }
-    let e = ObjectStore::create(StoreConfig::new(16 * MIB, MIB, 1).name("pinshm-test-nospace"))
-        .unwrap_err();
-    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
-    let msg = e.to_string();
-    assert!(msg.contains("16781312") || msg.contains("bytes"), "{msg}");
-    assert!(
-        !std::path::Path::new("/dev/shm/pinshm-test-nospace").exists(),
-        "nothing left after the failure"
-    );
-    // What fits, works.
-    let mut w =
-        ObjectStore::create(StoreConfig::new(4 * MIB, MIB, 1).name("pinshm-test-fits")).unwrap();
-    w.put("a", &[1; 1000]).unwrap();
-    println!("RESULT nospace ({msg})");
 }
 
 #[test]

@@ -119,50 +119,49 @@ fn a_sparse_channel_larger_than_dev_shm_fails_sends_cleanly_and_keeps_working() 
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_store_on_small_shm() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_store_on_small_shm") {
-        return;
-    }
-    // A 256 MiB sparse store on a 32 MiB /dev/shm.
-    let mut w = ObjectStore::create(
-        StoreConfig::new(256 * MIB, 4 * MIB, 1)
-            .name("pinshm-test-small-store")
-            .reserve(false)
-            .prefault(false),
-    )
-    .unwrap();
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    // A stream of 4 MiB objects, each read at once: once /dev/shm is full
-    // the store carries on in what it has (a smaller cache).
-    let mut nospace = 0;
-    for i in 0..200u64 {
-        match w.put(&format!("k{i}"), &pattern(i, 4 * MIB)) {
-            Ok(h) => assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB)),
-            Err(Error::NoSpace { .. }) => nospace += 1,
-            Err(e) => panic!("put {i}: {e}"),
-        }
-    }
-    assert!(w.stats().nospace_fallbacks > 0, "{:?}", w.stats());
-    // Everything it has is held now: the next put cannot fit anywhere, and
-    // fails with NoSpace (naming /dev/shm), not Full and not a signal.
-    let mut guards = Vec::new();
-    let mut err = None;
-    for i in 200..300u64 {
-        match w.put(&format!("k{i}"), &pattern(i, 4 * MIB)) {
-            Ok(h) => guards.push(r.get(h).unwrap()),
-            Err(e) => {
-                err = Some(e);
-                break;
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_store_on_small_shm") {
+        // A 256 MiB sparse store on a 32 MiB /dev/shm.
+        let mut w = ObjectStore::create(
+            StoreConfig::new(256 * MIB, 4 * MIB, 1)
+                .name("pinshm-test-small-store")
+                .reserve(false)
+                .prefault(false),
+        )
+        .unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        // A stream of 4 MiB objects, each read at once: once /dev/shm is full
+        // the store carries on in what it has (a smaller cache).
+        let mut nospace = 0;
+        for i in 0..200u64 {
+            match w.put(&format!("k{i}"), &pattern(i, 4 * MIB)) {
+                Ok(h) => assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB)),
+                Err(Error::NoSpace { .. }) => nospace += 1,
+                Err(e) => panic!("put {i}: {e}"),
             }
         }
+        assert!(w.stats().nospace_fallbacks > 0, "{:?}", w.stats());
+        // Everything it has is held now: the next put cannot fit anywhere, and
+        // fails with NoSpace (naming /dev/shm), not Full and not a signal.
+        let mut guards = Vec::new();
+        let mut err = None;
+        for i in 200..300u64 {
+            match w.put(&format!("k{i}"), &pattern(i, 4 * MIB)) {
+                Ok(h) => guards.push(r.get(h).unwrap()),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        let err = err.expect("a full /dev/shm stops the puts");
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        assert!(err.to_string().contains("/dev/shm"), "{err}");
+        // Space comes back: the store works again.
+        drop(guards);
+        let h = w.put("after", &pattern(7, 4 * MIB)).unwrap();
+        assert_eq!(r.get_copy(h).unwrap(), pattern(7, 4 * MIB));
+        println!("RESULT store ok ({nospace} NoSpace in the stream, then: {err})");
     }
-    let err = err.expect("a full /dev/shm stops the puts");
-    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
-    assert!(err.to_string().contains("/dev/shm"), "{err}");
-    // Space comes back: the store works again.
-    drop(guards);
-    let h = w.put("after", &pattern(7, 4 * MIB)).unwrap();
-    assert_eq!(r.get_copy(h).unwrap(), pattern(7, 4 * MIB));
-    println!("RESULT store ok ({nospace} NoSpace in the stream, then: {err})");
 }
 
 #[test]
@@ -185,90 +184,88 @@ fn fill_dev_shm(name: &str) {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_nospace_keeps_the_cache() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_nospace_keeps_the_cache") {
-        return;
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_nospace_keeps_the_cache") {
+        // Issue 26, point 7. A 256 MiB sparse store on a 32 MiB /dev/shm.
+        let mut w = ObjectStore::create(
+            StoreConfig::new(256 * MIB, 24 * MIB, 1)
+                .name("pinshm-test-nospace-cache")
+                .reserve(false)
+                .prefault(false),
+        )
+        .unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        // Six cached objects, read (so they may go), then /dev/shm is full.
+        for i in 0..6u64 {
+            let h = w.put(&format!("k{i}"), &pattern(i, 4 * MIB)).unwrap();
+            assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB));
+        }
+        fill_dev_shm("pinshm-test-nospace-filler");
+        // An unread 8 MiB object: no pages past the high-water mark, so it
+        // wraps into what is backed, in k0's and k1's place.
+        w.put("big", &pattern(9, 8 * MIB)).unwrap();
+        let before = w.stats();
+        assert_eq!(before.nospace_fallbacks, 1, "{before:?}");
+        assert_eq!(before.evictions, 2, "{before:?}");
+        let kept: Vec<String> = (2..6).map(|i| format!("k{i}")).collect();
+        assert!(kept.iter().all(|k| w.is_cached(k)), "{before:?}");
+        // 20 MiB from the cursor (after big) would take k2..k5 and pages past
+        // the high-water mark, which /dev/shm has not got; what is backed
+        // has no 20 MiB beside the unread big. The put fails, and displaces
+        // nothing: no span that could not be backed costs an eviction.
+        let err = w.put("x", &pattern(10, 20 * MIB)).unwrap_err();
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        let after = w.stats();
+        assert_eq!(after.evictions, before.evictions, "{after:?}");
+        for (i, k) in (2..6u64).zip(&kept) {
+            let h = w
+                .lookup(k)
+                .unwrap_or_else(|| panic!("{k} was forgotten: {after:?}"));
+            assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB), "{k}");
+        }
+        // A put that fits in what is backed displaces what it covers, and
+        // that is what is counted: k2 alone.
+        let h = w.put("y", &pattern(11, 4 * MIB)).unwrap();
+        assert_eq!(r.get_copy(h).unwrap(), pattern(11, 4 * MIB));
+        assert_eq!(w.stats().evictions, before.evictions + 1, "{:?}", w.stats());
+        assert!(!w.is_cached("k2"));
+        assert!(kept[1..].iter().all(|k| w.is_cached(k)));
+        println!("RESULT nospace ok ({err})");
     }
-    // Issue 26, point 7. A 256 MiB sparse store on a 32 MiB /dev/shm.
-    let mut w = ObjectStore::create(
-        StoreConfig::new(256 * MIB, 24 * MIB, 1)
-            .name("pinshm-test-nospace-cache")
-            .reserve(false)
-            .prefault(false),
-    )
-    .unwrap();
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    // Six cached objects, read (so they may go), then /dev/shm is full.
-    for i in 0..6u64 {
-        let h = w.put(&format!("k{i}"), &pattern(i, 4 * MIB)).unwrap();
-        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB));
-    }
-    fill_dev_shm("pinshm-test-nospace-filler");
-    // An unread 8 MiB object: no pages past the high-water mark, so it
-    // wraps into what is backed, in k0's and k1's place.
-    w.put("big", &pattern(9, 8 * MIB)).unwrap();
-    let before = w.stats();
-    assert_eq!(before.nospace_fallbacks, 1, "{before:?}");
-    assert_eq!(before.evictions, 2, "{before:?}");
-    let kept: Vec<String> = (2..6).map(|i| format!("k{i}")).collect();
-    assert!(kept.iter().all(|k| w.is_cached(k)), "{before:?}");
-    // 20 MiB from the cursor (after big) would take k2..k5 and pages past
-    // the high-water mark, which /dev/shm has not got; what is backed
-    // has no 20 MiB beside the unread big. The put fails, and displaces
-    // nothing: no span that could not be backed costs an eviction.
-    let err = w.put("x", &pattern(10, 20 * MIB)).unwrap_err();
-    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
-    let after = w.stats();
-    assert_eq!(after.evictions, before.evictions, "{after:?}");
-    for (i, k) in (2..6u64).zip(&kept) {
-        let h = w
-            .lookup(k)
-            .unwrap_or_else(|| panic!("{k} was forgotten: {after:?}"));
-        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB), "{k}");
-    }
-    // A put that fits in what is backed displaces what it covers, and
-    // that is what is counted: k2 alone.
-    let h = w.put("y", &pattern(11, 4 * MIB)).unwrap();
-    assert_eq!(r.get_copy(h).unwrap(), pattern(11, 4 * MIB));
-    assert_eq!(w.stats().evictions, before.evictions + 1, "{:?}", w.stats());
-    assert!(!w.is_cached("k2"));
-    assert!(kept[1..].iter().all(|k| w.is_cached(k)));
-    println!("RESULT nospace ok ({err})");
 }
 
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_channel_on_small_shm() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_channel_on_small_shm") {
-        return;
-    }
-    // vLLM's default queue size, 10 × 24 MiB = 240 MiB, on a 32 MiB /dev/shm.
-    let mut tx =
-        Broadcast::create(BroadcastConfig::new(1, 10, 24 * MIB).name("pinshm-test-small-chan"))
-            .unwrap();
-    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
-    for i in 0..100u64 {
-        tx.send(&pattern(i, KIB)).unwrap();
-        assert_eq!(&*rx.recv().unwrap(), &pattern(i, KIB)[..]);
-    }
-    // Large messages fill /dev/shm: the one that cannot get pages fails.
-    let mut err = None;
-    for i in 0..10u64 {
-        match tx.send(&pattern(i, 20 * MIB)) {
-            Ok(()) => assert_eq!(rx.recv().unwrap().len(), 20 * MIB),
-            Err(e) => {
-                err = Some(e);
-                break;
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_channel_on_small_shm") {
+        // vLLM's default queue size, 10 × 24 MiB = 240 MiB, on a 32 MiB /dev/shm.
+        let mut tx =
+            Broadcast::create(BroadcastConfig::new(1, 10, 24 * MIB).name("pinshm-test-small-chan"))
+                .unwrap();
+        let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+        for i in 0..100u64 {
+            tx.send(&pattern(i, KIB)).unwrap();
+            assert_eq!(&*rx.recv().unwrap(), &pattern(i, KIB)[..]);
+        }
+        // Large messages fill /dev/shm: the one that cannot get pages fails.
+        let mut err = None;
+        for i in 0..10u64 {
+            match tx.send(&pattern(i, 20 * MIB)) {
+                Ok(()) => assert_eq!(rx.recv().unwrap().len(), 20 * MIB),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
             }
         }
+        let err = err.expect("a full /dev/shm stops the large sends");
+        assert!(matches!(err, Error::NoSpace { .. }), "{err}");
+        // Small messages go on in the slots already backed.
+        for i in 0..20u64 {
+            tx.send(&pattern(i, KIB)).unwrap();
+            assert_eq!(&*rx.recv().unwrap(), &pattern(i, KIB)[..]);
+        }
+        println!("RESULT channel ok ({err})");
     }
-    let err = err.expect("a full /dev/shm stops the large sends");
-    assert!(matches!(err, Error::NoSpace { .. }), "{err}");
-    // Small messages go on in the slots already backed.
-    for i in 0..20u64 {
-        tx.send(&pattern(i, KIB)).unwrap();
-        assert_eq!(&*rx.recv().unwrap(), &pattern(i, KIB)[..]);
-    }
-    println!("RESULT channel ok ({err})");
 }
 
 /// Handles at `count` addresses the writer of a `capacity`-byte store
@@ -336,25 +333,24 @@ fn handles_past_what_the_writer_wrote_raise_no_sigbus_on_a_full_dev_shm() {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_reads_past_written_on_full_shm() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_reads_past_written_on_full_shm") {
-        return;
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_reads_past_written_on_full_shm") {
+        // A 256 MiB sparse store on a 32 MiB /dev/shm, then /dev/shm full: a
+        // read fault on a hole would be SIGBUS (the child would end with 135).
+        let capacity = 256 * MIB;
+        let mut w = ObjectStore::create(
+            StoreConfig::new(capacity, MIB, 1)
+                .name("pinshm-test-past-written")
+                .reserve(false)
+                .prefault(false),
+        )
+        .unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        let h = w.put("a", &pattern(1, 4 * KIB)).unwrap();
+        fill_dev_shm("pinshm-test-past-written-filler");
+        refuse_all(&r, &handles_past_the_written(h, capacity, 192));
+        assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
+        println!("RESULT past ok");
     }
-    // A 256 MiB sparse store on a 32 MiB /dev/shm, then /dev/shm full: a
-    // read fault on a hole would be SIGBUS (the child would end with 135).
-    let capacity = 256 * MIB;
-    let mut w = ObjectStore::create(
-        StoreConfig::new(capacity, MIB, 1)
-            .name("pinshm-test-past-written")
-            .reserve(false)
-            .prefault(false),
-    )
-    .unwrap();
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    let h = w.put("a", &pattern(1, 4 * KIB)).unwrap();
-    fill_dev_shm("pinshm-test-past-written-filler");
-    refuse_all(&r, &handles_past_the_written(h, capacity, 192));
-    assert_eq!(r.get_copy(h).unwrap(), pattern(1, 4 * KIB));
-    println!("RESULT past ok");
 }
 
 /// Issue 27, point 3: a cache (a sparse store) and a queue (a sparse
@@ -378,54 +374,53 @@ fn a_cache_with_a_headroom_never_starves_the_queue_beside_it() {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_cache_beside_queue() {
-    if std::env::var("PINSHM_CHILD").as_deref() != Ok("child_cache_beside_queue") {
-        return;
-    }
-    let headroom = std::env::var("PINSHM_HEADROOM").as_deref() == Ok("1");
-    // The queue: 10 slots of 2 MiB, as vLLM's (smaller), small messages
-    // first, so its pages are not taken yet.
-    let mut tx =
-        Broadcast::create(BroadcastConfig::new(1, 10, 2 * MIB).name("pinshm-test-beside-chan"))
-            .unwrap();
-    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
-    tx.send(b"hello").unwrap();
-    assert_eq!(&*rx.recv().unwrap(), b"hello");
-    // The cache: 256 MiB on a 32 MiB /dev/shm, 100 distinct 512 KiB
-    // objects, each read (so it may go): every put must succeed.
-    let mut cfg = StoreConfig::new(256 * MIB, MIB, 1)
-        .name("pinshm-test-beside-cache")
-        .reserve(false)
-        .prefault(false);
-    if headroom {
-        // What the queue's slots can take, and a little more.
-        cfg = cfg.shm_headroom(22 * MIB as u64);
-    }
-    let mut w = ObjectStore::create(cfg).unwrap();
-    let r = StoreReader::attach(&w.handle()).unwrap();
-    for i in 0..100u64 {
-        let h = w
-            .put(&format!("k{i}"), &pattern(i, 512 * KIB))
-            .unwrap_or_else(|e| panic!("put {i}: {e}"));
-        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 512 * KIB));
-    }
-    // The queue's large messages.
-    let mut sent = 0;
-    for i in 0..10u64 {
-        match tx.send(&pattern(i, 2 * MIB - 4 * KIB)) {
-            Ok(()) => {
-                assert_eq!(rx.recv().unwrap().len(), 2 * MIB - 4 * KIB);
-                sent += 1;
-            }
-            Err(Error::NoSpace { .. }) => break,
-            Err(e) => panic!("send {i}: {e}"),
+    if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_cache_beside_queue") {
+        let headroom = std::env::var("PINSHM_HEADROOM").as_deref() == Ok("1");
+        // The queue: 10 slots of 2 MiB, as vLLM's (smaller), small messages
+        // first, so its pages are not taken yet.
+        let mut tx =
+            Broadcast::create(BroadcastConfig::new(1, 10, 2 * MIB).name("pinshm-test-beside-chan"))
+                .unwrap();
+        let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+        tx.send(b"hello").unwrap();
+        assert_eq!(&*rx.recv().unwrap(), b"hello");
+        // The cache: 256 MiB on a 32 MiB /dev/shm, 100 distinct 512 KiB
+        // objects, each read (so it may go): every put must succeed.
+        let mut cfg = StoreConfig::new(256 * MIB, MIB, 1)
+            .name("pinshm-test-beside-cache")
+            .reserve(false)
+            .prefault(false);
+        if headroom {
+            // What the queue's slots can take, and a little more.
+            cfg = cfg.shm_headroom(22 * MIB as u64);
         }
-    }
-    if sent == 10 {
-        println!(
-            "RESULT queue ok {sent} of 10 ({:?})",
-            w.stats().nospace_fallbacks
-        );
-    } else {
-        println!("RESULT queue starved after {sent} of 10");
+        let mut w = ObjectStore::create(cfg).unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        for i in 0..100u64 {
+            let h = w
+                .put(&format!("k{i}"), &pattern(i, 512 * KIB))
+                .unwrap_or_else(|e| panic!("put {i}: {e}"));
+            assert_eq!(r.get_copy(h).unwrap(), pattern(i, 512 * KIB));
+        }
+        // The queue's large messages.
+        let mut sent = 0;
+        for i in 0..10u64 {
+            match tx.send(&pattern(i, 2 * MIB - 4 * KIB)) {
+                Ok(()) => {
+                    assert_eq!(rx.recv().unwrap().len(), 2 * MIB - 4 * KIB);
+                    sent += 1;
+                }
+                Err(Error::NoSpace { .. }) => break,
+                Err(e) => panic!("send {i}: {e}"),
+            }
+        }
+        if sent == 10 {
+            println!(
+                "RESULT queue ok {sent} of 10 ({:?})",
+                w.stats().nospace_fallbacks
+            );
+        } else {
+            println!("RESULT queue starved after {sent} of 10");
+        }
     }
 }

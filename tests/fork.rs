@@ -58,38 +58,38 @@ fn fork_idle_child(secs: u64) -> Pid {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_party() {
-    let Ok(role) = std::env::var("PINSHM_CHILD") else {
-        return; // run as a normal test: nothing to do
-    };
-    let name = std::env::var("PINSHM_NAME").unwrap();
-    let handle = std::env::var("PINSHM_HANDLE").unwrap_or_default();
-    let keep: Box<dyn std::any::Any> = match role.as_str() {
-        "channel-writer" => {
-            let mut b = Broadcast::create(BroadcastConfig::new(1, 8, 256).name(&name)).unwrap();
-            b.send(b"before").unwrap();
-            Box::new(b)
-        }
-        "channel-reader" => {
-            let h: BroadcastHandle = serde_json::from_str(&handle).unwrap();
-            Box::new(BroadcastReader::attach_as(&h, 0).unwrap())
-        }
-        "store-reader" => {
-            let h: StoreHandle = serde_json::from_str(&handle).unwrap();
-            Box::new(StoreReader::attach_as(&h, 0).unwrap())
-        }
-        other => panic!("unknown role {other}"),
-    };
-    let out = match keep.downcast_ref::<Broadcast>() {
-        Some(b) => serde_json::to_string(&b.handle()).unwrap(),
-        None => "-".into(),
-    };
-    let grandchild = fork_idle_child(60);
-    println!("READY {out} {grandchild}");
-    std::io::stdout().flush().unwrap();
-    // Wait for the parent to kill us (reading stdin until it closes).
-    let mut sink = Vec::new();
-    let _ = std::io::stdin().read_to_end(&mut sink);
-    drop(keep);
+    // Run as a normal test (no role): nothing to do.
+    if let Ok(role) = std::env::var("PINSHM_CHILD") {
+        let name = std::env::var("PINSHM_NAME").unwrap();
+        let handle = std::env::var("PINSHM_HANDLE").unwrap_or_default();
+        let keep: Box<dyn std::any::Any> = match role.as_str() {
+            "channel-writer" => {
+                let mut b = Broadcast::create(BroadcastConfig::new(1, 8, 256).name(&name)).unwrap();
+                b.send(b"before").unwrap();
+                Box::new(b)
+            }
+            "channel-reader" => {
+                let h: BroadcastHandle = serde_json::from_str(&handle).unwrap();
+                Box::new(BroadcastReader::attach_as(&h, 0).unwrap())
+            }
+            "store-reader" => {
+                let h: StoreHandle = serde_json::from_str(&handle).unwrap();
+                Box::new(StoreReader::attach_as(&h, 0).unwrap())
+            }
+            other => panic!("unknown role {other}"),
+        };
+        let out = match keep.downcast_ref::<Broadcast>() {
+            Some(b) => serde_json::to_string(&b.handle()).unwrap(),
+            None => "-".into(),
+        };
+        let grandchild = fork_idle_child(60);
+        println!("READY {out} {grandchild}");
+        std::io::stdout().flush().unwrap();
+        // Wait for the parent to kill us (reading stdin until it closes).
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+        drop(keep);
+    }
 }
 
 /// A running `child_party`: its process, what it printed, and its idle

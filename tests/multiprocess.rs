@@ -85,35 +85,36 @@ fn consume(r: &StoreReader, lines: impl Iterator<Item = String>) -> (u64, u64) {
 #[test]
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_reader() {
-    let Ok(role) = std::env::var("PINSHM_CHILD") else {
-        return; // run as a normal test: nothing to do
-    };
-    let sh: StoreHandle = serde_json::from_str(&std::env::var("PINSHM_HANDLE").unwrap()).unwrap();
-    let rank: u32 = std::env::var("PINSHM_RANK").unwrap().parse().unwrap();
-    let r = StoreReader::attach_as(&sh, rank).unwrap();
-    match role.as_str() {
-        "read" => {
-            let stdin = std::io::stdin();
-            let (objects, bytes) = consume(&r, stdin.lock().lines().map(Result::unwrap));
-            println!("RESULT {objects} {bytes}");
+    // Run as a normal test (no role): nothing to do.
+    if let Ok(role) = std::env::var("PINSHM_CHILD") {
+        let sh: StoreHandle =
+            serde_json::from_str(&std::env::var("PINSHM_HANDLE").unwrap()).unwrap();
+        let rank: u32 = std::env::var("PINSHM_RANK").unwrap().parse().unwrap();
+        let r = StoreReader::attach_as(&sh, rank).unwrap();
+        match role.as_str() {
+            "read" => {
+                let stdin = std::io::stdin();
+                let (objects, bytes) = consume(&r, stdin.lock().lines().map(Result::unwrap));
+                println!("RESULT {objects} {bytes}");
+            }
+            "die" => {
+                // Hold a guard, say so, and die without detaching.
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line).unwrap();
+                let f: Vec<u64> = line.trim().split(' ').map(|x| x.parse().unwrap()).collect();
+                let g = r
+                    .get(ObjectHandle {
+                        address: f[0],
+                        monotonic_id: f[1],
+                        epoch: f[2],
+                    })
+                    .unwrap();
+                println!("RESULT holding {}", g.len());
+                std::io::stdout().flush().unwrap();
+                std::process::exit(0);
+            }
+            other => panic!("unknown role {other}"),
         }
-        "die" => {
-            // Hold a guard, say so, and die without detaching.
-            let mut line = String::new();
-            std::io::stdin().read_line(&mut line).unwrap();
-            let f: Vec<u64> = line.trim().split(' ').map(|x| x.parse().unwrap()).collect();
-            let g = r
-                .get(ObjectHandle {
-                    address: f[0],
-                    monotonic_id: f[1],
-                    epoch: f[2],
-                })
-                .unwrap();
-            println!("RESULT holding {}", g.len());
-            std::io::stdout().flush().unwrap();
-            std::process::exit(0);
-        }
-        other => panic!("unknown role {other}"),
     }
 }
 

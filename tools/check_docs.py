@@ -182,7 +182,8 @@ def main():
     if sys.argv[1:] == ["--self-test"]:
         self_test()
         return 0
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..")
     problems, n = check(root)
     for p in problems:
         print(p)

@@ -2,7 +2,7 @@
 """Import graph of src/: one node per top-level module (a file or folder
 under src/), an edge for every `crate::X` path that leaves the module.
 Prints the edges; exits 1 on an edge that does not point down the layer
-order below (DESIGN.md's layers, as src/lib.rs lists them), on a module
+order below (the layers of docs/design.md, as src/lib.rs lists them), on a module
 missing from that order, on a cycle, on a Rust file over 800 lines, or on
 a module of the Python package (python/pinshm) over 500."""
 import os, re, sys

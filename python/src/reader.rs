@@ -122,7 +122,9 @@ impl Held {
     fn bytes(&self) -> &[u8] {
         // SAFETY: `data..data + len` is the slice the guard derefs to; the
         // guard lives as long as `self` (it is dropped only in `Drop`), and
-        // with it the mapping and the hazard that keeps the slot unchanged.
+        // with it the mapping and its hold (a count in this reader's hold
+        // word of the slot, which the writer checks before any reuse) that
+        // keeps the slot unchanged.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }
     }
 

@@ -1,13 +1,16 @@
 """Builds a tiny LLaVA-style model with random weights, its own tokenizer
 and processor, in a folder vLLM can serve. Nothing is downloaded.
 
-    python build_model.py OUT_DIR
+    python build_model.py OUT_DIR [IMAGE_SIZE]
 
 - text: a Llama of 2 layers, hidden size 128, 2 heads of 64 (vLLM's CPU
   attention wants a head size of 32 or more; tensor parallel 2 splits the
   heads);
-- vision: a CLIP tower of 2 layers, hidden size 64, 64x64 images in 16x16
-  patches (16 image tokens per image);
+- vision: a CLIP tower of 2 layers, hidden size 64, IMAGE_SIZE square
+  images (default 64) in 16x16 patches ((IMAGE_SIZE/16)^2 image tokens per
+  image: 16 at 64, 64 at 128). The processor's output, and so each cached
+  item, grows with the square of IMAGE_SIZE (48 KiB of float32 pixels at
+  64, 192 KiB at 128);
 - tokenizer: word-level, trained with ``tokenizers`` on a made-up corpus,
   with ``<image>`` as a special token and a chat template.
 
@@ -34,7 +37,7 @@ def corpus(n=2000, seed=0):
         yield " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
 
 
-def build(out: Path) -> None:
+def build(out: Path, size: int = 64) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import (
@@ -76,7 +79,7 @@ def build(out: Path) -> None:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=64,
+        image_size=size,
         patch_size=16,
         projection_dim=128,
     )
@@ -100,7 +103,7 @@ def build(out: Path) -> None:
         projector_hidden_act="gelu",
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
-        image_seq_length=(64 // 16) ** 2,
+        image_seq_length=(size // 16) ** 2,
     )
     cfg.dtype = "float32"
     torch.manual_seed(0)
@@ -109,8 +112,8 @@ def build(out: Path) -> None:
     _classic_vision_keys(out / "model.safetensors")
 
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": 64},
-        crop_size={"height": 64, "width": 64},
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
         do_center_crop=True,
     )
     processor = LlavaProcessor(
@@ -123,7 +126,7 @@ def build(out: Path) -> None:
     )
     processor.save_pretrained(out)
     fast.save_pretrained(out)
-    (out / "BUILT").write_text(json.dumps({"image_token_id": image_token_id, "vocab": len(fast)}))
+    (out / "BUILT").write_text(json.dumps({"image_token_id": image_token_id, "vocab": len(fast), "image_size": size}))
     print(f"model in {out}: vocab {len(fast)}, image token {image_token_id}")
 
 
@@ -143,6 +146,6 @@ def _classic_vision_keys(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and int(sys.argv[2]) % 16):
         sys.exit(__doc__)
-    build(Path(sys.argv[1]))
+    build(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 64)

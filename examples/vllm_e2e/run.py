@@ -478,6 +478,13 @@ def main() -> None:
     )
     ap.add_argument("--images", type=int, default=None, help="distinct images per pass (default 12)")
     ap.add_argument(
+        "--image-size",
+        type=int,
+        default=64,
+        help="the model's image size, a multiple of 16 (default 64: 48 KiB per cached item; 128: 192 KiB, "
+        "so 400 images overflow a 64 MiB /dev/shm); the model is built per size",
+    )
+    ap.add_argument(
         "--reference",
         type=Path,
         default=None,
@@ -486,14 +493,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.images is not None:
         os.environ["E2E_IMAGES"] = str(args.images)
+    os.environ["E2E_IMAGE_SIZE"] = str(args.image_size)
     if args.shm_size and os.environ.get("PINSHM_E2E_IN_CONTAINER") != args.shm_size:
         in_container(args.shm_size)
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or args.out / "tiny-llava"
+    default_model = "tiny-llava" if args.image_size == 64 else f"tiny-llava-{args.image_size}"
+    model = args.model or args.out / default_model
     if not (model / "BUILT").exists():
-        subprocess.run([args.python, str(HERE / "build_model.py"), str(model)], check=True)
+        subprocess.run([args.python, str(HERE / "build_model.py"), str(model), str(args.image_size)], check=True)
+    built = json.loads((model / "BUILT").read_text()).get("image_size", 64)
+    if built != args.image_size:
+        sys.exit(f"{model} was built for {built}x{built} images, not --image-size {args.image_size}")
     passes, singles = (1, 1) if args.quick else (3, 3)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     import workload  # after E2E_IMAGES is set
@@ -520,7 +532,7 @@ def main() -> None:
     shm = f"/dev/shm {args.shm_size} (private tmpfs)" if args.shm_size else "the host's /dev/shm"
     head = (
         f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; {shm}; "
-        f"{workload.N_IMAGES} distinct images per pass; "
+        f"{workload.N_IMAGES} distinct {workload.SIZE}x{workload.SIZE} images per pass; "
         f"{'quick, ' if args.quick else ''}{repeat} run(s) per row, medians\n\n"
     )
     (args.out / "summary.json").write_text(json.dumps({"versions": versions, "rows": summary}, indent=1))

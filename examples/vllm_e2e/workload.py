@@ -1,5 +1,6 @@
 """The requests every configuration gets (offline and through HTTP): made-
-up 64x64 images, seeded, so every run sees the same pixels."""
+up square images (E2E_IMAGE_SIZE, default 64: the model's own size),
+seeded, so every run sees the same pixels."""
 
 import base64
 import io
@@ -9,6 +10,7 @@ import os
 # as many prompts as it takes to show each image twice (two per prompt).
 N_IMAGES = int(os.environ.get("E2E_IMAGES", "12"))
 PER_PASS = max(20, N_IMAGES)
+SIZE = int(os.environ.get("E2E_IMAGE_SIZE", "64"))
 PROMPT = "user: <image> <image> what is in the picture\nassistant:"
 SINGLE_PROMPT = "user: <image> describe the image\nassistant:"
 
@@ -18,7 +20,7 @@ def image(i: int):
     from PIL import Image
 
     rng = np.random.default_rng(1000 + i)
-    return Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    return Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
 
 
 def pass_pairs():

@@ -41,7 +41,7 @@ class _NumpyMsgpackSerde(ObjectSerde):
             import msgpack
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "pinshm.vllm.MsgpackSerde needs vLLM or the msgpack package "
+                "pinshm.vllm.cache.MsgpackSerde needs vLLM or the msgpack package "
                 "(pip install msgpack)"
             ) from e
         self._msgpack = msgpack

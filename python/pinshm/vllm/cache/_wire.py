@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .._pinshm import ObjectHandle, ObjectStore, StaleError
+from ..._pinshm import ObjectHandle, ObjectStore, StaleError
 
 OFFSET_BITS = 48
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .._pinshm import (
+from ..._pinshm import (
     ObjectHandle,
     ObjectStore,
     PinshmError,
@@ -57,7 +57,8 @@ from .._pinshm import (
     signature_bytes,
 )
 from ._serde import MsgpackSerde, ObjectSerde, zero_copy
-from ._tracker import announce, track, untrack
+from .._status import announce
+from .._tracker import track, untrack
 from ._wire import MAX_ID, OFFSET_BITS, IdIndex, KeyIndex, from_wire, stale, to_wire
 
 logger = logging.getLogger("vllm.pinshm.storage")

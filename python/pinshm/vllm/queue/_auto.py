@@ -11,7 +11,7 @@ each queue is built and builds pinshm's queue where vLLM's would raise.
 
 The choice holds across processes without any agreement: whoever builds a
 queue decides, and ``create_from_handle`` follows the handle it is given
-(pinshm's :class:`~pinshm.vllm.message_queue.Handle` gives pinshm's reader,
+(pinshm's :class:`~pinshm.vllm.queue.Handle` gives pinshm's reader,
 anything else vLLM's), so processes that look at /dev/shm at different
 moments still read the queue they were handed.
 """

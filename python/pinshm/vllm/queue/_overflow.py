@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import pinshm
 
 from ._encoding import STORED
-from ._tracker import Tracked
+from .._tracker import Tracked
 from ._wait import Wait
 
 

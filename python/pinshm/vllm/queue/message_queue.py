@@ -25,8 +25,8 @@ ends a blocked ``dequeue`` or ``enqueue`` with ``RuntimeError("cancelled")``.
 Remote readers (other machines) keep vLLM's transport (:mod:`._remote`).
 
 The module imports with numpy alone: torch, vLLM and pyzmq are imported
-when a call needs them. The plugin (``pinshm.vllm.plugin``) rebinds the
-name ``MessageQueue`` inside vLLM.
+when a call needs them. The plugin (:mod:`pinshm.vllm.plugin`, with
+``install_message_queue``) rebinds the name ``MessageQueue`` inside vLLM.
 """
 
 from __future__ import annotations
@@ -42,15 +42,11 @@ from . import _encoding as enc
 from . import _groups
 from ._overflow import OverflowReader, OverflowWriter
 from ._remote import Remote
-from ._tracker import Tracked, announce
+from .._status import announce
+from .._tracker import Tracked
 from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger
 
-__all__ = ["Handle", "MessageQueue", "install", "LONG_WAIT_TIME_LOG_MSG"]
-
-# Pickles from a writer of the release before the split name the tensor
-# rebuilder here: a newer reader still reads them.
-_rebuild_tensor = enc._rebuild_tensor
-
+__all__ = ["Handle", "MessageQueue", "LONG_WAIT_TIME_LOG_MSG"]
 
 @dataclass
 class Handle:
@@ -184,14 +180,8 @@ class MessageQueue:
                 self._remote.wait_for_subscribers(self.n_remote_reader)
         elif self._is_local_reader:
             data = self._recv(None, indefinite=True)
-            if data[0] != enc.READY:
-                raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[0]}")
-            # The fillers the writer announced (see _ready_handshake).
-            fillers = int.from_bytes(data[1:5], "little") if len(data) >= 5 else 0
-            for _ in range(fillers):
-                data = self._recv(None, indefinite=True)
-                if data[0] != enc.READY:
-                    raise RuntimeError(f"wait_until_ready: expected a READY filler, got a message of kind {data[0]}")
+            if data[:1] != bytes([enc.READY]):
+                raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[:1]!r}")
         elif self._remote is not None:
             self._remote.wait_for_ready()
 
@@ -206,8 +196,7 @@ class MessageQueue:
         readers may call it in turn from one thread. The channel counts the
         reader indices that have attached (``Broadcast.attached_readers``);
         READY is one message, which each reader's ``wait_until_ready``
-        reads (it announces no fillers: a reader still skips those a writer
-        of an older release sends)."""
+        reads."""
         wait = Wait(None)
         pause = 0.0005
         while self._tx.attached_readers < self.n_local_reader:
@@ -218,7 +207,7 @@ class MessageQueue:
             pause = min(pause * 2, 0.05)
         self._tx.unlink()
         self._tracked.discard(self._tx.name)
-        self._send(bytes([enc.READY]) + (0).to_bytes(4, "little"), None)
+        self._send(bytes([enc.READY]), None)
 
     def _unattached(self) -> str:
         n = self._tx.attached_readers
@@ -397,11 +386,3 @@ class MessageQueue:
         finally:
             view.release()
 
-
-def install() -> list:
-    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's inside vLLM:
-    :func:`pinshm.vllm.plugin.install_message_queue`, where all rebinding
-    into vLLM lives. Returns the modules rebound."""
-    from .plugin import install_message_queue
-
-    return install_message_queue()

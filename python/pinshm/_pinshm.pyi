@@ -1,17 +1,15 @@
 """Type stubs of the native module pinshm._pinshm."""
 
 import builtins
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import (
     Any,
     Callable,
     ClassVar,
-    Iterable,
     Literal,
-    Mapping,
     Optional,
     Protocol,
-    Type,
     TypeVar,
     final,
 )
@@ -147,9 +145,7 @@ class ObjectStore:
         buffer raises its exporter's error (ValueError or BufferError),
         naming the part."""
     def put_tensor(self, key: str, array: Any) -> ObjectHandle: ...
-    def put_item(
-        self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None
-    ) -> ObjectHandle:
+    def put_item(self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None) -> ObjectHandle:
         """Stores a multimodal item as one object: `fields` maps names to
         C-contiguous numpy arrays (little-endian integers, floats, bool),
         kept in the mapping's order; `meta` maps str to str (the item format
@@ -185,7 +181,7 @@ class ObjectStore:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -218,7 +214,7 @@ class ReadGuard:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]] = None,
+        exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
     ) -> bool: ...
@@ -272,7 +268,7 @@ class StoreReader:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -312,7 +308,7 @@ class Broadcast:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -338,7 +334,7 @@ class MessageView:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]] = None,
+        exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
     ) -> bool: ...
@@ -364,7 +360,7 @@ class BroadcastReader:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...

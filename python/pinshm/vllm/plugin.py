@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 from . import _status
 from .cache import storage
@@ -119,7 +119,7 @@ def _rebind_queue(modules: tuple[str, ...], mode: str = "1") -> tuple[list[str],
         raise RuntimeError(f"{modules[0]}: {type(e).__name__}: {e}") from e
     for i, modname in enumerate(modules):
         try:
-            mod = importlib.import_module(modname)
+            mod: Any = importlib.import_module(modname)
             if not hasattr(mod, "MessageQueue"):
                 raise RuntimeError(f"{modname} has no MessageQueue")
         except Exception as e:  # noqa: BLE001 - NameError from a missing ray, too

@@ -120,8 +120,8 @@ def bench_pinshm(size, n_ops, data):
         store.handle(), 0
     ) as reader:
         keys = Keys(f"s{size}")
-        put, touch_key = store.put, store.touch
-        get, get_copy, ack = reader.get, reader.get_copy, reader.touch
+        put, add_reference = store.put, store.add_reference
+        get, get_copy, ack = reader.get, reader.get_copy, reader.acknowledge
 
         def timed_put(ks):
             ks.append([put(k, data) for k in ks[0]])
@@ -141,7 +141,7 @@ def bench_pinshm(size, n_ops, data):
             ks = keys.take(distinct)
             hs = [put(k, data) for k in ks]
             for i in range(distinct, b):
-                touch_key(ks[i % distinct])
+                add_reference(ks[i % distinct])
             return [hs[i % distinct] for i in range(b)]
 
         def timed_get(hs):
@@ -226,7 +226,7 @@ def raw_serde_class(mod):
 
 def bench_vllm(mod, size, n_ops, data, prefix="vllm"):
     """vLLM's SingleWriterShmObjectStorage API from `mod`: vLLM's own
-    module, or pinshm.vllm.storage (the drop-in), with the same serde."""
+    module, or pinshm.vllm.cache (the drop-in), with the same serde."""
     cap = ring_capacity(size)
     batch = batch_size(size)
     fit = max(1, ring_objects(size) // 2)
@@ -313,7 +313,7 @@ def main():
     args = ap.parse_args()
     sizes = [int(s) * KIB for s in args.sizes.split(",")] if args.sizes else SIZES
     mod = None if args.no_vllm else vllm_storage()
-    from pinshm.vllm import storage as dropin
+    from pinshm.vllm.cache import storage as dropin
 
     results = {}
     for size in sizes:

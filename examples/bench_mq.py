@@ -1,4 +1,4 @@
-"""Benchmark: pinshm.vllm.MessageQueue against vLLM 0.33.0's MessageQueue
+"""Benchmark: pinshm.vllm.queue.MessageQueue against vLLM 0.33.0's MessageQueue
 (when vLLM is importable), in the same run, with the same harness.
 
     python examples/bench_mq.py              # full run (several minutes)
@@ -55,7 +55,7 @@ READERS = [1, 2]
 
 def queue_class(impl):
     if impl.startswith("pinshm"):
-        from pinshm.vllm.message_queue import MessageQueue
+        from pinshm.vllm.queue import MessageQueue
     else:
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
     return MessageQueue

@@ -1,11 +1,11 @@
-"""What the channel binding offers pinshm.vllm.MessageQueue's inline path,
+"""What the channel binding offers pinshm.vllm.queue.MessageQueue's inline path,
 measured on its own (no queue object, no store): one writer process, one
 reader process, a reply channel back (one message in flight), back to back.
 
     python examples/bench_mq_paths.py [--quick]
 
 Each message is `("msg", t0_ns, numpy uint8 array of SIZE)` pickled by the
-queue's own `dumps` (`pinshm.vllm._encoding`) (buffers of 1 MiB and more out of band). Paths:
+queue's own `dumps` (`pinshm.vllm.queue._encoding`) (buffers of 1 MiB and more out of band). Paths:
 - `join + recv`: the queue's inline encoding before `send_parts`: the
   parts joined into one bytes first, `recv()` (a bytes copy), `loads_inline` (a
   bytearray copy of each buffer): 4 copies of a large buffer.
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 import pinshm
-from pinshm.vllm._encoding import dumps, inline_parts, loads_inline
+from pinshm.vllm.queue._encoding import dumps, inline_parts, loads_inline
 
 KIB, MIB = 1 << 10, 1 << 20
 PATHS = ["join + recv", "send_parts + recv_view", "send_parts + recv_view, zero copy"]

@@ -1,4 +1,4 @@
-"""Where the microseconds of pinshm.vllm.MessageQueue go at a decode
+"""Where the microseconds of pinshm.vllm.queue.MessageQueue go at a decode
 cadence: one writer, one reader process, one message every 5 ms, each
 phase stamped with CLOCK_MONOTONIC (shared by the processes):
 
@@ -28,8 +28,8 @@ POLICIES = ["predictive", "adaptive", "fixed:6000"]
 
 
 def _reader(handle, n, out):
-    from pinshm.vllm import _encoding as enc
-    from pinshm.vllm.message_queue import MessageQueue
+    from pinshm.vllm.queue import _encoding as enc
+    from pinshm.vllm.queue import MessageQueue
 
     stamps = []
     recv_view = MessageQueue._recv_view
@@ -59,8 +59,8 @@ def _reader(handle, n, out):
 
 
 def run(policy, size, n):
-    from pinshm.vllm import _encoding as enc
-    from pinshm.vllm.message_queue import MessageQueue
+    from pinshm.vllm.queue import _encoding as enc
+    from pinshm.vllm.queue import MessageQueue
 
     os.environ["PINSHM_READER_SPIN"] = policy
     ctx = mp.get_context("spawn")

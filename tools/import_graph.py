@@ -1,10 +1,18 @@
 #!/usr/bin/env python3
-"""Import graph of src/: one node per top-level module (a file or folder
-under src/), an edge for every `crate::X` path that leaves the module.
-Prints the edges; exits 1 on an edge that does not point down the layer
-order below (the layers of docs/design.md, as src/lib.rs lists them), on a module
-missing from that order, on a cycle, on a Rust file over 800 lines, or on
-a module of the Python package (python/pinshm) over 500."""
+"""Import graphs of the Rust crate and of the Python package.
+
+src/: one node per top-level module (a file or folder under src/), an edge
+for every `crate::X` path that leaves the module. Exits 1 on an edge that
+does not point down the layer order below (the layers of docs/design.md,
+as src/lib.rs lists them), on a module missing from that order, on a
+cycle, or on a Rust file over 800 lines.
+
+python/pinshm: one node per module (a package is its __init__), an edge
+for every import of a pinshm module, at module level or inside a function
+(`from .x import y`, `from . import x`, `import pinshm.x`): a package's
+__init__ runs before its submodules, so `from .pkg import mod` is an edge
+to both. Exits 1 on a cycle, on an import of an entry point (ENTRY_POINTS:
+nothing may import them), or on a module over 500 lines."""
 import os, re, sys
 
 # Lowest first: a module may import only modules before it.
@@ -57,13 +65,91 @@ for m in mods:
 for u in upward:
     print("LAYER:", u)
 PY = os.path.join(os.path.dirname(__file__), "..", "python", "pinshm")
-for root, _, files in os.walk(PY):
-    for f in files:
-        if f.endswith(".py"):
-            path = os.path.join(root, f)
-            n = open(path).read().count("\n")
-            if n > 500:
-                too_long.append((path, n))
+# Entry points: loaded by their host (vLLM loads the plugin), never imported.
+ENTRY_POINTS = {"pinshm.vllm.plugin"}
+
+
+def py_modules():
+    """{dotted name: path} of every module of the Python package."""
+    found = {}
+    for root, _, files in os.walk(PY):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(root, f), os.path.dirname(PY))[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                found[".".join(rel)] = os.path.join(root, f)
+    return found
+
+
+def py_imports(name, path, modules):
+    """The pinshm modules `name` (at `path`) imports, anywhere in it."""
+    import ast
+
+    is_pkg = path.endswith("__init__.py")
+    package = name if is_pkg else name.rpartition(".")[0]
+    # The packages `name` sits in have run (or are running) their __init__
+    # before it: reaching them again through a longer path is no edge.
+    parts = name.split(".")
+    ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
+    out = set()
+
+    def reach(target, itself=True):
+        # Importing a.b.c runs a, a.b and a.b.c: each of them is reached.
+        # `itself`: the module the statement names counts even when it is
+        # an ancestor (`import pinshm`, `from .. import __version__`).
+        steps = target.split(".")
+        for i in range(1, len(steps) + 1):
+            t = ".".join(steps[:i])
+            if t in modules and (t not in ancestors or (itself and i == len(steps))):
+                out.add(t)
+
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                reach(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            # `from . import mod` names the package only to reach `mod`.
+            reach(target, itself=len(subs) < len(node.names))
+            for sub in subs:
+                reach(sub)
+    out.discard(name)
+    return out
+
+
+py_mods = py_modules()
+py_edges = {m: py_imports(m, p, py_mods) for m, p in sorted(py_mods.items())}
+for m, deps in py_edges.items():
+    print(f"{m:34} -> {', '.join(sorted(deps)) or '-'}")
+state, stack = {}, []
+def py_visit(m):
+    state[m] = 1; stack.append(m)
+    for n in sorted(py_edges[m]):
+        if state.get(n) == 1:
+            cycles.append(stack[stack.index(n):] + [n])
+        elif n not in state:
+            py_visit(n)
+    stack.pop(); state[m] = 2
+for m in py_edges:
+    if m not in state:
+        py_visit(m)
+for c in cycles:
+    if c[0] in py_edges:
+        print("CYCLE:", " -> ".join(c))
+entry = [f"{m} imports {e}, an entry point" for m, deps in py_edges.items() for e in sorted(deps & ENTRY_POINTS)]
+for e in entry:
+    print("ENTRY:", e)
+for m, path in py_mods.items():
+    n = open(path).read().count("\n")
+    if n > 500:
+        too_long.append((path, n))
 for p, n in too_long:
     print(f"TOO LONG: {p} has {n} lines")
-sys.exit(1 if cycles or too_long or upward else 0)
+sys.exit(1 if cycles or too_long or upward or entry else 0)

@@ -37,7 +37,7 @@ import logging
 import pytest
 
 from vllm.distributed.device_communicators import shm_broadcast
-from pinshm.vllm.message_queue import MessageQueue
+from pinshm.vllm.queue import MessageQueue
 
 shm_broadcast.MessageQueue = MessageQueue
 

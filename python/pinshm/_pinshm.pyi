@@ -1,17 +1,15 @@
 """Type stubs of the native module pinshm._pinshm."""
 
 import builtins
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import (
     Any,
     Callable,
     ClassVar,
-    Iterable,
     Literal,
-    Mapping,
     Optional,
     Protocol,
-    Type,
     TypeVar,
     final,
 )
@@ -27,7 +25,9 @@ __all__ = [
     "FullError",
     "NoSpaceError",
     "WaitTimeoutError",
-    "TimeoutError",
+    "KeyNotFoundError",
+    "WrongKindError",
+    "InvalidArgumentError",
     "WriterGoneError",
     "CancelledError",
     "ObjectHandle",
@@ -47,12 +47,13 @@ __all__ = [
 __version__: str
 
 class PinshmError(Exception): ...
-class StaleError(ValueError): ...
-class FullError(MemoryError): ...
-class NoSpaceError(MemoryError): ...
-class WaitTimeoutError(builtins.TimeoutError): ...
-
-TimeoutError = WaitTimeoutError  # the old name, not in pinshm.__all__
+class StaleError(PinshmError, ValueError): ...
+class FullError(PinshmError, MemoryError): ...
+class NoSpaceError(PinshmError, MemoryError): ...
+class WaitTimeoutError(PinshmError, builtins.TimeoutError): ...
+class KeyNotFoundError(PinshmError, KeyError): ...
+class WrongKindError(PinshmError, TypeError): ...
+class InvalidArgumentError(PinshmError, ValueError): ...
 class WriterGoneError(PinshmError): ...
 class CancelledError(PinshmError): ...
 
@@ -144,9 +145,7 @@ class ObjectStore:
         buffer raises its exporter's error (ValueError or BufferError),
         naming the part."""
     def put_tensor(self, key: str, array: Any) -> ObjectHandle: ...
-    def put_item(
-        self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None
-    ) -> ObjectHandle:
+    def put_item(self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None) -> ObjectHandle:
         """Stores a multimodal item as one object: `fields` maps names to
         C-contiguous numpy arrays (little-endian integers, floats, bool),
         kept in the mapping's order; `meta` maps str to str (the item format
@@ -156,8 +155,6 @@ class ObjectStore:
     def get_cached(self, key: str) -> Optional[ObjectHandle]: ...
     def add_reference(self, key: str) -> None:
         """One more reference to `key`: each reader owes one more read."""
-    def touch(self, key: str) -> None:
-        """Deprecated: `add_reference`."""
     def lookup(self, key: str) -> Optional[ObjectHandle]: ...
     def keys(self) -> list[tuple[str, ObjectHandle]]: ...
     def __len__(self) -> int: ...
@@ -184,7 +181,7 @@ class ObjectStore:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -217,7 +214,7 @@ class ReadGuard:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]] = None,
+        exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
     ) -> bool: ...
@@ -259,8 +256,6 @@ class StoreReader:
     def get_copy_into(self, handle: ObjectHandle, buffer: Buffer) -> int: ...
     def acknowledge(self, handle: ObjectHandle) -> None:
         """Acknowledges one read of `handle` without reading it."""
-    def touch(self, handle: ObjectHandle) -> None:
-        """Deprecated: `acknowledge`."""
     def validate(self, handle: ObjectHandle) -> None: ...
     def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool: ...
     @property
@@ -273,7 +268,7 @@ class StoreReader:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -313,7 +308,7 @@ class Broadcast:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
@@ -339,7 +334,7 @@ class MessageView:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]] = None,
+        exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
     ) -> bool: ...
@@ -365,7 +360,7 @@ class BroadcastReader:
     def __enter__(self: _T) -> _T: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
+        exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...

@@ -32,7 +32,8 @@ named in `streams` is not waited for: the slot may be reused under it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, List, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 from . import set_release_gate
 
@@ -41,7 +42,7 @@ class AllEvents:
     """Completes once each of its events has (`query()` true for all)."""
 
     def __init__(self, events: Iterable[Any]) -> None:
-        self._events: List[Any] = list(events)
+        self._events: list[Any] = list(events)
 
     def query(self) -> bool:
         self._events = [e for e in self._events if not e.query()]

@@ -13,14 +13,12 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
-use pyo3::create_exception;
-use pyo3::exceptions::{
-    PyException, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError, PyValueError,
-};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod buffer;
 mod channel;
+mod errors;
 mod gil;
 mod handles;
 mod message;
@@ -30,73 +28,7 @@ mod release;
 mod store;
 mod tensor;
 
-create_exception!(
-    pinshm,
-    PinshmError,
-    PyException,
-    "Base of pinshm's own errors (those that are not a ValueError, MemoryError, KeyError or TimeoutError)."
-);
-create_exception!(
-    pinshm,
-    StaleError,
-    PyValueError,
-    "The handle names an object that is gone or never existed: treat it as a cache miss."
-);
-create_exception!(
-    pinshm,
-    FullError,
-    PyMemoryError,
-    "The ring is full of objects still owed reads or held by guards."
-);
-create_exception!(
-    pinshm,
-    NoSpaceError,
-    PyMemoryError,
-    "/dev/shm has no room for the pages this put or send would write (or for a reserved segment): \
-     the store or channel is unchanged and works again once space is free."
-);
-create_exception!(
-    pinshm,
-    WaitTimeoutError,
-    PyTimeoutError,
-    "A send or receive gave up after its timeout (a builtin TimeoutError)."
-);
-create_exception!(
-    pinshm,
-    WriterGoneError,
-    PinshmError,
-    "The writer of the segment has exited or died: attach to its successor."
-);
-
-create_exception!(
-    pinshm,
-    CancelledError,
-    PinshmError,
-    "A blocking send or receive ended because cancel() was called (a shutdown)."
-);
-
-/// The Python exception for a pinshm error, with its message.
-pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
-    use pinshm::Error as E;
-    let msg = e.to_string();
-    match e {
-        E::Stale { .. } => StaleError::new_err(msg),
-        E::Full { .. } => FullError::new_err(msg),
-        E::NoSpace { .. } => NoSpaceError::new_err(msg),
-        E::Timeout { .. } => WaitTimeoutError::new_err(msg),
-        E::WriterGone { .. } => WriterGoneError::new_err(msg),
-        E::Cancelled { .. } => CancelledError::new_err(msg),
-        E::KeyNotFound { .. } => PyKeyError::new_err(msg),
-        E::WrongKind { .. } | E::DTypeMismatch { .. } => PyTypeError::new_err(msg),
-        E::DuplicateKey { .. }
-        | E::TooLarge { .. }
-        | E::InvalidConfig(_)
-        | E::InvalidName { .. }
-        | E::ReaderIndexOutOfRange { .. }
-        | E::InvalidTensor(_) => PyValueError::new_err(msg),
-        _ => PinshmError::new_err(msg),
-    }
-}
+pub(crate) use errors::to_py;
 
 /// The pin mode named `s` ("auto", "off", "require").
 pub(crate) fn pin_mode(s: &str) -> PyResult<pinshm::PinMode> {
@@ -108,17 +40,6 @@ pub(crate) fn pin_mode(s: &str) -> PyResult<pinshm::PinMode> {
             "pin must be 'auto', 'off' or 'require', not {other:?}"
         ))),
     }
-}
-
-/// Warns (DeprecationWarning) that `old` is now `new`.
-pub(crate) fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
-    PyErr::warn(
-        py,
-        &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(),
-        &std::ffi::CString::new(format!("{old} is deprecated: use {new} (same meaning)"))
-            .expect("no NUL in the names"),
-        2,
-    )
 }
 
 /// `ValueError` for an operation on a closed object (as on a closed file).
@@ -227,16 +148,7 @@ pub(crate) fn locked_shared<T: Send, R: Send>(
 fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("PinshmError", py.get_type::<PinshmError>())?;
-    m.add("StaleError", py.get_type::<StaleError>())?;
-    m.add("FullError", py.get_type::<FullError>())?;
-    m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
-    m.add("WaitTimeoutError", py.get_type::<WaitTimeoutError>())?;
-    // The old name, kept as an alias (not in `__all__`: `import *` must
-    // not shadow the builtin).
-    m.add("TimeoutError", py.get_type::<WaitTimeoutError>())?;
-    m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
-    m.add("CancelledError", py.get_type::<CancelledError>())?;
+    errors::add_to(m)?;
     m.add_class::<handles::ObjectHandle>()?;
     m.add_class::<handles::StoreHandle>()?;
     m.add_class::<handles::BroadcastHandle>()?;

@@ -449,12 +449,6 @@ impl StoreReader {
         self.with(py, |r| r.acknowledge(handle.0))?.map_err(to_py)
     }
 
-    /// Deprecated name of `acknowledge` (one release).
-    fn touch(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<()> {
-        crate::deprecated(py, "StoreReader.touch", "StoreReader.acknowledge")?;
-        self.acknowledge(py, handle)
-    }
-
     /// Checks that `handle` names a live object (StaleError if not),
     /// acknowledging nothing (vLLM 0.33's reader `touch`).
     fn validate(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<()> {

@@ -258,12 +258,6 @@ impl ObjectStore {
             .map_err(to_py)
     }
 
-    /// Deprecated name of `add_reference` (one release).
-    fn touch(&self, py: Python<'_>, key: &str) -> PyResult<()> {
-        crate::deprecated(py, "ObjectStore.touch", "ObjectStore.add_reference")?;
-        self.add_reference(py, key)
-    }
-
     /// The handle of `key`, counting no reference, or None (vLLM's
     /// `key_index[key]`).
     fn lookup(&self, py: Python<'_>, key: &str) -> PyResult<Option<ObjectHandle>> {

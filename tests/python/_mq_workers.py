@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from pinshm.vllm.message_queue import MessageQueue
+from pinshm.vllm.queue import MessageQueue
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -2,7 +2,7 @@
 
 import hashlib
 
-from pinshm.vllm import storage
+from pinshm.vllm.cache import storage
 
 
 def digest(value):

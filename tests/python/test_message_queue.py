@@ -1,4 +1,4 @@
-"""pinshm.vllm.MessageQueue: vLLM 0.33.0's MessageQueue over a pinshm
+"""pinshm.vllm.queue.MessageQueue: vLLM 0.33.0's MessageQueue over a pinshm
 broadcast channel and object store. The core tests need numpy alone;
 torch, vLLM and pyzmq tests are skipped where those are not installed."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import _mq_workers as w
 import pinshm
-from pinshm.vllm.message_queue import MessageQueue
+from pinshm.vllm.queue import MessageQueue
 
 from _gates import in_call
 from _procs import JOIN_S, finish, start
@@ -313,7 +313,7 @@ def test_the_module_imports_nothing_optional():
     import sys
 
     code = (
-        "import sys, pinshm.vllm.message_queue as m\n"
+        "import sys, pinshm.vllm.queue.message_queue as m\n"
         "bad = [x for x in ('torch', 'vllm', 'zmq') if x in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -371,7 +371,7 @@ def test_install_rebinds_message_queue_inside_vllm():
     pytest.importorskip("vllm")
     import importlib
 
-    from pinshm.vllm import message_queue, plugin
+    from pinshm.vllm import plugin
 
     names = []
     for n in plugin.QUEUE_MODULES:
@@ -383,7 +383,7 @@ def test_install_rebinds_message_queue_inside_vllm():
     assert "vllm.distributed.device_communicators.shm_broadcast" in names
     before = {n: importlib.import_module(n).MessageQueue for n in names}
     try:
-        done = message_queue.install()
+        done = plugin.install_message_queue()
         for name in names:
             assert name in done
             assert importlib.import_module(name).MessageQueue is MessageQueue

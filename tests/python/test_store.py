@@ -283,15 +283,10 @@ def test_closing_a_reader_while_another_thread_is_inside_a_copy_on_it_works(
         pass
 
 
-def test_the_old_touch_names_still_work_and_say_they_are_deprecated(store, reader):
-    h = store.put("k", b"v")
-    with pytest.deprecated_call(match="add_reference"):
-        store.touch("k")
-    with pytest.deprecated_call(match="acknowledge"):
-        reader.touch(h)
-    # Two references, two reads owed: one acknowledged by touch, one here.
-    reader.acknowledge(h)
-    assert store.free_unused() == 1
+def test_the_touch_aliases_are_gone(store, reader):
+    # add_reference (writer) and acknowledge (reader) are the only names.
+    assert not hasattr(store, "touch")
+    assert not hasattr(reader, "touch")
 
 
 def test_pin_modes_are_chosen_per_process_and_checked(unique_name, closing):

@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from pinshm.vllm import plugin, storage
+from pinshm.vllm import _status, plugin
+from pinshm.vllm.cache import storage
 from _small_shm import run_in_small_dev_shm
 
 
@@ -24,11 +25,11 @@ def stand_in():
 @pytest.fixture
 def fresh_plugin(monkeypatch):
     """The plugin as in a new process: nothing announced or pending."""
-    monkeypatch.setattr(plugin, "_announced", False)
-    monkeypatch.setattr(plugin, "_pending", None)
+    monkeypatch.setattr(_status, "_announced", False)
+    monkeypatch.setattr(_status, "_pending", None)
     monkeypatch.setattr(plugin, "rebound", {})
     # vLLM's own loggers may not propagate to pytest's handler.
-    monkeypatch.setattr(plugin, "_logger", lambda: logging.getLogger("pinshm-test"))
+    monkeypatch.setattr(_status, "_logger", lambda: logging.getLogger("pinshm-test"))
     monkeypatch.delenv("PINSHM_VLLM_MESSAGE_QUEUE", raising=False)
 
 
@@ -145,8 +146,8 @@ def run_stand_in(tmp_path, mode, broken=None):
 
 def test_an_executor_module_raising_name_error_leaves_both_rebindings_done(tmp_path):
     stdout, stderr = run_stand_in(tmp_path, "configured")
-    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
-    assert "QUEUE pinshm.vllm.message_queue" in stdout, stdout + stderr
+    assert "CACHE pinshm.vllm.cache.storage" in stdout, stdout + stderr
+    assert "QUEUE pinshm.vllm.queue.message_queue" in stdout, stdout + stderr
     assert "ray_executor_v2" not in stdout.split("REBOUND", 1)[1]
     in_use = [x for x in stdout.splitlines() if x.startswith("LOG") and "in use" in x]
     assert len(in_use) == 1 and "cache" in in_use[0] and "MessageQueue" in in_use[0], stdout
@@ -157,8 +158,8 @@ def test_a_queue_module_raising_name_error_leaves_the_cache_rebound_and_says_so(
     stdout, stderr = run_stand_in(
         tmp_path, "configured", broken="vllm/distributed/device_communicators/shm_broadcast.py"
     )
-    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
-    assert "QUEUE pinshm.vllm.message_queue" not in stdout
+    assert "CACHE pinshm.vllm.cache.storage" in stdout, stdout + stderr
+    assert "QUEUE pinshm.vllm.queue.message_queue" not in stdout
     warn = [x for x in stdout.splitlines() if x.startswith("LOG WARNING")]
     assert len(warn) == 1 and "MessageQueue stays vLLM's" in warn[0] and "NameError" in warn[0], stdout
     in_use = [x for x in stdout.splitlines() if "in use" in x]
@@ -169,17 +170,17 @@ def test_before_logging_is_configured_a_failure_still_prints_and_the_in_use_line
     stdout, stderr = run_stand_in(
         tmp_path, "unconfigured", broken="vllm/distributed/device_communicators/shm_broadcast.py"
     )
-    assert "CACHE pinshm.vllm.storage" in stdout, stdout + stderr
+    assert "CACHE pinshm.vllm.cache.storage" in stdout, stdout + stderr
     # Through warnings, so it is seen without any logging handler.
     assert "RuntimeWarning: pinshm: MessageQueue stays vLLM's: " in stderr, stderr
     assert "in use" not in stdout + stderr, "held back until a store or queue is built"
 
 
 def test_the_held_back_in_use_line_comes_when_a_store_is_built(caplog, monkeypatch, fresh_plugin, unique_name):
-    monkeypatch.setattr(plugin, "_logging_ready", lambda: False)
+    monkeypatch.setattr(_status, "_logging_ready", lambda: False)
     plugin.register(stand_in())
-    assert plugin._pending is not None
-    monkeypatch.setattr(plugin, "_logging_ready", lambda: True)
+    assert _status.pending() is not None
+    monkeypatch.setattr(_status, "_logging_ready", lambda: True)
     with caplog.at_level(logging.INFO):
         ring = storage.SingleWriterShmRingBuffer(1 << 20, name=unique_name(), create=True)
         st = storage.SingleWriterShmObjectStorage(1 << 16, 1, ring)
@@ -210,8 +211,8 @@ print(shm.SingleWriterShmObjectStorage.__module__)
 @pytest.mark.parametrize(
     "allow, want",
     [
-        (None, "pinshm.vllm.storage"),
-        ("pinshm", "pinshm.vllm.storage"),
+        (None, "pinshm.vllm.cache.storage"),
+        ("pinshm", "pinshm.vllm.cache.storage"),
         ("other", "vllm.distributed.device_communicators.shm_object_storage"),
     ],
 )
@@ -227,7 +228,7 @@ def test_vllm_loads_it_unless_vllm_plugins_leaves_it_out(allow, want):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == want
     in_use = "pinshm" in out.stderr + out.stdout and "in use" in out.stderr + out.stdout
-    assert in_use == (want == "pinshm.vllm.storage"), out.stderr[-3000:]
+    assert in_use == (want == "pinshm.vllm.cache.storage"), out.stderr[-3000:]
 
 
 def test_vllms_own_cache_classes_run_on_pinshm(monkeypatch, unique_name):
@@ -301,7 +302,7 @@ def threading_lock():
 
 
 def test_auto_takes_vllms_own_check_to_choose_the_queue(monkeypatch):
-    from pinshm.vllm import _auto
+    from pinshm.vllm.queue import _auto
 
     mib = 1 << 20
     monkeypatch.setattr(_auto, "shm_free_bytes", lambda path=_auto.SHM_PATH: 64 * mib)
@@ -396,7 +397,7 @@ def test_auto_uses_pinshms_queue_where_vllms_would_not_fit_a_container(tmp_path)
     out = run_in_small_dev_shm(PROBE_AUTO, size="64m", env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    pinshm_mq = "pinshm.vllm.message_queue"
+    pinshm_mq = "pinshm.vllm.queue.message_queue"
     assert "SAME True" in text, text
     assert f"BIG {pinshm_mq}" in text, text
     assert "SMALL vllm.distributed.device_communicators.shm_broadcast" in text, text

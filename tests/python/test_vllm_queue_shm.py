@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pinshm.vllm.message_queue import MessageQueue
+from pinshm.vllm.queue import MessageQueue
 
 # Process A starts the resource tracker (as vLLM's API server does by
 # spawning), then spawns B, which creates a queue with a reader attached
@@ -22,7 +22,7 @@ import multiprocessing as mp, os, signal, sys
 from multiprocessing import resource_tracker
 
 def writer(name, conn):
-    from pinshm.vllm.message_queue import MessageQueue
+    from pinshm.vllm.queue import MessageQueue
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=name)
     rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
     mq.enqueue(b"x" * (1 << 20))  # larger than a chunk: through the store
@@ -169,7 +169,7 @@ def test_the_channel_name_goes_once_every_reader_attached_and_messages_still_flo
             t.join()
         assert not os.path.exists("/dev/shm/" + name), "unlinked once both readers attached"
         assert name not in mq._tracked.names
-        for i in range(10):  # more than the slots: the READY fillers are skipped
+        for i in range(10):  # more than the slots: READY took one and left the rest
             mq.enqueue(("m", i))
             assert [r.dequeue() for r in readers] == [("m", i)] * 2
     finally:

@@ -1,4 +1,4 @@
-"""pinshm.vllm.storage: vLLM 0.33.0's SingleWriterShmObjectStorage API and
+"""pinshm.vllm.cache: vLLM 0.33.0's SingleWriterShmObjectStorage API and
 semantics over a pinshm store (runs without vLLM; with vLLM installed the
 serde is vLLM's own)."""
 
@@ -15,8 +15,8 @@ import pytest
 
 import _vllm_workers
 import pinshm
-from pinshm.vllm import _wire as W
-from pinshm.vllm import storage as S
+from pinshm.vllm.cache import _wire as W
+from pinshm.vllm.cache import storage as S
 
 MIB = 1 << 20
 STALE = "Data for address:id '{}:{}' has been modified or is invalid."
@@ -342,8 +342,8 @@ def test_a_second_live_writer_of_a_name_gets_file_exists(unique_name):
 
 KILLED_WRITER = """
 import os, signal, sys
-from pinshm.vllm import _wire as W
-from pinshm.vllm import storage as S
+from pinshm.vllm.cache import _wire as W
+from pinshm.vllm.cache import storage as S
 ring = S.SingleWriterShmRingBuffer(4 << 20, name=sys.argv[1], create=True)
 s = S.SingleWriterShmObjectStorage(1 << 20, 1, ring)
 s.put("k", b"x")
@@ -431,7 +431,7 @@ def test_vllms_own_serde_carries_tensors_and_multimodal_items(make):
 
 def test_the_cache_leaves_a_headroom_of_dev_shm(monkeypatch):
     # Issue 27, point 3: the cache is /dev/shm's elastic user.
-    from pinshm.vllm import storage
+    from pinshm.vllm.cache import storage
 
     monkeypatch.setenv("PINSHM_VLLM_SHM_HEADROOM", "12345")
     assert storage.shm_headroom() == 12345

@@ -87,7 +87,7 @@ def _after_cache_shm(mod):
     # vLLM's (now) and pinshm's (imported here, before the plugin runs).
     _wrap_storage(mod.SingleWriterShmObjectStorage)
     try:
-        from pinshm.vllm.storage import SingleWriterShmObjectStorage
+        from pinshm.vllm.cache import SingleWriterShmObjectStorage
     except Exception:  # noqa: BLE001 - pinshm not installed: stock only
         pass
     else:
@@ -97,7 +97,7 @@ def _after_cache_shm(mod):
 def _after_shm_broadcast(mod):
     _wrap_queue(mod.MessageQueue)
     try:
-        from pinshm.vllm.message_queue import MessageQueue
+        from pinshm.vllm.queue import MessageQueue
     except Exception:  # noqa: BLE001
         pass
     else:

@@ -1,14 +1,16 @@
 """Drop-in replacements for vLLM 0.33's shared-memory classes, backed by
-pinshm.
+pinshm, by concern:
 
-- ``pinshm.vllm.storage``: ``SingleWriterShmRingBuffer``,
+- :mod:`pinshm.vllm.cache`: ``SingleWriterShmRingBuffer``,
   ``SingleWriterShmObjectStorage``, ``ShmObjectStorageHandle`` and
   ``MsgpackSerde`` (the multimodal processor cache,
   ``--mm-processor-cache-type shm``).
-- ``pinshm.vllm.message_queue``: ``MessageQueue`` (the device
+- :mod:`pinshm.vllm.queue`: ``MessageQueue`` and ``Handle`` (the device
   communicators' broadcast queue).
-- ``pinshm.vllm.plugin``: the ``vllm.general_plugins`` entry point that
-  rebinds those names inside vLLM.
+- :mod:`pinshm.vllm.plugin`: the ``vllm.general_plugins`` entry point that
+  rebinds those names inside vLLM. Nothing in the package imports it.
+- :mod:`pinshm.vllm._status` (the "in use" line and the warnings) and
+  :mod:`pinshm.vllm._tracker` (the resource tracker), shared by both.
 
 Nothing here imports vLLM or torch at import time; both are optional.
 """

@@ -1,8 +1,7 @@
 """Segment names registered with multiprocessing's resource tracker, as
 vLLM's ``SharedMemory`` segments are: a process killed without closing
 (vLLM SIGKILLs its engine core and workers) leaves its names to the
-tracker, which unlinks them. Also the plugin's "in use" line, which the
-classes that make segments send."""
+tracker, which unlinks them. Used by the cache and the queue alike."""
 
 from __future__ import annotations
 
@@ -58,11 +57,3 @@ class Tracked:
     def clear(self) -> None:
         for name in list(self._names):
             self.discard(name)
-
-
-def announce() -> None:
-    """The plugin's "in use" line, held back until vLLM's logging is
-    configured: it is by the time vLLM builds a cache or a queue."""
-    from .plugin import announce as plugin_announce
-
-    plugin_announce()

@@ -16,8 +16,8 @@ other still happens.
   ``GroupCoordinator`` build their queues through pinshm. ``auto`` (the
   default): each queue is vLLM's where vLLM's own /dev/shm check passes
   and pinshm's where it would refuse to start (a container's 64 MiB;
-  :mod:`pinshm.vllm._auto`); ``1``: always pinshm's
-  (:class:`pinshm.vllm.message_queue.MessageQueue`, and ``Handle`` too);
+  :mod:`pinshm.vllm.queue._auto`); ``1``: always pinshm's
+  (:class:`pinshm.vllm.queue.MessageQueue`, and ``Handle`` too);
   ``0``: always vLLM's, nothing rebound. Each module is its own attempt
   (``ray_executor_v2`` raises ``NameError`` without ray).
 
@@ -25,13 +25,8 @@ vLLM's own ``VLLM_PLUGINS`` allowlist switches the plugin off (list the
 plugins you want without ``pinshm``). A vLLM whose modules lack the names
 pinshm replaces is left alone, with a warning.
 
-Where the status goes: vLLM loads plugins before it configures its logging
-(in the API server and the ``LLM`` process), and an INFO record sent then
-is lost. So a warning (something was *not* rebound) is sent through
-:mod:`warnings` when vLLM's logging is not configured yet (always printed,
-with a ``pinshm:`` text that says what), and the "in use" line waits until
-the process first builds one of pinshm's stores or queues
-(:func:`announce`), when logging is configured.
+The status line (the "in use" line, held back until vLLM's logging is
+configured, and the warnings) is :mod:`pinshm.vllm._status`'s.
 """
 
 from __future__ import annotations
@@ -40,11 +35,11 @@ import importlib
 import logging
 import os
 import threading
-import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
-from . import storage
+from . import _status
+from .cache import storage
 
 #: Where vLLM 0.33's multimodal cache looks the storage classes up.
 CACHE_MODULE = "vllm.multimodal.cache.shm"
@@ -64,39 +59,6 @@ QUEUE_MODULES = (
 _lock = threading.Lock()
 #: What this process rebound: {"cache": [module], "queue": [modules]}.
 rebound: dict[str, list[str]] = {}
-#: The "in use" line, until it is logged.
-_pending: Optional[str] = None
-_announced = False
-
-
-def _logger() -> logging.Logger:
-    try:
-        from vllm.logger import init_logger
-    except Exception:  # noqa: BLE001 - any vLLM import may fail
-        return logging.getLogger("vllm.plugins.pinshm")
-    # Under "vllm", so vLLM's own logging configuration shows it.
-    return init_logger("vllm.plugins.pinshm")
-
-
-def _logging_ready() -> bool:
-    """Whether a record sent to the "vllm" logger now reaches a handler
-    (vLLM configured its logging, or the application did)."""
-    log = logging.getLogger("vllm.plugins.pinshm")
-    while log is not None:
-        if log.handlers:
-            return True
-        if not log.propagate:
-            return False
-        log = log.parent
-    return False
-
-
-def _warn(msg: str, *args: object) -> None:
-    text = msg % args if args else msg
-    if _logging_ready():
-        _logger().warning("%s", text)
-    else:
-        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _rebind_cache(module: Optional[ModuleType]) -> str:
@@ -122,7 +84,7 @@ def queue_mode() -> str:
     or ``0``; anything else is ``auto``, with a warning."""
     value = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
     if value not in ("auto", "1", "0"):
-        _warn("pinshm: PINSHM_VLLM_MESSAGE_QUEUE=%s is not auto, 1 or 0; using auto", value)
+        _status.warn("pinshm: PINSHM_VLLM_MESSAGE_QUEUE=%s is not auto, 1 or 0; using auto", value)
         return "auto"
     return value
 
@@ -130,11 +92,11 @@ def queue_mode() -> str:
 def _queue_classes(mode: str) -> tuple[type, Optional[type]]:
     """What to bind to ``MessageQueue`` and ``Handle`` (None: leave it)."""
     global _vllm_queue
-    from .message_queue import Handle, MessageQueue
+    from .queue import Handle, MessageQueue
 
     if mode == "1":
         return MessageQueue, Handle
-    from . import _auto
+    from .queue import _auto
 
     if _vllm_queue is None:
         current = importlib.import_module(QUEUE_MODULES[0]).MessageQueue
@@ -157,7 +119,7 @@ def _rebind_queue(modules: tuple[str, ...], mode: str = "1") -> tuple[list[str],
         raise RuntimeError(f"{modules[0]}: {type(e).__name__}: {e}") from e
     for i, modname in enumerate(modules):
         try:
-            mod = importlib.import_module(modname)
+            mod: Any = importlib.import_module(modname)
             if not hasattr(mod, "MessageQueue"):
                 raise RuntimeError(f"{modname} has no MessageQueue")
         except Exception as e:  # noqa: BLE001 - NameError from a missing ray, too
@@ -192,7 +154,6 @@ def register(module: Optional[ModuleType] = None) -> None:
     :data:`CACHE_MODULE`) and, unless ``PINSHM_VLLM_MESSAGE_QUEUE=0``, its
     MessageQueue (see the module doc). Idempotent: vLLM may load plugins more than once in a
     process. Never raises: vLLM calls plugins unguarded in every command."""
-    global _pending
     parts, problems = [], []
     try:
         rebound["cache"] = [_rebind_cache(module)]
@@ -209,28 +170,9 @@ def register(module: Optional[ModuleType] = None) -> None:
             rebound.pop("queue", None)
             problems.append(f"MessageQueue stays vLLM's: {type(e).__name__}: {e}")
     for p in problems:
-        _warn("pinshm: %s", p)
+        _status.warn("pinshm: %s", p)
     if not parts:
         return
     from .. import __version__
 
-    line = f"pinshm {__version__} in use: {' and '.join(parts)} on pinshm"
-    with _lock:
-        if _announced or line == _pending:
-            return
-        _pending = line
-    if _logging_ready():
-        announce()
-
-
-def announce() -> None:
-    """Logs the pending "in use" line once per process. The plugin calls it
-    when logging is ready; pinshm's store and queue writers call it when
-    they are built (vLLM's logging is configured by then)."""
-    global _pending, _announced
-    with _lock:
-        line, _pending = _pending, None
-        if line is None or _announced:
-            return
-        _announced = True
-    _logger().info("%s", line)
+    _status.hold(f"pinshm {__version__} in use: {' and '.join(parts)} on pinshm")

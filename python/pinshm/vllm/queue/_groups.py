@@ -9,7 +9,7 @@ from typing import Any
 
 
 def create_from_process_group(
-    cls: type,
+    cls: Any,
     pg: Any,
     max_chunk_bytes: int,
     max_chunks: int,
@@ -66,13 +66,13 @@ def create_from_process_group(
 
 
 def create_from_process_group_single_reader(
-    cls: type,
+    cls: Any,
     pg: Any,
     max_chunk_bytes: int,
     max_chunks: int,
     reader_rank: int = 0,
     blocking: bool = False,
-) -> tuple:
+) -> tuple[Any, list[Any]]:
     """As vLLM: every rank writes its own queue to `reader_rank`, which
     gathers the handles."""
     import torch.distributed as dist
@@ -101,11 +101,11 @@ def create_from_process_group_single_reader(
     return mq, handles or []
 
 
-def _same_node(pg: Any, writer_rank: int, world: int) -> list:
+def _same_node(pg: Any, writer_rank: int, world: int) -> list[bool]:
     """Which ranks share the writer's machine: vLLM's answer where vLLM is
     installed, else all of them."""
     try:
         from vllm.distributed.parallel_state import in_the_same_node_as
     except ImportError:
         return [True] * world
-    return in_the_same_node_as(pg, source_rank=writer_rank)
+    return list(in_the_same_node_as(pg, source_rank=writer_rank))

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional
 
 import pinshm
 
+from .._tracker import Tracked
 from ._encoding import STORED
-from ._tracker import Tracked
 from ._wait import Wait
 
 
@@ -37,13 +37,13 @@ class OverflowWriter:
         self.generation = 0
         self.store: Optional[pinshm.ObjectStore] = None
         self._capacity = 0
-        self._retired: list = []  # replaced stores with objects still unread
+        self._retired: list[Any] = []  # replaced stores with objects still unread
         self._seq = 0
         self._tracked = tracked
 
     def send(
         self,
-        bufs: list,
+        bufs: list[Any],
         deadline: Optional[float],
         send_ref: Callable[[bytes], None],
         cancelled: Callable[[], bool],
@@ -59,7 +59,7 @@ class OverflowWriter:
         store = self._store_for(sizes)
         seq = self._seq
         self._seq += 1
-        handles: list = []
+        handles: list[Any] = []
         try:
             for i, b in enumerate(bufs):
                 handles.append(self._put(store, f"{seq}.{i}", b, deadline, cancelled))
@@ -83,7 +83,7 @@ class OverflowWriter:
         self.store = None
         self._retired = []
 
-    def _store_for(self, sizes: list) -> pinshm.ObjectStore:
+    def _store_for(self, sizes: list[int]) -> pinshm.ObjectStore:
         """The current store, replaced by a larger one when this message
         would not fit twice; rewound to its first byte when every object
         in it was read."""
@@ -136,7 +136,7 @@ class OverflowWriter:
                 if wait.expired():
                     raise TimeoutError(f"enqueue: the store is full: {e}") from None
                 why = f"the store to free room: {e}"
-                wait.warn_if_due(lambda: why)
+                wait.warn_if_due(lambda: why)  # noqa: B023 - called here, in this round
                 if cancelled():
                     raise RuntimeError("cancelled") from None
                 time.sleep(pause)

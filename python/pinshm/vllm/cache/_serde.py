@@ -38,15 +38,14 @@ class _NumpyMsgpackSerde(ObjectSerde):
 
     def __init__(self) -> None:
         try:
-            import msgpack
+            import msgpack  # type: ignore[import-untyped]  # ships no type information
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "pinshm.vllm.MsgpackSerde needs vLLM or the msgpack package "
-                "(pip install msgpack)"
+                "pinshm.vllm.cache.MsgpackSerde needs vLLM or the msgpack package (pip install msgpack)"
             ) from e
         self._msgpack = msgpack
 
-    def serialize(self, value: Any) -> tuple[list, int, bytes, int]:
+    def serialize(self, value: Any) -> tuple[list[Any], int, bytes, int]:
         import numpy as np
 
         buffers: list[memoryview] = []
@@ -86,9 +85,7 @@ class _NumpyMsgpackSerde(ObjectSerde):
             # A copy: the caller's object outlives the read.
             return flat.reshape(shape).copy()
 
-        return self._msgpack.unpackb(
-            data[8:base], ext_hook=ext_hook, raw=False, strict_map_key=False
-        )
+        return self._msgpack.unpackb(data[8:base], ext_hook=ext_hook, raw=False, strict_map_key=False)
 
 
 class MsgpackSerde(ObjectSerde):
@@ -105,7 +102,8 @@ class MsgpackSerde(ObjectSerde):
         except ImportError:
             self._inner: ObjectSerde = _NumpyMsgpackSerde()
         else:
-            self._inner = _VllmSerde()
+            inner: Any = _VllmSerde()
+            self._inner = inner
             if zero_copy():
                 # Tensors that view the slot (no clone); the reader maps it
                 # read-only for them (see the module doc).
@@ -113,15 +111,13 @@ class MsgpackSerde(ObjectSerde):
                 from vllm.multimodal.inputs import MultiModalKwargsItem
                 from vllm.v1.serial_utils import MsgpackDecoder
 
-                self._inner.tensor_decoder = MsgpackDecoder(torch.Tensor, share_mem=True)
-                self._inner.mm_decoder = MsgpackDecoder(MultiModalKwargsItem, share_mem=True)
+                inner.tensor_decoder = MsgpackDecoder(torch.Tensor, share_mem=True)
+                inner.mm_decoder = MsgpackDecoder(MultiModalKwargsItem, share_mem=True)
             # vLLM's decoder calls torch.frombuffer on the slot, which
             # pinshm exports read-only; the tensors are cloned at once (or,
             # zero-copy, live in read-only memory), so torch's warning about
             # non-writable buffers says nothing here.
-            warnings.filterwarnings(
-                "ignore", message="The given buffer is not writable", category=UserWarning
-            )
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
     def serialize(self, value: Any) -> tuple[Any, int, bytes, int]:
         return self._inner.serialize(value)

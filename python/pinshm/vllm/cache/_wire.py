@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .._pinshm import ObjectHandle, ObjectStore, StaleError
+from ..._pinshm import ObjectHandle, ObjectStore, StaleError
 
 OFFSET_BITS = 48
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
@@ -42,10 +42,9 @@ _LOW_ID_MASK = (1 << _LOW_ID_BITS) - 1
 # Ids whose high bits fit above the offset: 2**48.
 MAX_ID = 1 << (_LOW_ID_BITS + 64 - OFFSET_BITS)
 
+
 def stale(address: Any, monotonic_id: Any) -> StaleError:
-    return StaleError(
-        f"Data for address:id '{address}:{monotonic_id}' has been modified or is invalid."
-    )
+    return StaleError(f"Data for address:id '{address}:{monotonic_id}' has been modified or is invalid.")
 
 
 def to_wire(handle: ObjectHandle) -> tuple[int, int]:
@@ -69,7 +68,7 @@ def from_wire(address: Any, monotonic_id: Any, epoch: int) -> ObjectHandle:
     return ObjectHandle(address & _OFFSET_MASK, (high << _LOW_ID_BITS | monotonic_id) + 1, epoch)
 
 
-class KeyIndex(Mapping):
+class KeyIndex(Mapping[str, tuple[int, int]]):
     """``key -> (address, monotonic_id)``, live and read-only."""
 
     def __init__(self, store: ObjectStore):
@@ -91,7 +90,7 @@ class KeyIndex(Mapping):
         return len(self._store)
 
 
-class IdIndex(Mapping):
+class IdIndex(Mapping[int, str]):
     """``monotonic_id -> key``, live and read-only (a scan per lookup)."""
 
     def __init__(self, store: ObjectStore):

@@ -22,14 +22,14 @@ def _get_ip() -> str:
     try:
         from vllm.utils.network_utils import get_ip
 
-        return get_ip()
+        return str(get_ip())
     except ImportError:
         import socket
 
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 s.connect(("8.8.8.8", 80))  # no packet is sent
-                return s.getsockname()[0]
+                return str(s.getsockname()[0])
             except OSError:
                 return "127.0.0.1"
 
@@ -44,7 +44,7 @@ class Remote:
         self.socket = self.context.socket(getattr(zmq, kind))
 
     @classmethod
-    def publisher(cls, connect_ip: Optional[str]) -> tuple["Remote", str, bool]:
+    def publisher(cls, connect_ip: Optional[str]) -> tuple[Remote, str, bool]:
         """The writer's socket, bound on `connect_ip` (default: this
         machine's address, as vLLM finds it); returns it, the address
         readers subscribe to, and whether it is IPv6."""
@@ -63,7 +63,7 @@ class Remote:
         return self, f"tcp://{ip}:{port}", ipv6
 
     @classmethod
-    def subscriber(cls, addr: str, ipv6: bool) -> "Remote":
+    def subscriber(cls, addr: str, ipv6: bool) -> Remote:
         self = cls("SUB")
         self.socket.setsockopt_string(self._zmq.SUBSCRIBE, "")
         if ipv6:
@@ -71,7 +71,7 @@ class Remote:
         self.socket.connect(addr)
         return self
 
-    def send(self, bufs: list) -> None:
+    def send(self, bufs: list[Any]) -> None:
         self.socket.send_multipart(bufs, copy=False)
 
     def wait_for_subscribers(self, n: int) -> None:

@@ -46,9 +46,9 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, NoReturn, Optional
 
-from .._pinshm import (
+from ..._pinshm import (
     ObjectHandle,
     ObjectStore,
     PinshmError,
@@ -56,8 +56,9 @@ from .._pinshm import (
     StoreReader,
     signature_bytes,
 )
+from .._status import announce
+from .._tracker import track, untrack
 from ._serde import MsgpackSerde, ObjectSerde, zero_copy
-from ._tracker import announce, track, untrack
 from ._wire import MAX_ID, OFFSET_BITS, IdIndex, KeyIndex, from_wire, stale, to_wire
 
 logger = logging.getLogger("vllm.pinshm.storage")
@@ -109,10 +110,7 @@ class SingleWriterShmRingBuffer:
 
     def __init__(self, data_buffer_size: int, name: Optional[str] = None, create: bool = False):
         if type(data_buffer_size) is not int or not 0 < data_buffer_size < 1 << OFFSET_BITS:
-            raise ValueError(
-                f"data_buffer_size must be an int in [1, 2**{OFFSET_BITS}), "
-                f"not {data_buffer_size!r}"
-            )
+            raise ValueError(f"data_buffer_size must be an int in [1, 2**{OFFSET_BITS}), not {data_buffer_size!r}")
         self.data_buffer_size = data_buffer_size
         self.is_writer = bool(create)
         self._store: Optional[ObjectStore] = None
@@ -124,9 +122,7 @@ class SingleWriterShmRingBuffer:
             if name is None:
                 raise ValueError("'name' can only be None if create=True")
             if not os.path.exists(os.path.join("/dev/shm", name.lstrip("/"))):
-                raise FileNotFoundError(
-                    errno.ENOENT, "No such shared memory segment", name.lstrip("/")
-                )
+                raise FileNotFoundError(errno.ENOENT, "No such shared memory segment", name.lstrip("/"))
             self.name = name.lstrip("/")
 
     def _open_writer(self, max_object_size: int, n_readers: int) -> ObjectStore:
@@ -171,10 +167,8 @@ class SingleWriterShmRingBuffer:
 
     def _open_reader(self) -> StoreReader:
         if self._reader is None:
-            pin = "off" if os.environ.get("PINSHM_VLLM_PIN", "1") == "0" else "auto"
-            self._reader = StoreReader.attach_by_name(
-                self.name, pin=pin, read_only_views=zero_copy()
-            )
+            pin: Literal["off", "auto"] = "off" if os.environ.get("PINSHM_VLLM_PIN", "1") == "0" else "auto"
+            self._reader = StoreReader.attach_by_name(self.name, pin=pin, read_only_views=zero_copy())
         return self._reader
 
     def handle(self) -> tuple[int, str]:
@@ -217,16 +211,14 @@ class SingleWriterShmRingBuffer:
     def get_auth_secret(self) -> bytes:
         raise NotImplementedError("pinshm keeps the handle-signing secret in Rust")
 
-    def allocate_buf(self, size: int) -> tuple[int, int]:
+    def allocate_buf(self, size: int) -> NoReturn:
         raise NotImplementedError("pinshm's ring is managed by its store: use the storage's put")
 
-    def access_buf(self, address: int):
+    def access_buf(self, address: int) -> NoReturn:
         raise NotImplementedError("pinshm's ring is managed by its store: use the storage's get")
 
-    def free_buf(self, is_free_fn, nbytes: Optional[int] = None):
-        raise NotImplementedError(
-            "pinshm's ring is managed by its store: use the storage's free_unused"
-        )
+    def free_buf(self, is_free_fn: Any, nbytes: Optional[int] = None) -> NoReturn:
+        raise NotImplementedError("pinshm's ring is managed by its store: use the storage's free_unused")
 
 
 @dataclass
@@ -293,18 +285,19 @@ class SingleWriterShmObjectStorage:
         buffer_size = _FLAG_BYTES + data_bytes + md_bytes
         if buffer_size > self.max_object_size:
             raise ValueError(
-                f"Serialized object size ({buffer_size} bytes) exceeds "
-                f"max object size ({self.max_object_size} bytes)"
+                f"Serialized object size ({buffer_size} bytes) exceeds max object size ({self.max_object_size} bytes)"
             )
-        parts = [metadata, data] if isinstance(data, (bytes, bytearray, memoryview)) else [
-            metadata,
-            *data,
-        ]
+        parts = (
+            [metadata, data]
+            if isinstance(data, (bytes, bytearray, memoryview))
+            else [
+                metadata,
+                *data,
+            ]
+        )
         h = store.put_parts(key, parts)
         if h.monotonic_id - 1 >= MAX_ID:
-            raise RuntimeError(
-                f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry"
-            )
+            raise RuntimeError(f"store {self.ring_buffer.name} has used all 2**48 ids its wire handles can carry")
         self._epoch = h.epoch
         return to_wire(h)
 
@@ -342,9 +335,7 @@ class SingleWriterShmObjectStorage:
         # handle can be good.
         return from_wire(address, monotonic_id, self._epoch or 0)
 
-    def _verified(
-        self, key: Any, address: Any, monotonic_id: Any, signature: Any
-    ) -> ObjectHandle:
+    def _verified(self, key: Any, address: Any, monotonic_id: Any, signature: Any) -> ObjectHandle:
         """The handle, once ``signature`` is found to be issued for ``key``
         at it (and, on the writer, the handle is still the key's);
         ValueError with vLLM's messages otherwise."""
@@ -461,7 +452,7 @@ class SingleWriterShmObjectStorage:
         )
 
     @staticmethod
-    def create_from_handle(handle: ShmObjectStorageHandle) -> "SingleWriterShmObjectStorage":
+    def create_from_handle(handle: ShmObjectStorageHandle) -> SingleWriterShmObjectStorage:
         ring_buffer = SingleWriterShmRingBuffer(*handle.ring_buffer_handle)
         return SingleWriterShmObjectStorage(
             max_object_size=handle.max_object_size,

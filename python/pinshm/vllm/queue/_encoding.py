@@ -31,7 +31,7 @@ READY = 2  #: wait_until_ready's probe
 _U16 = struct.Struct("<H")
 
 
-def _rebuild_tensor(buf: Any, shape: tuple, dtype_str: str) -> Any:
+def _rebuild_tensor(buf: Any, shape: tuple[int, ...], dtype_str: str) -> Any:
     """Rebuilds a CPU tensor from an out-of-band buffer (a writable
     bytearray, or a read-only view of the store in zero-copy mode)."""
     import torch
@@ -55,7 +55,9 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, file: Any, buffer_callback: Any, tensor_type: type) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
-        self._tensor_type = tensor_type
+        # Any: torch is not a dependency, and an `is` test on a `type`
+        # would narrow `obj` to `object` for mypy.
+        self._tensor_type: Any = tensor_type
 
     def reducer_override(self, obj: Any) -> Any:
         # The exact type, as a dispatch table would match it: subclasses
@@ -74,10 +76,10 @@ class _Pickler(pickle.Pickler):
         return _rebuild_tensor, (PickleBuffer(raw), tuple(obj.shape), dtype_str)
 
 
-def dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list:
+def dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list[Any]:
     """``[pickle, *out-of-band buffers]``: buffers of ``oob_min`` bytes and
     more travel out of band (no copy into the pickle)."""
-    bufs: list = [b""]
+    bufs: list[Any] = [b""]
 
     def oob(buf: PickleBuffer) -> bool:
         raw = buf.raw()
@@ -97,12 +99,12 @@ def dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list:
     return bufs
 
 
-def inline_size(bufs: list) -> int:
+def inline_size(bufs: list[Any]) -> int:
     """Bytes of the inline message of ``bufs``."""
     return 3 + 4 * len(bufs) + sum(memoryview(b).nbytes for b in bufs)
 
 
-def inline_parts(bufs: list) -> list:
+def inline_parts(bufs: list[Any]) -> list[Any]:
     """The inline message of ``bufs`` as parts the channel gathers into
     its slot: the head (kind, count, lengths), then the buffers."""
     head = struct.pack(f"<BH{len(bufs)}I", INLINE, len(bufs), *(memoryview(b).nbytes for b in bufs))

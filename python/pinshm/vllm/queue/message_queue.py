@@ -25,8 +25,8 @@ ends a blocked ``dequeue`` or ``enqueue`` with ``RuntimeError("cancelled")``.
 Remote readers (other machines) keep vLLM's transport (:mod:`._remote`).
 
 The module imports with numpy alone: torch, vLLM and pyzmq are imported
-when a call needs them. The plugin (``pinshm.vllm.plugin``) rebinds the
-name ``MessageQueue`` inside vLLM.
+when a call needs them. The plugin (:mod:`pinshm.vllm.plugin`, with
+``install_message_queue``) rebinds the name ``MessageQueue`` inside vLLM.
 """
 
 from __future__ import annotations
@@ -38,18 +38,15 @@ from typing import Any, Optional
 
 import pinshm
 
+from .._status import announce
+from .._tracker import Tracked
 from . import _encoding as enc
 from . import _groups
 from ._overflow import OverflowReader, OverflowWriter
 from ._remote import Remote
-from ._tracker import Tracked, announce
 from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger
 
-__all__ = ["Handle", "MessageQueue", "install", "LONG_WAIT_TIME_LOG_MSG"]
-
-# Pickles from a writer of the release before the split name the tensor
-# rebuilder here: a newer reader still reads them.
-_rebuild_tensor = enc._rebuild_tensor
+__all__ = ["Handle", "MessageQueue", "LONG_WAIT_TIME_LOG_MSG"]
 
 
 @dataclass
@@ -58,7 +55,7 @@ class Handle:
     kept, for code that reads them (``local_reader_ranks``,
     ``remote_subscribe_addr``); the local transport is pinshm's."""
 
-    local_reader_ranks: list = field(default_factory=list)
+    local_reader_ranks: list[int] = field(default_factory=list)
     buffer_handle: Any = None  # pinshm.BroadcastHandle (vLLM: its ring's)
     local_subscribe_addr: Optional[str] = None  # always None: no ZMQ locally
     local_notify_addr: Optional[str] = None  # always None: futex wake-ups
@@ -73,11 +70,19 @@ class MessageQueue:
     """vLLM 0.33.0's MessageQueue API over a pinshm broadcast channel (and a
     pinshm object store for messages larger than a chunk)."""
 
+    # Set by _init_common; the rest depend on the role.
+    _tx: Optional[pinshm.Broadcast]
+    _rx: Optional[pinshm.BroadcastReader]
+    _overflow: Optional[OverflowWriter]
+    _overflow_reader: Optional[OverflowReader]
+    _remote: Optional[Remote]
+    _tracked: Tracked
+
     def __init__(
         self,
         n_reader: int,
         n_local_reader: int,
-        local_reader_ranks: Optional[list] = None,
+        local_reader_ranks: Optional[list[int]] = None,
         max_chunk_bytes: int = 1024 * 1024 * 24,
         max_chunks: int = 10,
         connect_ip: Optional[str] = None,
@@ -133,11 +138,11 @@ class MessageQueue:
         self._is_writer = is_writer
         self._is_local_reader = False
         self._is_remote_reader = False
-        self._tx: Optional[pinshm.Broadcast] = None
-        self._rx: Optional[pinshm.BroadcastReader] = None
-        self._overflow: Optional[OverflowWriter] = None
-        self._overflow_reader: Optional[OverflowReader] = None
-        self._remote: Optional[Remote] = None
+        self._tx = None
+        self._rx = None
+        self._overflow = None
+        self._overflow_reader = None
+        self._remote = None
         self._tracked = Tracked()
 
     # ---- construction, as vLLM ----
@@ -146,7 +151,7 @@ class MessageQueue:
         return self.handle
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
         self.n_reader = handle.n_reader
@@ -184,14 +189,8 @@ class MessageQueue:
                 self._remote.wait_for_subscribers(self.n_remote_reader)
         elif self._is_local_reader:
             data = self._recv(None, indefinite=True)
-            if data[0] != enc.READY:
-                raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[0]}")
-            # The fillers the writer announced (see _ready_handshake).
-            fillers = int.from_bytes(data[1:5], "little") if len(data) >= 5 else 0
-            for _ in range(fillers):
-                data = self._recv(None, indefinite=True)
-                if data[0] != enc.READY:
-                    raise RuntimeError(f"wait_until_ready: expected a READY filler, got a message of kind {data[0]}")
+            if data[:1] != bytes([enc.READY]):
+                raise RuntimeError(f"wait_until_ready: expected the writer's READY, got a message of kind {data[:1]!r}")
         elif self._remote is not None:
             self._remote.wait_for_ready()
 
@@ -206,22 +205,28 @@ class MessageQueue:
         readers may call it in turn from one thread. The channel counts the
         reader indices that have attached (``Broadcast.attached_readers``);
         READY is one message, which each reader's ``wait_until_ready``
-        reads (it announces no fillers: a reader still skips those a writer
-        of an older release sends)."""
+        reads."""
+        tx = self._channel()
         wait = Wait(None)
         pause = 0.0005
-        while self._tx.attached_readers < self.n_local_reader:
+        while tx.attached_readers < self.n_local_reader:
             if self.shutting_down:
                 raise RuntimeError("cancelled")
             wait.warn_if_due(self._unattached)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-        self._tx.unlink()
-        self._tracked.discard(self._tx.name)
-        self._send(bytes([enc.READY]) + (0).to_bytes(4, "little"), None)
+        tx.unlink()
+        self._tracked.discard(tx.name)
+        self._send(bytes([enc.READY]), None)
+
+    def _channel(self) -> pinshm.Broadcast:
+        """The writer's channel (a writer with local readers has one)."""
+        if self._tx is None:
+            raise RuntimeError("pinshm MessageQueue: no channel (not a writer with local readers)")
+        return self._tx
 
     def _unattached(self) -> str:
-        n = self._tx.attached_readers
+        n = self._channel().attached_readers
         return f"{self.n_local_reader - n} of {self.n_local_reader} local reader(s) to attach"
 
     # As vLLM's static methods, called the same way; classmethods so that
@@ -237,7 +242,7 @@ class MessageQueue:
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
         bufs = enc.dumps(obj)
-        if self._tx is not None:
+        if self._tx is not None and self._overflow is not None:  # set together
             deadline = deadline_after(timeout)
             # What fits a chunk travels in it: one copy of each buffer into
             # the slot, one out of it on each reader, as in vLLM's ring.
@@ -273,6 +278,8 @@ class MessageQueue:
                         # An export still alive: the slot goes with it.
                         pass
                 if kind == enc.STORED:
+                    if self._overflow_reader is None:
+                        raise RuntimeError("pinshm MessageQueue: a stored message reached a reader without a store")
                     return self._overflow_reader.load(memoryview(data)[1:], zero_copy)
                 if kind != enc.READY:
                     raise RuntimeError(f"pinshm MessageQueue: unknown message kind {kind}")
@@ -323,7 +330,7 @@ class MessageQueue:
         if tracked is not None:
             tracked.clear()
 
-    def __enter__(self) -> "MessageQueue":
+    def __enter__(self) -> MessageQueue:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -337,10 +344,10 @@ class MessageQueue:
     def _send(self, data: bytes, deadline: Optional[float]) -> None:
         self._send_parts([data], deadline)
 
-    def _send_parts(self, parts: list, deadline: Optional[float]) -> None:
+    def _send_parts(self, parts: list[Any], deadline: Optional[float]) -> None:
         """Sends one channel message gathered from `parts`, waiting on the
         futex for a slot; logs who blocks every warning interval."""
-        tx = self._tx
+        tx = self._channel()
         wait: Optional[Wait] = None
         step: Optional[float] = 0.0  # the first try does not wait
         while True:
@@ -360,8 +367,8 @@ class MessageQueue:
 
     def _channel_blockers(self) -> str:
         try:
-            blockers = self._tx.blocking_readers()
-        except Exception as e:  # closed meanwhile
+            blockers = self._channel().blocking_readers()
+        except Exception as e:  # noqa: BLE001 - closed meanwhile: a diagnostic, never an error
             return f"(unknown: {e})"
         if not blockers:
             return "nobody (the slot is free now)"
@@ -375,6 +382,8 @@ class MessageQueue:
     def _recv_view(self, timeout: Optional[float], indefinite: bool) -> Any:
         """The next channel message as a view of its slot (release it)."""
         rx = self._rx
+        if rx is None:
+            raise RuntimeError("Only local readers can dequeue from the channel")
         if self.shutting_down:
             raise RuntimeError("cancelled")
         wait = Wait(deadline_after(timeout), quiet=indefinite)
@@ -396,12 +405,3 @@ class MessageQueue:
             return bytes(view)
         finally:
             view.release()
-
-
-def install() -> list:
-    """Rebinds ``MessageQueue`` (and ``Handle``) to pinshm's inside vLLM:
-    :func:`pinshm.vllm.plugin.install_message_queue`, where all rebinding
-    into vLLM lives. Returns the modules rebound."""
-    from .plugin import install_message_queue
-
-    return install_message_queue()

@@ -11,7 +11,7 @@ each queue is built and builds pinshm's queue where vLLM's would raise.
 
 The choice holds across processes without any agreement: whoever builds a
 queue decides, and ``create_from_handle`` follows the handle it is given
-(pinshm's :class:`~pinshm.vllm.message_queue.Handle` gives pinshm's reader,
+(pinshm's :class:`~pinshm.vllm.queue.Handle` gives pinshm's reader,
 anything else vLLM's), so processes that look at /dev/shm at different
 moments still read the queue they were handed.
 """
@@ -62,7 +62,10 @@ def choose(n_local_reader: int, max_chunk_bytes: int, max_chunks: int, arena: bo
     need = vllm_queue_bytes(n_local_reader, max_chunk_bytes, max_chunks, arena)
     free = shm_free_bytes()
     if need == 0 or free is None or need <= free:
-        where = "no local readers" if need == 0 else f"it needs {need / MIB:.0f} MiB of /dev/shm, {0 if free is None else free / MIB:.0f} MiB free"
+        free_mib = 0 if free is None else free / MIB
+        where = f"it needs {need / MIB:.0f} MiB of /dev/shm, {free_mib:.0f} MiB free"
+        if need == 0:
+            where = "no local readers"
         return False, f"vLLM's queue in use: {where}"
     return True, f"pinshm queue in use: vLLM's needs {need / MIB:.0f} MiB of /dev/shm, {free / MIB:.0f} MiB free"
 
@@ -78,7 +81,7 @@ def _say(line: str, pinshm_chosen: bool) -> None:
     logger.log(logging.INFO if pinshm_chosen else logging.DEBUG, "%s", line)
 
 
-def make(vllm_class: type) -> type:
+def make(vllm_class: Any) -> type:
     """The class to bind to ``MessageQueue`` inside vLLM, choosing between
     `vllm_class` (vLLM's own) and pinshm's for each queue built."""
 
@@ -109,7 +112,7 @@ def make(vllm_class: type) -> type:
         def _build(
             n_reader: int,
             n_local_reader: int,
-            local_reader_ranks: Optional[list] = None,
+            local_reader_ranks: Optional[list[int]] = None,
             max_chunk_bytes: int = 1024 * 1024 * 24,
             max_chunks: int = 10,
             connect_ip: Optional[str] = None,
@@ -145,9 +148,7 @@ def make(vllm_class: type) -> type:
         # where this class is bound, so each follows the choice above.
         create_from_process_group = staticmethod(vllm_class.create_from_process_group)
         if hasattr(vllm_class, "create_from_process_group_single_reader"):
-            create_from_process_group_single_reader = staticmethod(
-                vllm_class.create_from_process_group_single_reader
-            )
+            create_from_process_group_single_reader = staticmethod(vllm_class.create_from_process_group_single_reader)
 
     AutoMessageQueue.__qualname__ = AutoMessageQueue.__name__ = "MessageQueue"
     AutoMessageQueue.__module__ = __name__

@@ -1,0 +1,100 @@
+"""pinshm's exceptions form one tree: `except pinshm.PinshmError` catches
+every error pinshm raises, and `except ValueError` (MemoryError,
+TimeoutError, KeyError, TypeError) still catches those it caught before."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+import pinshm
+
+KIB = 1 << 10
+
+#: Each class, and the builtin it is too (None: a PinshmError only).
+TREE = {
+    "StaleError": ValueError,
+    "FullError": MemoryError,
+    "NoSpaceError": MemoryError,
+    "WaitTimeoutError": TimeoutError,
+    "KeyNotFoundError": KeyError,
+    "WrongKindError": TypeError,
+    "InvalidArgumentError": ValueError,
+    "WriterGoneError": None,
+    "CancelledError": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TREE))
+def test_every_error_class_is_a_pinshm_error_and_its_builtin(name):
+    cls = getattr(pinshm, name)
+    assert name in pinshm.__all__
+    assert cls.__module__ == "pinshm" and cls.__name__ == name
+    assert issubclass(cls, pinshm.PinshmError)
+    if TREE[name] is not None:
+        assert issubclass(cls, TREE[name])
+    # Picklable by name (an error sent from a worker process).
+    err = pickle.loads(pickle.dumps(cls("why")))
+    assert type(err) is cls and "why" in str(err)
+
+
+def test_pinshm_error_is_an_exception_and_nothing_narrower():
+    assert pinshm.PinshmError.__bases__ == (Exception,)
+
+
+def _raised(call):
+    """The exception `call()` raises (it must raise one)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - returned for the caller's checks
+        return e
+    raise AssertionError("expected an exception")
+
+
+def test_the_errors_the_store_raises_are_caught_by_both_names(store, reader, unique_name, closing):
+    h = store.put("k", b"v")
+    store.clear_hard()
+    stale = _raised(lambda: reader.get(h))
+    h = store.put("k", b"v")
+    duplicate = _raised(lambda: store.put("k", b"again"))
+    too_large = _raised(lambda: store.put("big", bytes(2 << 20)))
+    missing = _raised(lambda: store.add_reference("absent"))
+    wrong_kind = _raised(lambda: reader.get_item(h))
+    small = closing(pinshm.ObjectStore(64 * KIB, 16 * KIB, 1, name=unique_name()))
+
+    def fill():
+        for i in range(10):
+            small.put(f"k{i}", bytes(16 * KIB))
+
+    full = _raised(fill)
+    bad_config = _raised(lambda: pinshm.ObjectStore(64 * KIB, 16 * KIB, 0, name=unique_name()))
+    for e, cls, builtin in [
+        (stale, pinshm.StaleError, ValueError),
+        (duplicate, pinshm.InvalidArgumentError, ValueError),
+        (too_large, pinshm.InvalidArgumentError, ValueError),
+        (missing, pinshm.KeyNotFoundError, KeyError),
+        (wrong_kind, pinshm.WrongKindError, TypeError),
+        (full, pinshm.FullError, MemoryError),
+        (bad_config, pinshm.InvalidArgumentError, ValueError),
+    ]:
+        assert type(e) is cls, repr(e)
+        assert isinstance(e, pinshm.PinshmError) and isinstance(e, builtin), repr(e)
+
+
+def test_the_errors_the_channel_raises_are_caught_by_both_names(channel):
+    tx, rx = channel
+    timeout = _raised(lambda: rx.recv(timeout=0))
+    assert type(timeout) is pinshm.WaitTimeoutError
+    assert isinstance(timeout, pinshm.PinshmError) and isinstance(timeout, TimeoutError)
+    rx.cancel()
+    cancelled = _raised(lambda: rx.recv(timeout=1))
+    assert type(cancelled) is pinshm.CancelledError and isinstance(cancelled, pinshm.PinshmError)
+
+
+def test_a_tensor_of_another_dtype_is_a_wrong_kind_error(store, reader):
+    h = store.put("raw", b"not a tensor")
+    with pytest.raises(pinshm.PinshmError) as e:
+        reader.get_tensor(h)
+    assert isinstance(e.value, TypeError)
+    ht = store.put_tensor("t", np.ones(3, np.float32))
+    reader.get_tensor(ht)

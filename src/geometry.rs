@@ -3,9 +3,9 @@
 //! inspector). Nothing here trusts a number read from shared memory before
 //! checking it.
 
+use crate::atomics::{HeaderPtr, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
 use crate::layout::{self, SegmentHeader};
-use crate::shm::{HeaderPtr, ReaderPtr, SlotPtr};
 use crate::sys::segment::Segment;
 
 /// Validated, process-local copy of a segment's geometry. Nothing here is
@@ -138,11 +138,6 @@ pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
         "slot_prefix_len",
         layout::slot_prefix_len(h.n_readers) as u64,
         h.slot_prefix_len as u64,
-    )?;
-    want(
-        "hazards_per_reader",
-        layout::HAZARDS_PER_READER as u64,
-        h.hazards_per_reader as u64,
     )?;
     want(
         "reader_entry_len",

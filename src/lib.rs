@@ -8,10 +8,11 @@ compile_error!(
 );
 
 // Layers, lowest first (a module imports only modules before it here;
-// tools/import_graph.py checks it): dtype, layout, error, sys, shm, ring,
+// tools/import_graph.py checks it): dtype, layout, error, sys, atomics, ring,
 // geometry, codec, cuda (the driver wrapper), pin, copy, store, channel,
 // inspect. The modules are private; the public API is the flat
 // page below.
+mod atomics;
 mod channel;
 mod codec;
 mod copy;
@@ -24,7 +25,6 @@ mod inspect;
 mod layout;
 mod pin;
 mod ring;
-mod shm;
 mod store;
 mod sys;
 

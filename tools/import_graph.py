@@ -8,7 +8,7 @@ a module of the Python package (python/pinshm) over 500."""
 import os, re, sys
 
 # Lowest first: a module may import only modules before it.
-LAYERS = ["dtype", "layout", "error", "sys", "shm", "ring", "geometry", "codec",
+LAYERS = ["dtype", "layout", "error", "sys", "atomics", "ring", "geometry", "codec",
           "cuda", "pin", "copy", "store", "channel", "inspect"]
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! Every field that changes while the channel is live is reached through an
-//! atomic in [`super::shm`], which chooses every ordering; these `Pod`
+//! atomic in [`super::atomics`], which chooses every ordering; these `Pod`
 //! structs are written whole by the creator (before the magic is stamped)
 //! and copied out and validated whole by an opener before a single number
 //! is trusted. Any change bumps [`VERSION`]; `channel_layout_is_pinned`
@@ -31,32 +31,6 @@ pub const MAX_READERS: u32 = 64;
 pub const MAX_SLOTS: u32 = 1 << 24;
 /// Largest slot payload.
 pub const MAX_SLOT_SIZE: u32 = 1 << 30;
-
-/// Reader entry states: the low 8 bits of `ReaderEntry::state`; the bits
-/// above are the entry's attach generation, bumped by every attach, so a
-/// compare-and-swap on the whole word fails against a newer attach.
-pub mod reader_state {
-    /// Never attached: expected (the writer keeps every message for it).
-    pub const VACANT: u64 = 0;
-    /// A process is taking the entry over: not expected yet.
-    pub const ATTACHING: u64 = 1;
-    /// A live reader: expected.
-    pub const ATTACHED: u64 = 2;
-    /// Detached or found dead: not expected.
-    pub const LEFT: u64 = 3;
-    /// The state of a word.
-    pub const fn of(word: u64) -> u64 {
-        word & 0xff
-    }
-    /// The generation of a word.
-    pub const fn generation(word: u64) -> u64 {
-        word >> 8
-    }
-    /// A word from a generation and a state.
-    pub const fn word(generation: u64, state: u64) -> u64 {
-        (generation << 8) | state
-    }
-}
 
 /// The first 256 bytes of a channel segment.
 #[repr(C)]
@@ -109,7 +83,8 @@ pub struct ChannelHeader {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct ReaderEntry {
-    /// Atomic. Generation and [`reader_state`].
+    /// Atomic. Generation and state ([`crate::layout::reader_state`], as
+    /// the store's reader table).
     pub state: u64,
     /// Atomic. Messages released: every sequence number below is done with.
     pub released: u64,
@@ -188,13 +163,5 @@ mod tests {
         assert_eq!(slot_stride(64), 128);
         assert_eq!(slot_stride(65), 192);
         assert_eq!(total_len(1, 4, 64), Some(320 + 4 * 128));
-    }
-
-    #[test]
-    fn state_words_carry_a_generation() {
-        use reader_state::*;
-        let w = word(7, ATTACHED);
-        assert_eq!((generation(w), of(w)), (7, ATTACHED));
-        assert_ne!(word(7, ATTACHED), word(8, ATTACHED));
     }
 }

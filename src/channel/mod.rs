@@ -3,7 +3,7 @@
 //! every message, in send order, in place.
 //!
 //! * [`layout`]: the `#[repr(C)]` structs of the segment and its version.
-//! * [`shm`]: every atomic access and futex call, with the ordering table
+//! * [`atomics`]: every atomic access and futex call, with the ordering table
 //!   and the no-lost-wake-up argument.
 //! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
 //!   and the public types around them.
@@ -25,9 +25,9 @@
 // In loom builds the segment-backed half is compiled out.
 #![cfg_attr(loom, allow(dead_code))]
 
+pub mod atomics;
 pub mod layout;
 pub mod reader;
-pub mod shm;
 pub mod spin;
 #[cfg(not(loom))]
 mod validate;
@@ -157,20 +157,20 @@ pub struct Canceller {
 }
 
 /// What a [`Canceller`] shares with its owner: the owner's flag, and its
-/// channel words while its mapping lives (the owner clears `shm`, under
+/// channel words while its mapping lives (the owner clears `chan`, under
 /// the mutex, before it unmaps).
 #[cfg(not(loom))]
 #[derive(Debug)]
 pub(crate) struct CancelLink {
-    flag: std::sync::Arc<shm::CancelFlag>,
-    shm: std::sync::Mutex<Option<shm::Shm>>,
+    flag: std::sync::Arc<atomics::CancelFlag>,
+    chan: std::sync::Mutex<Option<atomics::ChannelPtr>>,
     writer: bool,
     /// The owner's fork generation: in a forked child a canceller does
     /// nothing (the owner is the parent's, and the child never detaches).
     fork_gen: u64,
 }
 
-// SAFETY: the only thread-bound part is the `Shm` (pointers into the
+// SAFETY: the only thread-bound part is the `ChannelPtr` (pointers into the
 // owner's mapping). It is used only under the mutex, and only while it is
 // `Some`: the owner sets it to `None` under the same mutex before its
 // mapping goes (`CancelLink::detach`), so no use outlives the mapping (in
@@ -179,21 +179,21 @@ pub(crate) struct CancelLink {
 // words it touches are atomics in shared memory, meant for any thread.
 #[cfg(not(loom))]
 unsafe impl Send for CancelLink {}
-// SAFETY: as for `Send`: every access to the `Shm` is under the mutex.
+// SAFETY: as for `Send`: every access to the `ChannelPtr` is under the mutex.
 #[cfg(not(loom))]
 unsafe impl Sync for CancelLink {}
 
 #[cfg(not(loom))]
 impl CancelLink {
     pub(crate) fn new(
-        flag: std::sync::Arc<shm::CancelFlag>,
-        shm: shm::Shm,
+        flag: std::sync::Arc<atomics::CancelFlag>,
+        chan: atomics::ChannelPtr,
         writer: bool,
         fork_gen: u64,
     ) -> std::sync::Arc<CancelLink> {
         std::sync::Arc::new(CancelLink {
             flag,
-            shm: std::sync::Mutex::new(Some(shm)),
+            chan: std::sync::Mutex::new(Some(chan)),
             writer,
             fork_gen,
         })
@@ -201,7 +201,7 @@ impl CancelLink {
 
     /// The owner is going (its mapping with it): cancellers do nothing now.
     pub(crate) fn detach(&self) {
-        *self.shm.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.chan.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 
@@ -219,12 +219,12 @@ impl Canceller {
         if crate::sys::fork::current() != self.link.fork_gen {
             return;
         }
-        let shm = self.link.shm.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(shm) = shm.as_ref() {
+        let chan = self.link.chan.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(chan) = chan.as_ref() {
             if self.link.writer {
-                shm.cancel_writer(&self.link.flag);
+                chan.cancel_writer(&self.link.flag);
             } else {
-                shm.cancel_reader(&self.link.flag);
+                chan.cancel_reader(&self.link.flag);
             }
         }
     }
@@ -258,9 +258,9 @@ pub struct BroadcastHandle {
 /// `tests/loom_channel.rs` (only in `cfg(loom)` builds).
 #[cfg(loom)]
 pub mod loom_api {
-    pub use super::layout::reader_state;
+    pub use super::atomics::{ChannelPtr, Geometry};
     pub use super::reader::{ReaderCore, Received, Recv};
-    pub use super::shm::{Geometry, Shm};
     pub use super::spin::WaitPlan;
     pub use super::writer::{Blocked, WriterCore};
+    pub use crate::layout::reader_state;
 }

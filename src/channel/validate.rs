@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::shm::{self, Geometry};
+use super::atomics::{self, Geometry};
 use super::{layout, BroadcastHandle};
 use crate::error::{Error, Result};
 use crate::sys::segment::Segment;
@@ -21,7 +21,7 @@ pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, 
         ));
     }
     // SAFETY: the mapping is page aligned and at least 256 bytes long.
-    let magic = unsafe { shm::magic(seg.as_ptr()) };
+    let magic = unsafe { atomics::magic(seg.as_ptr()) };
     if magic != layout::MAGIC {
         return Err(bad(
             "magic",
@@ -29,7 +29,7 @@ pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, 
         ));
     }
     // SAFETY: as above.
-    let c = unsafe { shm::read_header(seg.as_ptr()) };
+    let c = unsafe { atomics::read_header(seg.as_ptr()) };
     if c.version != layout::VERSION || h.layout_version != layout::VERSION {
         return Err(bad(
             "version",

@@ -5,11 +5,11 @@
 use super::config::Eviction;
 use super::stats::StoreStats;
 use super::writer::{Entry, Keys};
+use crate::atomics::SlotPtr;
 use crate::error::{Blocker, Error, Result};
 use crate::geometry::Geometry;
 use crate::layout::reader_state;
 use crate::ring::{Plan, Ring, Span, SpanId};
-use crate::shm::SlotPtr;
 use crate::sys::clock;
 use crate::sys::liveness;
 use crate::sys::segment::{Backing, Segment};
@@ -65,11 +65,12 @@ impl Judge<'_> {
 
     /// Whether reader `i`, whose state word is `word`, has a hazard or a
     /// hold on object `id` in `slot`. After `invalidate`, the writer's half
-    /// of the hold protocol (see crate::shm); before it, a hint that may
+    /// of the hold protocol (see crate::atomics); before it, a hint that may
     /// miss a hold being taken.
     fn holds(&self, i: u32, word: u64, id: u64, slot: SlotPtr) -> bool {
         reader_state::state(word) != reader_state::LEFT
-            && (self.geo.reader(i).holds(id) || slot.held_by(i, reader_state::generation(word)))
+            && (self.geo.reader(i).has_hazard_on(id)
+                || slot.held_by(i, reader_state::generation(word)))
     }
 
     /// Whether reader `i` is past the stuck-reader timeout.
@@ -153,7 +154,7 @@ impl Judge<'_> {
         self.may_go(span.pos, e, e.held_seen.get())
     }
 
-    /// The reclaim protocol of crate::shm: on success the slot is invalid
+    /// The reclaim protocol of crate::atomics: on success the slot is invalid
     /// and no reader can be inside it. `owed_checked`: [`Judge::may_go`]
     /// just found no read owed, and reads owed only decrease while the
     /// writer does not add references (it does not, inside one call).

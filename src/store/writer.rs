@@ -12,7 +12,7 @@ use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
 use super::reclaim::{NoRoom, Space};
-use crate::shm::SlotPtr;
+use crate::atomics::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::{self, Backing, Segment};
@@ -195,7 +195,7 @@ impl ObjectStore {
             max_object_size: cfg.max_object_size as u64,
             nonce,
             slot_prefix_len: layout::slot_prefix_len(cfg.n_readers) as u32,
-            hazards_per_reader: layout::HAZARDS_PER_READER as u32,
+            reserved1: 0,
             reader_entry_len: size_of::<layout::ReaderEntry>() as u32,
             writer_pid: std::process::id(),
             reserved0: 0,

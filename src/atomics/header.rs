@@ -1,6 +1,6 @@
 //! The segment header's atomic fields.
 
-use super::atomic::{AtomicU32, AtomicU64, Ordering};
+use super::word::{AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
 
 use super::field;

@@ -68,9 +68,9 @@ use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::layout::reader_state;
 #[cfg(not(loom))]
 use super::layout::{self, ChannelHeader, ReaderEntry, SlotHeader};
+use crate::layout::reader_state;
 #[cfg(not(loom))]
 use std::mem::offset_of;
 
@@ -104,7 +104,7 @@ impl Default for CancelFlag {
     }
 }
 
-/// Process-local, validated bounds of a channel (never re-read from shm).
+/// Process-local, validated bounds of a channel (never re-read from chan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     /// Reader entries.
@@ -118,7 +118,7 @@ pub struct Geometry {
 /// The channel's shared words. Cheap to clone; in normal builds a pointer
 /// into a mapping plus the geometry, in loom builds a shared heap table.
 #[derive(Clone, Debug)]
-pub struct Shm {
+pub struct ChannelPtr {
     geo: Geometry,
     #[cfg(not(loom))]
     base: *mut u8,
@@ -131,14 +131,14 @@ pub struct Shm {
 // ---------------------------------------------------------------------------
 
 #[cfg(not(loom))]
-impl Shm {
+impl ChannelPtr {
     /// # Safety
     /// 1. `base` is 64-byte aligned and `layout::total_len(geo..)` bytes from
     ///    it are mapped, shared, readable and writable, and stay so while
-    ///    this `Shm` or any clone of it is used.
+    ///    this `ChannelPtr` or any clone of it is used.
     /// 2. `geo` was validated against that length.
-    pub unsafe fn new(base: *mut u8, geo: Geometry) -> Shm {
-        Shm { geo, base }
+    pub unsafe fn new(base: *mut u8, geo: Geometry) -> ChannelPtr {
+        ChannelPtr { geo, base }
     }
 
     /// The atomic at byte `off`.
@@ -309,15 +309,15 @@ mod heap {
 }
 
 #[cfg(loom)]
-impl Shm {
+impl ChannelPtr {
     /// A zeroed channel on the heap (as a fresh segment is).
-    pub fn heap(geo: Geometry) -> Shm {
+    pub fn heap(geo: Geometry) -> ChannelPtr {
         use heap::*;
         let futex = || Futex {
             lock: loom::sync::Mutex::new(()),
             cond: loom::sync::Condvar::new(),
         };
-        Shm {
+        ChannelPtr {
             geo,
             heap: std::sync::Arc::new(Table {
                 write_seq: AtomicU64::new(0),
@@ -408,7 +408,7 @@ impl Shm {
 // The protocol steps, written once over the accessors above.
 // ---------------------------------------------------------------------------
 
-impl Shm {
+impl ChannelPtr {
     /// The process-local geometry.
     pub fn geometry(&self) -> Geometry {
         self.geo
@@ -417,7 +417,7 @@ impl Shm {
     // ---- writer ----
 
     /// Stamps slot `idx` with message `seq` of `len` bytes (the payload is
-    /// written already); published by [`Shm::publish`].
+    /// written already); published by [`ChannelPtr::publish`].
     pub fn stamp_slot(&self, idx: u32, seq: u64, len: u64) {
         self.slot_len(idx).store(len, Ordering::Relaxed);
         self.slot_seq(idx).store(seq, Ordering::Relaxed);
@@ -458,7 +458,7 @@ impl Shm {
 
     /// Announces a sleeper on `word`, then the SeqCst fence after which the
     /// caller re-checks its condition. Returns the registration (the word
-    /// with it counted), for [`Shm::sleep_on`] and [`Shm::withdraw`].
+    /// with it counted), for [`ChannelPtr::sleep_on`] and [`ChannelPtr::withdraw`].
     fn announce(&self, word: &AtomicU32) -> u32 {
         let reg = word.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
         fence(Ordering::SeqCst);
@@ -513,7 +513,7 @@ impl Shm {
         fence(Ordering::SeqCst);
     }
 
-    /// Reader `i`'s state word (Acquire; after [`Shm::scan_fence`]).
+    /// Reader `i`'s state word (Acquire; after [`ChannelPtr::scan_fence`]).
     pub fn state_word(&self, i: u32) -> u64 {
         self.state(i).load(Ordering::Acquire)
     }
@@ -535,7 +535,7 @@ impl Shm {
 
     /// Announces the writer as a sleeper on `slot_event`; returns its
     /// registration. The caller re-checks its condition before
-    /// [`Shm::writer_sleep`].
+    /// [`ChannelPtr::writer_sleep`].
     pub fn writer_announce(&self) -> u32 {
         self.announce(self.slot_event())
     }
@@ -552,12 +552,12 @@ impl Shm {
 
     // ---- reader ----
 
-    /// Messages published (Acquire: pairs with [`Shm::publish`]).
+    /// Messages published (Acquire: pairs with [`ChannelPtr::publish`]).
     pub fn published(&self) -> u64 {
         self.write_seq().load(Ordering::Acquire)
     }
 
-    /// Slot `idx`'s sequence number and length (after [`Shm::published`]).
+    /// Slot `idx`'s sequence number and length (after [`ChannelPtr::published`]).
     pub fn slot_meta(&self, idx: u32) -> (u64, u64) {
         (
             self.slot_seq(idx).load(Ordering::Relaxed),
@@ -584,7 +584,7 @@ impl Shm {
     }
 
     /// Announces a sleeping reader on `msg_event`; returns its
-    /// registration. The caller re-checks before [`Shm::reader_sleep`].
+    /// registration. The caller re-checks before [`ChannelPtr::reader_sleep`].
     pub fn reader_announce(&self) -> u32 {
         self.announce(self.msg_event())
     }
@@ -604,8 +604,8 @@ impl Shm {
     pub fn claim(&self, i: u32) -> (u64, u64) {
         let mut word = self.state(i).load(Ordering::Acquire);
         loop {
-            let gen = reader_state::generation(word).wrapping_add(1) & (u64::MAX >> 8);
-            if reader_state::of(word) == reader_state::VACANT {
+            let gen = reader_state::next_generation(word);
+            if reader_state::state(word) == reader_state::VACANT {
                 // Expected since create: nothing it is owed was overwritten.
                 let attached = reader_state::word(gen, reader_state::ATTACHED);
                 match self.state(i).compare_exchange(

@@ -47,6 +47,8 @@
 
 use bytemuck::{Pod, Zeroable};
 
+pub mod channel;
+
 /// `b"PINSHM\0\x01"` read as little-endian: written last at create, so an
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
@@ -58,6 +60,21 @@ pub const PAGE: usize = 4096;
 pub const SLOT_ALIGN: usize = 64;
 /// Most readers one segment can serve.
 pub const MAX_READERS: u32 = 64;
+
+/// The first 16 bytes of every segment, store ([`SegmentHeader`]) or
+/// channel ([`channel::ChannelHeader`]): the magic, stamped last, then the
+/// layout version and the reader count, at the same offsets in both, so
+/// one check reads them (`crate::geometry`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct Preamble {
+    /// The kind's magic, stored last (Release) by the creator.
+    pub magic: u64,
+    /// The kind's layout version of the creator.
+    pub version: u32,
+    /// Reader table entries.
+    pub n_readers: u32,
+}
 
 /// What a slot's payload is (`SlotHeader::kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -338,6 +355,9 @@ mod tests {
 
     #[test]
     fn layout_is_pinned() {
+        assert_eq!(size_of::<Preamble>(), 16);
+        assert_eq!(offset_of!(Preamble, version), 8);
+        assert_eq!(offset_of!(Preamble, n_readers), 12);
         assert_eq!(size_of::<SegmentHeader>(), 256);
         assert_eq!(offset_of!(SegmentHeader, magic), 0);
         assert_eq!(offset_of!(SegmentHeader, layout_version), 8);

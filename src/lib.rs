@@ -28,11 +28,12 @@ mod ring;
 mod store;
 mod sys;
 
-/// The channel's protocol cores, for the loom models (`cfg(loom)` only).
+/// The channel's protocol cores, for the integration-test loom models of
+/// `tests/loom_channel.rs` (`cfg(loom)` only; the store's models are unit
+/// tests of `atomics`).
 #[cfg(loom)]
 #[doc(hidden)]
 pub use channel::loom_api as __loom_channel;
-#[cfg(not(loom))]
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
 pub use channel::{BroadcastConfig, BroadcastHandle, SpinPolicy, WaitStats};
 pub use codec::{

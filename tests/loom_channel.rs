@@ -1,7 +1,9 @@
 //! Loom models of the broadcast channel: the shipped writer and reader
 //! cores (`WriterCore`, `ReaderCore`, every atomic access in
-//! `src/channel/atomics.rs`) run unchanged over a heap table of loom atomics,
-//! with the futex modelled by a loom mutex and condvar whose waits have no
+//! `src/channel/atomics.rs`, offsets included) run unchanged over heap
+//! memory laid out as a channel segment, whose words are loom atomics (the
+//! address table of `src/atomics/word.rs`, as for the store's models), with
+//! the futex modelled by a loom mutex and condvar whose waits have no
 //! timeout. A lost wake-up is therefore a deadlock, which loom reports; a
 //! slot rewritten while a reader reads it is a race on its payload cell,
 //! which loom reports too.
@@ -15,11 +17,12 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 use pinshm::__loom_channel::{
-    reader_state, Blocked, ChannelPtr, Geometry, ReaderCore, Recv, WaitPlan, WriterCore,
+    reader_state, reset, Blocked, ChannelGeometry, ChannelPtr, ReaderCore, Recv, WaitPlan,
+    WriterCore,
 };
 
-fn geo(n_readers: u32, slots: u32) -> Geometry {
-    Geometry {
+fn geo(n_readers: u32, slots: u32) -> ChannelGeometry {
+    ChannelGeometry {
         n_readers,
         slots,
         slot_size: 8,
@@ -36,7 +39,10 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(preemptions);
-    b.check(f);
+    b.check(move || {
+        reset();
+        f()
+    });
 }
 
 /// Sends `n` messages whose payload is their sequence number + 100.

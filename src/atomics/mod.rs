@@ -70,9 +70,59 @@ pub(crate) use slot::SlotPtr;
 /// # Safety
 /// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
 /// live mapping, and that mapping outlives `'a`.
-pub(super) unsafe fn field<'a, A: word::Word>(base: *mut u8, off: usize) -> &'a A {
+pub(crate) unsafe fn field<'a, A: word::Word>(base: *mut u8, off: usize) -> &'a A {
     // SAFETY: the caller's contract, which is `Word::at`'s.
     unsafe { A::at(base.add(off)) }
+}
+
+// Every segment (store or channel) begins with `layout::Preamble`: its
+// magic, stamped last, then its version and reader count. One way to write,
+// stamp and read back a header, for both.
+
+/// Writes a fresh header whole, with its magic (the first 8 bytes) zero;
+/// [`stamp`] sets the magic last.
+///
+/// # Safety
+/// `base` is page aligned, `size_of::<H>()` writable bytes from it are
+/// mapped, and no other process trusts them yet (the magic is not stamped).
+pub(crate) unsafe fn init_header<H: bytemuck::Pod>(base: *mut u8, header: &H) {
+    let mut h = *header;
+    bytemuck::bytes_of_mut(&mut h)[..8].fill(0);
+    // SAFETY: the caller's contract: aligned, mapped, not yet shared.
+    unsafe { std::ptr::write_volatile(base as *mut H, h) };
+}
+
+/// Stamps `magic` at `base` (Release): an opener that sees it (Acquire,
+/// [`stamped_magic`]) sees the header [`init_header`] wrote.
+///
+/// # Safety
+/// `base` is 8-aligned and 8 bytes from it are mapped.
+pub(crate) unsafe fn stamp(base: *mut u8, magic: u64) {
+    // SAFETY: the caller's contract; the magic is the u64 at offset 0.
+    let w: &word::AtomicU64 = unsafe { field(base, 0) };
+    w.store(magic, word::Ordering::Release);
+}
+
+/// The magic at `base` (Acquire: pairs with [`stamp`]).
+///
+/// # Safety
+/// `base` is 8-aligned and 8 bytes from it are mapped.
+pub(crate) unsafe fn stamped_magic(base: *mut u8) -> u64 {
+    // SAFETY: as `stamp`.
+    let w: &word::AtomicU64 = unsafe { field(base, 0) };
+    w.load(word::Ordering::Acquire)
+}
+
+/// A copy of the whole header at `base`, for validation (its live words
+/// may be mid-update; callers trust only the fields nobody writes after the
+/// stamp, and check them first).
+///
+/// # Safety
+/// `base` is aligned for `H` and `size_of::<H>()` bytes from it are mapped.
+pub(crate) unsafe fn read_header<H: bytemuck::Pod>(base: *mut u8) -> H {
+    // SAFETY: the caller's contract; `H` is Pod, so any bytes are a valid
+    // value.
+    unsafe { std::ptr::read_volatile(base as *const H) }
 }
 
 /// Copies `len` bytes that a writer may be overwriting at the same time

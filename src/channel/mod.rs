@@ -2,7 +2,8 @@
 //! `slots` fixed-size slots in its own named segment. Every reader receives
 //! every message, in send order, in place.
 //!
-//! * [`layout`]: the `#[repr(C)]` structs of the segment and its version.
+//! * `crate::layout::channel`: the `#[repr(C)]` structs of the segment and
+//!   its version, beside the store's.
 //! * [`atomics`]: every atomic access and futex call, with the ordering table
 //!   and the no-lost-wake-up argument.
 //! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
@@ -22,23 +23,18 @@
 //! [`Error::WriterGone`](crate::Error::WriterGone), within about two
 //! periods (half a second).
 
-// In loom builds the segment-backed half is compiled out.
-#![cfg_attr(loom, allow(dead_code))]
-
 pub mod atomics;
-pub mod layout;
+// The channel segment's layout sits with the store's, below both stacks.
+use crate::layout::channel as layout;
 pub mod reader;
 pub mod spin;
-#[cfg(not(loom))]
 mod validate;
 pub mod writer;
 
 use std::time::Duration;
 
-#[cfg(not(loom))]
 pub use reader::{BroadcastReader, Message};
 pub use spin::{SpinPolicy, WaitStats};
-#[cfg(not(loom))]
 pub use writer::Broadcast;
 
 /// Longest a sleeping writer or reader sleeps before re-checking whether
@@ -150,7 +146,6 @@ impl BroadcastConfig {
 /// cancel.cancel();
 /// assert!(t.join().unwrap());
 /// ```
-#[cfg(not(loom))]
 #[derive(Clone, Debug)]
 pub struct Canceller {
     link: std::sync::Arc<CancelLink>,
@@ -159,7 +154,6 @@ pub struct Canceller {
 /// What a [`Canceller`] shares with its owner: the owner's flag, and its
 /// channel words while its mapping lives (the owner clears `chan`, under
 /// the mutex, before it unmaps).
-#[cfg(not(loom))]
 #[derive(Debug)]
 pub(crate) struct CancelLink {
     flag: std::sync::Arc<atomics::CancelFlag>,
@@ -177,13 +171,10 @@ pub(crate) struct CancelLink {
 // a forked child, where the owner's drop does not detach, `cancel` does
 // not touch it at all). The
 // words it touches are atomics in shared memory, meant for any thread.
-#[cfg(not(loom))]
 unsafe impl Send for CancelLink {}
 // SAFETY: as for `Send`: every access to the `ChannelPtr` is under the mutex.
-#[cfg(not(loom))]
 unsafe impl Sync for CancelLink {}
 
-#[cfg(not(loom))]
 impl CancelLink {
     pub(crate) fn new(
         flag: std::sync::Arc<atomics::CancelFlag>,
@@ -205,7 +196,6 @@ impl CancelLink {
     }
 }
 
-#[cfg(not(loom))]
 impl Canceller {
     pub(crate) fn new(link: std::sync::Arc<CancelLink>) -> Canceller {
         Canceller { link }
@@ -254,13 +244,20 @@ pub struct BroadcastHandle {
     pub slot_size: u32,
 }
 
-/// The protocol cores over a heap table of loom atomics, for
-/// `tests/loom_channel.rs` (only in `cfg(loom)` builds).
+/// The protocol cores, for `tests/loom_channel.rs` (only in `cfg(loom)`
+/// builds, where the atomics are loom's, see [`crate::atomics::word`]).
 #[cfg(loom)]
 pub mod loom_api {
-    pub use super::atomics::{ChannelPtr, Geometry};
+    pub use super::atomics::ChannelPtr;
     pub use super::reader::{ReaderCore, Received, Recv};
     pub use super::spin::WaitPlan;
     pub use super::writer::{Blocked, WriterCore};
+    pub use crate::geometry::ChannelGeometry;
     pub use crate::layout::reader_state;
+
+    /// Starts a loom execution: forgets the last one's atomics, futexes
+    /// and heap mappings (call first in every model).
+    pub fn reset() {
+        crate::atomics::word::table::reset();
+    }
 }

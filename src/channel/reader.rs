@@ -317,10 +317,8 @@ impl ReaderCore {
     }
 }
 
-#[cfg(not(loom))]
 pub use shell::{BroadcastReader, Message};
 
-#[cfg(not(loom))]
 mod shell {
     use std::cell::{Cell, RefCell};
     use std::ops::Deref;

@@ -190,21 +190,20 @@ impl WriterCore {
     }
 }
 
-#[cfg(not(loom))]
 pub use shell::Broadcast;
 
-#[cfg(not(loom))]
 mod shell {
     use std::time::{Duration, Instant};
 
     use std::sync::Arc;
 
     use super::{Blocked, WriterCore};
-    use crate::channel::atomics::{self, ChannelPtr, Geometry};
-    use crate::channel::layout::{self, ChannelHeader};
+    use crate::channel::atomics::ChannelPtr;
     use crate::channel::LIVENESS_RECHECK;
     use crate::channel::{BroadcastConfig, BroadcastHandle, CancelLink, Canceller};
     use crate::error::{Error, Result};
+    use crate::geometry::ChannelGeometry;
+    use crate::layout::channel::{self as layout, ChannelHeader};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
     use crate::sys::segment::{self, Backing, Segment};
@@ -256,7 +255,7 @@ mod shell {
                 |old| {
                     let is_channel = old.len() >= size_of::<ChannelHeader>()
                     // SAFETY: the mapping is page aligned and at least 256 bytes.
-                    && unsafe { atomics::magic(old.as_ptr()) } == layout::MAGIC;
+                    && unsafe { crate::atomics::stamped_magic(old.as_ptr()) } == layout::MAGIC;
                     is_channel
                         .then(String::new)
                         .ok_or_else(|| "a broadcast channel".to_owned())
@@ -289,8 +288,11 @@ mod shell {
             };
             // SAFETY: the mapping is page aligned and `total` (> 256) bytes
             // long; nobody trusts it before the magic is stamped.
-            unsafe { atomics::init_header(seg.as_ptr(), &header) };
-            let geo = Geometry {
+            unsafe {
+                crate::atomics::init_header(seg.as_ptr(), &header);
+                crate::atomics::stamp(seg.as_ptr(), layout::MAGIC);
+            }
+            let geo = ChannelGeometry {
                 n_readers: n,
                 slots,
                 slot_size: size,

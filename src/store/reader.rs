@@ -10,7 +10,7 @@ use super::mapping::Mapping;
 use super::signature;
 use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
-use crate::geometry::{validate_header, Geometry};
+use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, reader_state, ObjectKind};
 use crate::sys::clock;
 use crate::sys::fork;
@@ -18,9 +18,9 @@ use crate::sys::liveness;
 use crate::sys::segment::Segment;
 
 /// Opens and validates a segment against the expectations of a handle.
-fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry)> {
+fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeometry)> {
     let seg = Segment::open(&sh.name, prefault)?;
-    let geo = validate_header(&seg, &sh.name)?;
+    let geo = validate_store(&seg, &sh.name)?;
     let bad = |field, want: u64, got: u64| Error::BadHeader {
         name: sh.name.clone(),
         field,
@@ -63,7 +63,7 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry
 /// a process attaches its own, as each takes one of `n_readers` slots).
 #[derive(Debug)]
 pub struct StoreReader {
-    geo: Geometry,
+    geo: StoreGeometry,
     index: u32,
     me: ReaderPtr,
     counted_from: u64,
@@ -525,7 +525,7 @@ struct CopyStart {
 
 /// Takes reader entry `i`, whose lock the caller holds: no live reader can
 /// have it. Returns our state word and the first id we are counted for.
-fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
+fn claim(geo: &StoreGeometry, i: u32) -> (u64, u64) {
     use reader_state::{next_generation, state, word, ATTACHED, ATTACHING, VACANT};
     let r = geo.reader(i);
     loop {

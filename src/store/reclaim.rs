@@ -7,7 +7,7 @@ use super::stats::StoreStats;
 use super::writer::{Entry, Keys};
 use crate::atomics::SlotPtr;
 use crate::error::{Blocker, Error, Result};
-use crate::geometry::Geometry;
+use crate::geometry::StoreGeometry;
 use crate::layout::reader_state;
 use crate::ring::{Plan, Ring, Span, SpanId};
 use crate::sys::clock;
@@ -21,7 +21,7 @@ const REPLANS: usize = 8;
 /// The read-only half of reclamation: whether an object may go. Borrows
 /// only the geometry, so the allocator can be walked mutably beside it.
 pub(super) struct Judge<'a> {
-    pub(super) geo: &'a Geometry,
+    pub(super) geo: &'a StoreGeometry,
     pub(super) reader_timeout_ns: Option<u64>,
 }
 
@@ -215,7 +215,7 @@ pub(super) enum NoRoom {
 /// writer's, and are handed in where reclamation needs them.
 #[derive(Debug)]
 pub(super) struct Space {
-    pub(super) geo: Geometry,
+    pub(super) geo: StoreGeometry,
     pub(super) ring: Ring<Entry>,
     /// Which pages of a sparse segment are backed (all, if reserved).
     pub(super) backing: Backing,
@@ -226,7 +226,7 @@ pub(super) struct Space {
 
 impl Space {
     pub(super) fn new(
-        geo: Geometry,
+        geo: StoreGeometry,
         ring: Ring<Entry>,
         backing: Backing,
         eviction: Eviction,

@@ -7,7 +7,7 @@ use super::config::StoreConfig;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::stats::StoreStats;
 use crate::error::{Error, Result};
-use crate::geometry::{validate_header, Geometry};
+use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
@@ -152,7 +152,7 @@ impl ObjectStore {
             cfg.reserve,
             cfg.name.is_some(),
             |old| {
-                validate_header(old, &name)
+                validate_store(old, &name)
                     .map(|geo| format!(" (pid {})", geo.header().writer_pid()))
                     .map_err(|e| format!("a usable pinshm segment ({e})"))
             },
@@ -176,7 +176,7 @@ impl ObjectStore {
         } else {
             0
         };
-        let geo = Geometry::new(
+        let geo = StoreGeometry::new(
             seg.as_ptr(),
             cfg.n_readers,
             cfg.capacity as u64,

@@ -10,8 +10,14 @@
 //!   +64           payload, `slot_size` bytes rounded up to 64
 //! ```
 //!
+//! It begins with the [`Preamble`](super::Preamble) every segment
+//! begins with, and its reader entries use the store's state word
+//! ([`super::reader_state`]); the rest is its own: fixed slots with
+//! sequence numbers, per-reader release marks and futex words, where the
+//! store has an allocator's data region, hold words and a hazard.
+//!
 //! Every field that changes while the channel is live is reached through an
-//! atomic in [`super::atomics`], which chooses every ordering; these `Pod`
+//! atomic in `crate::channel::atomics`, which chooses every ordering; these `Pod`
 //! structs are written whole by the creator (before the magic is stamped)
 //! and copied out and validated whole by an opener before a single number
 //! is trusted. Any change bumps [`VERSION`]; `channel_layout_is_pinned`
@@ -25,8 +31,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"PINBCST\x01");
 pub const VERSION: u32 = 1;
 /// Cache line, and the alignment of every slot and payload.
 pub const LINE: usize = 64;
-/// Most readers one channel serves.
-pub const MAX_READERS: u32 = 64;
+pub use super::{round_up, MAX_READERS};
 /// Most slots one channel has.
 pub const MAX_SLOTS: u32 = 1 << 24;
 /// Largest slot payload.
@@ -128,11 +133,6 @@ pub fn total_len(n_readers: u32, slots: u32, slot_size: u32) -> Option<usize> {
         .checked_add(header_len(n_readers))
 }
 
-/// `x` rounded up to a multiple of `to` (a power of two).
-pub const fn round_up(x: usize, to: usize) -> usize {
-    (x + to - 1) & !(to - 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,6 +145,10 @@ mod tests {
             "changing the layout? bump VERSION and this test"
         );
         assert_eq!(size_of::<ChannelHeader>(), 256);
+        // The preamble every segment begins with (validated the same way).
+        assert_eq!(offset_of!(ChannelHeader, magic), 0);
+        assert_eq!(offset_of!(ChannelHeader, version), 8);
+        assert_eq!(offset_of!(ChannelHeader, n_readers), 12);
         assert_eq!(offset_of!(ChannelHeader, nonce), 48);
         assert_eq!(offset_of!(ChannelHeader, spin_ns), 56);
         assert_eq!(offset_of!(ChannelHeader, write_seq), 64);

@@ -1,7 +1,11 @@
 //! The atomics over a mapped store segment: [`SlotPtr`], [`ReaderPtr`],
 //! [`HeaderPtr`]. The only code that touches the atomics of a store
 //! segment; **every memory ordering of the store is chosen here**, next to
-//! the field it guards.
+//! the field it guards. Below both protocols: [`word`], the atomics and
+//! futex that the store and the channel (`crate::channel::atomics`) are
+//! written against, loom's under `--cfg loom`; [`field`], the one place a
+//! mapping's bytes become an atomic; and the header functions every segment
+//! is written, stamped and read back with.
 //!
 //!
 //! | field | written by | read by | protocol |

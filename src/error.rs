@@ -99,7 +99,9 @@ pub enum Error {
         blocker: Option<Box<Blocker>>,
     },
 
-    /// `touch` of a key that is not stored.
+    /// [`ObjectStore::add_reference`](crate::ObjectStore::add_reference) or
+    /// [`ObjectStore::protect`](crate::ObjectStore::protect) of a key that is
+    /// not stored.
     #[error("key '{key}' is not in the store")]
     KeyNotFound {
         /// The key.

@@ -1,17 +1,23 @@
-//! Validated, process-local bounds of a store segment, and the header
-//! validation that produces them (used by the writer, the readers and the
-//! inspector). Nothing here trusts a number read from shared memory before
-//! checking it.
+//! Validated, process-local bounds of a segment, store ([`StoreGeometry`])
+//! or channel ([`ChannelGeometry`]), and the header validation that
+//! produces them (used by writers, readers and the inspector). Both kinds
+//! go through one check ([`read_stamped`]): size, magic (Acquire, after the
+//! creator's Release stamp), version and reader count of the
+//! [`Preamble`](layout::Preamble) they share, with one error type naming
+//! the field; each kind then checks the fields of its own layout. Nothing
+//! here trusts a number read from shared memory before checking it.
 
+use bytemuck::Pod;
+
+use crate::atomics::{HeaderPtr, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
-use crate::layout::{self, SegmentHeader};
-use crate::shm::{HeaderPtr, ReaderPtr, SlotPtr};
+use crate::layout::{self, channel, Preamble, SegmentHeader};
 use crate::sys::segment::Segment;
 
-/// Validated, process-local copy of a segment's geometry. Nothing here is
-/// read from shared memory again after attach.
+/// Validated, process-local copy of a store segment's geometry. Nothing
+/// here is read from shared memory again after attach.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Geometry {
+pub(crate) struct StoreGeometry {
     pub(crate) n_readers: u32,
     pub(crate) capacity: u64,
     pub(crate) max_object_size: u64,
@@ -22,7 +28,7 @@ pub(crate) struct Geometry {
     data: *mut u8,
 }
 
-impl Geometry {
+impl StoreGeometry {
     pub(crate) fn new(
         base: *mut u8,
         n_readers: u32,
@@ -31,7 +37,7 @@ impl Geometry {
         flags: u64,
     ) -> Self {
         let header_len = layout::header_len(n_readers);
-        Geometry {
+        StoreGeometry {
             n_readers,
             capacity,
             max_object_size,
@@ -80,77 +86,143 @@ impl Geometry {
     }
 }
 
-/// Checks every field of a segment's header before any of it is used.
-pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
-    let bad = |field, detail: String| Error::BadHeader {
-        name: name.to_owned(),
-        field,
-        detail,
-    };
-    if seg.len() < size_of::<SegmentHeader>() {
-        return Err(bad(
+/// Validated, process-local bounds of a channel (never re-read from shm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelGeometry {
+    /// Reader entries.
+    pub n_readers: u32,
+    /// Message slots.
+    pub slots: u32,
+    /// Largest message.
+    pub slot_size: u32,
+}
+
+/// The errors of one header's checks, each naming the segment and field.
+pub(crate) struct HeaderCheck<'a> {
+    name: &'a str,
+}
+
+impl HeaderCheck<'_> {
+    /// A bad `field`, with what is wrong about it.
+    pub(crate) fn bad(&self, field: &'static str, detail: String) -> Error {
+        Error::BadHeader {
+            name: self.name.to_owned(),
+            field,
+            detail,
+        }
+    }
+
+    /// `field` must be `expected` (what the header's other fields, or the
+    /// caller's handle, imply).
+    pub(crate) fn want(&self, field: &'static str, expected: u64, found: u64) -> Result<()> {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(self.bad(field, format!("expected {expected}, found {found}")))
+        }
+    }
+
+    /// `field` must be in `1..=max`.
+    pub(crate) fn within(&self, field: &'static str, v: u64, max: u64) -> Result<()> {
+        if v == 0 || v > max {
+            return Err(self.bad(field, format!("{v} is not in 1..={max}")));
+        }
+        Ok(())
+    }
+}
+
+/// What [`read_stamped`] checks a header for: its kind's magic, the name
+/// of its version field, and the version this build reads.
+pub(crate) struct Kind {
+    /// What a segment of this kind is, for the magic's message.
+    pub(crate) what: &'static str,
+    pub(crate) magic: u64,
+    /// The header's version field, as named in its struct.
+    pub(crate) version_field: &'static str,
+    pub(crate) version: u32,
+}
+
+/// The store's kind.
+pub(crate) const STORE: Kind = Kind {
+    what: "pinshm segment",
+    magic: layout::MAGIC,
+    version_field: "layout_version",
+    version: layout::LAYOUT_VERSION,
+};
+
+/// The channel's kind.
+pub(crate) const CHANNEL: Kind = Kind {
+    what: "broadcast channel",
+    magic: channel::MAGIC,
+    version_field: "version",
+    version: channel::VERSION,
+};
+
+/// The header `H` of a segment of `kind`, after the checks both kinds
+/// share: the mapping holds a header, the magic is stamped, the version is
+/// this build's, and the reader count is in `1..=MAX_READERS`. The caller
+/// checks the rest with the [`HeaderCheck`] it gets back.
+pub(crate) fn read_stamped<'a, H: Pod>(
+    seg: &Segment,
+    name: &'a str,
+    kind: &Kind,
+) -> Result<(H, HeaderCheck<'a>)> {
+    let check = HeaderCheck { name };
+    debug_assert!(size_of::<H>() >= size_of::<Preamble>() && size_of::<H>() <= layout::PAGE);
+    if seg.len() < size_of::<H>() {
+        return Err(check.bad(
             "size",
             format!("{} bytes is smaller than a header", seg.len()),
         ));
     }
-    // SAFETY: the mapping is page aligned and at least 256 bytes long.
-    let hp = unsafe { HeaderPtr::new(seg.as_ptr()) };
-    let magic = hp.magic();
-    if magic != layout::MAGIC {
-        return Err(bad(
+    // SAFETY: the mapping is page aligned and holds at least a header.
+    let magic = unsafe { crate::atomics::stamped_magic(seg.as_ptr()) };
+    if magic != kind.magic {
+        return Err(check.bad(
             "magic",
             format!(
-                "expected {:#x}, found {magic:#x} (not a pinshm segment, or its creator has not finished)",
-                layout::MAGIC
+                "expected {:#x}, found {magic:#x} (not a {}, or its creator has not finished)",
+                kind.magic, kind.what
             ),
         ));
     }
-    let h = hp.read();
-    if h.layout_version != layout::LAYOUT_VERSION {
-        return Err(bad(
-            "layout_version",
+    // SAFETY: as above; page aligned, so aligned for any header.
+    let h: H = unsafe { crate::atomics::read_header(seg.as_ptr()) };
+    let p: Preamble =
+        bytemuck::pod_read_unaligned(&bytemuck::bytes_of(&h)[..size_of::<Preamble>()]);
+    if p.version != kind.version {
+        return Err(check.bad(
+            kind.version_field,
             format!(
                 "this build reads version {}, the segment is version {}",
-                layout::LAYOUT_VERSION,
-                h.layout_version
+                kind.version, p.version
             ),
         ));
     }
-    if h.n_readers == 0 || h.n_readers > layout::MAX_READERS {
-        return Err(bad(
-            "n_readers",
-            format!("{} is not in 1..={}", h.n_readers, layout::MAX_READERS),
-        ));
-    }
-    let want = |field, expected: u64, found: u64| {
-        if expected == found {
-            Ok(())
-        } else {
-            Err(bad(field, format!("expected {expected}, found {found}")))
-        }
-    };
-    want(
+    check.within("n_readers", p.n_readers as u64, layout::MAX_READERS as u64)?;
+    Ok((h, check))
+}
+
+/// Checks every field of a store segment's header before any of it is used.
+pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry> {
+    let (h, check): (SegmentHeader, _) = read_stamped(seg, name, &STORE)?;
+    check.want(
         "header_len",
         layout::header_len(h.n_readers) as u64,
         h.header_len,
     )?;
-    want(
+    check.want(
         "slot_prefix_len",
         layout::slot_prefix_len(h.n_readers) as u64,
         h.slot_prefix_len as u64,
     )?;
-    want(
-        "hazards_per_reader",
-        layout::HAZARDS_PER_READER as u64,
-        h.hazards_per_reader as u64,
-    )?;
-    want(
+    check.want(
         "reader_entry_len",
         size_of::<layout::ReaderEntry>() as u64,
         h.reader_entry_len as u64,
     )?;
     if h.capacity == 0 || h.capacity % layout::SLOT_ALIGN as u64 != 0 {
-        return Err(bad(
+        return Err(check.bad(
             "capacity",
             format!(
                 "{} is not a positive multiple of {}",
@@ -161,7 +233,7 @@ pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
     }
     let total = h.header_len.checked_add(h.capacity);
     if total.is_none_or(|t| t > seg.len() as u64) {
-        return Err(bad(
+        return Err(check.bad(
             "capacity",
             format!(
                 "header ({}) + capacity ({}) exceed the segment's {} bytes: the segment is too small",
@@ -172,13 +244,13 @@ pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
         ));
     }
     if h.max_object_size > h.capacity {
-        return Err(bad(
+        return Err(check.bad(
             "max_object_size",
             format!("{} exceeds capacity {}", h.max_object_size, h.capacity),
         ));
     }
     if h.flags & !layout::flags::KNOWN != 0 {
-        return Err(bad(
+        return Err(check.bad(
             "flags",
             format!(
                 "{:#x} has bits this build does not know ({:#x})",
@@ -187,11 +259,55 @@ pub(crate) fn validate_header(seg: &Segment, name: &str) -> Result<Geometry> {
             ),
         ));
     }
-    Ok(Geometry::new(
+    Ok(StoreGeometry::new(
         seg.as_ptr(),
         h.n_readers,
         h.capacity,
         h.max_object_size,
         h.flags,
     ))
+}
+
+/// Checks every field of a channel segment's header before any of it is
+/// used; returns its geometry and the whole header (nonce, spin), for the
+/// caller's checks against its handle.
+pub(crate) fn validate_channel(
+    seg: &Segment,
+    name: &str,
+) -> Result<(ChannelGeometry, channel::ChannelHeader)> {
+    let (c, check): (channel::ChannelHeader, _) = read_stamped(seg, name, &CHANNEL)?;
+    check.within("slots", c.slots as u64, channel::MAX_SLOTS as u64)?;
+    check.within(
+        "slot_size",
+        c.slot_size as u64,
+        channel::MAX_SLOT_SIZE as u64,
+    )?;
+    check.want(
+        "slot_stride",
+        channel::slot_stride(c.slot_size) as u64,
+        c.slot_stride,
+    )?;
+    check.want(
+        "header_len",
+        channel::header_len(c.n_readers) as u64,
+        c.header_len,
+    )?;
+    let total = channel::total_len(c.n_readers, c.slots, c.slot_size)
+        .ok_or_else(|| check.bad("total_len", "overflows".into()))?;
+    check.want("total_len", total as u64, c.total_len)?;
+    if total > seg.len() {
+        return Err(check.bad(
+            "total_len",
+            format!(
+                "{total} bytes exceed the segment's {}: the segment is too small",
+                seg.len()
+            ),
+        ));
+    }
+    let geo = ChannelGeometry {
+        n_readers: c.n_readers,
+        slots: c.slots,
+        slot_size: c.slot_size,
+    };
+    Ok((geo, c))
 }

@@ -6,7 +6,7 @@
 use std::fmt::{self, Write as _};
 
 use crate::error::Result;
-use crate::geometry::validate_header;
+use crate::geometry::validate_store;
 use crate::layout::{self, reader_state};
 use crate::sys::clock;
 use crate::sys::liveness;
@@ -85,7 +85,7 @@ pub struct Snapshot {
 /// Reads segment `name` (read-only).
 pub fn inspect(name: &str) -> Result<Snapshot> {
     let seg = Segment::open_read_only(name)?;
-    let geo = validate_header(&seg, name)?;
+    let geo = validate_store(&seg, name)?;
     let hp = geo.header();
     let h = hp.read();
     let writer_pid = hp.writer_pid();

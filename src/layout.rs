@@ -1,4 +1,4 @@
-//! The segment layout, version 6, written down once.
+//! The segment layout, version 7, written down once.
 //!
 //! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
 //! `stale_reads` and `attached_ns` (for the inspector and stuck readers).
@@ -20,6 +20,10 @@
 //! neither can be reproduced by the payload of a newer object that covers
 //! the old header. It also added `SegmentHeader::backed`, how much of the
 //! data region the writer has backed: readers touch nothing past it.
+//! Version 7 wrote the one hazard word per reader as one
+//! (`ReaderEntry::hazard`, at the offset of the old one-element array) and
+//! dropped the header's `hazards_per_reader` (now `reserved1`, zero): there
+//! is nothing left to configure, so nothing to check.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -35,7 +39,7 @@
 //!
 //! Every field that another process changes while the segment is live is
 //! reached through an atomic at a fixed offset (`offset_of!`) and its
-//! orderings are chosen in [`crate::shm`]; the structs here are `Pod` so the
+//! orderings are chosen in [`crate::atomics`]; the structs here are `Pod` so the
 //! creator can write them whole and an opener can copy them out and validate
 //! them before trusting a single number. Any change to these structs bumps
 //! [`LAYOUT_VERSION`]; `layout_is_pinned` in the tests fixes every size and
@@ -43,20 +47,34 @@
 
 use bytemuck::{Pod, Zeroable};
 
+pub mod channel;
+
 /// `b"PINSHM\0\x01"` read as little-endian: written last at create, so an
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
 pub const SLOT_ALIGN: usize = 64;
 /// Most readers one segment can serve.
 pub const MAX_READERS: u32 = 64;
-/// Hazard words per reader: one, held only while a hold is being taken
-/// (guards themselves are counted in the slots, without limit).
-pub const HAZARDS_PER_READER: usize = 1;
+
+/// The first 16 bytes of every segment, store ([`SegmentHeader`]) or
+/// channel ([`channel::ChannelHeader`]): the magic, stamped last, then the
+/// layout version and the reader count, at the same offsets in both, so
+/// one check reads them (`crate::geometry`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct Preamble {
+    /// The kind's magic, stored last (Release) by the creator.
+    pub magic: u64,
+    /// The kind's layout version of the creator.
+    pub version: u32,
+    /// Reader table entries.
+    pub n_readers: u32,
+}
 
 /// What a slot's payload is (`SlotHeader::kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,16 +110,20 @@ pub mod flags {
     pub const KNOWN: u64 = AGGREGATE_READS;
 }
 
-/// Reader table entry states: the low byte of `ReaderEntry::state`, whose
-/// upper 56 bits count attaches into the entry (the generation).
+/// Reader table entry states, for the store's and the channel's reader
+/// tables alike: the low byte of an entry's 64-bit state word, whose upper
+/// 56 bits count attaches into the entry (the generation), so a
+/// compare-and-swap of the whole word fails against a newer attach.
 pub mod reader_state {
-    /// Never attached since create: counted (the writer waits for its reads).
+    /// Never attached since create: counted (the writer keeps what it is
+    /// owed: a store its reads, a channel every message).
     pub const VACANT: u32 = 0;
-    /// A process is taking over a slot that was left; not counted yet.
+    /// A process is taking over an entry that was left; not counted yet.
     pub const ATTACHING: u32 = 1;
-    /// A live reader: counted for objects with `id >= counted_from`.
+    /// A live reader: counted (a store's reader for objects with
+    /// `id >= counted_from`).
     pub const ATTACHED: u32 = 2;
-    /// Detached or found dead: not counted, hazards ignored.
+    /// Detached or found dead: not counted, its hazard and holds ignored.
     pub const LEFT: u32 = 3;
 
     /// The state of a state word.
@@ -112,6 +134,12 @@ pub mod reader_state {
     /// The generation of a state word.
     pub const fn generation(word: u64) -> u64 {
         word >> 8
+    }
+
+    /// The generation the next attach into an entry whose word is `word`
+    /// takes (wrapping within its 56 bits).
+    pub const fn next_generation(word: u64) -> u64 {
+        generation(word).wrapping_add(1) & (u64::MAX >> 8)
     }
 
     /// The state word of `state` in `generation`.
@@ -140,8 +168,8 @@ pub struct SegmentHeader {
     pub nonce: u64,
     /// `SlotHeader` + reader counters, rounded to [`SLOT_ALIGN`].
     pub slot_prefix_len: u32,
-    /// [`HAZARDS_PER_READER`] of the creator.
-    pub hazards_per_reader: u32,
+    /// Zero (v6: the hazard words per reader, always 1).
+    pub reserved1: u32,
     /// `size_of::<ReaderEntry>()` of the creator.
     pub reader_entry_len: u32,
     /// Atomic. Writer's pid, for messages only (liveness is the writer's
@@ -197,9 +225,10 @@ pub struct ReaderEntry {
     pub attached_ns: u64,
     /// Zero.
     pub reserved: [u64; 2],
-    /// Atomic each. The id of the object this reader is taking a hold on,
-    /// for that instant (0 = none).
-    pub hazards: [u64; HAZARDS_PER_READER],
+    /// Atomic. The hazard: the id of the object this reader is taking a
+    /// hold on, for that instant (0 = none). One per reader, whatever the
+    /// number of its guards (they are counted in the slots' hold words).
+    pub hazard: u64,
     /// Zero: the entry is two cache lines.
     pub reserved1: [u64; 7],
 }
@@ -326,6 +355,9 @@ mod tests {
 
     #[test]
     fn layout_is_pinned() {
+        assert_eq!(size_of::<Preamble>(), 16);
+        assert_eq!(offset_of!(Preamble, version), 8);
+        assert_eq!(offset_of!(Preamble, n_readers), 12);
         assert_eq!(size_of::<SegmentHeader>(), 256);
         assert_eq!(offset_of!(SegmentHeader, magic), 0);
         assert_eq!(offset_of!(SegmentHeader, layout_version), 8);
@@ -335,7 +367,7 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, max_object_size), 32);
         assert_eq!(offset_of!(SegmentHeader, nonce), 40);
         assert_eq!(offset_of!(SegmentHeader, slot_prefix_len), 48);
-        assert_eq!(offset_of!(SegmentHeader, hazards_per_reader), 52);
+        assert_eq!(offset_of!(SegmentHeader, reserved1), 52);
         assert_eq!(offset_of!(SegmentHeader, reader_entry_len), 56);
         assert_eq!(offset_of!(SegmentHeader, writer_pid), 60);
         assert_eq!(offset_of!(SegmentHeader, reserved0), 64);
@@ -356,7 +388,7 @@ mod tests {
         assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 24);
         assert_eq!(offset_of!(ReaderEntry, stale_reads), 32);
         assert_eq!(offset_of!(ReaderEntry, attached_ns), 40);
-        assert_eq!(offset_of!(ReaderEntry, hazards), 64);
+        assert_eq!(offset_of!(ReaderEntry, hazard), 64);
         assert_eq!(offset_of!(ReaderEntry, reserved1), 72);
 
         assert_eq!(size_of::<SlotHeader>(), 64);
@@ -368,7 +400,7 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, kind), 36);
         assert_eq!(offset_of!(SlotHeader, reserved), 40);
 
-        assert_eq!(LAYOUT_VERSION, 6);
+        assert_eq!(LAYOUT_VERSION, 7);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
         assert_eq!(header_len(MAX_READERS), 12288);
@@ -406,6 +438,12 @@ mod tests {
         assert_eq!(generation(w), 0x00ab_cdef_0123_4567);
         assert_ne!(word(1, ATTACHED), word(2, ATTACHED));
         assert_eq!(state(word(7, ATTACHING)), ATTACHING);
+        assert_eq!(next_generation(word(7, LEFT)), 8);
+        assert_eq!(
+            next_generation(word(u64::MAX >> 8, LEFT)),
+            0,
+            "wraps in 56 bits"
+        );
     }
 
     #[test]

@@ -8,10 +8,11 @@ compile_error!(
 );
 
 // Layers, lowest first (a module imports only modules before it here;
-// tools/import_graph.py checks it): dtype, layout, error, sys, shm, ring,
+// tools/import_graph.py checks it): dtype, layout, error, sys, atomics, ring,
 // geometry, codec, cuda (the driver wrapper), pin, copy, store, channel,
 // inspect. The modules are private; the public API is the flat
 // page below.
+mod atomics;
 mod channel;
 mod codec;
 mod copy;
@@ -24,15 +25,15 @@ mod inspect;
 mod layout;
 mod pin;
 mod ring;
-mod shm;
 mod store;
 mod sys;
 
-/// The channel's protocol cores, for the loom models (`cfg(loom)` only).
+/// The channel's protocol cores, for the integration-test loom models of
+/// `tests/loom_channel.rs` (`cfg(loom)` only; the store's models are unit
+/// tests of `atomics`).
 #[cfg(loom)]
 #[doc(hidden)]
 pub use channel::loom_api as __loom_channel;
-#[cfg(not(loom))]
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
 pub use channel::{BroadcastConfig, BroadcastHandle, SpinPolicy, WaitStats};
 pub use codec::{

@@ -435,7 +435,7 @@ fn bandwidth_table() {
     });
     let hp = w.get_cached(&format!("p{n}")).unwrap();
     // Held from here to the end: the separate puts below must not reclaim
-    // the packed object (the guard's hazard keeps it).
+    // the packed object (the guard's hold keeps it).
     let g = r.get(hp).unwrap();
     let got: &[u8] = &g;
     for (i, d) in descs.iter().enumerate() {

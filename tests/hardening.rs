@@ -290,7 +290,7 @@ fn a_device_put_finished_twice_is_refused_and_changes_nothing() {
 /// 5. A forked child holds copies of its parent's reader and store (Python's
 ///    `os.fork` and multiprocessing's fork start method make them without
 ///    any `unsafe`). Using or dropping them in the child must change nothing
-///    of the parent's: not its hazards, not its lock, not its segment.
+///    of the parent's: not its holds or hazard, not its lock, not its segment.
 #[test]
 fn a_forked_child_using_and_dropping_inherited_handles_changes_nothing_of_the_parents() {
     let name = Name::new("fork");

@@ -1,7 +1,9 @@
 //! Loom models of the broadcast channel: the shipped writer and reader
 //! cores (`WriterCore`, `ReaderCore`, every atomic access in
-//! `src/channel/shm.rs`) run unchanged over a heap table of loom atomics,
-//! with the futex modelled by a loom mutex and condvar whose waits have no
+//! `src/channel/atomics.rs`, offsets included) run unchanged over heap
+//! memory laid out as a channel segment, whose words are loom atomics (the
+//! address table of `src/atomics/word.rs`, as for the store's models), with
+//! the futex modelled by a loom mutex and condvar whose waits have no
 //! timeout. A lost wake-up is therefore a deadlock, which loom reports; a
 //! slot rewritten while a reader reads it is a race on its payload cell,
 //! which loom reports too.
@@ -15,11 +17,12 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 use pinshm::__loom_channel::{
-    reader_state, Blocked, Geometry, ReaderCore, Recv, Shm, WaitPlan, WriterCore,
+    reader_state, reset, Blocked, ChannelGeometry, ChannelPtr, ReaderCore, Recv, WaitPlan,
+    WriterCore,
 };
 
-fn geo(n_readers: u32, slots: u32) -> Geometry {
-    Geometry {
+fn geo(n_readers: u32, slots: u32) -> ChannelGeometry {
+    ChannelGeometry {
         n_readers,
         slots,
         slot_size: 8,
@@ -36,7 +39,10 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(preemptions);
-    b.check(f);
+    b.check(move || {
+        reset();
+        f()
+    });
 }
 
 /// Sends `n` messages whose payload is their sequence number + 100.
@@ -44,7 +50,7 @@ fn send(w: &mut WriterCore, n: u64, alive: &dyn Fn(u32) -> bool) {
     for _ in 0..n {
         w.wait_slot(None, Duration::ZERO, alive)
             .expect("no deadline, no timeout");
-        w.shm().write_payload(w.slot(), w.sent() + 100);
+        w.chan().write_payload(w.slot(), w.sent() + 100);
         w.commit(8);
     }
 }
@@ -55,7 +61,7 @@ fn receive(r: &mut ReaderCore, n: u64) -> u64 {
     while got < n {
         match r.wait(None, Duration::ZERO, &|| true).unwrap() {
             Recv::Message(m) => {
-                assert_eq!(r.shm().read_payload(m.slot), m.seq + 100);
+                assert_eq!(r.chan().read_payload(m.slot), m.seq + 100);
                 r.release(m.seq);
                 got += 1;
             }
@@ -70,9 +76,9 @@ fn receive(r: &mut ReaderCore, n: u64) -> u64 {
 #[test]
 fn a_sleeping_reader_always_wakes_for_a_message() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
-        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 1, &|_| true));
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(chan), 1, &|_| true));
         assert_eq!(receive(&mut r, 1), 1);
         w.join().unwrap();
     });
@@ -97,7 +103,7 @@ fn planned(r: &mut ReaderCore, n: u64, window_passed: bool) -> u64 {
     while got < n {
         match r.wait_planned(None, plan, &|| true).unwrap().0 {
             Recv::Message(m) => {
-                assert_eq!(r.shm().read_payload(m.slot), m.seq + 100);
+                assert_eq!(r.chan().read_payload(m.slot), m.seq + 100);
                 r.release(m.seq);
                 got += 1;
             }
@@ -110,9 +116,9 @@ fn planned(r: &mut ReaderCore, n: u64, window_passed: bool) -> u64 {
 #[test]
 fn a_reader_sleeping_before_a_predicted_window_always_wakes_for_a_message() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
-        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(chan), 2, &|_| true));
         assert_eq!(planned(&mut r, 2, false), 2);
         w.join().unwrap();
     });
@@ -121,9 +127,9 @@ fn a_reader_sleeping_before_a_predicted_window_always_wakes_for_a_message() {
 #[test]
 fn a_reader_past_its_predicted_window_always_wakes_for_a_message() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
-        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 1, &|_| true));
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(chan), 1, &|_| true));
         assert_eq!(planned(&mut r, 1, true), 1);
         w.join().unwrap();
     });
@@ -132,8 +138,8 @@ fn a_reader_past_its_predicted_window_always_wakes_for_a_message() {
 #[test]
 fn a_reader_sleeping_before_a_predicted_window_always_wakes_when_cancelled() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
         let flag = r.cancel_flag().clone();
         let t = thread::spawn(move || {
             let wake = Instant::now() + Duration::from_secs(3600);
@@ -143,7 +149,7 @@ fn a_reader_sleeping_before_a_predicted_window_always_wakes_when_cancelled() {
             };
             r.wait_planned(None, plan, &|| true).unwrap().0
         });
-        shm.cancel_reader(&flag);
+        chan.cancel_reader(&flag);
         assert_eq!(t.join().unwrap(), Recv::Cancelled);
     });
 }
@@ -151,9 +157,9 @@ fn a_reader_sleeping_before_a_predicted_window_always_wakes_when_cancelled() {
 #[test]
 fn a_writer_waiting_for_a_slot_always_wakes_and_never_rewrites_a_held_slot() {
     model(|| {
-        let shm = Shm::heap(geo(1, 1));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
-        let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+        let chan = ChannelPtr::heap(geo(1, 1));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(chan), 2, &|_| true));
         assert_eq!(receive(&mut r, 2), 2);
         w.join().unwrap();
     });
@@ -164,14 +170,14 @@ fn two_sleeping_readers_both_wake_and_the_writer_reuses_the_slot_only_after_both
     model_bounded(
         std::env::var("LOOM_BOUND2").map_or(3, |v| v.parse().unwrap()),
         || {
-            let shm = Shm::heap(geo(2, 1));
-            let r0 = ReaderCore::claim(shm.clone(), 0);
-            let r1 = ReaderCore::claim(shm.clone(), 1);
+            let chan = ChannelPtr::heap(geo(2, 1));
+            let r0 = ReaderCore::claim(chan.clone(), 0);
+            let r1 = ReaderCore::claim(chan.clone(), 1);
             let other = thread::spawn(move || {
                 let mut r1 = r1;
                 receive(&mut r1, 2)
             });
-            let w = thread::spawn(move || send(&mut WriterCore::new(shm), 2, &|_| true));
+            let w = thread::spawn(move || send(&mut WriterCore::new(chan), 2, &|_| true));
             let mut r0 = r0;
             assert_eq!(receive(&mut r0, 2), 2);
             assert_eq!(other.join().unwrap(), 2);
@@ -183,12 +189,12 @@ fn two_sleeping_readers_both_wake_and_the_writer_reuses_the_slot_only_after_both
 #[test]
 fn a_closed_channel_is_drained_then_gone() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
         let w = thread::spawn(move || {
-            let mut w = WriterCore::new(shm);
+            let mut w = WriterCore::new(chan);
             send(&mut w, 1, &|_| true);
-            w.shm().close();
+            w.chan().close();
         });
         assert_eq!(receive(&mut r, 5), 1, "the message, then the end");
         w.join().unwrap();
@@ -198,17 +204,17 @@ fn a_closed_channel_is_drained_then_gone() {
 #[test]
 fn a_reader_attaching_mid_stream_never_reads_a_rewritten_slot() {
     model(|| {
-        let shm = Shm::heap(geo(1, 1));
+        let chan = ChannelPtr::heap(geo(1, 1));
         // Entry 0 was used and left: not expected until re-attached.
-        let first = ReaderCore::claim(shm.clone(), 0);
+        let first = ReaderCore::claim(chan.clone(), 0);
         first.leave();
-        let s2 = shm.clone();
+        let s2 = chan.clone();
         let w = thread::spawn(move || {
             let mut w = WriterCore::new(s2);
             send(&mut w, 2, &|_| true);
-            w.shm().close();
+            w.chan().close();
         });
-        let mut r = ReaderCore::claim(shm, 0);
+        let mut r = ReaderCore::claim(chan, 0);
         // Whatever it starts from, each message it gets is whole (checked
         // in `receive`, and loom checks the payload cell for races).
         receive(&mut r, 2);
@@ -219,11 +225,11 @@ fn a_reader_attaching_mid_stream_never_reads_a_rewritten_slot() {
 #[test]
 fn reaping_a_dead_reader_never_marks_the_reader_that_took_its_place() {
     model(|| {
-        let shm = Shm::heap(geo(1, 1));
+        let chan = ChannelPtr::heap(geo(1, 1));
         // Reader A attached, then died holding message 0 (its lock is gone).
-        let _a = ReaderCore::claim(shm.clone(), 0);
+        let _a = ReaderCore::claim(chan.clone(), 0);
         let lock = Arc::new(AtomicBool::new(false));
-        let mut w = WriterCore::new(shm.clone());
+        let mut w = WriterCore::new(chan.clone());
         send(&mut w, 1, &|_| true);
         let l2 = lock.clone();
         let writer = thread::spawn(move || {
@@ -233,11 +239,11 @@ fn reaping_a_dead_reader_never_marks_the_reader_that_took_its_place() {
         });
         // Reader B takes the lock, then the entry.
         lock.store(true, Ordering::Release);
-        let b = ReaderCore::claim(shm.clone(), 0);
+        let b = ReaderCore::claim(chan.clone(), 0);
         writer.join().unwrap();
-        let word = shm.state_word(0);
+        let word = chan.state_word(0);
         assert_eq!(
-            reader_state::of(word),
+            reader_state::state(word),
             reader_state::ATTACHED,
             "B was not reaped"
         );
@@ -248,12 +254,12 @@ fn reaping_a_dead_reader_never_marks_the_reader_that_took_its_place() {
 #[test]
 fn a_sleeping_reader_always_wakes_when_cancelled() {
     model(|| {
-        let shm = Shm::heap(geo(1, 2));
-        let mut r = ReaderCore::claim(shm.clone(), 0);
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
         let flag = r.cancel_flag().clone();
         // Nothing is ever sent: only the cancel can end the wait.
         let t = thread::spawn(move || r.wait(None, Duration::ZERO, &|| true).unwrap());
-        shm.cancel_reader(&flag);
+        chan.cancel_reader(&flag);
         assert_eq!(t.join().unwrap(), Recv::Cancelled);
     });
 }
@@ -261,14 +267,14 @@ fn a_sleeping_reader_always_wakes_when_cancelled() {
 #[test]
 fn a_writer_waiting_for_a_slot_always_wakes_when_cancelled() {
     model(|| {
-        let shm = Shm::heap(geo(1, 1));
+        let chan = ChannelPtr::heap(geo(1, 1));
         // The reader never releases message 0: the one slot stays held.
-        let _r = ReaderCore::claim(shm.clone(), 0);
-        let mut w = WriterCore::new(shm.clone());
+        let _r = ReaderCore::claim(chan.clone(), 0);
+        let mut w = WriterCore::new(chan.clone());
         send(&mut w, 1, &|_| true);
         let flag = w.cancel_flag().clone();
         let t = thread::spawn(move || w.wait_slot(None, Duration::ZERO, &|_| true));
-        shm.cancel_writer(&flag);
+        chan.cancel_writer(&flag);
         assert_eq!(t.join().unwrap(), Err(Blocked::Cancelled));
     });
 }

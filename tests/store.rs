@@ -222,8 +222,8 @@ fn get_cached_asks_every_reader_for_one_more_read() {
 }
 
 #[test]
-fn touch_on_the_writer_counts_like_get_cached_and_on_the_reader_like_a_read() {
-    let name = Name::new("touch");
+fn add_reference_counts_like_get_cached_and_acknowledge_like_a_read() {
+    let name = Name::new("addref");
     let len = 4 * KIB;
     let mut w = store(&name, 2 * slot(1, len), len, 1);
     let r = StoreReader::attach(&w.handle()).unwrap();
@@ -619,7 +619,6 @@ fn header_field_offset(field: &str) -> u64 {
         "max_object_size" => 32,
         "nonce" => 40,
         "slot_prefix_len" => 48,
-        "hazards_per_reader" => 52,
         "reader_entry_len" => 56,
         _ => unreachable!(),
     }
@@ -629,7 +628,17 @@ fn header_field_offset(field: &str) -> u64 {
 fn attach_validates_every_header_field_and_names_it() {
     let cases: &[(&str, &[u8], &str)] = &[
         ("magic", b"NOTPINSH", "magic"),
-        ("layout_version", &7u32.to_le_bytes(), "layout_version"),
+        (
+            "layout_version",
+            &(layout::LAYOUT_VERSION + 1).to_le_bytes(),
+            "layout_version",
+        ),
+        // The previous layout (6, with a hazard count in the header).
+        (
+            "layout_version",
+            &(layout::LAYOUT_VERSION - 1).to_le_bytes(),
+            "layout_version",
+        ),
         ("n_readers", &0u32.to_le_bytes(), "n_readers"),
         ("n_readers", &65u32.to_le_bytes(), "n_readers"),
         ("n_readers", &3u32.to_le_bytes(), "n_readers"),
@@ -644,11 +653,6 @@ fn attach_validates_every_header_field_and_names_it() {
         ),
         ("nonce", &7u64.to_le_bytes(), "was recreated"),
         ("slot_prefix_len", &64u32.to_le_bytes(), "slot_prefix_len"),
-        (
-            "hazards_per_reader",
-            &8u32.to_le_bytes(),
-            "hazards_per_reader",
-        ),
         ("reader_entry_len", &8u32.to_le_bytes(), "reader_entry_len"),
     ];
     for (field, bytes, expect) in cases {

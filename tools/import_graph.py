@@ -16,12 +16,12 @@ nothing may import them), or on a module over 500 lines."""
 import os, re, sys
 
 # Lowest first: a module may import only modules before it.
-LAYERS = ["dtype", "layout", "error", "sys", "shm", "ring", "geometry", "codec",
+LAYERS = ["dtype", "layout", "error", "sys", "atomics", "ring", "geometry", "codec",
           "cuda", "pin", "copy", "store", "channel", "inspect"]
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
-mods = sorted(n[:-3] if n.endswith(".rs") else n for n in os.listdir(SRC)
-              if n not in ("lib.rs", "bin") and (n.endswith(".rs") or os.path.isdir(os.path.join(SRC, n))))
+mods = sorted({n[:-3] if n.endswith(".rs") else n for n in os.listdir(SRC)
+              if n not in ("lib.rs", "bin") and (n.endswith(".rs") or os.path.isdir(os.path.join(SRC, n)))})
 edges, too_long = {m: set() for m in mods}, []
 for root, _, files in os.walk(SRC):
     for f in files:

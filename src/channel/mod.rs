@@ -2,8 +2,9 @@
 //! `slots` fixed-size slots in its own named segment. Every reader receives
 //! every message, in send order, in place.
 //!
-//! * [`layout`]: the `#[repr(C)]` structs of the segment and its version.
-//! * [`shm`]: every atomic access and futex call, with the ordering table
+//! * `crate::layout::channel`: the `#[repr(C)]` structs of the segment and
+//!   its version, beside the store's.
+//! * [`atomics`]: every atomic access and futex call, with the ordering table
 //!   and the no-lost-wake-up argument.
 //! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
 //!   and the public types around them.
@@ -22,23 +23,18 @@
 //! [`Error::WriterGone`](crate::Error::WriterGone), within about two
 //! periods (half a second).
 
-// In loom builds the segment-backed half is compiled out.
-#![cfg_attr(loom, allow(dead_code))]
-
-pub mod layout;
+pub mod atomics;
+// The channel segment's layout sits with the store's, below both stacks.
+use crate::layout::channel as layout;
 pub mod reader;
-pub mod shm;
 pub mod spin;
-#[cfg(not(loom))]
 mod validate;
 pub mod writer;
 
 use std::time::Duration;
 
-#[cfg(not(loom))]
 pub use reader::{BroadcastReader, Message};
 pub use spin::{SpinPolicy, WaitStats};
-#[cfg(not(loom))]
 pub use writer::Broadcast;
 
 /// Longest a sleeping writer or reader sleeps before re-checking whether
@@ -150,50 +146,45 @@ impl BroadcastConfig {
 /// cancel.cancel();
 /// assert!(t.join().unwrap());
 /// ```
-#[cfg(not(loom))]
 #[derive(Clone, Debug)]
 pub struct Canceller {
     link: std::sync::Arc<CancelLink>,
 }
 
 /// What a [`Canceller`] shares with its owner: the owner's flag, and its
-/// channel words while its mapping lives (the owner clears `shm`, under
+/// channel words while its mapping lives (the owner clears `chan`, under
 /// the mutex, before it unmaps).
-#[cfg(not(loom))]
 #[derive(Debug)]
 pub(crate) struct CancelLink {
-    flag: std::sync::Arc<shm::CancelFlag>,
-    shm: std::sync::Mutex<Option<shm::Shm>>,
+    flag: std::sync::Arc<atomics::CancelFlag>,
+    chan: std::sync::Mutex<Option<atomics::ChannelPtr>>,
     writer: bool,
     /// The owner's fork generation: in a forked child a canceller does
     /// nothing (the owner is the parent's, and the child never detaches).
     fork_gen: u64,
 }
 
-// SAFETY: the only thread-bound part is the `Shm` (pointers into the
+// SAFETY: the only thread-bound part is the `ChannelPtr` (pointers into the
 // owner's mapping). It is used only under the mutex, and only while it is
 // `Some`: the owner sets it to `None` under the same mutex before its
 // mapping goes (`CancelLink::detach`), so no use outlives the mapping (in
 // a forked child, where the owner's drop does not detach, `cancel` does
 // not touch it at all). The
 // words it touches are atomics in shared memory, meant for any thread.
-#[cfg(not(loom))]
 unsafe impl Send for CancelLink {}
-// SAFETY: as for `Send`: every access to the `Shm` is under the mutex.
-#[cfg(not(loom))]
+// SAFETY: as for `Send`: every access to the `ChannelPtr` is under the mutex.
 unsafe impl Sync for CancelLink {}
 
-#[cfg(not(loom))]
 impl CancelLink {
     pub(crate) fn new(
-        flag: std::sync::Arc<shm::CancelFlag>,
-        shm: shm::Shm,
+        flag: std::sync::Arc<atomics::CancelFlag>,
+        chan: atomics::ChannelPtr,
         writer: bool,
         fork_gen: u64,
     ) -> std::sync::Arc<CancelLink> {
         std::sync::Arc::new(CancelLink {
             flag,
-            shm: std::sync::Mutex::new(Some(shm)),
+            chan: std::sync::Mutex::new(Some(chan)),
             writer,
             fork_gen,
         })
@@ -201,11 +192,10 @@ impl CancelLink {
 
     /// The owner is going (its mapping with it): cancellers do nothing now.
     pub(crate) fn detach(&self) {
-        *self.shm.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.chan.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }
 
-#[cfg(not(loom))]
 impl Canceller {
     pub(crate) fn new(link: std::sync::Arc<CancelLink>) -> Canceller {
         Canceller { link }
@@ -219,12 +209,12 @@ impl Canceller {
         if crate::sys::fork::current() != self.link.fork_gen {
             return;
         }
-        let shm = self.link.shm.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(shm) = shm.as_ref() {
+        let chan = self.link.chan.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(chan) = chan.as_ref() {
             if self.link.writer {
-                shm.cancel_writer(&self.link.flag);
+                chan.cancel_writer(&self.link.flag);
             } else {
-                shm.cancel_reader(&self.link.flag);
+                chan.cancel_reader(&self.link.flag);
             }
         }
     }
@@ -254,13 +244,20 @@ pub struct BroadcastHandle {
     pub slot_size: u32,
 }
 
-/// The protocol cores over a heap table of loom atomics, for
-/// `tests/loom_channel.rs` (only in `cfg(loom)` builds).
+/// The protocol cores, for `tests/loom_channel.rs` (only in `cfg(loom)`
+/// builds, where the atomics are loom's, see [`crate::atomics::word`]).
 #[cfg(loom)]
 pub mod loom_api {
-    pub use super::layout::reader_state;
+    pub use super::atomics::ChannelPtr;
     pub use super::reader::{ReaderCore, Received, Recv};
-    pub use super::shm::{Geometry, Shm};
     pub use super::spin::WaitPlan;
     pub use super::writer::{Blocked, WriterCore};
+    pub use crate::geometry::ChannelGeometry;
+    pub use crate::layout::reader_state;
+
+    /// Starts a loom execution: forgets the last one's atomics, futexes
+    /// and heap mappings (call first in every model).
+    pub fn reset() {
+        crate::atomics::word::table::reset();
+    }
 }

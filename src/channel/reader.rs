@@ -1,4 +1,4 @@
-//! A reader: [`ReaderCore`] is the protocol over [`Shm`] (run by loom as
+//! A reader: [`ReaderCore`] is the protocol over [`ChannelPtr`] (run by loom as
 //! is), [`BroadcastReader`] and [`Message`] the segment, liveness and API
 //! around it.
 
@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::shm::{CancelFlag, Shm};
+use super::atomics::{CancelFlag, ChannelPtr};
 use super::spin::{spin_until, Caught, Spun, WaitPlan, WaitTrace};
 use super::LIVENESS_RECHECK;
 
@@ -49,7 +49,7 @@ pub struct Corrupt {
 /// its own memory and are only ever written to shared memory.
 #[derive(Debug)]
 pub struct ReaderCore {
-    shm: Shm,
+    chan: ChannelPtr,
     index: u32,
     word: u64,
     /// Next sequence number to receive, and its slot.
@@ -65,11 +65,11 @@ pub struct ReaderCore {
 
 impl ReaderCore {
     /// Claims entry `index`; the caller holds its liveness lock.
-    pub fn claim(shm: Shm, index: u32) -> ReaderCore {
-        let (word, start) = shm.claim(index);
-        let slots = shm.geometry().slots as u64;
+    pub fn claim(chan: ChannelPtr, index: u32) -> ReaderCore {
+        let (word, start) = chan.claim(index);
+        let slots = chan.geometry().slots as u64;
         ReaderCore {
-            shm,
+            chan,
             index,
             word,
             next: start,
@@ -81,14 +81,14 @@ impl ReaderCore {
     }
 
     /// The flag that cancels this reader's waits (set it through
-    /// [`Shm::cancel_reader`], which also wakes the reader).
+    /// [`ChannelPtr::cancel_reader`], which also wakes the reader).
     pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
         &self.cancel
     }
 
     /// The shared words.
-    pub fn shm(&self) -> &Shm {
-        &self.shm
+    pub fn chan(&self) -> &ChannelPtr {
+        &self.chan
     }
 
     /// The entry index.
@@ -103,7 +103,7 @@ impl ReaderCore {
 
     /// The next message, if one is published.
     pub fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
-        let published = self.shm.published();
+        let published = self.chan.published();
         if published <= self.next {
             if published < self.next {
                 return Err(Corrupt {
@@ -113,7 +113,7 @@ impl ReaderCore {
             }
             return Ok(None);
         }
-        let g = self.shm.geometry();
+        let g = self.chan.geometry();
         if published - self.released > g.slots as u64 {
             return Err(Corrupt {
                 field: "write_seq",
@@ -123,7 +123,7 @@ impl ReaderCore {
                 ),
             });
         }
-        let (seq, len) = self.shm.slot_meta(self.idx);
+        let (seq, len) = self.chan.slot_meta(self.idx);
         if seq != self.next || len > g.slot_size as u64 {
             return Err(Corrupt {
                 field: "slot header",
@@ -232,10 +232,10 @@ impl ReaderCore {
         slept: &mut bool,
     ) -> Result<Option<Recv>, Corrupt> {
         loop {
-            let seen = self.shm.reader_announce();
+            let seen = self.chan.reader_announce();
             let outcome = self.check(deadline, writer_alive);
             let Ok(None) = outcome else {
-                self.shm.reader_awake(seen);
+                self.chan.reader_awake(seen);
                 return outcome;
             };
             let now = Instant::now();
@@ -244,12 +244,12 @@ impl ReaderCore {
                 timeout = timeout.min(end.saturating_duration_since(now));
             }
             if until.is_some_and(|u| now >= u) {
-                self.shm.reader_awake(seen);
+                self.chan.reader_awake(seen);
                 return Ok(None);
             }
-            self.shm.reader_sleep(seen, Some(timeout));
+            self.chan.reader_sleep(seen, Some(timeout));
             *slept = true;
-            self.shm.reader_awake(seen);
+            self.chan.reader_awake(seen);
             if let Some(m) = self.poll()? {
                 return Ok(Some(Recv::Message(m)));
             }
@@ -268,7 +268,7 @@ impl ReaderCore {
             return Ok(Some(Recv::Cancelled));
         }
         // `closed` first: a poll after seeing it sees every message sent.
-        let closed = self.shm.is_closed();
+        let closed = self.chan.is_closed();
         if let Some(m) = self.poll()? {
             return Ok(Some(Recv::Message(m)));
         }
@@ -307,20 +307,18 @@ impl ReaderCore {
         }
         if advanced > 0 {
             self.released += advanced;
-            self.shm.release(self.index, self.released);
+            self.chan.release(self.index, self.released);
         }
     }
 
     /// Leaves the entry (not expected any more).
     pub fn leave(&self) {
-        self.shm.leave(self.index, self.word);
+        self.chan.leave(self.index, self.word);
     }
 }
 
-#[cfg(not(loom))]
 pub use shell::{BroadcastReader, Message};
 
-#[cfg(not(loom))]
 mod shell {
     use std::cell::{Cell, RefCell};
     use std::ops::Deref;
@@ -329,7 +327,7 @@ mod shell {
     use std::sync::Arc;
 
     use super::{Corrupt, ReaderCore, Recv};
-    use crate::channel::shm::Shm;
+    use crate::channel::atomics::ChannelPtr;
     use crate::channel::spin::WaitPlan;
     use crate::channel::validate::validate;
     use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
@@ -409,7 +407,7 @@ mod shell {
             let (geo, spin) = validate(&seg, h)?;
             // SAFETY: `validate` checked the header against the mapping's
             // length; `seg` (dropped last) keeps the mapping alive.
-            let shm = unsafe { Shm::new(seg.as_ptr(), geo) };
+            let chan = unsafe { ChannelPtr::new(seg.as_ptr(), geo) };
             let candidates = match index {
                 Some(i) if i >= geo.n_readers => {
                     return Err(Error::ReaderIndexOutOfRange {
@@ -426,16 +424,16 @@ mod shell {
                     if index.is_some() {
                         return Err(Error::ReaderSlotTaken {
                             index: i,
-                            pid: shm.pid(i),
+                            pid: chan.pid(i),
                         });
                     }
                     continue;
                 }
-                let core = ReaderCore::claim(shm.clone(), i);
-                shm.set_pid(i, std::process::id());
+                let core = ReaderCore::claim(chan.clone(), i);
+                chan.set_pid(i, std::process::id());
                 tracing::debug!(name = %h.name, index = i, from = core.next, "broadcast reader attached");
                 let cancel =
-                    CancelLink::new(core.cancel_flag().clone(), shm.clone(), false, fork_gen);
+                    CancelLink::new(core.cancel_flag().clone(), chan.clone(), false, fork_gen);
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
                     spin: Cell::new(SpinPolicy::new(spin)),
@@ -561,7 +559,7 @@ mod shell {
             };
             // Holding a message in every slot, this reader itself keeps the
             // writer from sending more: waiting would never end.
-            let slots = self.core.borrow().shm().geometry().slots as usize;
+            let slots = self.core.borrow().chan().geometry().slots as usize;
             if self.core.borrow().held() >= slots {
                 return Err(Error::TooManyGuards { limit: slots });
             }
@@ -604,7 +602,7 @@ mod shell {
                     name: self.seg.name().to_owned(),
                 }),
                 Recv::Message(m) => {
-                    let p = self.core.borrow().shm().payload(m.slot);
+                    let p = self.core.borrow().chan().payload(m.slot);
                     Ok(Message {
                         reader: self,
                         seq: m.seq,

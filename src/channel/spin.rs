@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::shm::CancelFlag;
+use super::atomics::CancelFlag;
 
 /// Below this a period is not predicted (the short-wait spin covers it).
 const MIN_PERIOD: Duration = Duration::from_micros(500);

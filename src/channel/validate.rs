@@ -1,46 +1,33 @@
-//! The checks a reader makes of a channel's header before it trusts it.
+//! The checks a reader makes of a channel before it trusts it: the header
+//! (the checks every segment gets, [`crate::geometry::validate_channel`]),
+//! then the handle it attaches with against that header.
 
 use std::time::Duration;
 
-use super::shm::{self, Geometry};
 use super::{layout, BroadcastHandle};
 use crate::error::{Error, Result};
+use crate::geometry::{validate_channel, ChannelGeometry};
 use crate::sys::segment::Segment;
 
-/// Validates the header against the mapping and the handle.
-pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, Duration)> {
+/// Validates the header against the mapping, then the handle against the
+/// header; returns the geometry and the readers' default spin.
+pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(ChannelGeometry, Duration)> {
     let bad = |field, detail: String| Error::BadHeader {
         name: h.name.clone(),
         field,
         detail,
     };
-    if seg.len() < size_of::<layout::ChannelHeader>() {
-        return Err(bad(
-            "size",
-            format!("{} bytes is smaller than a header", seg.len()),
-        ));
-    }
-    // SAFETY: the mapping is page aligned and at least 256 bytes long.
-    let magic = unsafe { shm::magic(seg.as_ptr()) };
-    if magic != layout::MAGIC {
-        return Err(bad(
-            "magic",
-            format!("expected {:#x}, found {magic:#x} (not a broadcast channel, or its creator has not finished)", layout::MAGIC),
-        ));
-    }
-    // SAFETY: as above.
-    let c = unsafe { shm::read_header(seg.as_ptr()) };
-    if c.version != layout::VERSION || h.layout_version != layout::VERSION {
+    if h.layout_version != layout::VERSION {
         return Err(bad(
             "version",
             format!(
-                "this build reads channel layout {}, the segment is {} and the handle {}",
+                "this build reads channel layout {}, the handle is {}",
                 layout::VERSION,
-                c.version,
                 h.layout_version
             ),
         ));
     }
+    let (geo, c) = validate_channel(seg, &h.name)?;
     if c.nonce != h.nonce {
         return Err(Error::SegmentMismatch {
             name: h.name.clone(),
@@ -48,7 +35,7 @@ pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, 
             found: c.nonce,
         });
     }
-    let want = |field, handle: u64, found: u64| {
+    let want = |field, handle: u32, found: u32| {
         if handle == found {
             Ok(())
         } else {
@@ -58,56 +45,9 @@ pub(super) fn validate(seg: &Segment, h: &BroadcastHandle) -> Result<(Geometry, 
             ))
         }
     };
-    want("n_readers", h.n_readers as u64, c.n_readers as u64)?;
-    want("slots", h.slots as u64, c.slots as u64)?;
-    want("slot_size", h.slot_size as u64, c.slot_size as u64)?;
-    if c.n_readers == 0 || c.n_readers > layout::MAX_READERS {
-        return Err(bad(
-            "n_readers",
-            format!("{} is not in 1..={}", c.n_readers, layout::MAX_READERS),
-        ));
-    }
-    if c.slots == 0 || c.slots > layout::MAX_SLOTS {
-        return Err(bad(
-            "slots",
-            format!("{} is not in 1..={}", c.slots, layout::MAX_SLOTS),
-        ));
-    }
-    if c.slot_size == 0 || c.slot_size > layout::MAX_SLOT_SIZE {
-        return Err(bad(
-            "slot_size",
-            format!("{} is not in 1..={}", c.slot_size, layout::MAX_SLOT_SIZE),
-        ));
-    }
-    want(
-        "slot_stride",
-        layout::slot_stride(c.slot_size) as u64,
-        c.slot_stride,
-    )?;
-    want(
-        "header_len",
-        layout::header_len(c.n_readers) as u64,
-        c.header_len,
-    )?;
-    let total = layout::total_len(c.n_readers, c.slots, c.slot_size)
-        .ok_or_else(|| bad("total_len", "overflows".into()))?;
-    want("total_len", total as u64, c.total_len)?;
-    if total > seg.len() {
-        return Err(bad(
-            "total_len",
-            format!(
-                "{total} bytes exceed the segment's {}: the segment is too small",
-                seg.len()
-            ),
-        ));
-    }
+    want("n_readers", h.n_readers, geo.n_readers)?;
+    want("slots", h.slots, geo.slots)?;
+    want("slot_size", h.slot_size, geo.slot_size)?;
     let spin = Duration::from_nanos(c.spin_ns.min(super::MAX_SPIN.as_nanos() as u64));
-    Ok((
-        Geometry {
-            n_readers: c.n_readers,
-            slots: c.slots,
-            slot_size: c.slot_size,
-        },
-        spin,
-    ))
+    Ok((geo, spin))
 }

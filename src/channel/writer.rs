@@ -1,13 +1,13 @@
-//! The writer: [`WriterCore`] is the protocol over [`Shm`] (run by loom as
+//! The writer: [`WriterCore`] is the protocol over [`ChannelPtr`] (run by loom as
 //! is), [`Broadcast`] the segment, liveness and API around it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::layout::reader_state;
-use super::shm::{CancelFlag, Shm};
+use super::atomics::{CancelFlag, ChannelPtr};
 use super::spin::{spin_until, Spun};
 use super::LIVENESS_RECHECK;
+use crate::layout::reader_state;
 
 /// Why [`WriterCore::wait_slot`] returned without a free slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,7 +22,7 @@ pub enum Blocked {
 /// from shared memory) and a cached lower bound of the readers' marks.
 #[derive(Debug)]
 pub struct WriterCore {
-    shm: Shm,
+    chan: ChannelPtr,
     /// Sequence number of the next message.
     next: u64,
     /// Its slot (`next % slots`).
@@ -36,9 +36,9 @@ pub struct WriterCore {
 
 impl WriterCore {
     /// A writer at the start of a fresh channel.
-    pub fn new(shm: Shm) -> WriterCore {
+    pub fn new(chan: ChannelPtr) -> WriterCore {
         WriterCore {
-            shm,
+            chan,
             next: 0,
             idx: 0,
             gate: 0,
@@ -47,14 +47,14 @@ impl WriterCore {
     }
 
     /// The flag that cancels this writer's waits (set it through
-    /// [`Shm::cancel_writer`], which also wakes the writer).
+    /// [`ChannelPtr::cancel_writer`], which also wakes the writer).
     pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
         &self.cancel
     }
 
     /// The shared words.
-    pub fn shm(&self) -> &Shm {
-        &self.shm
+    pub fn chan(&self) -> &ChannelPtr {
+        &self.chan
     }
 
     /// Messages sent so far.
@@ -71,20 +71,20 @@ impl WriterCore {
     /// released the message that used it last. Scans the reader table only
     /// when the cached bound says no; collects the readers in the way.
     fn scan(&mut self, mut blockers: Option<&mut Vec<(u32, u64)>>) -> bool {
-        let slots = self.shm.geometry().slots as u64;
+        let slots = self.chan.geometry().slots as u64;
         if self.next < self.gate + slots {
             return true;
         }
-        self.shm.scan_fence();
+        self.chan.scan_fence();
         let mut min = self.next;
-        for i in 0..self.shm.geometry().n_readers {
-            let word = self.shm.state_word(i);
-            let s = reader_state::of(word);
+        for i in 0..self.chan.geometry().n_readers {
+            let word = self.chan.state_word(i);
+            let s = reader_state::state(word);
             if s != reader_state::VACANT && s != reader_state::ATTACHED {
                 continue; // attaching, left, or scribbled: not expected
             }
             // A mark past what was sent can only be scribbled: clamp it.
-            let mark = self.shm.released_mark(i).min(self.next);
+            let mark = self.chan.released_mark(i).min(self.next);
             min = min.min(mark);
             if mark + slots <= self.next {
                 if let Some(b) = blockers.as_deref_mut() {
@@ -139,9 +139,9 @@ impl WriterCore {
             }
             let mut reaped = false;
             for &(i, word) in &blockers {
-                if reader_state::of(word) == reader_state::ATTACHED
+                if reader_state::state(word) == reader_state::ATTACHED
                     && !alive(i)
-                    && self.shm.reap(i, word)
+                    && self.chan.reap(i, word)
                 {
                     tracing::warn!(
                         reader = i,
@@ -163,48 +163,47 @@ impl WriterCore {
                     (d - now).min(LIVENESS_RECHECK)
                 }
             };
-            let seen = self.shm.writer_announce();
+            let seen = self.chan.writer_announce();
             // After the announce's fence: the Dekker pair with a canceller.
             if self.cancel.is_set() {
-                self.shm.writer_awake(seen);
+                self.chan.writer_awake(seen);
                 return Err(Blocked::Cancelled);
             }
             if self.scan(None) {
-                self.shm.writer_awake(seen);
+                self.chan.writer_awake(seen);
                 return Ok(());
             }
-            self.shm.writer_sleep(seen, Some(timeout));
-            self.shm.writer_awake(seen);
+            self.chan.writer_sleep(seen, Some(timeout));
+            self.chan.writer_awake(seen);
         }
     }
 
     /// Publishes the message whose payload was written into [`Self::slot`].
     pub fn commit(&mut self, len: u64) {
-        self.shm.stamp_slot(self.idx, self.next, len);
+        self.chan.stamp_slot(self.idx, self.next, len);
         self.next += 1;
         self.idx += 1;
-        if self.idx == self.shm.geometry().slots {
+        if self.idx == self.chan.geometry().slots {
             self.idx = 0;
         }
-        self.shm.publish(self.next);
+        self.chan.publish(self.next);
     }
 }
 
-#[cfg(not(loom))]
 pub use shell::Broadcast;
 
-#[cfg(not(loom))]
 mod shell {
     use std::time::{Duration, Instant};
 
     use std::sync::Arc;
 
     use super::{Blocked, WriterCore};
-    use crate::channel::layout::{self, ChannelHeader};
-    use crate::channel::shm::{self, Geometry, Shm};
+    use crate::channel::atomics::ChannelPtr;
     use crate::channel::LIVENESS_RECHECK;
     use crate::channel::{BroadcastConfig, BroadcastHandle, CancelLink, Canceller};
     use crate::error::{Error, Result};
+    use crate::geometry::ChannelGeometry;
+    use crate::layout::channel::{self as layout, ChannelHeader};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
     use crate::sys::segment::{self, Backing, Segment};
@@ -256,7 +255,7 @@ mod shell {
                 |old| {
                     let is_channel = old.len() >= size_of::<ChannelHeader>()
                     // SAFETY: the mapping is page aligned and at least 256 bytes.
-                    && unsafe { shm::magic(old.as_ptr()) } == layout::MAGIC;
+                    && unsafe { crate::atomics::stamped_magic(old.as_ptr()) } == layout::MAGIC;
                     is_channel
                         .then(String::new)
                         .ok_or_else(|| "a broadcast channel".to_owned())
@@ -289,18 +288,21 @@ mod shell {
             };
             // SAFETY: the mapping is page aligned and `total` (> 256) bytes
             // long; nobody trusts it before the magic is stamped.
-            unsafe { shm::init_header(seg.as_ptr(), &header) };
-            let geo = Geometry {
+            unsafe {
+                crate::atomics::init_header(seg.as_ptr(), &header);
+                crate::atomics::stamp(seg.as_ptr(), layout::MAGIC);
+            }
+            let geo = ChannelGeometry {
                 n_readers: n,
                 slots,
                 slot_size: size,
             };
             // SAFETY: the mapping holds `total_len(geo)` bytes, page aligned,
             // and `seg` (dropped last) keeps it alive as long as `core`.
-            let shm = unsafe { Shm::new(seg.as_ptr(), geo) };
+            let chan = unsafe { ChannelPtr::new(seg.as_ptr(), geo) };
             tracing::debug!(name = %name, n_readers = n, slots, slot_size = size, "broadcast channel created");
-            let core = WriterCore::new(shm.clone());
-            let cancel = CancelLink::new(core.cancel_flag().clone(), shm, true, fork_gen);
+            let core = WriterCore::new(chan.clone());
+            let cancel = CancelLink::new(core.cancel_flag().clone(), chan, true, fork_gen);
             Ok(Broadcast {
                 core,
                 spin: cfg.spin,
@@ -364,7 +366,7 @@ mod shell {
 
         /// What readers need to attach (serde: send it anywhere).
         pub fn handle(&self) -> BroadcastHandle {
-            let g = self.core.shm().geometry();
+            let g = self.core.chan().geometry();
             BroadcastHandle {
                 name: self.seg.name().to_owned(),
                 nonce: self.nonce,
@@ -413,10 +415,10 @@ mod shell {
                 return Vec::new(); // the readers are the parent's
             }
             let blockers = self.core.blockers();
-            let shm = self.core.shm();
+            let chan = self.core.chan();
             blockers
                 .into_iter()
-                .map(|i| (i, Some(shm.pid(i)).filter(|&p| p != 0)))
+                .map(|i| (i, Some(chan.pid(i)).filter(|&p| p != 0)))
                 .collect()
         }
 
@@ -432,11 +434,12 @@ mod shell {
                     name: self.seg.name().to_owned(),
                 });
             }
-            let shm = self.core.shm();
-            let n = shm.geometry().n_readers;
+            let chan = self.core.chan();
+            let n = chan.geometry().n_readers;
             let attached = (0..n)
                 .filter(|&i| {
-                    layout::reader_state::of(shm.state_word(i)) != layout::reader_state::VACANT
+                    crate::layout::reader_state::state(chan.state_word(i))
+                        != crate::layout::reader_state::VACANT
                 })
                 .count();
             Ok(attached as u32)
@@ -444,7 +447,7 @@ mod shell {
 
         /// Largest message.
         pub fn slot_size(&self) -> usize {
-            self.core.shm().geometry().slot_size as usize
+            self.core.chan().geometry().slot_size as usize
         }
 
         fn check_len(&self, len: usize) -> Result<()> {
@@ -517,10 +520,10 @@ mod shell {
             let idx = self.core.slot();
             // The slot's header and the message's bytes, backed before the
             // first write into them (a no-op once backed).
-            let off = self.core.shm().slot_offset(idx) as u64;
+            let off = self.core.chan().slot_offset(idx) as u64;
             let header = size_of::<layout::SlotHeader>() as u64;
             self.backing.ensure(&self.seg, off, header + len as u64)?;
-            let p = self.core.shm().payload(idx);
+            let p = self.core.chan().payload(idx);
             // SAFETY: `len <= slot_size` (checked) and the payload of a slot
             // holds `slot_size` bytes inside the mapping. The slot is free
             // (wait_slot): every expected reader has released the message
@@ -542,7 +545,7 @@ mod shell {
             // Cancellers stop touching the mapping before it goes.
             self.cancel.detach();
             // Readers drain what was sent, then see `closed`.
-            self.core.shm().close();
+            self.core.chan().close();
             tracing::debug!(
                 name = self.seg.name(),
                 sent = self.core.sent(),

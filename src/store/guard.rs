@@ -4,8 +4,8 @@ use std::ops::Deref;
 
 use super::handle::ObjectHandle;
 use super::reader::StoreReader;
+use crate::atomics::SlotPtr;
 use crate::layout::ObjectKind;
-use crate::shm::SlotPtr;
 
 /// A zero-copy view of an object in the ring. Dropping it acknowledges the
 /// read; while it lives the slot cannot be reused. Guards are not limited

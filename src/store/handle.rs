@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::geometry::validate_header;
+use crate::geometry::validate_store;
 use crate::layout;
 use crate::sys::segment::Segment;
 
@@ -40,7 +40,7 @@ impl StoreHandle {
     /// The handle of the live segment `name`, read from its validated header.
     pub fn of(name: &str) -> Result<StoreHandle> {
         let seg = Segment::open_read_only(name)?;
-        let geo = validate_header(&seg, name)?;
+        let geo = validate_store(&seg, name)?;
         Ok(StoreHandle {
             name: seg.name().to_owned(),
             nonce: geo.header().read().nonce,

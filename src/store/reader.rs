@@ -8,19 +8,19 @@ use super::guard::ReadGuard;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::mapping::Mapping;
 use super::signature;
+use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
-use crate::geometry::{validate_header, Geometry};
+use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, reader_state, ObjectKind};
-use crate::shm::{copy_racy, ReaderPtr, SlotPtr};
 use crate::sys::clock;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
 
 /// Opens and validates a segment against the expectations of a handle.
-fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry)> {
+fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeometry)> {
     let seg = Segment::open(&sh.name, prefault)?;
-    let geo = validate_header(&seg, &sh.name)?;
+    let geo = validate_store(&seg, &sh.name)?;
     let bad = |field, want: u64, got: u64| Error::BadHeader {
         name: sh.name.clone(),
         field,
@@ -63,7 +63,7 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, Geometry
 /// a process attaches its own, as each takes one of `n_readers` slots).
 #[derive(Debug)]
 pub struct StoreReader {
-    geo: Geometry,
+    geo: StoreGeometry,
     index: u32,
     me: ReaderPtr,
     counted_from: u64,
@@ -201,17 +201,17 @@ impl StoreReader {
         // parent's.
         self.check_owner()?;
         let slot = self.slot(h)?;
-        self.me.set_hazard(0, h.monotonic_id);
+        self.me.set_hazard(h.monotonic_id);
         let checked = self
             .validate_slot(h, &slot, slot.id_acquire())
             .and_then(|v| self.check_entry().map(|()| v));
         if checked.is_ok() {
-            // The hazard keeps the slot valid under this write (shm's
-            // protocol); the hold keeps it once the hazard is cleared.
+            // The hazard keeps the slot valid under this write (the hold
+            // protocol of crate::atomics); the hold keeps it once the hazard is cleared.
             slot.hold(self.index, self.generation());
             self.outstanding.set(self.outstanding.get() + 1);
         }
-        self.me.clear_hazard(0);
+        self.me.clear_hazard();
         let Valid {
             data, len, kind, ..
         } = checked?;
@@ -453,11 +453,11 @@ impl StoreReader {
     fn ack_read(&self, h: ObjectHandle) -> Result<()> {
         self.check_attached()?;
         let slot = self.slot(h)?;
-        self.me.set_hazard(0, h.monotonic_id);
+        self.me.set_hazard(h.monotonic_id);
         let r = self
             .validate_slot(h, &slot, slot.id_acquire())
             .map(|_| self.ack_held(&slot, h));
-        self.me.clear_hazard(0);
+        self.me.clear_hazard();
         r
     }
 
@@ -496,7 +496,7 @@ impl Drop for StoreReader {
             return;
         }
         // No guard can be alive (they borrow self): leave the table.
-        self.me.clear_all_hazards();
+        self.me.clear_hazard();
         let left = reader_state::word(reader_state::generation(self.word), reader_state::LEFT);
         self.me.transition(self.word, left);
         self.map.seg().unlock(liveness::reader_slot(self.index));
@@ -525,12 +525,12 @@ struct CopyStart {
 
 /// Takes reader entry `i`, whose lock the caller holds: no live reader can
 /// have it. Returns our state word and the first id we are counted for.
-fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
-    use reader_state::{generation, state, word, ATTACHED, ATTACHING, VACANT};
+fn claim(geo: &StoreGeometry, i: u32) -> (u64, u64) {
+    use reader_state::{next_generation, state, word, ATTACHED, ATTACHING, VACANT};
     let r = geo.reader(i);
     loop {
         let w = r.word();
-        let next = generation(w).wrapping_add(1);
+        let next = next_generation(w);
         if state(w) == VACANT {
             // Never attached: counted from the start, since the writer has
             // been waiting for it.
@@ -542,7 +542,7 @@ fn claim(geo: &Geometry, i: u32) -> (u64, u64) {
         } else if r.transition(w, word(next, ATTACHING)) {
             // Left, dead, or corrupt: not counted while attaching; counted
             // from the next put so nothing of the last holder is inherited.
-            r.clear_all_hazards();
+            r.clear_hazard();
             let from = geo.header().next_id();
             r.set_counted_from(from);
             r.set_attached_ns(clock::monotonic_ns());

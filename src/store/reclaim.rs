@@ -5,11 +5,11 @@
 use super::config::Eviction;
 use super::stats::StoreStats;
 use super::writer::{Entry, Keys};
+use crate::atomics::SlotPtr;
 use crate::error::{Blocker, Error, Result};
-use crate::geometry::Geometry;
+use crate::geometry::StoreGeometry;
 use crate::layout::reader_state;
 use crate::ring::{Plan, Ring, Span, SpanId};
-use crate::shm::SlotPtr;
 use crate::sys::clock;
 use crate::sys::liveness;
 use crate::sys::segment::{Backing, Segment};
@@ -21,7 +21,7 @@ const REPLANS: usize = 8;
 /// The read-only half of reclamation: whether an object may go. Borrows
 /// only the geometry, so the allocator can be walked mutably beside it.
 pub(super) struct Judge<'a> {
-    pub(super) geo: &'a Geometry,
+    pub(super) geo: &'a StoreGeometry,
     pub(super) reader_timeout_ns: Option<u64>,
 }
 
@@ -65,11 +65,12 @@ impl Judge<'_> {
 
     /// Whether reader `i`, whose state word is `word`, has a hazard or a
     /// hold on object `id` in `slot`. After `invalidate`, the writer's half
-    /// of the hold protocol (see crate::shm); before it, a hint that may
+    /// of the hold protocol (see crate::atomics); before it, a hint that may
     /// miss a hold being taken.
     fn holds(&self, i: u32, word: u64, id: u64, slot: SlotPtr) -> bool {
         reader_state::state(word) != reader_state::LEFT
-            && (self.geo.reader(i).holds(id) || slot.held_by(i, reader_state::generation(word)))
+            && (self.geo.reader(i).has_hazard_on(id)
+                || slot.held_by(i, reader_state::generation(word)))
     }
 
     /// Whether reader `i` is past the stuck-reader timeout.
@@ -153,7 +154,7 @@ impl Judge<'_> {
         self.may_go(span.pos, e, e.held_seen.get())
     }
 
-    /// The reclaim protocol of crate::shm: on success the slot is invalid
+    /// The reclaim protocol of crate::atomics: on success the slot is invalid
     /// and no reader can be inside it. `owed_checked`: [`Judge::may_go`]
     /// just found no read owed, and reads owed only decrease while the
     /// writer does not add references (it does not, inside one call).
@@ -214,7 +215,7 @@ pub(super) enum NoRoom {
 /// writer's, and are handed in where reclamation needs them.
 #[derive(Debug)]
 pub(super) struct Space {
-    pub(super) geo: Geometry,
+    pub(super) geo: StoreGeometry,
     pub(super) ring: Ring<Entry>,
     /// Which pages of a sparse segment are backed (all, if reserved).
     pub(super) backing: Backing,
@@ -225,7 +226,7 @@ pub(super) struct Space {
 
 impl Space {
     pub(super) fn new(
-        geo: Geometry,
+        geo: StoreGeometry,
         ring: Ring<Entry>,
         backing: Backing,
         eviction: Eviction,

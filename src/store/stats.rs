@@ -7,7 +7,7 @@ use crate::error::Blocker;
 pub struct StoreStats {
     /// Successful puts.
     pub puts: u64,
-    /// `get_cached` / `touch` hits.
+    /// `get_cached` / `add_reference` hits.
     pub hits: u64,
     /// Objects reclaimed.
     pub evictions: u64,

@@ -94,8 +94,9 @@ impl<'r> ReadGuard<'r> {
     unsafe fn bytes_for_guard_life(&self) -> &'r [u8] {
         // SAFETY: the bytes live in the mapping, not in the guard, so moving
         // the guard does not move them; they stay valid and unwritten while
-        // the guard lives (its hazard holds the slot), which the caller
-        // promises outlasts every use of the slice.
+        // the guard lives (the guard is one count in its reader's hold word
+        // of the slot, and the writer reuses no slot with a live hold),
+        // which the caller promises outlasts every use of the slice.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 }

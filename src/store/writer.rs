@@ -7,12 +7,12 @@ use super::config::StoreConfig;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::stats::StoreStats;
 use crate::error::{Error, Result};
-use crate::geometry::{validate_header, Geometry};
+use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
 use super::reclaim::{NoRoom, Space};
-use crate::shm::SlotPtr;
+use crate::atomics::SlotPtr;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::{self, Backing, Segment};
@@ -152,7 +152,7 @@ impl ObjectStore {
             cfg.reserve,
             cfg.name.is_some(),
             |old| {
-                validate_header(old, &name)
+                validate_store(old, &name)
                     .map(|geo| format!(" (pid {})", geo.header().writer_pid()))
                     .map_err(|e| format!("a usable pinshm segment ({e})"))
             },
@@ -176,7 +176,7 @@ impl ObjectStore {
         } else {
             0
         };
-        let geo = Geometry::new(
+        let geo = StoreGeometry::new(
             seg.as_ptr(),
             cfg.n_readers,
             cfg.capacity as u64,
@@ -195,7 +195,7 @@ impl ObjectStore {
             max_object_size: cfg.max_object_size as u64,
             nonce,
             slot_prefix_len: layout::slot_prefix_len(cfg.n_readers) as u32,
-            hazards_per_reader: layout::HAZARDS_PER_READER as u32,
+            reserved1: 0,
             reader_entry_len: size_of::<layout::ReaderEntry>() as u32,
             writer_pid: std::process::id(),
             reserved0: 0,

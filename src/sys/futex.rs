@@ -5,7 +5,7 @@
 //! shared file mapping), so a waiter and a waker in different processes
 //! that map the same segment at different addresses meet. Callers keep the
 //! "nobody sleeps, no syscall" fast path themselves (the word is an event
-//! count whose low bits count the sleepers), see `crate::channel::shm`.
+//! count whose low bits count the sleepers), see `crate::channel::atomics`.
 
 // In loom builds the channel's futex is modelled, so this goes unused.
 #![cfg_attr(loom, allow(dead_code))]

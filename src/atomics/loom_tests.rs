@@ -7,13 +7,13 @@
 //! reader's those of `StoreReader::get` and `ReadGuard::drop`. The payload is a loom cell, so loom also reports any
 //! unsynchronised access to it.
 //!
-//! `RUSTFLAGS="--cfg loom" cargo test --release --lib shm::loom_tests`
+//! `RUSTFLAGS="--cfg loom" cargo test --release --lib atomics::loom_tests`
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 use loom::thread;
 
-use super::atomic::table;
+use super::word::table;
 use super::{ReaderPtr, SlotPtr};
 
 const OLD: u64 = 1;
@@ -57,7 +57,7 @@ impl World {
         // Make every word's loom atomic here, before any thread starts: a
         // word made lazily by one thread and used by another would be an
         // unsynchronised initialisation to loom.
-        let _ = me.holds(OLD);
+        let _ = me.has_hazard_on(OLD);
         let _ = slot.held_by(0, GEN);
         Arc::new(World {
             slot,
@@ -73,7 +73,7 @@ impl World {
             return false; // the reader owes a read
         }
         let tag = self.slot.invalidate();
-        if self.me.holds(OLD) || self.slot.held_by(0, GEN) {
+        if self.me.has_hazard_on(OLD) || self.slot.held_by(0, GEN) {
             self.slot.restore(OLD, tag);
             return false;
         }
@@ -87,12 +87,12 @@ impl World {
     /// get: the hazard, the check, the hold, the hazard cleared; whether
     /// the guard was taken.
     fn reader_get(&self) -> bool {
-        self.me.set_hazard(0, OLD);
+        self.me.set_hazard(OLD);
         let ok = self.slot.id_acquire() == OLD;
         if ok {
             self.slot.hold(0, GEN);
         }
-        self.me.clear_hazard(0);
+        self.me.clear_hazard();
         ok
     }
 
@@ -150,7 +150,7 @@ fn a_guarded_slot_is_never_reused_under_the_reader() {
 /// reused under the live guard. Loom does not produce that outcome (this
 /// model passed with the Relaxed store too), so the model checks the
 /// protocol's other interleavings of two gets; the ordering itself is
-/// argued in the table of `shm/mod.rs`.
+/// argued in the table of `atomics/mod.rs`.
 #[test]
 fn a_second_get_does_not_hide_the_first_guards_hold() {
     loom::model(|| {
@@ -164,9 +164,9 @@ fn a_second_get_does_not_hide_the_first_guards_hold() {
                 // The second get names another object, so it fails its
                 // check and takes no hold; its hazard is what the writer
                 // may read.
-                w.me.set_hazard(0, NEW + 7);
+                w.me.set_hazard(NEW + 7);
                 let _ = w.slot.id_acquire();
-                w.me.clear_hazard(0);
+                w.me.clear_hazard();
                 Some(w.reader_read_and_drop())
             })
         };
@@ -223,7 +223,8 @@ fn a_dead_holders_word_does_not_hold_the_slot() {
 fn a_reader_that_already_acknowledged_is_still_protected_by_its_guard() {
     loom::model(|| {
         let w = World::published();
-        // The read was counted earlier (touch): only the hazard protects.
+        // The read was counted earlier (`acknowledge`): only the hazard
+        // protects.
         assert!(w.slot.acknowledge(0));
         let r = {
             let w = w.clone();

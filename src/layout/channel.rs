@@ -10,8 +10,14 @@
 //!   +64           payload, `slot_size` bytes rounded up to 64
 //! ```
 //!
+//! It begins with the [`Preamble`](super::Preamble) every segment
+//! begins with, and its reader entries use the store's state word
+//! ([`super::reader_state`]); the rest is its own: fixed slots with
+//! sequence numbers, per-reader release marks and futex words, where the
+//! store has an allocator's data region, hold words and a hazard.
+//!
 //! Every field that changes while the channel is live is reached through an
-//! atomic in [`super::shm`], which chooses every ordering; these `Pod`
+//! atomic in `crate::channel::atomics`, which chooses every ordering; these `Pod`
 //! structs are written whole by the creator (before the magic is stamped)
 //! and copied out and validated whole by an opener before a single number
 //! is trusted. Any change bumps [`VERSION`]; `channel_layout_is_pinned`
@@ -25,38 +31,11 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"PINBCST\x01");
 pub const VERSION: u32 = 1;
 /// Cache line, and the alignment of every slot and payload.
 pub const LINE: usize = 64;
-/// Most readers one channel serves.
-pub const MAX_READERS: u32 = 64;
+pub use super::{round_up, MAX_READERS};
 /// Most slots one channel has.
 pub const MAX_SLOTS: u32 = 1 << 24;
 /// Largest slot payload.
 pub const MAX_SLOT_SIZE: u32 = 1 << 30;
-
-/// Reader entry states: the low 8 bits of `ReaderEntry::state`; the bits
-/// above are the entry's attach generation, bumped by every attach, so a
-/// compare-and-swap on the whole word fails against a newer attach.
-pub mod reader_state {
-    /// Never attached: expected (the writer keeps every message for it).
-    pub const VACANT: u64 = 0;
-    /// A process is taking the entry over: not expected yet.
-    pub const ATTACHING: u64 = 1;
-    /// A live reader: expected.
-    pub const ATTACHED: u64 = 2;
-    /// Detached or found dead: not expected.
-    pub const LEFT: u64 = 3;
-    /// The state of a word.
-    pub const fn of(word: u64) -> u64 {
-        word & 0xff
-    }
-    /// The generation of a word.
-    pub const fn generation(word: u64) -> u64 {
-        word >> 8
-    }
-    /// A word from a generation and a state.
-    pub const fn word(generation: u64, state: u64) -> u64 {
-        (generation << 8) | state
-    }
-}
 
 /// The first 256 bytes of a channel segment.
 #[repr(C)]
@@ -109,7 +88,8 @@ pub struct ChannelHeader {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct ReaderEntry {
-    /// Atomic. Generation and [`reader_state`].
+    /// Atomic. Generation and state ([`crate::layout::reader_state`], as
+    /// the store's reader table).
     pub state: u64,
     /// Atomic. Messages released: every sequence number below is done with.
     pub released: u64,
@@ -153,11 +133,6 @@ pub fn total_len(n_readers: u32, slots: u32, slot_size: u32) -> Option<usize> {
         .checked_add(header_len(n_readers))
 }
 
-/// `x` rounded up to a multiple of `to` (a power of two).
-pub const fn round_up(x: usize, to: usize) -> usize {
-    (x + to - 1) & !(to - 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +145,10 @@ mod tests {
             "changing the layout? bump VERSION and this test"
         );
         assert_eq!(size_of::<ChannelHeader>(), 256);
+        // The preamble every segment begins with (validated the same way).
+        assert_eq!(offset_of!(ChannelHeader, magic), 0);
+        assert_eq!(offset_of!(ChannelHeader, version), 8);
+        assert_eq!(offset_of!(ChannelHeader, n_readers), 12);
         assert_eq!(offset_of!(ChannelHeader, nonce), 48);
         assert_eq!(offset_of!(ChannelHeader, spin_ns), 56);
         assert_eq!(offset_of!(ChannelHeader, write_seq), 64);
@@ -188,13 +167,5 @@ mod tests {
         assert_eq!(slot_stride(64), 128);
         assert_eq!(slot_stride(65), 192);
         assert_eq!(total_len(1, 4, 64), Some(320 + 4 * 128));
-    }
-
-    #[test]
-    fn state_words_carry_a_generation() {
-        use reader_state::*;
-        let w = word(7, ATTACHED);
-        assert_eq!((generation(w), of(w)), (7, ATTACHED));
-        assert_ne!(word(7, ATTACHED), word(8, ATTACHED));
     }
 }

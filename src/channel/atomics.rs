@@ -56,23 +56,21 @@
 //! touches the word and bumps the generation, so either the writer's
 //! liveness check sees the new holder or its CAS fails.
 //!
-//! In `cfg(loom)` builds the same code runs over a heap table of loom
-//! atomics, and the futex is modelled with a loom mutex and condvar (the
-//! kernel's value check and queueing are atomic with respect to wakes, as
-//! the mutex makes them); `tests/loom_channel.rs` drives the real writer and
-//! reader cores through it.
+//! Loom runs this code as it ships, exactly as it runs the store's: in
+//! `cfg(loom)` builds the atomics and the futex of [`crate::atomics`] are
+//! loom's (a side table keyed by address, a loom mutex and condvar per
+//! futex word), and `tests/loom_channel.rs` drives the real writer and
+//! reader cores over heap memory laid out as a channel segment
+//! ([`ChannelPtr::heap`]).
 
-#[cfg(loom)]
-use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-#[cfg(not(loom))]
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::mem::offset_of;
 use std::time::Duration;
 
-use super::layout::reader_state;
-#[cfg(not(loom))]
 use super::layout::{self, ChannelHeader, ReaderEntry, SlotHeader};
-#[cfg(not(loom))]
-use std::mem::offset_of;
+use crate::atomics::word::{fence, futex_wait, futex_wake, AtomicBool, AtomicU32, AtomicU64};
+use crate::atomics::word::{Ordering, Word};
+use crate::geometry::ChannelGeometry;
+use crate::layout::reader_state;
 
 /// Low bits of an event count: sleepers announced in the current epoch.
 const WAITERS: u32 = 0xff;
@@ -104,41 +102,26 @@ impl Default for CancelFlag {
     }
 }
 
-/// Process-local, validated bounds of a channel (never re-read from shm).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Geometry {
-    /// Reader entries.
-    pub n_readers: u32,
-    /// Message slots.
-    pub slots: u32,
-    /// Largest message.
-    pub slot_size: u32,
-}
-
-/// The channel's shared words. Cheap to clone; in normal builds a pointer
-/// into a mapping plus the geometry, in loom builds a shared heap table.
+/// The channel's shared words: a pointer into a mapping plus the
+/// validated geometry. Cheap to clone.
 #[derive(Clone, Debug)]
-pub struct Shm {
-    geo: Geometry,
-    #[cfg(not(loom))]
+pub struct ChannelPtr {
+    geo: ChannelGeometry,
     base: *mut u8,
-    #[cfg(loom)]
-    heap: std::sync::Arc<heap::Table>,
 }
 
 // ---------------------------------------------------------------------------
-// The primitive accessors: the only part that differs between the backends.
+// The accessors: every word at its offset of the layout.
 // ---------------------------------------------------------------------------
 
-#[cfg(not(loom))]
-impl Shm {
+impl ChannelPtr {
     /// # Safety
     /// 1. `base` is 64-byte aligned and `layout::total_len(geo..)` bytes from
     ///    it are mapped, shared, readable and writable, and stay so while
-    ///    this `Shm` or any clone of it is used.
+    ///    this `ChannelPtr` or any clone of it is used.
     /// 2. `geo` was validated against that length.
-    pub unsafe fn new(base: *mut u8, geo: Geometry) -> Shm {
-        Shm { geo, base }
+    pub unsafe fn new(base: *mut u8, geo: ChannelGeometry) -> ChannelPtr {
+        ChannelPtr { geo, base }
     }
 
     /// The atomic at byte `off`.
@@ -146,11 +129,11 @@ impl Shm {
     /// # Safety
     /// `off` is aligned for `A` and `off + size_of::<A>()` lies within the
     /// mapping (`new`'s contract gives the rest).
-    unsafe fn at<A>(&self, off: usize) -> &A {
+    unsafe fn at<A: Word>(&self, off: usize) -> &A {
         // SAFETY: the caller's contract plus `new`'s: aligned, in bounds,
-        // alive as long as `self`; atomics accept any bit pattern, and all
-        // access to these words goes through atomics.
-        unsafe { &*(self.base.add(off) as *const A) }
+        // alive as long as `self`; all access to these words goes through
+        // atomics.
+        unsafe { crate::atomics::field(self.base, off) }
     }
 
     fn h32(&self, off: usize) -> &AtomicU32 {
@@ -184,6 +167,11 @@ impl Shm {
     fn released(&self, i: u32) -> &AtomicU64 {
         self.entry(i, offset_of!(ReaderEntry, released))
     }
+    fn pid_word(&self, i: u32) -> &AtomicU32 {
+        assert!(i < self.geo.n_readers, "reader index within the geometry");
+        // SAFETY: the 4-aligned pid field of entry `i`, inside the header.
+        unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) }
+    }
     /// Byte offset of slot `idx` (its header) in the segment.
     pub fn slot_offset(&self, idx: u32) -> usize {
         assert!(idx < self.geo.slots, "slot index within the geometry");
@@ -208,199 +196,55 @@ impl Shm {
 
     /// Records reader `i`'s pid (informational).
     pub fn set_pid(&self, i: u32, pid: u32) {
-        assert!(i < self.geo.n_readers);
-        // SAFETY: the 4-aligned pid field of entry `i`.
-        let w: &AtomicU32 =
-            unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) };
-        w.store(pid, Ordering::Relaxed);
+        self.pid_word(i).store(pid, Ordering::Relaxed);
     }
 
     /// Reader `i`'s recorded pid.
     pub fn pid(&self, i: u32) -> u32 {
-        assert!(i < self.geo.n_readers);
-        // SAFETY: as `set_pid`.
-        let w: &AtomicU32 =
-            unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) };
-        w.load(Ordering::Relaxed)
-    }
-
-    fn futex_wait(&self, word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-        crate::sys::futex::wait(word, expected, timeout);
-    }
-    fn futex_wake(&self, word: &AtomicU32, n: i32) {
-        crate::sys::futex::wake(word, n);
+        self.pid_word(i).load(Ordering::Relaxed)
     }
 }
 
-/// Writes a fresh header whole, then stamps its magic last (Release).
-///
-/// # Safety
-/// `base` is page aligned, 256 writable bytes from it are mapped, and no
-/// other process trusts them yet (the magic is not stamped).
-#[cfg(not(loom))]
-pub unsafe fn init_header(base: *mut u8, header: &ChannelHeader) {
-    let mut h = *header;
-    h.magic = 0;
-    // SAFETY: the caller's contract: aligned, mapped, not yet shared.
-    unsafe { std::ptr::write_volatile(base as *mut ChannelHeader, h) };
-    // SAFETY: as above; the magic is an aligned u64 at offset 0.
-    let magic: &AtomicU64 = unsafe { &*(base as *const AtomicU64) };
-    // Release: an opener that sees the magic (Acquire) sees the header.
-    magic.store(header.magic, Ordering::Release);
-}
-
-/// The magic (Acquire: pairs with [`init_header`]'s stamp).
-///
-/// # Safety
-/// `base` is 8-aligned and 8 bytes from it are mapped.
-#[cfg(not(loom))]
-pub unsafe fn magic(base: *mut u8) -> u64 {
-    // SAFETY: the caller's contract; any bits are a valid u64.
-    let magic: &AtomicU64 = unsafe { &*(base as *const AtomicU64) };
-    magic.load(Ordering::Acquire)
-}
-
-/// A copy of the whole header, for validation (the live words in it may
-/// be mid-update; only the immutable ones are used, after checks).
-///
-/// # Safety
-/// `base` is 8-aligned and 256 bytes from it are mapped.
-#[cfg(not(loom))]
-pub unsafe fn read_header(base: *mut u8) -> ChannelHeader {
-    // SAFETY: the caller's contract; ChannelHeader is Pod, so any bytes
-    // are a valid value.
-    unsafe { std::ptr::read_volatile(base as *const ChannelHeader) }
-}
-
+/// The loom models' entry: a zeroed channel (as a fresh segment is) on heap
+/// memory of the table in [`crate::atomics::word`], and its payloads as
+/// loom cells, so that loom reports a slot rewritten under a reader.
 #[cfg(loom)]
-mod heap {
-    use loom::cell::UnsafeCell;
-    use loom::sync::atomic::{AtomicU32, AtomicU64};
-    use loom::sync::{Condvar, Mutex};
-
-    pub struct Futex {
-        pub lock: Mutex<()>,
-        pub cond: Condvar,
-    }
-    pub struct Entry {
-        pub state: AtomicU64,
-        pub released: AtomicU64,
-    }
-    pub struct Slot {
-        pub seq: AtomicU64,
-        pub len: AtomicU64,
-        pub payload: UnsafeCell<u64>,
-    }
-    pub struct Table {
-        pub write_seq: AtomicU64,
-        pub closed: AtomicU32,
-        pub msg_event: AtomicU32,
-        pub slot_event: AtomicU32,
-        pub msg_kernel: Futex,
-        pub slot_kernel: Futex,
-        pub entries: Vec<Entry>,
-        pub slots: Vec<Slot>,
-    }
-    impl std::fmt::Debug for Table {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("Table")
+impl ChannelPtr {
+    /// A fresh channel of `geo` for this loom execution (call after the
+    /// table's reset, before any model thread starts).
+    pub fn heap(geo: ChannelGeometry) -> ChannelPtr {
+        use crate::atomics::word::table;
+        let len =
+            layout::total_len(geo.n_readers, geo.slots, geo.slot_size).expect("a small geometry");
+        // SAFETY: `mapping` gives `len` zeroed, page-aligned bytes that live
+        // until the next reset, which comes after this execution ends.
+        let chan = unsafe { ChannelPtr::new(table::mapping(len), geo) };
+        // Every loom object made here, before any thread starts: an object
+        // made lazily by one thread and used by another would be an
+        // unsynchronised initialisation to loom.
+        let _ = (chan.write_seq(), chan.closed());
+        let _ = table::futex(chan.msg_event());
+        let _ = table::futex(chan.slot_event());
+        for i in 0..geo.n_readers {
+            let _ = (chan.state(i), chan.released(i), chan.pid_word(i));
         }
-    }
-}
-
-#[cfg(loom)]
-impl Shm {
-    /// A zeroed channel on the heap (as a fresh segment is).
-    pub fn heap(geo: Geometry) -> Shm {
-        use heap::*;
-        let futex = || Futex {
-            lock: loom::sync::Mutex::new(()),
-            cond: loom::sync::Condvar::new(),
-        };
-        Shm {
-            geo,
-            heap: std::sync::Arc::new(Table {
-                write_seq: AtomicU64::new(0),
-                closed: AtomicU32::new(0),
-                msg_event: AtomicU32::new(0),
-                slot_event: AtomicU32::new(0),
-                msg_kernel: futex(),
-                slot_kernel: futex(),
-                entries: (0..geo.n_readers)
-                    .map(|_| Entry {
-                        state: AtomicU64::new(0),
-                        released: AtomicU64::new(0),
-                    })
-                    .collect(),
-                slots: (0..geo.slots)
-                    .map(|_| Slot {
-                        seq: AtomicU64::new(0),
-                        len: AtomicU64::new(0),
-                        payload: loom::cell::UnsafeCell::new(0),
-                    })
-                    .collect(),
-            }),
+        for idx in 0..geo.slots {
+            let _ = (chan.slot_seq(idx), chan.slot_len(idx));
+            let _ = table::cell(chan.payload(idx));
         }
+        chan
     }
-    fn write_seq(&self) -> &AtomicU64 {
-        &self.heap.write_seq
-    }
-    fn closed(&self) -> &AtomicU32 {
-        &self.heap.closed
-    }
-    fn msg_event(&self) -> &AtomicU32 {
-        &self.heap.msg_event
-    }
-    fn slot_event(&self) -> &AtomicU32 {
-        &self.heap.slot_event
-    }
-    fn state(&self, i: u32) -> &AtomicU64 {
-        &self.heap.entries[i as usize].state
-    }
-    fn released(&self, i: u32) -> &AtomicU64 {
-        &self.heap.entries[i as usize].released
-    }
-    fn slot_seq(&self, idx: u32) -> &AtomicU64 {
-        &self.heap.slots[idx as usize].seq
-    }
-    fn slot_len(&self, idx: u32) -> &AtomicU64 {
-        &self.heap.slots[idx as usize].len
-    }
+
     /// Writes slot `idx`'s payload (loom checks it races with no read).
     pub fn write_payload(&self, idx: u32, v: u64) {
         // SAFETY: loom's cell checks the access; nothing else aliases it.
-        self.heap.slots[idx as usize]
-            .payload
-            .with_mut(|p| unsafe { *p = v });
+        crate::atomics::word::table::cell(self.payload(idx)).with_mut(|p| unsafe { *p = v });
     }
+
     /// Reads slot `idx`'s payload (loom checks it races with no write).
     pub fn read_payload(&self, idx: u32) -> u64 {
         // SAFETY: as `write_payload`.
-        self.heap.slots[idx as usize]
-            .payload
-            .with(|p| unsafe { *p })
-    }
-    fn kernel(&self, word: &AtomicU32) -> &heap::Futex {
-        if std::ptr::eq(word, &self.heap.msg_event) {
-            &self.heap.msg_kernel
-        } else {
-            &self.heap.slot_kernel
-        }
-    }
-    /// FUTEX_WAIT: compare and queue atomically (under the bucket lock);
-    /// timeouts are ignored, so a lost wake-up is a deadlock loom reports.
-    fn futex_wait(&self, word: &AtomicU32, expected: u32, _timeout: Option<Duration>) {
-        let k = self.kernel(word);
-        let g = k.lock.lock().unwrap();
-        if word.load(Ordering::Relaxed) == expected {
-            drop(k.cond.wait(g).unwrap());
-        }
-    }
-    /// FUTEX_WAKE: every sleeper (a superset of `n`; wakes are re-checked).
-    fn futex_wake(&self, word: &AtomicU32, _n: i32) {
-        let k = self.kernel(word);
-        let _g = k.lock.lock().unwrap();
-        k.cond.notify_all();
+        crate::atomics::word::table::cell(self.payload(idx)).with(|p| unsafe { *p })
     }
 }
 
@@ -408,16 +252,16 @@ impl Shm {
 // The protocol steps, written once over the accessors above.
 // ---------------------------------------------------------------------------
 
-impl Shm {
+impl ChannelPtr {
     /// The process-local geometry.
-    pub fn geometry(&self) -> Geometry {
+    pub fn geometry(&self) -> ChannelGeometry {
         self.geo
     }
 
     // ---- writer ----
 
     /// Stamps slot `idx` with message `seq` of `len` bytes (the payload is
-    /// written already); published by [`Shm::publish`].
+    /// written already); published by [`ChannelPtr::publish`].
     pub fn stamp_slot(&self, idx: u32, seq: u64, len: u64) {
         self.slot_len(idx).store(len, Ordering::Relaxed);
         self.slot_seq(idx).store(seq, Ordering::Relaxed);
@@ -458,7 +302,7 @@ impl Shm {
 
     /// Announces a sleeper on `word`, then the SeqCst fence after which the
     /// caller re-checks its condition. Returns the registration (the word
-    /// with it counted), for [`Shm::sleep_on`] and [`Shm::withdraw`].
+    /// with it counted), for [`ChannelPtr::sleep_on`] and [`ChannelPtr::withdraw`].
     fn announce(&self, word: &AtomicU32) -> u32 {
         let reg = word.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
         fence(Ordering::SeqCst);
@@ -472,7 +316,7 @@ impl Shm {
     fn sleep_on(&self, word: &AtomicU32, reg: u32, timeout: Option<Duration>) {
         let cur = word.load(Ordering::Acquire);
         if cur & !WAITERS == reg & !WAITERS {
-            self.futex_wait(word, cur, timeout);
+            futex_wait(word, cur, timeout);
         }
     }
 
@@ -498,7 +342,7 @@ impl Shm {
             let next = (cur & !WAITERS).wrapping_add(WAITERS + 1);
             match word.compare_exchange(cur, next, Ordering::Release, Ordering::Relaxed) {
                 Ok(_) => {
-                    self.futex_wake(word, n);
+                    futex_wake(word, n);
                     return;
                 }
                 Err(c) => cur = c,
@@ -513,7 +357,7 @@ impl Shm {
         fence(Ordering::SeqCst);
     }
 
-    /// Reader `i`'s state word (Acquire; after [`Shm::scan_fence`]).
+    /// Reader `i`'s state word (Acquire; after [`ChannelPtr::scan_fence`]).
     pub fn state_word(&self, i: u32) -> u64 {
         self.state(i).load(Ordering::Acquire)
     }
@@ -535,7 +379,7 @@ impl Shm {
 
     /// Announces the writer as a sleeper on `slot_event`; returns its
     /// registration. The caller re-checks its condition before
-    /// [`Shm::writer_sleep`].
+    /// [`ChannelPtr::writer_sleep`].
     pub fn writer_announce(&self) -> u32 {
         self.announce(self.slot_event())
     }
@@ -552,12 +396,12 @@ impl Shm {
 
     // ---- reader ----
 
-    /// Messages published (Acquire: pairs with [`Shm::publish`]).
+    /// Messages published (Acquire: pairs with [`ChannelPtr::publish`]).
     pub fn published(&self) -> u64 {
         self.write_seq().load(Ordering::Acquire)
     }
 
-    /// Slot `idx`'s sequence number and length (after [`Shm::published`]).
+    /// Slot `idx`'s sequence number and length (after [`ChannelPtr::published`]).
     pub fn slot_meta(&self, idx: u32) -> (u64, u64) {
         (
             self.slot_seq(idx).load(Ordering::Relaxed),
@@ -584,7 +428,7 @@ impl Shm {
     }
 
     /// Announces a sleeping reader on `msg_event`; returns its
-    /// registration. The caller re-checks before [`Shm::reader_sleep`].
+    /// registration. The caller re-checks before [`ChannelPtr::reader_sleep`].
     pub fn reader_announce(&self) -> u32 {
         self.announce(self.msg_event())
     }
@@ -604,8 +448,8 @@ impl Shm {
     pub fn claim(&self, i: u32) -> (u64, u64) {
         let mut word = self.state(i).load(Ordering::Acquire);
         loop {
-            let gen = reader_state::generation(word).wrapping_add(1) & (u64::MAX >> 8);
-            if reader_state::of(word) == reader_state::VACANT {
+            let gen = reader_state::next_generation(word);
+            if reader_state::state(word) == reader_state::VACANT {
                 // Expected since create: nothing it is owed was overwritten.
                 let attached = reader_state::word(gen, reader_state::ATTACHED);
                 match self.state(i).compare_exchange(

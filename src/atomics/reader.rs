@@ -1,13 +1,10 @@
 //! One reader's entry of the reader table: state, owner, hazard word.
 
-use super::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use super::word::{fence, AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
 
 use super::field;
 use crate::layout::{self, ReaderEntry};
-
-/// Hazard words the writer scans.
-const SCANNED: usize = layout::HAZARDS_PER_READER;
 
 /// One reader's entry in the reader table.
 #[derive(Clone, Copy, Debug)]
@@ -37,8 +34,8 @@ impl ReaderPtr {
         unsafe { field(self.ptr, offset_of!(ReaderEntry, pid)) }
     }
 
-    fn hazard(&self, k: usize) -> &AtomicU64 {
-        self.u64_at(offset_of!(ReaderEntry, hazards) + 8 * k)
+    fn hazard(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(ReaderEntry, hazard))
     }
 
     /// The entry's state word, `reader_state::word(generation, state)`
@@ -129,8 +126,8 @@ impl ReaderPtr {
             .store(t, Ordering::Relaxed);
     }
 
-    /// Publishes a hazard on `id` in word `k`, then a SeqCst fence (the
-    /// Dekker pair of [`SlotPtr::invalidate`]'s fence).
+    /// Publishes the hazard on `id`, then a SeqCst fence (the Dekker pair
+    /// of [`SlotPtr::invalidate`](super::SlotPtr::invalidate)'s fence).
     ///
     /// The store is Release, not Relaxed: a writer whose hazard load
     /// (Acquire) reads this value, not the previous get's Release clear,
@@ -139,26 +136,18 @@ impl ReaderPtr {
     /// it visible before the hold, so the writer would synchronize with
     /// nothing and could reuse a held slot. Release costs nothing on x86
     /// (a plain `mov`) and an `stlr` on AArch64.
-    pub fn set_hazard(&self, k: usize, id: u64) {
-        debug_assert!(k < layout::HAZARDS_PER_READER);
-        self.hazard(k).store(id, Ordering::Release);
+    pub fn set_hazard(&self, id: u64) {
+        self.hazard().store(id, Ordering::Release);
         fence(Ordering::SeqCst);
     }
 
-    /// Clears hazard `k` (Release: the guard's reads happen before reuse).
-    pub fn clear_hazard(&self, k: usize) {
-        self.hazard(k).store(0, Ordering::Release);
+    /// Clears the hazard (Release: the guard's reads happen before reuse).
+    pub fn clear_hazard(&self) {
+        self.hazard().store(0, Ordering::Release);
     }
 
-    /// Clears every hazard (a reader taking over an entry).
-    pub fn clear_all_hazards(&self) {
-        for k in 0..layout::HAZARDS_PER_READER {
-            self.clear_hazard(k);
-        }
-    }
-
-    /// Whether any hazard names `id` (after the writer's `invalidate`).
-    pub fn holds(&self, id: u64) -> bool {
-        (0..SCANNED).any(|k| self.hazard(k).load(Ordering::Acquire) == id)
+    /// Whether the hazard names `id` (after the writer's `invalidate`).
+    pub fn has_hazard_on(&self, id: u64) -> bool {
+        self.hazard().load(Ordering::Acquire) == id
     }
 }

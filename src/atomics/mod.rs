@@ -1,17 +1,21 @@
 //! The atomics over a mapped store segment: [`SlotPtr`], [`ReaderPtr`],
 //! [`HeaderPtr`]. The only code that touches the atomics of a store
 //! segment; **every memory ordering of the store is chosen here**, next to
-//! the field it guards.
+//! the field it guards. Below both protocols: [`word`], the atomics and
+//! futex that the store and the channel (`crate::channel::atomics`) are
+//! written against, loom's under `--cfg loom`; [`field`], the one place a
+//! mapping's bytes become an atomic; and the header functions every segment
+//! is written, stamped and read back with.
 //!
 //!
 //! | field | written by | read by | protocol |
 //! |---|---|---|---|
-//! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazards` |
+//! | `SlotHeader::id` | writer: 0 (Relaxed + Release fence) before reuse, the new id (Release) to publish, 0 (Relaxed + SeqCst fence) to reclaim, old id (Release) to back off | readers: Acquire (optimistic copy; after the hazard's SeqCst fence) | seqlock publish / validate; Dekker pair with `hazard` |
 //! | `SlotHeader::tag` | writer: the keyed tag (Relaxed, before the id's Release) to publish, 0 (Relaxed, with the id's 0, before the SeqCst fence) to reclaim, the old tag (Relaxed, before the id's Release) to back off | readers: Relaxed after an id load (Acquire) at validation; Relaxed after the Acquire fence that ends an optimistic copy | with the id, the slot's identity: the id can be spelled by a newer object's payload over the freed header, the keyed tag cannot |
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release), while it holds the slot; in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `holds[i]` (generation and count in one word) | reader `i`: +1 (Relaxed CAS) only under its validated hazard, −1 (Release RMW) when a guard or view goes; writer: 0 at publish (no live holder exists then) | writer (Acquire) after the hazard scan | a count of reader `i`'s current generation keeps the slot; another generation's word is a dead holder's leftover |
-//! | `ReaderEntry::hazards[0]` | reader (Release + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken. Every store to the word is Release, so whichever one the writer's load reads (a clear, or a later get's hazard), every hold taken before it is visible |
+//! | `ReaderEntry::hazard` | reader (Release + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken. Every store to the word is Release, so whichever one the writer's load reads (a clear, or a later get's hazard), every hold taken before it is visible |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
 //! Reclaiming slot S (writer): check every counted reader's `reads[i] >= refs`
@@ -53,12 +57,12 @@
 //! bytes it likes. (`validate` re-checks the same two words, after the
 //! same fence.)
 
-pub(crate) mod atomic;
 mod header;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod reader;
 mod slot;
+pub(crate) mod word;
 
 pub(crate) use header::HeaderPtr;
 pub(crate) use reader::ReaderPtr;
@@ -70,9 +74,59 @@ pub(crate) use slot::SlotPtr;
 /// # Safety
 /// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
 /// live mapping, and that mapping outlives `'a`.
-pub(super) unsafe fn field<'a, A: atomic::Word>(base: *mut u8, off: usize) -> &'a A {
+pub(crate) unsafe fn field<'a, A: word::Word>(base: *mut u8, off: usize) -> &'a A {
     // SAFETY: the caller's contract, which is `Word::at`'s.
     unsafe { A::at(base.add(off)) }
+}
+
+// Every segment (store or channel) begins with `layout::Preamble`: its
+// magic, stamped last, then its version and reader count. One way to write,
+// stamp and read back a header, for both.
+
+/// Writes a fresh header whole, with its magic (the first 8 bytes) zero;
+/// [`stamp`] sets the magic last.
+///
+/// # Safety
+/// `base` is page aligned, `size_of::<H>()` writable bytes from it are
+/// mapped, and no other process trusts them yet (the magic is not stamped).
+pub(crate) unsafe fn init_header<H: bytemuck::Pod>(base: *mut u8, header: &H) {
+    let mut h = *header;
+    bytemuck::bytes_of_mut(&mut h)[..8].fill(0);
+    // SAFETY: the caller's contract: aligned, mapped, not yet shared.
+    unsafe { std::ptr::write_volatile(base as *mut H, h) };
+}
+
+/// Stamps `magic` at `base` (Release): an opener that sees it (Acquire,
+/// [`stamped_magic`]) sees the header [`init_header`] wrote.
+///
+/// # Safety
+/// `base` is 8-aligned and 8 bytes from it are mapped.
+pub(crate) unsafe fn stamp(base: *mut u8, magic: u64) {
+    // SAFETY: the caller's contract; the magic is the u64 at offset 0.
+    let w: &word::AtomicU64 = unsafe { field(base, 0) };
+    w.store(magic, word::Ordering::Release);
+}
+
+/// The magic at `base` (Acquire: pairs with [`stamp`]).
+///
+/// # Safety
+/// `base` is 8-aligned and 8 bytes from it are mapped.
+pub(crate) unsafe fn stamped_magic(base: *mut u8) -> u64 {
+    // SAFETY: as `stamp`.
+    let w: &word::AtomicU64 = unsafe { field(base, 0) };
+    w.load(word::Ordering::Acquire)
+}
+
+/// A copy of the whole header at `base`, for validation (its live words
+/// may be mid-update; callers trust only the fields nobody writes after the
+/// stamp, and check them first).
+///
+/// # Safety
+/// `base` is aligned for `H` and `size_of::<H>()` bytes from it are mapped.
+pub(crate) unsafe fn read_header<H: bytemuck::Pod>(base: *mut u8) -> H {
+    // SAFETY: the caller's contract; `H` is Pod, so any bytes are a valid
+    // value.
+    unsafe { std::ptr::read_volatile(base as *const H) }
 }
 
 /// Copies `len` bytes that a writer may be overwriting at the same time
@@ -189,22 +243,22 @@ mod tests {
         let reader = std::thread::spawn(move || {
             // SAFETY: as above; the boxes outlive the thread (joined below).
             let (slot, me) = unsafe { (SlotPtr::new({ sp }.0, 2), ReaderPtr::new({ rp }.0)) };
-            me.set_hazard(0, 7);
+            me.set_hazard(7);
             let ok = slot.id_acquire() == 7;
             if ok {
                 slot.hold(1, 5);
-                me.clear_hazard(0);
+                me.clear_hazard();
                 assert_eq!(slot.meta().1, 10);
                 slot.unhold(1);
             } else {
-                me.clear_hazard(0);
+                me.clear_hazard();
             }
             ok
         });
         // SAFETY: as above.
         let me = unsafe { ReaderPtr::new(rp.0) };
         let tag = slot.invalidate();
-        if me.holds(7) || slot.held_by(1, 5) {
+        if me.has_hazard_on(7) || slot.held_by(1, 5) {
             slot.restore(7, tag);
         }
         let _ = reader.join().unwrap();

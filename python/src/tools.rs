@@ -12,11 +12,11 @@ use crate::to_py;
 /// slots, the oldest blocker, the text `pinshm-inspect` prints (`report`),
 /// and an explanation for each `(address, id)` of `handles`.
 #[pyfunction]
-#[pyo3(signature = (name, handles = Vec::new()))]
+#[pyo3(signature = (name, handles = None))]
 pub(crate) fn inspect_segment<'py>(
     py: Python<'py>,
     name: &str,
-    handles: Vec<(u64, u64)>,
+    handles: Option<Vec<(u64, u64)>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let snap = crate::gil::released(py, || pinshm::inspect(name)).map_err(to_py)?;
     let d = PyDict::new(py);
@@ -73,6 +73,7 @@ pub(crate) fn inspect_segment<'py>(
     }
     d.set_item("report", snap.to_string())?;
     let explained: Vec<String> = handles
+        .unwrap_or_default()
         .iter()
         .map(|&(address, id)| snap.explain(address, id))
         .collect();

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The test command: the Rust tests, then the Python package built into a
-# throw-away virtualenv and its pytest suite. Needs the Rust toolchain and
-# python3 (3.9 or newer, with venv); fetches maturin, pytest, msgpack and numpy from
-# PyPI into target/pyenv. Arguments go to pytest (e.g. ./test.sh -k channel).
+# The test command: the Rust tests, then the Python package built as the
+# wheel users get (tools/build_wheel.sh: manylinux, abi3, --features cuda),
+# installed into a throw-away virtualenv, and its pytest suite run against
+# that installed copy (from target/, so the source tree's python/ is never
+# imported). Needs the Rust toolchain and python3 (3.9 or newer, with venv);
+# fetches maturin, ziglang (the linker that gives the manylinux glibc
+# floor), pytest, msgpack and numpy from PyPI into target/pyenv. Arguments
+# go to pytest (e.g. ./test.sh -k channel).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,21 +22,18 @@ export VIRTUAL_ENV="$PWD/target/pyenv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 python -m pip install --quiet --disable-pip-version-check \
   "maturin==1.16.0" \
+  "ziglang==0.14.1" \
   "pytest==8.4.2" \
   "msgpack>=1.0,<2" \
   "numpy==2.0.2; python_version < '3.10'" \
   "numpy==2.2.6; python_version == '3.10'" \
   "numpy==2.3.5; python_version >= '3.11'"
 
-echo "== Python: build and install pinshm (maturin, release)"
-# The abi3 wheel needs Python 3.11 (see python/Cargo.toml); older
-# interpreters get a build for their own version.
-if ! python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-  export MATURIN_PEP517_ARGS="--no-default-features"
-fi
-# The binding's build outputs stay under target/ with the rest.
-CARGO_TARGET_DIR="$PWD/target/python" \
-  python -m pip install --quiet --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps .
+echo "== Python: build the wheel and install it"
+wheel=$(tools/build_wheel.sh python)
+python -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 
-echo "== pytest tests/python"
-python -m pytest tests/python -q "$@"
+echo "== pytest tests/python (against the installed wheel)"
+# PINSHM_TEST_INSTALLED=1: a test checks that pinshm comes from
+# site-packages, not from python/.
+(cd target && unset PYTHONPATH && PINSHM_TEST_INSTALLED=1 python -m pytest ../tests/python -q "$@")

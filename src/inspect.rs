@@ -49,8 +49,12 @@ pub struct SlotInfo {
     pub kind: u32,
     /// Writer references.
     pub refs: u32,
-    /// Reads each reader still owes (refs − acknowledged, at least 0).
+    /// Reads each reader still owes (refs − acknowledged, at least 0). In
+    /// aggregate mode one number: the reads owed by all readers together.
     pub reads_owed: Vec<u32>,
+    /// Guards and views each reader holds on it now (its current attach
+    /// generation only: a dead reader's leftovers count for nothing).
+    pub holds: Vec<u32>,
 }
 
 /// Everything the inspector read.
@@ -66,6 +70,9 @@ pub struct Snapshot {
     pub capacity: u64,
     /// Largest object.
     pub max_object_size: u64,
+    /// Whether reads are counted in aggregate (vLLM's mode: refs ×
+    /// readers reads from anyone) rather than per reader.
+    pub aggregate_reads: bool,
     /// Writer pid (0 after a clean exit).
     pub writer_pid: u32,
     /// Whether the writer still runs (holds its lock, has not closed).
@@ -142,21 +149,38 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         {
             break;
         }
-        if s.id != 0 {
-            for r in readers.iter_mut() {
-                r.guards += slot.holds_relaxed(r.index, r.generation) as usize;
-            }
+        let holds: Vec<u32> = readers
+            .iter()
+            .map(|r| {
+                if s.id == 0 {
+                    0
+                } else {
+                    slot.holds_relaxed(r.index, r.generation)
+                }
+            })
+            .collect();
+        for (r, &n) in readers.iter_mut().zip(&holds) {
+            r.guards += n as usize;
         }
         if s.id != 0 || s.size != 0 {
+            let reads_owed = if geo.aggregate {
+                vec![s
+                    .refs
+                    .saturating_mul(geo.n_readers)
+                    .saturating_sub(slot.reads_relaxed(0))]
+            } else {
+                (0..geo.n_readers)
+                    .map(|i| s.refs.saturating_sub(slot.reads_relaxed(i)))
+                    .collect()
+            };
             slots.push(SlotInfo {
                 address,
                 monotonic_id: s.id,
                 size: s.size,
                 kind: s.kind,
                 refs: s.refs,
-                reads_owed: (0..geo.n_readers)
-                    .map(|i| s.refs.saturating_sub(slot.reads_relaxed(i)))
-                    .collect(),
+                reads_owed,
+                holds,
             });
         }
         pos = pos.saturating_add(s.slot_len);
@@ -169,6 +193,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         epoch: hp.epoch(),
         capacity: cap,
         max_object_size: geo.max_object_size,
+        aggregate_reads: geo.aggregate,
         writer_pid,
         writer_alive: writer_pid != 0 && seg.held_by_other(liveness::WRITER_SLOT),
         next_id: hp.next_id(),
@@ -180,6 +205,38 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
 }
 
 impl Snapshot {
+    /// The oldest live object that a live reader still holds or owes
+    /// reads of, and why: the first object the writer's sweep must
+    /// allocate around. A reader that is not attached and alive blocks
+    /// nothing (the writer stops counting it), nor does an object older
+    /// than the reader's `counted_from`.
+    pub fn oldest_blocker(&self) -> Option<(&SlotInfo, String)> {
+        let live = |r: &&ReaderInfo| r.state == "attached" && r.alive;
+        self.slots
+            .iter()
+            .filter(|s| s.monotonic_id != 0)
+            .find_map(|s| {
+                let mut why = Vec::new();
+                for r in self.readers.iter().filter(live) {
+                    let held = s.holds.get(r.index as usize).copied().unwrap_or(0);
+                    if held > 0 {
+                        why.push(format!("reader {} holds {held} guard(s)", r.index));
+                    }
+                    let owed = s.reads_owed.get(r.index as usize).copied().unwrap_or(0);
+                    if !self.aggregate_reads && owed > 0 && s.monotonic_id >= r.counted_from {
+                        why.push(format!("reader {} owes {owed} read(s)", r.index));
+                    }
+                }
+                if self.aggregate_reads && s.reads_owed.first().is_some_and(|&n| n > 0) {
+                    why.push(format!(
+                        "{} read(s) owed by the readers together",
+                        s.reads_owed[0]
+                    ));
+                }
+                (!why.is_empty()).then(|| (s, why.join(", ")))
+            })
+    }
+
     /// What happened to the object `address:id` of a `Stale` error.
     pub fn explain(&self, address: u64, id: u64) -> String {
         let live: Vec<&SlotInfo> = self.slots.iter().filter(|s| s.monotonic_id != 0).collect();
@@ -273,6 +330,14 @@ impl fmt::Display for Snapshot {
             in_use,
             self.slots.iter().filter(|s| s.monotonic_id != 0).count()
         )?;
+        match self.oldest_blocker() {
+            Some((s, why)) => writeln!(
+                f,
+                "blocker   oldest in use: id {} at {} ({} bytes): {why}",
+                s.monotonic_id, s.address, s.size
+            )?,
+            None => writeln!(f, "blocker   none: every live object may be reclaimed")?,
+        }
         writeln!(f, "\nreaders")?;
         writeln!(
             f,
@@ -292,14 +357,23 @@ impl fmt::Display for Snapshot {
         writeln!(f, "\nslots (oldest first): {}", self.slots.len())?;
         writeln!(
             f,
-            "  {:>12} {:>10} {:>12} {:>5} {:>5}  reads owed per reader",
-            "address", "id", "size", "kind", "refs"
+            "  {:>12} {:>10} {:>12} {:>5} {:>5}  {}, holds per reader",
+            "address",
+            "id",
+            "size",
+            "kind",
+            "refs",
+            if self.aggregate_reads {
+                "reads owed (all readers)"
+            } else {
+                "reads owed per reader"
+            }
         )?;
         for s in &self.slots {
             writeln!(
                 f,
-                "  {:>12} {:>10} {:>12} {:>5} {:>5}  {:?}",
-                s.address, s.monotonic_id, s.size, s.kind, s.refs, s.reads_owed
+                "  {:>12} {:>10} {:>12} {:>5} {:>5}  {:?} {:?}",
+                s.address, s.monotonic_id, s.size, s.kind, s.refs, s.reads_owed, s.holds
             )?;
         }
         Ok(())

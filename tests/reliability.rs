@@ -584,7 +584,14 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     let ids: Vec<u64> = snap.slots.iter().map(|s| s.monotonic_id).collect();
     assert_eq!(ids, [b.monotonic_id, c.monotonic_id, d.monotonic_id]);
     assert_eq!(snap.slots[1].reads_owed, vec![1]);
+    assert_eq!(snap.slots[0].holds, vec![1]);
+    assert_eq!(snap.slots[1].holds, vec![0]);
+    // b is both held and owed: the oldest object the writer must go around.
+    let (blocker, why) = snap.oldest_blocker().unwrap();
+    assert_eq!(blocker.monotonic_id, b.monotonic_id);
+    assert!(why.contains("reader 0 holds 1 guard"), "{why}");
     let text = snap.to_string();
+    assert!(text.contains("blocker   oldest in use: id"), "{text}");
     assert!(
         text.contains("attached") && text.contains("reads owed"),
         "{text}"

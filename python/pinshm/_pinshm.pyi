@@ -42,6 +42,8 @@ __all__ = [
     "signature_bytes",
     "set_release_gate",
     "flush_releases",
+    "inspect_segment",
+    "cuda_status",
 ]
 
 __version__: str
@@ -384,3 +386,14 @@ def flush_releases() -> int:
     """Ends every pending gated read whose event has completed; returns how
     many are still pending. Waits for a poll under way (the release
     thread's), never for an event."""
+
+def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
+    """Segment `name` (as in /dev/shm/NAME), read-only, through the crate's
+    inspector (the Rust `pinshm-inspect`'s): header fields, `readers` and
+    `slots` (lists of dicts, with `holds` and `reads_owed` per slot), the
+    oldest `blocker` (None: nothing in use), the text `report`, and in
+    `explanations` what happened to each `(address, id)` of `handles`."""
+
+def cuda_status() -> dict[str, Any]:
+    """`feature` (built with CUDA support), `driver` (libcuda loads) and
+    `driver_version` (`major * 1000 + minor * 10`, or None)."""

@@ -27,6 +27,7 @@ mod reader;
 mod release;
 mod store;
 mod tensor;
+mod tools;
 
 pub(crate) use errors::to_py;
 
@@ -161,6 +162,8 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(release::set_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(release::flush_releases, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;
     Ok(())

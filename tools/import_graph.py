@@ -40,18 +40,22 @@ for root, _, files in os.walk(SRC):
         # super:: from a top-level file reaches lib.rs; from a folder, stays inside
 for m in mods:
     print(f"{m:10} -> {', '.join(sorted(edges[m])) or '-'}")
-state, stack, cycles = {}, [], []
-def visit(m):
-    state[m] = 1; stack.append(m)
-    for n in edges[m]:
-        if state.get(n) == 1:
-            cycles.append(stack[stack.index(n):] + [n])
-        elif n not in state:
-            visit(n)
-    stack.pop(); state[m] = 2
-for m in mods:
-    if m not in state:
-        visit(m)
+def find_cycles(graph):
+    """Every cycle a depth-first walk of `graph` ({node: set of nodes}) meets."""
+    state, stack, found = {}, [], []
+    def visit(m):
+        state[m] = 1; stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop(); state[m] = 2
+    for m in graph:
+        if m not in state:
+            visit(m)
+    return found
+cycles = find_cycles(edges)
 for c in cycles:
     print("CYCLE:", " -> ".join(c))
 upward = []
@@ -128,21 +132,10 @@ py_mods = py_modules()
 py_edges = {m: py_imports(m, p, py_mods) for m, p in sorted(py_mods.items())}
 for m, deps in py_edges.items():
     print(f"{m:34} -> {', '.join(sorted(deps)) or '-'}")
-state, stack = {}, []
-def py_visit(m):
-    state[m] = 1; stack.append(m)
-    for n in sorted(py_edges[m]):
-        if state.get(n) == 1:
-            cycles.append(stack[stack.index(n):] + [n])
-        elif n not in state:
-            py_visit(n)
-    stack.pop(); state[m] = 2
-for m in py_edges:
-    if m not in state:
-        py_visit(m)
-for c in cycles:
-    if c[0] in py_edges:
-        print("CYCLE:", " -> ".join(c))
+py_cycles = find_cycles(py_edges)
+for c in py_cycles:
+    print("CYCLE:", " -> ".join(c))
+cycles += py_cycles
 entry = [f"{m} imports {e}, an entry point" for m, deps in py_edges.items() for e in sorted(deps & ENTRY_POINTS)]
 for e in entry:
     print("ENTRY:", e)

@@ -1,6 +1,6 @@
 //! `pinshm.Broadcast` and `pinshm.BroadcastReader`: the broadcast channel.
-//! Messages are received as `bytes` (`recv`, a copy) or in place
-//! (`recv_view`, a `MessageView` over the slot: see `message.rs`).
+//! Messages are received in place, as in Rust (`recv`, a `MessageView`
+//! over the slot: see `message.rs`), or as `bytes` (`recv_bytes`, a copy).
 //! `cancel()` is the core's `Canceller`: a futex wake that ends a blocked
 //! call at once, from any thread.
 
@@ -319,26 +319,15 @@ impl BroadcastReader {
         })
     }
 
-    /// The next message (a copy), waiting with the GIL released; with
+    /// The next message in place, with no copy: a `MessageView` exporting
+    /// the slot's bytes (read-only) through the buffer protocol, holding
+    /// the message (the writer cannot reuse its slot) until it is released
+    /// and every export of it is gone. Waits with the GIL released; with
     /// `timeout` (seconds), raises pinshm.WaitTimeoutError after that long.
     /// After the writer has gone and every message was received:
     /// WriterGoneError.
     #[pyo3(signature = (timeout=None))]
-    fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
-        let timeout = duration(timeout)?;
-        let shared = self.shared()?;
-        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
-            Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
-        })?;
-        Ok(PyBytes::new(py, &msg))
-    }
-
-    /// The next message in place, with no copy: a `MessageView` exporting
-    /// the slot's bytes (read-only) through the buffer protocol, holding
-    /// the message (the writer cannot reuse its slot) until it is released
-    /// and every export of it is gone. Waits as `recv` does.
-    #[pyo3(signature = (timeout=None))]
-    fn recv_view(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<MessageView> {
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<MessageView> {
         let timeout = duration(timeout)?;
         let shared = self.shared()?;
         let held = wait_loop(py, "recv_timeout", timeout, |d| {
@@ -346,6 +335,22 @@ impl BroadcastReader {
             Ok(r.recv_timeout(d).map(|m| HeldMessage::new(&shared, m)))
         })?;
         Ok(MessageView::new(held))
+    }
+
+    /// The next message as `bytes` (a copy; the slot is released before
+    /// return). Waits as `recv` does.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let timeout = duration(timeout)?;
+        let shared = self.shared()?;
+        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
+            Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
+        })?;
+        Ok(PyBytes::new(py, &msg))
     }
 
     /// Where this reader's waits got their messages, for benchmarks: a
@@ -371,14 +376,30 @@ impl BroadcastReader {
     }
 
     /// Makes a `recv` blocked in another thread, and every later one
-    /// (`try_recv` and `recv_view` too), raise pinshm.CancelledError, at
+    /// (`try_recv` and the `_bytes` forms too), raise pinshm.CancelledError, at
     /// once (a futex wake). For a shutdown; it cannot be undone.
     fn cancel(&self) {
         self.canceller.cancel();
     }
 
-    /// The next message if one is there, else None.
-    fn try_recv<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    /// The next message in place (as `recv`) if one is there, else None.
+    fn try_recv(&self, py: Python<'_>) -> PyResult<Option<MessageView>> {
+        let shared = self.shared()?;
+        let take = |r: &pinshm::BroadcastReader| {
+            r.try_recv()
+                .map(|m| m.map(|m| HeldMessage::new(&shared, m)))
+        };
+        // The GIL is released only if another call holds the reader.
+        let held = match shared.try_lock() {
+            Some(r) => take(&r),
+            None => crate::gil::released(py, || take(&shared.lock())),
+        }
+        .map_err(to_py)?;
+        Ok(held.map(MessageView::new))
+    }
+
+    /// The next message as `bytes` (a copy) if one is there, else None.
+    fn try_recv_bytes<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let shared = self.shared()?;
         let copy = |r: &pinshm::BroadcastReader| r.try_recv().map(|m| m.map(|m| m.to_vec()));
         // The GIL is released only if another call holds the reader.

@@ -65,7 +65,7 @@ def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, closin
         except BaseException as e:  # noqa: BLE001 - the outcome is the test
             outcome.append(e)
 
-    t, entered = in_call("recv_view", blocked)
+    t, entered = in_call("recv", blocked)
     assert entered.wait(JOIN_S)  # the reader is in the channel's wait
     rd.shutdown()
     t.join(JOIN_S)

@@ -44,7 +44,7 @@ pub use copy::cuda::CudaEngine;
 #[cfg(feature = "cuda")]
 pub use copy::kernels::KernelSource;
 pub use copy::{
-    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, Hold, KeepAlive, PackDesc, Ticket,
+    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Pause, Ticket,
 };
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};

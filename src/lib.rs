@@ -34,7 +34,7 @@ mod sys;
 pub use channel::loom_api as __loom_channel;
 #[cfg(not(loom))]
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
-pub use channel::{BroadcastConfig, BroadcastHandle, SpinPolicy, WaitStats};
+pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,

@@ -31,32 +31,6 @@ fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
         .transpose()
 }
 
-/// The reader's wait policy from `PINSHM_READER_SPIN`, for comparing
-/// policies in one run (benchmarks): `predictive` (the default), `adaptive`
-/// (short-wait spin only), `never`, or `fixed:<µs>`; unset: the default.
-fn spin_from_env(cap: Duration) -> PyResult<Option<pinshm::SpinPolicy>> {
-    let Ok(v) = std::env::var("PINSHM_READER_SPIN") else {
-        return Ok(None);
-    };
-    let p = match v.as_str() {
-        "" | "predictive" => pinshm::SpinPolicy::new(cap),
-        "adaptive" => pinshm::SpinPolicy::adaptive(cap),
-        "never" => pinshm::SpinPolicy::new(Duration::ZERO),
-        f => match f
-            .strip_prefix("fixed:")
-            .and_then(|us| us.parse::<u64>().ok())
-        {
-            Some(us) => pinshm::SpinPolicy::fixed(Duration::from_micros(us)),
-            None => {
-                return Err(PyValueError::new_err(format!(
-                    "PINSHM_READER_SPIN={v:?}: use predictive, adaptive, never or fixed:<µs>"
-                )))
-            }
-        },
-    };
-    Ok(Some(p))
-}
-
 /// Runs `step(d)` (a wait of at most `d` that fails with `Error::Timeout`
 /// when nothing came) until it succeeds, `timeout` has passed (then the
 /// timeout error names `op` and the whole wait), a signal handler raises,
@@ -303,14 +277,11 @@ impl BroadcastReader {
     #[pyo3(signature = (handle, index=None))]
     fn attach(py: Python<'_>, handle: BroadcastHandle, index: Option<u32>) -> PyResult<Self> {
         let h = handle.0;
-        let mut r = crate::gil::released(py, || match index {
+        let r = crate::gil::released(py, || match index {
             Some(i) => pinshm::BroadcastReader::attach_as(&h, i),
             None => pinshm::BroadcastReader::attach(&h),
         })
         .map_err(to_py)?;
-        if let Some(p) = spin_from_env(r.spin_policy().cap())? {
-            r.set_spin_policy(p);
-        }
         Ok(BroadcastReader {
             index: r.index(),
             home: Home::new(r.name()),
@@ -351,28 +322,6 @@ impl BroadcastReader {
             Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
         })?;
         Ok(PyBytes::new(py, &msg))
-    }
-
-    /// Where this reader's waits got their messages, for benchmarks: a
-    /// list of `(name, value)` pairs (`dict()` it): counts (`ready`,
-    /// `spin`, `early`, `window`, `sleep`, `gave_up`, `overshoots`) and the
-    /// timed wake-ups' lateness in seconds (`overshoot_total`,
-    /// `overshoot_max`); `reset` zeroes them after.
-    #[pyo3(signature = (reset=false))]
-    fn _wait_stats(&self, py: Python<'_>, reset: bool) -> PyResult<Vec<(&'static str, f64)>> {
-        let shared = self.shared()?;
-        let s = crate::gil::released(py, || shared.lock().wait_stats(reset));
-        Ok(vec![
-            ("ready", s.ready as f64),
-            ("spin", s.spin as f64),
-            ("early", s.early as f64),
-            ("window", s.window as f64),
-            ("sleep", s.sleep as f64),
-            ("gave_up", s.gave_up as f64),
-            ("overshoots", s.overshoots as f64),
-            ("overshoot_total", s.overshoot_total.as_secs_f64()),
-            ("overshoot_max", s.overshoot_max.as_secs_f64()),
-        ])
     }
 
     /// Makes a `recv` blocked in another thread, and every later one

@@ -390,10 +390,10 @@ mod shell {
 
     use super::{Corrupt, ReaderCore, Recv, Releases};
     use crate::channel::shm::Shm;
+    use crate::channel::spin::SpinPolicy;
     use crate::channel::spin::WaitPlan;
     use crate::channel::validate::validate;
     use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
-    use crate::channel::{SpinPolicy, WaitStats};
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -433,8 +433,6 @@ mod shell {
         core: RefCell<ReaderCore>,
         /// The spin before sleeping, learned from recent waits.
         spin: Cell<SpinPolicy>,
-        /// How this reader's waits ended.
-        stats: Cell<WaitStats>,
         /// Shared with this reader's cancellers; detached at drop.
         cancel: Arc<CancelLink>,
         /// When the writer's liveness lock was last found held (a system
@@ -547,7 +545,6 @@ mod shell {
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
                     spin: Cell::new(SpinPolicy::new(spin)),
-                    stats: Cell::new(WaitStats::default()),
                     cancel,
                     writer_seen: Cell::new(None),
                     at,
@@ -571,37 +568,17 @@ mod shell {
         /// The longest `recv` spins before sleeping (default: the
         /// channel's, see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin));
         /// within it, each receive spins as long as recent waits suggest
-        /// pays (see [`SpinPolicy`]). Zero: sleep at once, always.
+        /// pays, and around the predicted arrival when messages come at a
+        /// steady period (`channel::spin`). Zero: sleep at once, always.
         pub fn set_spin(&mut self, spin: Duration) {
             self.spin.set(SpinPolicy::new(spin));
         }
 
-        /// Sets how `recv` chooses its spin ([`SpinPolicy::new`]: adaptive,
-        /// the default; [`SpinPolicy::fixed`]: always the same).
-        pub fn set_spin_policy(&mut self, policy: SpinPolicy) {
-            self.spin.set(policy);
-        }
-
         /// How long the next `recv` would spin at once before sleeping
-        /// (a learned period adds a spin around the next arrival instead,
-        /// see [`BroadcastReader::spin_policy`]).
+        /// (a learned period adds a spin around the next arrival instead:
+        /// see `channel::spin`).
         pub fn spin_window(&self) -> Duration {
             self.spin.get().window()
-        }
-
-        /// The policy as learned so far (its period, its predictions).
-        pub fn spin_policy(&self) -> SpinPolicy {
-            self.spin.get()
-        }
-
-        /// How this reader's waits ended, since it attached (or since the
-        /// last call with `reset`).
-        pub fn wait_stats(&self, reset: bool) -> WaitStats {
-            let st = self.stats.get();
-            if reset {
-                self.stats.set(WaitStats::default());
-            }
-            st
         }
 
         /// A handle that ends this reader's blocked `recv` from another
@@ -697,9 +674,6 @@ mod shell {
                     Recv::WriterGone => {}
                 }
                 self.spin.set(policy);
-                let mut st = self.stats.get();
-                st.count(&got, &trace);
-                self.stats.set(st);
             }
             match got {
                 Recv::Cancelled => Err(Error::Cancelled {

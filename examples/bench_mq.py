@@ -87,8 +87,7 @@ def reader(impl, handle, rank, handles_out):
     handles_out.put((rank, resp.export_handle()))
     resp.wait_until_ready()
     c0 = w0 = 0.0
-    rx = getattr(rpc, "_rx", None)  # pinshm's reader: where its waits went
-    stats = getattr(rx, "_wait_stats", None)
+    stats = None  # where the waits went: not reported (no per-wait counters)
     while True:
         cmd, t0, _payload = rpc.dequeue(indefinite=True)
         t1 = time.monotonic_ns()
@@ -143,13 +142,6 @@ def phase(rpc, resps, mode, size, n):
 
 
 def run(impl, n_readers, iters, idle_s):
-    # pinshm:<policy>: the readers' wait policy (the binding reads it at
-    # attach, in the spawned readers and in this process alike).
-    policy = impl.partition(":")[2]
-    if policy:
-        os.environ["PINSHM_READER_SPIN"] = policy
-    else:
-        os.environ.pop("PINSHM_READER_SPIN", None)
     ctx = mp.get_context("spawn")
     MQ = queue_class(impl)
     rpc = MQ(n_readers, n_readers)
@@ -315,9 +307,6 @@ def main():
     ap.add_argument("--png", default="bench_mq.png", help="where the plot goes")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--impl", choices=["both", "pinshm", "vllm"], default="both")
-    ap.add_argument("--policies", default="",
-                    help="also run pinshm with these reader wait policies (comma-separated: adaptive, "
-                         "predictive, never, fixed:<µs>), as impl pinshm:<policy>, in the same run")
     ap.add_argument("--sizes", default=None, help="message sizes, e.g. 1K,64K,1M (default: all five)")
     ap.add_argument("--modes", default=None, help="b2b,cadence (default: both)")
     ap.add_argument("--readers", default="1,2", help="reader counts (default 1,2)")
@@ -352,7 +341,6 @@ def main():
     iters = {"b2b": b2b, "cadence": cad}
     idle_s = args.idle if args.idle is not None else (2.0 if args.quick else 5.0)
     impls = [] if args.impl == "vllm" else ["pinshm"]
-    impls += [f"pinshm:{p}" for p in args.policies.split(",") if p]
     if args.impl != "pinshm" and vllm_importable():
         impls.append("vllm")
     res = {}

@@ -6,13 +6,13 @@ reader process, a reply channel back (one message in flight), back to back.
 
 Each message is `("msg", t0_ns, numpy uint8 array of SIZE)` pickled by the
 queue's own `dumps` (`pinshm.vllm.queue._encoding`) (buffers of 1 MiB and more out of band). Paths:
-- `join + recv`: the queue's inline encoding before `send_parts`: the
-  parts joined into one bytes first, `recv()` (a bytes copy), `loads_inline` (a
+- `join + recv_bytes`: the queue's inline encoding before `send_parts`: the
+  parts joined into one bytes first, `recv_bytes()` (a bytes copy), `loads_inline` (a
   bytearray copy of each buffer): 4 copies of a large buffer.
-- `send_parts + recv_view`: the same bytes gathered straight into the slot
-  (`send_parts`), read in place (`recv_view`), each buffer copied once into
+- `send_parts + recv`: the same bytes gathered straight into the slot
+  (`send_parts`), read in place (`recv`), each buffer copied once into
   an owned bytearray: 2 copies, one each side.
-- `send_parts + recv_view, zero copy`: as above, the buffers views of the
+- `send_parts + recv, zero copy`: as above, the buffers views of the
   slot (what `dequeue(zero_copy=True)` could return): 1 copy.
 """
 
@@ -29,7 +29,7 @@ import pinshm
 from pinshm.vllm.queue._encoding import dumps, inline_parts, loads_inline
 
 KIB, MIB = 1 << 10, 1 << 20
-PATHS = ["join + recv", "send_parts + recv_view", "send_parts + recv_view, zero copy"]
+PATHS = ["join + recv_bytes", "send_parts + recv", "send_parts + recv, zero copy"]
 
 
 def loads_view(v, zero_copy):
@@ -56,9 +56,9 @@ def child(h_rpc, q, path):
     q.put(tx.handle())
     while True:
         if path == PATHS[0]:
-            obj = loads_inline(rx.recv())
+            obj = loads_inline(rx.recv_bytes())
         else:
-            v = rx.recv_view()
+            v = rx.recv()
             obj = loads_view(v, zero_copy=path == PATHS[2])
         t1 = time.monotonic_ns()
         cmd, t0, payload = obj
@@ -89,9 +89,9 @@ def run(path, size, n):
             tx.send(b"".join(inline_parts(bufs)))
         else:
             tx.send_parts(inline_parts(bufs))
-        lat.append(int.from_bytes(back.recv(), "little") / 1e3)
+        lat.append(int.from_bytes(back.recv_bytes(), "little") / 1e3)
     tx.send_parts(inline_parts(dumps(("stop", 0, None))))
-    back.recv()
+    back.recv_bytes()
     p.join(30)
     back.close()
     tx.close()

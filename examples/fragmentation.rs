@@ -159,10 +159,10 @@ fn pinshm_run(s: &[Put], capacity: u64, mode: Mode) -> Outcome {
     let mut w = ObjectStore::create(StoreConfig::new(capacity as usize, MAX_SIZE, 1))
         .expect("create store");
     let r = StoreReader::attach(&w.handle()).expect("attach");
-    enum InUse<'a> {
+    enum InUse {
         // Kept only to be dropped when its while is up.
         #[allow(dead_code)]
-        Guard(ReadGuard<'a>),
+        Guard(ReadGuard),
         Unread(ObjectHandle),
     }
     let mut in_use: Vec<(usize, usize, u64, InUse)> = Vec::new(); // (due, object, bytes, what)

@@ -8,23 +8,20 @@ phase stamped with CLOCK_MONOTONIC (shared by the processes):
     decode   reader: view -> object unpickled
     total    enqueue entered -> object unpickled
 
-per reader wait policy (PINSHM_READER_SPIN) in the same run, so the cost
-of sleeping is seen beside a reader that spins through the gap as vLLM's
-does. The stamps wrap the queue's own functions; nothing else changes.
+with the reader's default wait. The stamps wrap the queue's own
+functions; nothing else changes.
 
     python examples/profile_mq.py [--sizes 1K,1M] [--n 300]
 """
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import time
 
 import numpy as np
 
 CADENCE_S = 0.005
-POLICIES = ["predictive", "adaptive", "fixed:6000"]
 
 
 def _reader(handle, n, out):
@@ -58,11 +55,10 @@ def _reader(handle, n, out):
     out.put(stamps)
 
 
-def run(policy, size, n):
+def run(size, n):
     from pinshm.vllm.queue import _encoding as enc
     from pinshm.vllm.queue import MessageQueue
 
-    os.environ["PINSHM_READER_SPIN"] = policy
     ctx = mp.get_context("spawn")
     mq = MessageQueue(1, 1, max_chunk_bytes=24 << 20, max_chunks=10)
     out = ctx.Queue()
@@ -110,11 +106,10 @@ def main():
     print("| message | reader wait | pickle | send | deliver | decode | total |")
     print("|---|---|---|---|---|---|---|")
     for size in sizes:
-        for policy in POLICIES:
-            m = run(policy, size, args.n)
-            label = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
-            cells = " | ".join(f"{m[k]:.0f} µs" for k in ("pickle", "send", "deliver", "decode", "total"))
-            print(f"| {label} | {policy} | {cells} |", flush=True)
+        m = run(size, args.n)
+        label = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+        cells = " | ".join(f"{m[k]:.0f} µs" for k in ("pickle", "send", "deliver", "decode", "total"))
+        print(f"| {label} | default | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ mod sys;
 #[doc(hidden)]
 pub use channel::loom_api as __loom_channel;
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
-pub use channel::{BroadcastConfig, BroadcastHandle, SpinPolicy, WaitStats};
+pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
@@ -45,7 +45,7 @@ pub use copy::cuda::CudaEngine;
 #[cfg(feature = "cuda")]
 pub use copy::kernels::KernelSource;
 pub use copy::{
-    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, Hold, KeepAlive, PackDesc, Ticket,
+    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Pause, Ticket,
 };
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};

@@ -37,9 +37,8 @@ fn a_blocked_recv_ends_with_cancelled_when_another_thread_cancels() {
             .send(matches!(r, Err(Error::Cancelled { op: "recv", .. })))
             .unwrap();
         // Every later wait ends the same way.
-        let again = matches!(rx.recv(), Err(Error::Cancelled { .. }))
-            && matches!(rx.try_recv(), Err(Error::Cancelled { .. }));
-        again
+        matches!(rx.recv(), Err(Error::Cancelled { .. }))
+            && matches!(rx.try_recv(), Err(Error::Cancelled { .. }))
     });
     let cancel = ready.recv_timeout(DEADLINE).expect("the reader attached");
     assert!(!cancel.is_cancelled());

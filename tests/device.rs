@@ -1,7 +1,7 @@
 //! The asynchronous device protocol, on the CPU engine (an emulated device):
 //! puts are published only after their copy completes, gets release their
 //! slot only after theirs. Copies in flight are made by stopping the
-//! engine (`CpuEngine::hold`), never by waiting on a clock. The bodies shared
+//! engine (`CpuEngine::pause`), never by waiting on a clock. The bodies shared
 //! with the CUDA engine (`tests/gpu.rs`) are in `tests/common/engine.rs`.
 
 mod common;
@@ -43,7 +43,7 @@ fn several_device_puts_can_be_in_flight() {
     // The engine's queue is stopped: had a put waited for its copy, it
     // would never return (the 60 s bound only turns that hang into a
     // failure; nothing here depends on timing).
-    let hold = eng.hold().unwrap();
+    let pause = eng.pause().unwrap();
     let pending = std::thread::scope(|s| {
         let (tx, rx) = std::sync::mpsc::channel();
         let (w, bufs, eng) = (&mut w, &bufs, &eng);
@@ -57,17 +57,17 @@ fn several_device_puts_can_be_in_flight() {
         });
         let p = rx.recv_timeout(Duration::from_secs(60));
         if p.is_err() {
-            drop(hold); // let the puts finish, so the scope can end
+            drop(pause); // let the puts finish, so the scope can end
             panic!("starting device puts waited for their copies");
         }
-        (p.unwrap(), hold)
+        (p.unwrap(), pause)
     });
-    let (pending, hold) = pending;
+    let (pending, pause) = pending;
     for p in &pending {
         assert_eq!(w.try_finish_put(p).unwrap(), None, "copies are held");
     }
     assert_eq!(w.stats().puts, 0, "nothing is published before its copy");
-    drop(hold);
+    drop(pause);
     let r = StoreReader::attach(&w.handle()).unwrap();
     for (i, p) in pending.into_iter().enumerate() {
         let h = w.finish_put(p).unwrap();
@@ -97,9 +97,9 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
     r.acknowledge(w.get_cached("b").unwrap()).unwrap(); // b: fully read
     r.acknowledge(a).unwrap(); // a is fully read: only the pending copy holds it
     let dst = eng.alloc(len).unwrap();
-    let hold = eng.hold().unwrap();
+    let pause = eng.pause().unwrap();
     let pg = r.get_to_device(a, &dst, &eng).unwrap();
-    // The copy is queued behind the hold, not done: `a` must not be
+    // The copy is queued behind the pause, not done: `a` must not be
     // reclaimed, although every read it owed has been acknowledged.
     for _ in 0..3 {
         match w.put("c", &pattern(3, len)) {
@@ -110,7 +110,7 @@ fn a_device_get_holds_its_slot_until_the_copy_completes() {
         }
     }
     assert!(!pg.poll().unwrap());
-    drop(hold);
+    drop(pause);
     assert_eq!(pg.wait().unwrap(), len);
     let mut out = vec![0; len];
     eng.download(&dst, &mut out).unwrap();
@@ -220,11 +220,11 @@ fn dropping_a_pending_get_waits_for_its_copy() {
     };
     let h = w.put("a", &pattern(1, 1000)).unwrap();
     let dst = eng.alloc(1000).unwrap();
-    let hold = eng.inner.hold().unwrap();
+    let pause = eng.inner.pause().unwrap();
     let pg = r.get_to_device(h, &dst, &eng).unwrap();
     let (dropped, dropped_rx) = crossbeam_channel::bounded(1);
     let (seen, waited) = std::thread::scope(|s| {
-        // Releases the hold once the drop waits on the copy; or, had the
+        // Releases the pause once the drop waits on the copy; or, had the
         // drop returned without waiting, once it says so. The 60 s bound
         // only turns a hang into a failure.
         let releaser = s.spawn(move || {
@@ -233,7 +233,7 @@ fn dropping_a_pending_get_waits_for_its_copy() {
                 recv(dropped_rx) -> _ => false,
                 default(Duration::from_secs(60)) => false,
             };
-            drop(hold);
+            drop(pause);
             waited
         });
         drop(pg);
@@ -321,10 +321,10 @@ fn bad_device_input_gives_clear_errors_and_leaves_nothing_half_published() {
     assert!(b1.slice(900, 200).is_err());
     // A put cleared while its copy is in flight is stale, not published.
     let sb = e1.alloc(1000).unwrap();
-    let hold = e1.hold().unwrap();
+    let pause = e1.pause().unwrap();
     let p = w.put_from_device("p", &sb, &e1).unwrap();
     w.clear();
-    drop(hold);
+    drop(pause);
     assert!(matches!(w.finish_put(p), Err(Error::Stale { .. })));
     assert!(!w.is_cached("p"));
     // A token from another store is refused.

@@ -1,6 +1,6 @@
 //! `pinshm.Broadcast` and `pinshm.BroadcastReader`: the broadcast channel.
-//! Messages are received as `bytes` (`recv`, a copy) or in place
-//! (`recv_view`, a `MessageView` over the slot: see `message.rs`).
+//! Messages are received in place, as in Rust (`recv`, a `MessageView`
+//! over the slot: see `message.rs`), or as `bytes` (`recv_bytes`, a copy).
 //! `cancel()` is the core's `Canceller`: a futex wake that ends a blocked
 //! call at once, from any thread.
 
@@ -29,32 +29,6 @@ fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
             })
         })
         .transpose()
-}
-
-/// The reader's wait policy from `PINSHM_READER_SPIN`, for comparing
-/// policies in one run (benchmarks): `predictive` (the default), `adaptive`
-/// (short-wait spin only), `never`, or `fixed:<µs>`; unset: the default.
-fn spin_from_env(cap: Duration) -> PyResult<Option<pinshm::SpinPolicy>> {
-    let Ok(v) = std::env::var("PINSHM_READER_SPIN") else {
-        return Ok(None);
-    };
-    let p = match v.as_str() {
-        "" | "predictive" => pinshm::SpinPolicy::new(cap),
-        "adaptive" => pinshm::SpinPolicy::adaptive(cap),
-        "never" => pinshm::SpinPolicy::new(Duration::ZERO),
-        f => match f
-            .strip_prefix("fixed:")
-            .and_then(|us| us.parse::<u64>().ok())
-        {
-            Some(us) => pinshm::SpinPolicy::fixed(Duration::from_micros(us)),
-            None => {
-                return Err(PyValueError::new_err(format!(
-                    "PINSHM_READER_SPIN={v:?}: use predictive, adaptive, never or fixed:<µs>"
-                )))
-            }
-        },
-    };
-    Ok(Some(p))
 }
 
 /// Runs `step(d)` (a wait of at most `d` that fails with `Error::Timeout`
@@ -303,14 +277,11 @@ impl BroadcastReader {
     #[pyo3(signature = (handle, index=None))]
     fn attach(py: Python<'_>, handle: BroadcastHandle, index: Option<u32>) -> PyResult<Self> {
         let h = handle.0;
-        let mut r = crate::gil::released(py, || match index {
+        let r = crate::gil::released(py, || match index {
             Some(i) => pinshm::BroadcastReader::attach_as(&h, i),
             None => pinshm::BroadcastReader::attach(&h),
         })
         .map_err(to_py)?;
-        if let Some(p) = spin_from_env(r.spin_policy().cap())? {
-            r.set_spin_policy(p);
-        }
         Ok(BroadcastReader {
             index: r.index(),
             home: Home::new(r.name()),
@@ -319,26 +290,15 @@ impl BroadcastReader {
         })
     }
 
-    /// The next message (a copy), waiting with the GIL released; with
+    /// The next message in place, with no copy: a `MessageView` exporting
+    /// the slot's bytes (read-only) through the buffer protocol, holding
+    /// the message (the writer cannot reuse its slot) until it is released
+    /// and every export of it is gone. Waits with the GIL released; with
     /// `timeout` (seconds), raises pinshm.WaitTimeoutError after that long.
     /// After the writer has gone and every message was received:
     /// WriterGoneError.
     #[pyo3(signature = (timeout=None))]
-    fn recv<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
-        let timeout = duration(timeout)?;
-        let shared = self.shared()?;
-        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
-            Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
-        })?;
-        Ok(PyBytes::new(py, &msg))
-    }
-
-    /// The next message in place, with no copy: a `MessageView` exporting
-    /// the slot's bytes (read-only) through the buffer protocol, holding
-    /// the message (the writer cannot reuse its slot) until it is released
-    /// and every export of it is gone. Waits as `recv` does.
-    #[pyo3(signature = (timeout=None))]
-    fn recv_view(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<MessageView> {
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<MessageView> {
         let timeout = duration(timeout)?;
         let shared = self.shared()?;
         let held = wait_loop(py, "recv_timeout", timeout, |d| {
@@ -348,37 +308,47 @@ impl BroadcastReader {
         Ok(MessageView::new(held))
     }
 
-    /// Where this reader's waits got their messages, for benchmarks: a
-    /// list of `(name, value)` pairs (`dict()` it): counts (`ready`,
-    /// `spin`, `early`, `window`, `sleep`, `gave_up`, `overshoots`) and the
-    /// timed wake-ups' lateness in seconds (`overshoot_total`,
-    /// `overshoot_max`); `reset` zeroes them after.
-    #[pyo3(signature = (reset=false))]
-    fn _wait_stats(&self, py: Python<'_>, reset: bool) -> PyResult<Vec<(&'static str, f64)>> {
+    /// The next message as `bytes` (a copy; the slot is released before
+    /// return). Waits as `recv` does.
+    #[pyo3(signature = (timeout=None))]
+    fn recv_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let timeout = duration(timeout)?;
         let shared = self.shared()?;
-        let s = crate::gil::released(py, || shared.lock().wait_stats(reset));
-        Ok(vec![
-            ("ready", s.ready as f64),
-            ("spin", s.spin as f64),
-            ("early", s.early as f64),
-            ("window", s.window as f64),
-            ("sleep", s.sleep as f64),
-            ("gave_up", s.gave_up as f64),
-            ("overshoots", s.overshoots as f64),
-            ("overshoot_total", s.overshoot_total.as_secs_f64()),
-            ("overshoot_max", s.overshoot_max.as_secs_f64()),
-        ])
+        let msg = wait_loop(py, "recv_timeout", timeout, |d| {
+            Ok(shared.lock().recv_timeout(d).map(|m| m.to_vec()))
+        })?;
+        Ok(PyBytes::new(py, &msg))
     }
 
     /// Makes a `recv` blocked in another thread, and every later one
-    /// (`try_recv` and `recv_view` too), raise pinshm.CancelledError, at
+    /// (`try_recv` and the `_bytes` forms too), raise pinshm.CancelledError, at
     /// once (a futex wake). For a shutdown; it cannot be undone.
     fn cancel(&self) {
         self.canceller.cancel();
     }
 
-    /// The next message if one is there, else None.
-    fn try_recv<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    /// The next message in place (as `recv`) if one is there, else None.
+    fn try_recv(&self, py: Python<'_>) -> PyResult<Option<MessageView>> {
+        let shared = self.shared()?;
+        let take = |r: &pinshm::BroadcastReader| {
+            r.try_recv()
+                .map(|m| m.map(|m| HeldMessage::new(&shared, m)))
+        };
+        // The GIL is released only if another call holds the reader.
+        let held = match shared.try_lock() {
+            Some(r) => take(&r),
+            None => crate::gil::released(py, || take(&shared.lock())),
+        }
+        .map_err(to_py)?;
+        Ok(held.map(MessageView::new))
+    }
+
+    /// The next message as `bytes` (a copy) if one is there, else None.
+    fn try_recv_bytes<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let shared = self.shared()?;
         let copy = |r: &pinshm::BroadcastReader| r.try_recv().map(|m| m.map(|m| m.to_vec()));
         // The GIL is released only if another call holds the reader.

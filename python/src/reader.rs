@@ -1,14 +1,12 @@
 //! `pinshm.StoreReader` and its zero-copy `ReadGuard`.
 //!
-//! A Rust `ReadGuard<'r>` borrows its `StoreReader`; a Python object cannot
-//! hold a borrow. So the reader lives in an `Arc` (`Shared`), and a held
-//! read (`Held`) owns a clone of that `Arc` beside the guard, whose borrow
-//! is erased to `'static`. See `Held::new` for why that is sound. A
-//! `Held` is itself shared, in an `Arc`, by the Python `ReadGuard` and by
-//! each buffer export of it (`SlotExport`, the export's `view.obj`): the
-//! read ends when the last of them goes.
+//! The reader lives in an `Arc` (`Shared`), behind a mutex. A held read
+//! (`Held`) owns the core's guard, which owns its share of the reader's
+//! attachment (mapping, entry, lock): it needs no borrow of the reader and
+//! no lock to end. A `Held` is itself shared, in an `Arc`, by the Python
+//! `ReadGuard` and by each buffer export of it (`SlotExport`, the export's
+//! `view.obj`): the read ends when the last of them goes.
 
-use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
 use std::sync::{Arc, Mutex};
 
@@ -22,25 +20,22 @@ use crate::handles::{ObjectHandle, StoreHandle};
 use crate::store::RELEASE_GIL_AT;
 use crate::{closed, lock, locked_shared, to_py, Home};
 
-/// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`). It is
-/// reached only through `locked_shared` (a `&StoreReader`) and `lock` (to
-/// serialise a guard's drop): no `&mut` to it is ever formed, so a guard's
-/// shared borrow of it is never invalidated.
+/// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`: its gets
+/// share one hazard word).
 struct Shared {
     reader: Mutex<pinshm::StoreReader>,
     /// The process that attached it (see `Home::not_forked`).
     home: Home,
 }
 
-/// One read held open: the read (the core's guard, with its borrow of the
-/// reader erased, and the reader it borrows) and the object's bytes.
+/// One read held open: the core's guard and the object's bytes.
 struct Held {
-    /// Ended by `Drop for Held`, at once or once its release gate's event
-    /// completes; leaked, never used again, in a forked child.
-    read: ManuallyDrop<Release>,
-    /// The object's bytes: the guard's slice, taken once at `new`.
-    data: *const u8,
-    len: usize,
+    /// Taken by `Drop for Held`, and ended at once or once its release
+    /// gate's event completes.
+    read: Option<Release>,
+    /// The reader it came from, for its `Home` (the guard itself needs
+    /// nothing of it).
+    reader: Arc<Shared>,
     /// Whether its end waits for the release gate: not for a copy out
     /// (`get_copy`), which the CPU has finished before the read ends.
     gated: bool,
@@ -58,17 +53,6 @@ pub(crate) struct SlotExport {
     _held: Arc<Held>,
 }
 
-// SAFETY: the guard's only thread-bound parts are its reference to the
-// reader, used only by the guard's `Drop`, which `Drop for Release` runs
-// with the reader's mutex held (so every use of the reader is serialised, by
-// that mutex), and pointers into the mapping, which the reader keeps
-// mapped and which are only read (`bytes`), never written.
-unsafe impl Send for Held {}
-// SAFETY: through `&Held` only the guard's own fields are read (its
-// bytes, handle and kind: read-only slot memory, valid while the guard
-// lives, and plain values), never the reader.
-unsafe impl Sync for Held {}
-
 impl Held {
     fn new(
         py: Python<'_>,
@@ -77,74 +61,44 @@ impl Held {
         gated: bool,
     ) -> PyResult<Held> {
         crate::release::flush_releases(py);
-        let reader = Arc::clone(shared);
-        locked_shared(py, &shared.home, &shared.reader, move |r| {
-            let guard = r.get(h).map_err(to_py)?;
-            let (data, len) = (guard.as_ptr(), guard.len());
-            // SAFETY: erasing the guard's borrow of the reader to 'static is
-            // sound because the `Held` built here:
-            // 1. keeps the borrowed reader alive: its `Release` owns a clone
-            //    of the Arc that holds it (`reader`), and drops the guard
-            //    before that clone (`Drop for Release`; fields drop after
-            //    it); a leaked `Held` or `Release` leaks its Arc too, and a
-            //    guard leaked in a forked child is never used again, so the
-            //    reference can never dangle;
-            // 2. keeps it in place: the reader lives inside the Arc's heap
-            //    allocation and is never moved out nor borrowed mutably
-            //    (see `Shared`), so the shared borrow stays valid;
-            // 3. keeps it single-threaded: the guard touches the reader only
-            //    in its `Drop` (acknowledge, release the hold), which runs
-            //    under the reader's mutex (`Drop for Release`), like every
-            //    other use of it.
-            // The guard, for its part, keeps the slot from being reused, so
-            // `data..data + len` holds the object until the guard drops.
-            let guard = unsafe {
-                std::mem::transmute::<pinshm::ReadGuard<'_>, pinshm::ReadGuard<'static>>(guard)
-            };
-            Ok(Held {
-                read: ManuallyDrop::new(Release {
-                    guard: ManuallyDrop::new(guard),
-                    reader,
-                }),
-                data,
-                len,
-                gated,
-            })
-        })?
+        let guard =
+            locked_shared(py, &shared.home, &shared.reader, move |r| r.get(h))?.map_err(to_py)?;
+        Ok(Held {
+            read: Some(Release(guard)),
+            reader: Arc::clone(shared),
+            gated,
+        })
     }
 
     /// The Forked error in a forked child: there the slot may be reused
     /// (the parent's read ends without the child), so nothing reads it.
     fn not_forked(&self) -> PyResult<()> {
-        self.read.reader.home.not_forked()
+        self.reader.home.not_forked()
+    }
+
+    fn guard(&self) -> &pinshm::ReadGuard {
+        &self.read.as_ref().expect("taken only by drop").0
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `data..data + len` is the slice the guard derefs to; the
-        // guard lives as long as `self` (it is dropped only in `Drop`), and
-        // with it the mapping and its hold (a count in this reader's hold
-        // word of the slot, which the writer checks before any reuse) that
-        // keeps the slot unchanged.
-        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+        self.guard()
     }
 
     fn handle(&self) -> pinshm::ObjectHandle {
-        self.read.guard.handle()
+        self.guard().handle()
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        // In a forked child the guard is the parent's: its drop would lock
-        // the reader's mutex, which a thread of the parent may have held at
-        // the fork (locked forever here), and the core's drop would touch
-        // nothing shared anyway. So it is leaked (`ManuallyDrop`), with the
-        // bytes it points to, which nothing reads any more.
-        if self.read.reader.home.forked() {
+        let Some(read) = self.read.take() else {
             return;
+        };
+        // In a forked child the guard is the parent's: the core's drop
+        // touches nothing shared there, and no release gate is asked.
+        if self.reader.home.forked() {
+            return drop(read);
         }
-        // SAFETY: taken once, here; `self.read` is not used afterwards.
-        let read = unsafe { ManuallyDrop::take(&mut self.read) };
         // The last view is gone; a device copy from it may not be (a
         // copy out, by the CPU, is done).
         match self.gated.then(crate::release::event_for_release).flatten() {
@@ -155,33 +109,11 @@ impl Drop for Held {
 }
 
 /// A read none of whose views is left: dropping it ends the read (the
-/// core's guard drops, acknowledging it and giving the slot back).
-struct Release {
-    guard: ManuallyDrop<pinshm::ReadGuard<'static>>,
-    reader: Arc<Shared>,
-}
-
-// SAFETY: as for `Held`: the guard touches its reader only in its drop,
-// which runs under the reader's mutex (`Drop for Release`).
-unsafe impl Send for Release {}
+/// core's guard drops, acknowledging it and giving the slot back). It
+/// needs no lock: the guard owns its share of the reader.
+struct Release(pinshm::ReadGuard);
 
 impl crate::release::Gated for Release {}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        // A forked child's: leaked, as in `Drop for Held`.
-        if self.reader.home.forked() {
-            return;
-        }
-        // The guard's drop uses the reader: under its mutex. Never held
-        // long by anyone (no copy runs under it), so waiting for it here,
-        // GIL held or not, cannot deadlock.
-        let _reader = lock(&self.reader.reader);
-        // SAFETY: dropped once, here; `self.guard` is not used afterwards,
-        // and the reader it borrows is alive (`self.reader` drops later).
-        unsafe { ManuallyDrop::drop(&mut self.guard) };
-    }
-}
 
 /// Copies `src` into `dst` (same length), with the GIL released for large
 /// copies.
@@ -327,7 +259,7 @@ impl StoreReader {
         let held = Held::new(py, &self.shared()?, handle.0, true)?;
         Ok(ReadGuard {
             handle: handle.0,
-            len: held.len,
+            len: held.bytes().len(),
             held: Mutex::new(Some(Arc::new(held))),
         })
     }
@@ -553,7 +485,7 @@ impl ReadGuard {
     /// tensor).
     fn tensor_layout(&self) -> PyResult<crate::tensor::Layout> {
         let held = self.hold(PyValueError::new_err)?;
-        let found = held.read.guard.kind();
+        let found = held.guard().kind();
         if found != pinshm::ObjectKind::Tensor {
             return Err(to_py(pinshm::Error::WrongKind {
                 expected: pinshm::ObjectKind::Tensor,
@@ -569,7 +501,7 @@ impl ReadGuard {
     /// is not an item).
     fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, crate::tensor::Meta)> {
         let held = self.hold(PyValueError::new_err)?;
-        let found = held.read.guard.kind();
+        let found = held.guard().kind();
         if found != pinshm::ObjectKind::Item {
             return Err(to_py(pinshm::Error::WrongKind {
                 expected: pinshm::ObjectKind::Item,
@@ -670,7 +602,7 @@ impl ReadGuard {
         flags: c_int,
     ) -> PyResult<()> {
         let held = slf.get().hold(PyBufferError::new_err)?;
-        let (data, len) = (held.data, held.len);
+        let (data, len) = (held.bytes().as_ptr(), held.bytes().len());
         // The export's owner: `view.obj`, holding the read for as long as
         // anyone keeps it, whether or not the buffer was released.
         let owner = Bound::new(slf.py(), SlotExport { _held: held })?;

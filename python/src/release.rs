@@ -33,11 +33,12 @@
 //! One pass at a time (`State::busy`): a pass takes the pending list out,
 //! queries with the GIL held and no lock of ours, and puts back what has
 //! not completed (`Pass`'s drop, so a panic in a pass puts back what it
-//! has not seen complete, and ends the pass). The reads that complete are ended (acknowledged) with
-//! the GIL released by the poller, held by the others (each waits only for
-//! its reader's mutex, never held across a wait for the GIL: see lib.rs).
-//! A pending read keeps its reader attached (as a guard does), closed or
-//! not, until its event completes: nothing forgets a copy in flight.
+//! has not seen complete, and ends the pass). The reads that complete are
+//! ended (acknowledged) with the GIL released by the poller, held by the
+//! others; ending one takes no lock (the core's guard owns its share of
+//! its reader). A pending read keeps its reader attached (as a guard
+//! does), closed or not, until its event completes: nothing forgets a
+//! copy in flight.
 //!
 //! The state is per fork generation (`Gen`, a `PerFork`): a forked
 //! child's first use swaps in a fresh one and leaks the parent's without
@@ -370,7 +371,7 @@ fn poll(g: &'static Gen) {
             g.begin(&mut s)
         };
         // Counted in the exit door until the reads are ended (with no
-        // GIL: each end waits for its reader's mutex only).
+        // GIL; ending one takes no lock).
         let polled = crate::gil::with_gil_unless_exiting_then(
             |py| query_all(py, &mut pass),
             |done| {
@@ -428,8 +429,7 @@ pub(crate) fn flush_releases(py: Python<'_>) -> usize {
         }
     };
     let done = query_all(py, &mut pass);
-    // Ends the reads with the GIL held: each waits only for its reader's
-    // mutex, which nobody holds while waiting for the GIL.
+    // Ends the reads with the GIL held (ending one takes no lock).
     drop(done);
     drop(pass);
     g.count()

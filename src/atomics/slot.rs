@@ -247,19 +247,20 @@ impl SlotPtr {
 
     /// Acknowledges one read by reader `i` if it owes one.
     ///
-    /// Only reader `i` writes `reads[i]`, and only while the slot cannot be
-    /// reused under it (it holds the slot: a hazard or a hold), so a plain
-    /// load/store pair is enough. Returns whether a read was counted.
+    /// Only reader `i`'s process writes `reads[i]`, and only while the slot
+    /// cannot be reused under it (it holds the slot: a hazard or a hold).
+    /// An RMW, not a load/store pair: guards of one reader may be dropped
+    /// on several threads at once (a guard owns its share of the reader and
+    /// is `Send`), and none of their counts may be lost. Returns whether a
+    /// read was counted.
     pub fn acknowledge(&self, i: u32) -> bool {
-        let done = self.reads(i).load(Ordering::Relaxed);
         let refs = self
             .u32_at(offset_of!(SlotHeader, refs))
             .load(Ordering::Acquire);
-        if done < refs {
-            self.reads(i).store(done + 1, Ordering::Release);
-            true
-        } else {
-            false
-        }
+        self.reads(i)
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |done| {
+                (done < refs).then(|| done + 1)
+            })
+            .is_ok()
     }
 }

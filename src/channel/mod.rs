@@ -8,12 +8,12 @@
 //!   and the no-lost-wake-up argument.
 //! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
 //!   and the public types around them.
-//! * [`spin`]: how long a reader spins before it sleeps ([`SpinPolicy`]).
+//! * [`spin`]: how long a reader spins before it sleeps (`SpinPolicy`).
 //!
 //! Waiting: a reader spins only while it pays (a window learned from its
 //! recent waits, at most [`BroadcastConfig::spin`]; with a steady period,
 //! a timed sleep to just before the predicted arrival and a short spin
-//! around it, see [`SpinPolicy`]); the writer waiting for a slot spins for
+//! around it, see `spin::SpinPolicy`); the writer waiting for a slot spins for
 //! `spin`. Then each sleeps on a futex
 //! in the segment. A [`Canceller`] ends a wait from another thread at once. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
 //! asks the kernel whether the other side's open-file-description lock is
@@ -34,7 +34,6 @@ pub mod writer;
 use std::time::Duration;
 
 pub use reader::{BroadcastReader, Message};
-pub use spin::{SpinPolicy, WaitStats};
 pub use writer::Broadcast;
 
 /// Longest a sleeping writer or reader sleeps before re-checking whether
@@ -95,7 +94,7 @@ impl BroadcastConfig {
 
     /// How long the writer spins before sleeping on the futex, and the
     /// longest each reader spins by default (a reader spins only as long as
-    /// its recent waits suggest pays, see [`SpinPolicy`]). Default 200 µs,
+    /// its recent waits suggest pays, see `channel::spin`). Default 200 µs,
     /// at most 1 s; zero: sleep at once.
     pub fn spin(mut self, spin: Duration) -> Self {
         self.spin = spin.min(MAX_SPIN);

@@ -3,7 +3,7 @@
 //! around it.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::atomics::{CancelFlag, ChannelPtr};
@@ -55,12 +55,73 @@ pub struct ReaderCore {
     /// Next sequence number to receive, and its slot.
     next: u64,
     idx: u32,
+    /// What is released; shared with the messages, which release from
+    /// any thread.
+    releases: Arc<Releases>,
+    /// Set by a canceller: every wait ends with [`Recv::Cancelled`].
+    cancel: Arc<CancelFlag>,
+}
+
+/// The release side of one reader: which received messages are released,
+/// and the mark it publishes. Shared by the reader and its messages, so a
+/// message released on another thread, or after its reader is gone,
+/// advances the mark at once. Its mutex is held only for the few steps of
+/// a poll or a release, never across a wait.
+#[derive(Debug)]
+pub struct Releases {
+    chan: ChannelPtr,
+    index: u32,
+    marks: Mutex<Marks>,
+}
+
+#[derive(Debug)]
+struct Marks {
     /// Messages below this are released (and published as the mark).
     released: u64,
     /// Received, not yet released: `released + k` done iff `outstanding[k]`.
     outstanding: VecDeque<bool>,
-    /// Set by a canceller: every wait ends with [`Recv::Cancelled`].
-    cancel: Arc<CancelFlag>,
+}
+
+// SAFETY: `chan` reaches shared memory only through atomics (valid while
+// the mapping lives, which the owner of this `Releases` guarantees), and
+// the process-local marks are behind the mutex.
+unsafe impl Send for Releases {}
+// SAFETY: as for `Send`: every access through `&Releases` is an atomic or
+// under the mutex.
+unsafe impl Sync for Releases {}
+
+impl Releases {
+    fn marks(&self) -> MutexGuard<'_, Marks> {
+        // The marks are consistent after every step (a panic inside the
+        // lock leaves nothing half-done that matters), so a poisoned lock
+        // is used as is.
+        self.marks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Releases message `seq` (received, not yet released). The mark
+    /// advances over every message released so far in order.
+    pub fn release(&self, seq: u64) {
+        let mut m = self.marks();
+        let Some(k) = seq
+            .checked_sub(m.released)
+            .and_then(|k| usize::try_from(k).ok())
+        else {
+            return;
+        };
+        if let Some(done) = m.outstanding.get_mut(k) {
+            *done = true;
+        }
+        let mut advanced = 0u64;
+        while m.outstanding.front() == Some(&true) {
+            m.outstanding.pop_front();
+            advanced += 1;
+        }
+        if advanced > 0 {
+            m.released += advanced;
+            // Under the lock: marks are published in order.
+            self.chan.release(self.index, m.released);
+        }
+    }
 }
 
 impl ReaderCore {
@@ -69,13 +130,19 @@ impl ReaderCore {
         let (word, start) = chan.claim(index);
         let slots = chan.geometry().slots as u64;
         ReaderCore {
+            releases: Arc::new(Releases {
+                chan: chan.clone(),
+                index,
+                marks: Mutex::new(Marks {
+                    released: start,
+                    outstanding: VecDeque::new(),
+                }),
+            }),
             chan,
             index,
             word,
             next: start,
             idx: (start % slots) as u32,
-            released: start,
-            outstanding: VecDeque::new(),
             cancel: Arc::new(CancelFlag::new()),
         }
     }
@@ -98,7 +165,12 @@ impl ReaderCore {
 
     /// Messages received and not yet released.
     pub fn held(&self) -> usize {
-        self.outstanding.len()
+        self.releases.marks().outstanding.len()
+    }
+
+    /// The release side, for the messages received (see [`Releases`]).
+    pub fn releases(&self) -> &Arc<Releases> {
+        &self.releases
     }
 
     /// The next message, if one is published.
@@ -114,12 +186,13 @@ impl ReaderCore {
             return Ok(None);
         }
         let g = self.chan.geometry();
-        if published - self.released > g.slots as u64 {
+        let mut marks = self.releases.marks();
+        if published - marks.released > g.slots as u64 {
             return Err(Corrupt {
                 field: "write_seq",
                 detail: format!(
                     "{published} is more than {} slots past this reader's release mark {}",
-                    g.slots, self.released
+                    g.slots, marks.released
                 ),
             });
         }
@@ -143,7 +216,7 @@ impl ReaderCore {
         if self.idx == g.slots {
             self.idx = 0;
         }
-        self.outstanding.push_back(false);
+        marks.outstanding.push_back(false);
         Ok(Some(got))
     }
 
@@ -288,30 +361,17 @@ impl ReaderCore {
         Ok(None)
     }
 
-    /// Releases message `seq` (received, not yet released). The mark
-    /// advances over every message released so far in order.
+    /// Releases message `seq` (received, not yet released): see
+    /// [`Releases::release`].
+    // The loom models' entry; the shell's messages release directly.
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub fn release(&mut self, seq: u64) {
-        let Some(k) = seq
-            .checked_sub(self.released)
-            .and_then(|k| usize::try_from(k).ok())
-        else {
-            return;
-        };
-        if let Some(done) = self.outstanding.get_mut(k) {
-            *done = true;
-        }
-        let mut advanced = 0u64;
-        while self.outstanding.front() == Some(&true) {
-            self.outstanding.pop_front();
-            advanced += 1;
-        }
-        if advanced > 0 {
-            self.released += advanced;
-            self.chan.release(self.index, self.released);
-        }
+        self.releases.release(seq);
     }
 
     /// Leaves the entry (not expected any more).
+    // The loom models' entry; the shell leaves with its last message.
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub fn leave(&self) {
         self.chan.leave(self.index, self.word);
     }
@@ -326,12 +386,12 @@ mod shell {
 
     use std::sync::Arc;
 
-    use super::{Corrupt, ReaderCore, Recv};
+    use super::{Corrupt, ReaderCore, Recv, Releases};
     use crate::channel::atomics::ChannelPtr;
+    use crate::channel::spin::SpinPolicy;
     use crate::channel::spin::WaitPlan;
     use crate::channel::validate::validate;
     use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
-    use crate::channel::{SpinPolicy, WaitStats};
     use crate::error::{Error, Result};
     use crate::sys::fork;
     use crate::sys::liveness::{reader_slot, WRITER_SLOT};
@@ -342,19 +402,24 @@ mod shell {
     /// reader index that was never attached) or after it attached (an index
     /// taken over from a reader that left or died).
     ///
-    /// `Send`, not `Sync`: one per thread. A [`Message`] borrows it:
+    /// `Send`, not `Sync`: one per thread. A [`Message`] owns its share of
+    /// the reader's attachment: it may outlive the reader, and move to
+    /// another thread, and the reader's entry stays until the last of them
+    /// goes:
     ///
-    /// ```compile_fail
+    /// ```
     /// use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
-    /// let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64)).unwrap();
+    /// # let name = format!("pinshm-doc-message-outlives-{}", std::process::id());
+    /// let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&name)).unwrap();
     /// tx.send(b"hi").unwrap();
     /// let m = {
     ///     let rx = BroadcastReader::attach(&tx.handle()).unwrap();
     ///     rx.recv().unwrap()
     /// };
+    /// assert_eq!(&*m, b"hi");
     /// ```
     ///
-    /// and it is not `Sync` (share it, and two threads could receive the
+    /// It is not `Sync` (share it, and two threads could receive the
     /// same position at once):
     ///
     /// ```compile_fail
@@ -366,13 +431,32 @@ mod shell {
         core: RefCell<ReaderCore>,
         /// The spin before sleeping, learned from recent waits.
         spin: Cell<SpinPolicy>,
-        /// How this reader's waits ended.
-        stats: Cell<WaitStats>,
         /// Shared with this reader's cancellers; detached at drop.
         cancel: Arc<CancelLink>,
         /// When the writer's liveness lock was last found held (a system
         /// call; asked at most once per [`LIVENESS_RECHECK`] while waiting).
         writer_seen: Cell<Option<Instant>>,
+        // Last: the mapping goes after everything that points into it.
+        at: Arc<Attachment>,
+    }
+
+    // SAFETY: the pointers inside `core` point into the mapping that `at`
+    // keeps alive wherever the reader goes; the RefCell makes it !Sync, so
+    // one thread at a time uses it. What its messages share with it
+    // (`Releases`, `Attachment`) is `Sync`.
+    unsafe impl Send for BroadcastReader {}
+
+    /// A reader's entry (and liveness lock) and its mapping, shared by the
+    /// reader and its messages: left when the last of them goes, so the
+    /// writer keeps expecting the reader, and keeps off a held message's
+    /// slot, while any message lives. A message leaked with `mem::forget`
+    /// keeps the entry until the process exits (the writer then waits or
+    /// times out on that slot, as for an unreleased message).
+    #[derive(Debug)]
+    struct Attachment {
+        releases: Arc<Releases>,
+        index: u32,
+        word: u64,
         /// The fork generation it attached in: a forked child's copy reads
         /// and releases nothing (see `sys::fork`).
         fork_gen: u64,
@@ -380,10 +464,25 @@ mod shell {
         seg: Segment,
     }
 
-    // SAFETY: the pointers inside `core` point into `seg`'s mapping, which
-    // moves with the reader; the RefCell makes it !Sync, so one thread at a
-    // time uses it.
-    unsafe impl Send for BroadcastReader {}
+    impl Attachment {
+        /// Whether this is the process that attached (not a forked child).
+        fn is_owner(&self) -> bool {
+            fork::current() == self.fork_gen
+        }
+    }
+
+    impl Drop for Attachment {
+        fn drop(&mut self) {
+            if !self.is_owner() {
+                return; // a forked child's copy: the entry is the parent's
+            }
+            // The reader and its messages are gone: leave, then let the
+            // lock go (closing the segment would too).
+            self.releases.chan.leave(self.index, self.word);
+            self.seg.unlock(reader_slot(self.index));
+            tracing::debug!(name = self.seg.name(), "broadcast reader detached");
+        }
+    }
 
     impl BroadcastReader {
         /// Attaches into the first free reader index.
@@ -434,14 +533,19 @@ mod shell {
                 tracing::debug!(name = %h.name, index = i, from = core.next, "broadcast reader attached");
                 let cancel =
                     CancelLink::new(core.cancel_flag().clone(), chan.clone(), false, fork_gen);
+                let at = Arc::new(Attachment {
+                    releases: Arc::clone(core.releases()),
+                    index: i,
+                    word: core.word,
+                    fork_gen,
+                    seg,
+                });
                 return Ok(BroadcastReader {
                     core: RefCell::new(core),
                     spin: Cell::new(SpinPolicy::new(spin)),
-                    stats: Cell::new(WaitStats::default()),
                     cancel,
                     writer_seen: Cell::new(None),
-                    fork_gen,
-                    seg,
+                    at,
                 });
             }
             Err(Error::NoReaderSlot {
@@ -456,43 +560,23 @@ mod shell {
 
         /// The channel's segment name.
         pub fn name(&self) -> &str {
-            self.seg.name()
+            self.at.seg.name()
         }
 
         /// The longest `recv` spins before sleeping (default: the
         /// channel's, see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin));
         /// within it, each receive spins as long as recent waits suggest
-        /// pays (see [`SpinPolicy`]). Zero: sleep at once, always.
+        /// pays, and around the predicted arrival when messages come at a
+        /// steady period (`channel::spin`). Zero: sleep at once, always.
         pub fn set_spin(&mut self, spin: Duration) {
             self.spin.set(SpinPolicy::new(spin));
         }
 
-        /// Sets how `recv` chooses its spin ([`SpinPolicy::new`]: adaptive,
-        /// the default; [`SpinPolicy::fixed`]: always the same).
-        pub fn set_spin_policy(&mut self, policy: SpinPolicy) {
-            self.spin.set(policy);
-        }
-
         /// How long the next `recv` would spin at once before sleeping
-        /// (a learned period adds a spin around the next arrival instead,
-        /// see [`BroadcastReader::spin_policy`]).
+        /// (a learned period adds a spin around the next arrival instead:
+        /// see `channel::spin`).
         pub fn spin_window(&self) -> Duration {
             self.spin.get().window()
-        }
-
-        /// The policy as learned so far (its period, its predictions).
-        pub fn spin_policy(&self) -> SpinPolicy {
-            self.spin.get()
-        }
-
-        /// How this reader's waits ended, since it attached (or since the
-        /// last call with `reset`).
-        pub fn wait_stats(&self, reset: bool) -> WaitStats {
-            let st = self.stats.get();
-            if reset {
-                self.stats.set(WaitStats::default());
-            }
-            st
         }
 
         /// A handle that ends this reader's blocked `recv` from another
@@ -506,18 +590,18 @@ mod shell {
         /// then [`Error::WriterGone`]. A reader that already holds a
         /// [`Message`] in every slot gets [`Error::TooManyGuards`] (the
         /// writer could never send it another one).
-        pub fn recv(&self) -> Result<Message<'_>> {
+        pub fn recv(&self) -> Result<Message> {
             self.recv_deadline(None, "recv")
         }
 
         /// As [`BroadcastReader::recv`], giving up after `timeout` with
         /// [`Error::Timeout`].
-        pub fn recv_timeout(&self, timeout: Duration) -> Result<Message<'_>> {
+        pub fn recv_timeout(&self, timeout: Duration) -> Result<Message> {
             self.recv_deadline(Some(timeout), "recv_timeout")
         }
 
         /// The next message if one is there; `Ok(None)` if not.
-        pub fn try_recv(&self) -> Result<Option<Message<'_>>> {
+        pub fn try_recv(&self) -> Result<Option<Message>> {
             match self.recv_deadline(Some(Duration::ZERO), "try_recv") {
                 Ok(m) => Ok(Some(m)),
                 Err(Error::Timeout { .. }) => Ok(None),
@@ -529,24 +613,20 @@ mod shell {
         /// False in a forked child, which cannot tell (the reader is the
         /// parent's: attach anew).
         pub fn writer_alive(&self) -> bool {
-            self.is_owner() && self.seg.held_by_other(WRITER_SLOT)
+            self.is_owner() && self.at.seg.held_by_other(WRITER_SLOT)
         }
 
-        fn recv_deadline(
-            &self,
-            timeout: Option<Duration>,
-            op: &'static str,
-        ) -> Result<Message<'_>> {
+        fn recv_deadline(&self, timeout: Option<Duration>, op: &'static str) -> Result<Message> {
             if !self.is_owner() {
                 return Err(Error::Forked {
-                    name: self.seg.name().to_owned(),
+                    name: self.at.seg.name().to_owned(),
                 });
             }
             // Cancelled: no wait starts, whether or not a message is there.
             if self.core.borrow().cancel_flag().is_set() {
                 return Err(Error::Cancelled {
                     op,
-                    name: self.seg.name().to_owned(),
+                    name: self.at.seg.name().to_owned(),
                 });
             }
             let t0 = Instant::now();
@@ -592,33 +672,30 @@ mod shell {
                     Recv::WriterGone => {}
                 }
                 self.spin.set(policy);
-                let mut st = self.stats.get();
-                st.count(&got, &trace);
-                self.stats.set(st);
             }
             match got {
                 Recv::Cancelled => Err(Error::Cancelled {
                     op,
-                    name: self.seg.name().to_owned(),
+                    name: self.at.seg.name().to_owned(),
                 }),
                 Recv::Message(m) => {
                     let p = self.core.borrow().chan().payload(m.slot);
                     Ok(Message {
-                        reader: self,
+                        at: Arc::clone(&self.at),
                         seq: m.seq,
                         data: p,
                         len: m.len,
                     })
                 }
                 Recv::WriterGone => Err(Error::WriterGone {
-                    name: self.seg.name().to_owned(),
+                    name: self.at.seg.name().to_owned(),
                 }),
                 Recv::TimedOut => Err(Error::Timeout {
                     op,
                     after: timeout.unwrap_or_default(),
                     detail: format!(
                         "no message on channel '{}' (the writer is alive, it sent nothing new)",
-                        self.seg.name()
+                        self.at.seg.name()
                     ),
                 }),
             }
@@ -626,13 +703,13 @@ mod shell {
 
         /// Whether this is the process that attached (not a forked child).
         fn is_owner(&self) -> bool {
-            fork::current() == self.fork_gen
+            self.at.is_owner()
         }
 
         fn corrupt(&self, c: Corrupt) -> Error {
-            tracing::debug!(name = self.seg.name(), field = c.field, detail = %c.detail, "corrupt channel");
+            tracing::debug!(name = self.at.seg.name(), field = c.field, detail = %c.detail, "corrupt channel");
             Error::BadHeader {
-                name: self.seg.name().to_owned(),
+                name: self.at.seg.name().to_owned(),
                 field: c.field,
                 detail: c.detail,
             }
@@ -644,42 +721,46 @@ mod shell {
             if !self.is_owner() {
                 return; // a forked child's copy: the entry is the parent's
             }
-            // Cancellers stop touching the mapping before it goes.
+            // Cancellers stop touching the mapping before it goes. The
+            // entry is left by the attachment, once its messages are gone.
             self.cancel.detach();
-            // No Message can be alive (they borrow self): leave, then let
-            // the lock go (closing the segment would too).
-            let core = self.core.get_mut();
-            core.leave();
-            self.seg.unlock(reader_slot(core.index()));
-            tracing::debug!(name = self.seg.name(), "broadcast reader detached");
         }
     }
 
     /// A message, in place in its slot: derefs to its bytes. While it lives
-    /// the writer cannot reuse the slot; dropping it releases it. Soundness
-    /// does not rest on the drop: a forgotten `Message` keeps its slot (the
-    /// writer waits or times out), and it cannot outlive its reader.
+    /// the writer cannot reuse the slot; dropping it releases it, from any
+    /// thread, before or after its reader is dropped. Soundness does not
+    /// rest on the drop: a forgotten `Message` keeps its slot (the writer
+    /// waits or times out) and its reader's entry and mapping.
     #[derive(Debug)]
-    pub struct Message<'r> {
-        reader: &'r BroadcastReader,
+    pub struct Message {
+        at: Arc<Attachment>,
         seq: u64,
         data: *const u8,
         len: usize,
     }
 
-    impl Message<'_> {
+    // SAFETY: `data` points into the mapping that `at` keeps alive, and is
+    // only read (bytes nobody writes while the message is unreleased); the
+    // drop releases through `Releases`, which is `Sync`.
+    unsafe impl Send for Message {}
+    // SAFETY: through `&Message` only the read-only payload and plain
+    // values are read.
+    unsafe impl Sync for Message {}
+
+    impl Message {
         /// Sequence number (0 for the channel's first message).
         pub fn seq(&self) -> u64 {
             self.seq
         }
     }
 
-    impl Deref for Message<'_> {
+    impl Deref for Message {
         type Target = [u8];
         fn deref(&self) -> &[u8] {
             // SAFETY: `data..data+len` is the payload of a slot of the
             // mapping (`len <= slot_size`, checked against the process-local
-            // geometry), which the borrowed reader keeps mapped. This reader
+            // geometry), which `at` keeps mapped. This reader
             // has not released the message, and the writer rewrites a slot
             // only after every expected reader released it (and this reader
             // is expected while attached), so nobody writes these bytes
@@ -688,22 +769,18 @@ mod shell {
         }
     }
 
-    impl AsRef<[u8]> for Message<'_> {
+    impl AsRef<[u8]> for Message {
         fn as_ref(&self) -> &[u8] {
             self
         }
     }
 
-    impl Drop for Message<'_> {
+    impl Drop for Message {
         fn drop(&mut self) {
-            // Not re-entrant: no borrow of the core is held outside the
-            // reader's own calls, and a Message is dropped outside them.
-            if !self.reader.is_owner() {
+            if !self.at.is_owner() {
                 return; // a forked child's copy: the mark is the parent's
             }
-            if let Ok(mut core) = self.reader.core.try_borrow_mut() {
-                core.release(self.seq);
-            }
+            self.at.releases.release(self.seq);
         }
     }
 }

@@ -34,8 +34,7 @@ const TIMER_SLACK: Duration = Duration::from_micros(50);
 /// the cap. A receive spins for `min(cap, 2 × estimate + 10 µs)` while the
 /// estimate is at most the cap, and not at all above it.
 ///
-/// **A steady period** (decode steps every few ms; [`SpinPolicy::new`]
-/// only): the policy also learns the gap between arrivals (`period`, a
+/// **A steady period** (decode steps every few ms): the policy also learns the gap between arrivals (`period`, a
 /// moving average of gaps within a quarter of it), their spread (`jitter`,
 /// the mean absolute deviation) and how late a timed futex wake-up comes
 /// (`overshoot` and its spread). Once [`MIN_STREAK`] gaps in a row agree,
@@ -58,11 +57,6 @@ const TIMER_SLACK: Duration = Duration::from_micros(50);
 pub struct SpinPolicy {
     cap: Duration,
     estimate: Duration,
-    /// Always spin for `cap`, whatever the waits (for comparison, and for
-    /// a reader that has a core to itself).
-    fixed: bool,
-    /// Learn the period and spin around the predicted arrival.
-    predict: bool,
     rhythm: Rhythm,
 }
 
@@ -140,54 +134,6 @@ pub struct WaitTrace {
     pub slept: bool,
 }
 
-/// How a reader's waits ended (receives with a wait; `try_recv` is not
-/// counted): where the microseconds of a wait went.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WaitStats {
-    /// Messages received, by when they came.
-    pub ready: u64,
-    /// In the spin at once.
-    pub spin: u64,
-    /// During the timed sleep before a predicted window (a futex wake-up).
-    pub early: u64,
-    /// In a predicted window's spin (the prediction hit).
-    pub window: u64,
-    /// In the untimed sleep (a futex wake-up).
-    pub sleep: u64,
-    /// Receives that timed out or were cancelled.
-    pub gave_up: u64,
-    /// Timed sleeps that ran to the window, and their total and largest
-    /// lateness.
-    pub overshoots: u64,
-    /// Sum of those latenesses.
-    pub overshoot_total: Duration,
-    /// The largest of them.
-    pub overshoot_max: Duration,
-}
-
-impl WaitStats {
-    /// Counts one wait's outcome.
-    pub fn count(&mut self, got: &crate::channel::reader::Recv, trace: &WaitTrace) {
-        use crate::channel::reader::Recv;
-        if let Some(o) = trace.overshoot {
-            self.overshoots += 1;
-            self.overshoot_total += o;
-            self.overshoot_max = self.overshoot_max.max(o);
-        }
-        match got {
-            Recv::Message(_) => match trace.caught {
-                Caught::Ready => self.ready += 1,
-                Caught::Spin => self.spin += 1,
-                Caught::Early => self.early += 1,
-                Caught::Window => self.window += 1,
-                Caught::Sleep => self.sleep += 1,
-            },
-            Recv::TimedOut | Recv::Cancelled => self.gave_up += 1,
-            Recv::WriterGone => {}
-        }
-    }
-}
-
 impl SpinPolicy {
     /// Spin at most `cap` on short waits (zero: never spin), as long as
     /// recent waits say pays, and around the predicted arrival when
@@ -199,43 +145,12 @@ impl SpinPolicy {
         SpinPolicy {
             cap,
             estimate: Duration::ZERO,
-            fixed: false,
-            predict: !cap.is_zero(),
             rhythm: Rhythm::new(),
         }
     }
 
-    /// As [`SpinPolicy::new`] without the prediction: spin on short waits
-    /// only, sleep untimed otherwise (the policy before periods were
-    /// learned; for comparison).
-    pub fn adaptive(cap: Duration) -> SpinPolicy {
-        SpinPolicy {
-            predict: false,
-            ..SpinPolicy::new(cap)
-        }
-    }
-
-    /// Always spin for `spin` (at most [`MAX_SPIN`](super::MAX_SPIN))
-    /// before sleeping (what a fixed busy window does: vLLM's readers spin
-    /// this way).
-    pub fn fixed(spin: Duration) -> SpinPolicy {
-        SpinPolicy {
-            fixed: true,
-            predict: false,
-            ..SpinPolicy::new(spin)
-        }
-    }
-
-    /// The longest spin on a short wait.
-    pub fn cap(&self) -> Duration {
-        self.cap
-    }
-
     /// How long the next receive spins at once before it sleeps.
     pub fn window(&self) -> Duration {
-        if self.fixed {
-            return self.cap;
-        }
         if self.cap.is_zero() || self.estimate > self.cap {
             return Duration::ZERO;
         }
@@ -245,7 +160,7 @@ impl SpinPolicy {
     /// The period learned, once trusted.
     pub fn period(&self) -> Option<Duration> {
         let r = &self.rhythm;
-        let steady = self.predict
+        let steady = !self.cap.is_zero()
             && r.last.is_some()
             && r.streak >= MIN_STREAK
             && (MIN_PERIOD..=MAX_PERIOD).contains(&r.period)
@@ -445,16 +360,10 @@ mod tests {
     #[test]
     fn a_spin_longer_than_max_spin_is_max_spin_and_its_plans_add_to_the_clock() {
         let t0 = Instant::now();
-        for p in [
-            SpinPolicy::new(Duration::MAX),
-            SpinPolicy::adaptive(Duration::MAX),
-            SpinPolicy::fixed(Duration::MAX),
-        ] {
-            assert_eq!(p.cap(), crate::channel::MAX_SPIN);
-            let mut p = p;
-            p.gave_up();
-            assert!(t0.checked_add(p.plan(t0).spin).is_some());
-        }
+        let mut p = SpinPolicy::new(Duration::MAX);
+        assert_eq!(p.cap, crate::channel::MAX_SPIN);
+        p.gave_up();
+        assert!(t0.checked_add(p.plan(t0).spin).is_some());
     }
 
     /// A policy that saw arrivals at `t0 + gaps[0]`, `+ gaps[1]`, …, each
@@ -491,7 +400,7 @@ mod tests {
 
     #[test]
     fn a_reader_between_decode_steps_sleeps_at_once() {
-        let mut p = SpinPolicy::adaptive(CAP);
+        let mut p = SpinPolicy::new(CAP);
         p.waited(5_000 * US);
         assert_eq!(p.window(), Duration::ZERO);
         p.waited(5_000 * US);
@@ -525,19 +434,6 @@ mod tests {
         assert_eq!(p.window(), Duration::ZERO);
         assert_eq!(p.period(), None);
         assert_eq!(p.plan(t + MS), WaitPlan::spin(Duration::ZERO));
-    }
-
-    #[test]
-    fn fixed_always_spins_its_window_and_never_predicts() {
-        let t0 = Instant::now();
-        let mut p = SpinPolicy::fixed(CAP);
-        let mut t = t0;
-        for _ in 0..10 {
-            t += 5 * MS;
-            p.learn(t - 5 * MS, t, WaitTrace::default());
-        }
-        assert_eq!(p.plan(t), WaitPlan::spin(CAP));
-        assert_eq!(p.period(), None);
     }
 
     #[test]

@@ -14,8 +14,8 @@ use super::{
 use crate::error::{Error, Result};
 
 enum Job {
-    /// Blocks the worker until the [`Hold`]'s sender is dropped.
-    Hold(Receiver<()>),
+    /// Blocks the worker until the [`Pause`]'s sender is dropped.
+    Pause(Receiver<()>),
     Copy {
         src: usize,
         dst: usize,
@@ -93,13 +93,13 @@ impl CpuEngine {
         }
     }
 
-    /// Stops this engine's queue until the returned [`Hold`] is dropped:
+    /// Pauses this engine's queue until the returned [`Pause`] is dropped:
     /// copies started meanwhile wait, in order, as behind a busy stream.
     /// For tests that must see copies in flight without relying on time.
-    pub fn hold(&self) -> Result<Hold> {
+    pub fn pause(&self) -> Result<Pause> {
         let (release, wait) = crossbeam_channel::bounded(0);
-        let ticket = self.submit(Job::Hold(wait), Vec::new())?;
-        Ok(Hold {
+        let ticket = self.submit(Job::Pause(wait), Vec::new())?;
+        Ok(Pause {
             _release: release,
             _ticket: ticket,
         })
@@ -119,11 +119,11 @@ impl CpuEngine {
     }
 }
 
-/// A stopped [`CpuEngine`] queue (see [`CpuEngine::hold`]); dropping it
+/// A paused [`CpuEngine`] queue (see [`CpuEngine::pause`]); dropping it
 /// lets the queue run on.
 #[derive(Debug)]
-#[must_use = "the queue runs on as soon as the Hold is dropped"]
-pub struct Hold {
+#[must_use = "the queue runs on as soon as the Pause is dropped"]
+pub struct Pause {
     _release: Sender<()>,
     _ticket: Ticket,
 }
@@ -133,8 +133,8 @@ fn run_job(job: &Job) -> Result<(), String> {
     // unpack_async) keeps every range valid and unshared until this job
     // reports completion.
     match *job {
-        Job::Hold(ref wait) => {
-            // Returns when the Hold drops its sender.
+        Job::Pause(ref wait) => {
+            // Returns when the Pause drops its sender.
             let _ = wait.recv();
             Ok(())
         }

@@ -211,7 +211,7 @@ impl CudaEngine {
     }
 
     /// Which kernel binary this engine runs (loading the kernels if they
-    /// are not loaded yet): an embedded cubin, the embedded PTX, or NVRTC.
+    /// are not loaded yet): an embedded cubin or the embedded PTX.
     pub fn kernel_source(&self) -> Result<KernelSource> {
         let _g = ContextGuard::save()?;
         Ok(self.kernels()?.source)
@@ -287,7 +287,8 @@ impl CudaEngine {
     }
 
     /// The pack and unpack kernels, loaded once per engine from the best
-    /// binary the driver accepts (see `cuda::kernels`). Call under a guard.
+    /// binary the driver accepts: the one load path (see `copy::kernels`
+    /// for the two binaries and why each is there). Call under a guard.
     fn kernels(&self) -> Result<&Kernels> {
         self.kernels
             .get_or_init(|| {
@@ -319,6 +320,9 @@ impl CudaEngine {
                         }
                         Err(e) => why.push(format!("{src}: {e}")),
                     }
+                }
+                if why.is_empty() {
+                    why.push("older than compute 7.0, the oldest the kernels run on".into());
                 }
                 Err(format!(
                     "no kernel binary loads on sm_{}{}: {}",

@@ -1,19 +1,25 @@
 //! The pack/unpack kernels of `kernels/pack.cu`: binaries built ahead of
-//! time by `kernels/build.py` (NVRTC from PyPI) and embedded here, with
-//! NVRTC at run time only as the fallback.
+//! time by `kernels/build.py` (NVRTC from PyPI) and embedded here.
 //!
-//! For a device of compute capability X.Y the engine loads, in order, the
-//! first that the driver accepts:
+//! One load path (`CudaEngine::kernels`): for a device of compute
+//! capability X.Y the engine loads the first of these that the driver
+//! accepts, each for a reason of its own:
 //! 1. the embedded cubin of the highest architecture X.y with y ≤ Y (a
 //!    cubin runs on later minors of its major; CUDA's minor-version
-//!    compatibility lets a 12.x driver load cubins of a newer 12.x NVRTC);
+//!    compatibility lets a 12.x driver load cubins of a newer 12.x NVRTC).
+//!    Why: no JIT and no library beyond the driver on the GPUs that run
+//!    vLLM today (sm_80 to sm_120: A100 to B200 and RTX 50).
 //! 2. the embedded PTX for compute_70 (stamped PTX ISA 7.0, so drivers
-//!    from CUDA 11.0 on can JIT it), for GPUs without a cubin here;
-//! 3. a cubin NVRTC compiles at run time for sm_XY (`nvrtcGetCUBIN`),
-//!    where libnvrtc is installed.
+//!    from CUDA 11.0 on can JIT it). Why: the only way to run, with no
+//!    library beyond the driver, on a GPU without a cubin here (V100, T4,
+//!    a major newer than this build); the driver JITs it once and caches it.
+//!
+//! Nothing compiles at run time: a GPU older than compute 7.0 (which vLLM
+//! does not support either) gets a clear error. NVRTC serves only
+//! [`compile_kernels`], CI's check that the source builds for every
+//! embedded architecture.
 
 use std::ffi::CString;
-use std::sync::OnceLock;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
@@ -52,8 +58,6 @@ pub enum KernelSource {
     Cubin(u32),
     /// The embedded PTX, JIT-compiled by the driver.
     Ptx(u32),
-    /// A cubin NVRTC compiled at run time for this architecture.
-    Nvrtc(u32),
 }
 
 impl std::fmt::Display for KernelSource {
@@ -61,13 +65,12 @@ impl std::fmt::Display for KernelSource {
         match self {
             KernelSource::Cubin(a) => write!(f, "embedded cubin sm_{a}"),
             KernelSource::Ptx(a) => write!(f, "embedded PTX compute_{a} (driver JIT)"),
-            KernelSource::Nvrtc(a) => write!(f, "NVRTC at run time, cubin sm_{a}"),
         }
     }
 }
 
 /// The binaries to try for a device of compute capability `cc`, best
-/// first. NVRTC comes last and is compiled only when reached.
+/// first (none for a device older than the PTX).
 pub(crate) fn candidates(cc: (i32, i32)) -> Vec<KernelSource> {
     let arch = (cc.0.max(0) * 10 + cc.1.max(0)) as u32;
     let mut v = Vec::new();
@@ -81,11 +84,10 @@ pub(crate) fn candidates(cc: (i32, i32)) -> Vec<KernelSource> {
     if arch >= PTX_ARCH {
         v.push(KernelSource::Ptx(PTX_ARCH));
     }
-    v.push(KernelSource::Nvrtc(arch));
     v
 }
 
-/// The module image of `src`, compiling with NVRTC if that is the source.
+/// The module image of `src`.
 pub(crate) fn image(src: KernelSource) -> Result<Ptx> {
     match src {
         KernelSource::Cubin(a) => CUBINS
@@ -94,24 +96,7 @@ pub(crate) fn image(src: KernelSource) -> Result<Ptx> {
             .map(|(_, b)| Ptx::from_binary(b.to_vec()))
             .ok_or_else(|| Error::copy(format!("no embedded cubin for sm_{a}"))),
         KernelSource::Ptx(_) => Ok(Ptx::from_src(PTX)),
-        KernelSource::Nvrtc(a) => nvrtc_cubin(a).map(Ptx::from_binary),
     }
-}
-
-/// A cubin of the kernels for `sm_<arch>`, compiled by NVRTC (cached per
-/// architecture for the process).
-fn nvrtc_cubin(arch: u32) -> Result<Vec<u8>> {
-    /// Per architecture: the cubin, or why NVRTC could not make it.
-    type Compiled = Vec<(u32, Result<Vec<u8>, String>)>;
-    static CACHE: OnceLock<std::sync::Mutex<Compiled>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, r)) = c.iter().find(|(a, _)| *a == arch) {
-        return r.clone().map_err(Error::copy);
-    }
-    let r = compile(&format!("--gpu-architecture=sm_{arch}"), true);
-    c.push((arch, r.clone()));
-    r.map_err(Error::copy)
 }
 
 /// Compiles [`SOURCE`] with NVRTC and `arch_opt`; the cubin (`cubin`) or
@@ -221,16 +206,12 @@ mod tests {
     #[test]
     fn each_device_gets_the_best_binary_it_can_run() {
         use KernelSource::*;
-        assert_eq!(candidates((9, 0)), [Cubin(90), Ptx(70), Nvrtc(90)]);
-        assert_eq!(candidates((8, 7)), [Cubin(86), Ptx(70), Nvrtc(87)]);
-        assert_eq!(candidates((10, 3)), [Cubin(100), Ptx(70), Nvrtc(103)]);
-        assert_eq!(candidates((12, 1)), [Cubin(120), Ptx(70), Nvrtc(121)]);
-        assert_eq!(candidates((7, 5)), [Ptx(70), Nvrtc(75)], "T4: the PTX");
-        assert_eq!(
-            candidates((11, 0)),
-            [Ptx(70), Nvrtc(110)],
-            "no sm_110 cubin"
-        );
-        assert_eq!(candidates((6, 1)), [Nvrtc(61)], "older than the PTX");
+        assert_eq!(candidates((9, 0)), [Cubin(90), Ptx(70)]);
+        assert_eq!(candidates((8, 7)), [Cubin(86), Ptx(70)]);
+        assert_eq!(candidates((10, 3)), [Cubin(100), Ptx(70)]);
+        assert_eq!(candidates((12, 1)), [Cubin(120), Ptx(70)]);
+        assert_eq!(candidates((7, 5)), [Ptx(70)], "T4: the PTX");
+        assert_eq!(candidates((11, 0)), [Ptx(70)], "no sm_110 cubin");
+        assert_eq!(candidates((6, 1)), [], "older than the PTX");
     }
 }

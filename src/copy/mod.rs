@@ -26,7 +26,7 @@ mod cpu;
 pub(crate) mod cuda;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
-pub use cpu::{CpuEngine, Hold};
+pub use cpu::{CpuEngine, Pause};
 
 /// Which device an engine or buffer belongs to.
 pub type DeviceId = u64;

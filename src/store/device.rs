@@ -235,13 +235,13 @@ impl ObjectStore {
 /// drop, which waits too.
 #[derive(Debug)]
 #[must_use = "dropping a PendingGet blocks until its copy completes"]
-pub struct PendingGet<'r> {
+pub struct PendingGet {
     tickets: Vec<Ticket>,
-    guard: Option<ReadGuard<'r>>,
+    guard: Option<ReadGuard>,
     len: usize,
 }
 
-impl PendingGet<'_> {
+impl PendingGet {
     /// Whether the copy has completed.
     pub fn poll(&self) -> Result<bool> {
         for t in &self.tickets {
@@ -270,7 +270,7 @@ impl PendingGet<'_> {
     }
 }
 
-impl Drop for PendingGet<'_> {
+impl Drop for PendingGet {
     fn drop(&mut self) {
         if self.guard.is_some() {
             if let Err(e) = self.finish() {
@@ -283,30 +283,30 @@ impl Drop for PendingGet<'_> {
 impl StoreReader {
     /// Starts copying the object `h` into `dst` (from its start):
     /// `get(h)` then [`ReadGuard::to_device`].
-    pub fn get_to_device<'r, E: CopyEngine + ?Sized>(
-        &'r self,
+    pub fn get_to_device<E: CopyEngine + ?Sized>(
+        &self,
         h: ObjectHandle,
         dst: &DeviceBuffer,
         engine: &E,
-    ) -> Result<PendingGet<'r>> {
+    ) -> Result<PendingGet> {
         engine.check_device(dst)?;
         self.get(h)?.to_device(dst, engine)
     }
 
     /// Starts copying the payload of tensor `h` into `dst`:
     /// `get(h)` then [`ReadGuard::tensor_to_device`].
-    pub fn get_tensor_to_device<'r, E: CopyEngine + ?Sized>(
-        &'r self,
+    pub fn get_tensor_to_device<E: CopyEngine + ?Sized>(
+        &self,
         h: ObjectHandle,
         dst: &DeviceBuffer,
         engine: &E,
-    ) -> Result<PendingGet<'r>> {
+    ) -> Result<PendingGet> {
         engine.check_device(dst)?;
         self.get(h)?.tensor_to_device(dst, engine)
     }
 }
 
-impl<'r> ReadGuard<'r> {
+impl ReadGuard {
     /// Starts copying the whole object into `dst` (from its start). The
     /// guard moves into the [`PendingGet`], which holds the slot until the
     /// copy has completed.
@@ -314,7 +314,7 @@ impl<'r> ReadGuard<'r> {
         self,
         dst: &DeviceBuffer,
         engine: &E,
-    ) -> Result<PendingGet<'r>> {
+    ) -> Result<PendingGet> {
         let len = self.len();
         self.copy_out(0, len, dst, engine)
     }
@@ -324,7 +324,7 @@ impl<'r> ReadGuard<'r> {
         self,
         dst: &DeviceBuffer,
         engine: &E,
-    ) -> Result<PendingGet<'r>> {
+    ) -> Result<PendingGet> {
         let len = self.tensor()?.bytes().len();
         self.copy_out(TENSOR_HEADER_LEN, len, dst, engine)
     }
@@ -335,7 +335,7 @@ impl<'r> ReadGuard<'r> {
         len: usize,
         dst: &DeviceBuffer,
         engine: &E,
-    ) -> Result<PendingGet<'r>> {
+    ) -> Result<PendingGet> {
         debug_assert!(offset + len <= self.len());
         engine.check_fits(len, dst)?;
         // The copy holds the mapping: were this PendingGet leaked and the

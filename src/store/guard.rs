@@ -1,9 +1,10 @@
 //! [`ReadGuard`]: a zero-copy view of one object, holding its slot.
 
 use std::ops::Deref;
+use std::sync::Arc;
 
 use super::handle::ObjectHandle;
-use super::reader::StoreReader;
+use super::reader::Attached;
 use crate::atomics::SlotPtr;
 use crate::layout::ObjectKind;
 
@@ -11,26 +12,36 @@ use crate::layout::ObjectKind;
 /// read; while it lives the slot cannot be reused. Guards are not limited
 /// in number, and the writer allocates around the objects they hold.
 ///
-/// Across `fork`: the guard is the parent's. In the child every segment
-/// mapping is made inaccessible at the fork (see `crate::sys::fork`), so
-/// reading an inherited guard's bytes faults (SIGSEGV) instead of returning
-/// bytes that the parent's release let the writer replace; dropping it in
-/// the child releases nothing.
+/// A guard owns what it reads through: a share of its reader's attachment
+/// (the mapping, the reader's entry and liveness lock). It may outlive the
+/// [`StoreReader`](crate::StoreReader) that made it, and be sent to or
+/// shared with other threads; the reader leaves the table only when the
+/// reader and its last guard are gone:
 ///
-/// A guard cannot outlive its reader:
-///
-/// ```compile_fail
+/// ```
 /// use pinshm::{ObjectStore, StoreConfig, StoreReader};
-/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1)).unwrap();
+/// # let name = format!("pinshm-doc-guard-outlives-{}", std::process::id());
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name)).unwrap();
 /// let h = store.put("k", b"v").unwrap();
 /// let guard = {
 ///     let reader = StoreReader::attach(&store.handle()).unwrap();
 ///     reader.get(h).unwrap()
 /// };
+/// assert_eq!(&*guard, b"v");
 /// ```
+///
+/// A guard leaked with `mem::forget` keeps its reader attached (entry, lock,
+/// mapping) until the process exits: the writer never reuses its slot, and
+/// allocates around it.
+///
+/// Across `fork`: the guard is the parent's. In the child every segment
+/// mapping is made inaccessible at the fork (see `crate::sys::fork`), so
+/// reading an inherited guard's bytes faults (SIGSEGV) instead of returning
+/// bytes that the parent's release let the writer replace; dropping it in
+/// the child releases nothing.
 #[derive(Debug)]
-pub struct ReadGuard<'r> {
-    pub(super) reader: &'r StoreReader,
+pub struct ReadGuard {
+    pub(super) reader: Arc<Attached>,
     pub(super) slot: SlotPtr,
     pub(super) handle: ObjectHandle,
     pub(super) data: *const u8,
@@ -38,7 +49,17 @@ pub struct ReadGuard<'r> {
     pub(super) kind: ObjectKind,
 }
 
-impl ReadGuard<'_> {
+// SAFETY: `slot` and `data` point into the mapping that `reader` keeps
+// alive; through them a guard only reads payload bytes that nobody writes
+// while it holds the slot, and its drop writes only atomics (acknowledge,
+// unhold: read-modify-writes, so guards of one reader dropped on several
+// threads at once lose no update). `Attached` is `Send + Sync`.
+unsafe impl Send for ReadGuard {}
+// SAFETY: through `&ReadGuard` only the read-only payload and plain values
+// are read.
+unsafe impl Sync for ReadGuard {}
+
+impl ReadGuard {
     /// The handle this guard reads.
     pub fn handle(&self) -> ObjectHandle {
         self.handle
@@ -50,25 +71,26 @@ impl ReadGuard<'_> {
     }
 }
 
-impl Deref for ReadGuard<'_> {
+impl Deref for ReadGuard {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         // SAFETY: `data..data+len` was bounds-checked against the data region
         // at get (in the read-write mapping; a read-only views mapping spans
-        // the same segment at the same offsets); the reader's hold on the slot keeps the writer from
+        // the same segment at the same offsets), and `reader` keeps the
+        // mapping alive; the reader's hold on the slot keeps the writer from
         // reusing it until the guard drops, and a published object's
         // bytes are never written again, so nobody writes them meanwhile.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }
     }
 }
 
-impl AsRef<[u8]> for ReadGuard<'_> {
+impl AsRef<[u8]> for ReadGuard {
     fn as_ref(&self) -> &[u8] {
         self
     }
 }
 
-impl Drop for ReadGuard<'_> {
+impl Drop for ReadGuard {
     fn drop(&mut self) {
         self.reader.ack_held(&self.slot, self.handle);
         self.reader.release_hold(&self.slot);

@@ -1,6 +1,7 @@
 //! One reader of a store: [`StoreReader`].
 
 use std::cell::Cell;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use super::config::ReaderOptions;
@@ -12,6 +13,7 @@ use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
 use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, reader_state, ObjectKind};
+
 use crate::sys::clock;
 use crate::sys::fork;
 use crate::sys::liveness;
@@ -57,37 +59,53 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeo
     Ok((seg, geo))
 }
 
-/// One reader of a store, attached into a reader slot until dropped.
+/// One reader of a store, attached into a reader slot until it and every
+/// guard it gave out are dropped.
 ///
 /// A `StoreReader` is `Send` but not `Sync`: one per thread (each thread of
-/// a process attaches its own, as each takes one of `n_readers` slots).
+/// a process attaches its own, as each takes one of `n_readers` slots; its
+/// one hazard word serialises its gets). Its guards are `Send` and `Sync`.
 #[derive(Debug)]
 pub struct StoreReader {
+    /// The attachment, shared with every guard.
+    at: Arc<Attached>,
+    /// The segment's signing secret, copied at attach.
+    secret: [u8; 32],
+    /// The key of its slot tags ([`layout::tag_key`] of `secret`).
+    tag_key: u64,
+    /// Not `Sync`: a get publishes the reader's one hazard word.
+    _one_thread: PhantomData<Cell<()>>,
+}
+
+/// A reader's attachment: its entry in the reader table (and the liveness
+/// lock, through the mapping), shared by the `StoreReader` and each of its
+/// guards. The entry is left when the last of them goes, so a guard that
+/// outlives its reader still holds its slot, under a live entry, in a
+/// mapping that stays.
+#[derive(Debug)]
+pub(super) struct Attached {
     geo: StoreGeometry,
     index: u32,
     me: ReaderPtr,
     counted_from: u64,
     /// Our state word in the reader table while we hold the entry.
     word: u64,
-    /// The segment's signing secret, copied at attach.
-    secret: [u8; 32],
-    /// The key of its slot tags ([`layout::tag_key`] of `secret`).
-    tag_key: u64,
     /// The fork generation this reader attached in (see `sys::fork`): in a
     /// forked child it reads nothing and writes nothing shared.
     fork_gen: u64,
-    /// Holds this reader has taken and not given back (guards, views,
-    /// copies in flight): a reader dropped with some leaked keeps its lock.
-    outstanding: Cell<u64>,
     /// The segment (our reader lock held through it), shared with copies
     /// in flight out of it.
     pub(super) map: Arc<Mapping>,
 }
 
-// SAFETY: the pointers point into the mapping `map` keeps alive, which moves
-// with the reader; the reader's own state (Cell) is not shared, since
-// StoreReader is not Sync.
-unsafe impl Send for StoreReader {}
+// SAFETY: the pointers point into the mapping `map` keeps alive, which
+// moves with the reader. Through `&Attached` only atomics of shared memory
+// are touched (acknowledge and unhold are RMWs), never the hazard word,
+// which only the non-`Sync` `StoreReader` writes.
+unsafe impl Send for Attached {}
+// SAFETY: as above: every shared write through `&Attached` is an atomic
+// RMW or a store of a value only its own process writes.
+unsafe impl Sync for Attached {}
 
 impl StoreReader {
     /// Attaches into the first free reader slot (pinning: `PinMode::Auto`).
@@ -151,27 +169,29 @@ impl StoreReader {
         tracing::debug!(name = %sh.name, index, counted_from, pinned = map.is_pinned(), "reader attached");
         let secret = geo.header().read().secret;
         Ok(StoreReader {
-            geo,
-            index,
-            me: geo.reader(index),
-            counted_from,
-            word,
+            at: Arc::new(Attached {
+                geo,
+                index,
+                me: geo.reader(index),
+                counted_from,
+                word,
+                fork_gen,
+                map,
+            }),
             secret,
             tag_key: layout::tag_key(&secret),
-            fork_gen,
-            outstanding: Cell::new(0),
-            map,
+            _one_thread: PhantomData,
         })
     }
 
     /// This reader's index in the reader table.
     pub fn index(&self) -> u32 {
-        self.index
+        self.at.index
     }
 
     /// The segment's name.
     pub fn name(&self) -> &str {
-        self.map.seg().name()
+        self.at.map.seg().name()
     }
 
     /// The segment's current epoch, which every handle issued since the
@@ -180,15 +200,15 @@ impl StoreReader {
     /// forked child: the reader is the parent's, and the child's copy of
     /// the mapping is inaccessible (`crate::sys::fork`).
     pub fn epoch(&self) -> u64 {
-        if !self.is_owner() {
+        if !self.at.is_owner() {
             return 0;
         }
-        self.geo.header().epoch()
+        self.at.geo.header().epoch()
     }
 
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
-        self.map.is_pinned()
+        self.at.map.is_pinned()
     }
 
     /// A zero-copy view of the object. Its read is acknowledged when the
@@ -196,30 +216,29 @@ impl StoreReader {
     /// may hold any number of guards, on one object or many, for as long
     /// as it likes: each is one count in the slot, and the writer allocates
     /// around held objects.
-    pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard<'_>> {
+    pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard> {
         // Before the hazard word is written: in a forked child it is the
         // parent's.
-        self.check_owner()?;
+        self.at.check_owner()?;
         let slot = self.slot(h)?;
-        self.me.set_hazard(h.monotonic_id);
+        self.at.me.set_hazard(h.monotonic_id);
         let checked = self
             .validate_slot(h, &slot, slot.id_acquire())
-            .and_then(|v| self.check_entry().map(|()| v));
+            .and_then(|v| self.at.check_entry().map(|()| v));
         if checked.is_ok() {
             // The hazard keeps the slot valid under this write (the hold
             // protocol of crate::atomics); the hold keeps it once the hazard is cleared.
-            slot.hold(self.index, self.generation());
-            self.outstanding.set(self.outstanding.get() + 1);
+            slot.hold(self.at.index, self.at.generation());
         }
-        self.me.clear_hazard();
+        self.at.me.clear_hazard();
         let Valid {
             data, len, kind, ..
         } = checked?;
         Ok(ReadGuard {
-            reader: self,
+            reader: Arc::clone(&self.at),
             slot,
             handle: h,
-            data: self.map.view_of(data),
+            data: self.at.map.view_of(data),
             len,
             kind,
         })
@@ -247,7 +266,7 @@ impl StoreReader {
     /// what its validation found. A half of its own so that a test can
     /// reuse the slot between the check and the copy, deterministically.
     fn begin_copy(&self, h: ObjectHandle) -> Result<CopyStart> {
-        self.check_attached()?;
+        self.at.check_attached()?;
         let slot = self.slot(h)?;
         let valid = self.validate_slot(h, &slot, slot.id_acquire())?;
         Ok(CopyStart { slot, valid })
@@ -288,7 +307,7 @@ impl StoreReader {
     /// Checks that `h` names a live object of this segment (id, epoch,
     /// slot tag), acknowledging nothing (vLLM 0.33's reader `touch`).
     pub fn validate(&self, h: ObjectHandle) -> Result<()> {
-        self.check_attached()?;
+        self.at.check_attached()?;
         let slot = self.slot(h)?;
         let valid = self.validate_slot(h, &slot, slot.id_acquire())?;
         // The tag and size were read after a load of the id: if the slot
@@ -310,13 +329,13 @@ impl StoreReader {
 
     fn stale(&self, h: ObjectHandle, why: &'static str) -> Error {
         tracing::debug!(
-            reader = self.index,
+            reader = self.at.index,
             address = h.address,
             id = h.monotonic_id,
             why,
             "stale read"
         );
-        self.me.count_stale();
+        self.at.me.count_stale();
         // A stale handle from a writer that is gone will never become good:
         // say so (checked only on this error path).
         if let Err(gone) = self.check_writer() {
@@ -333,11 +352,91 @@ impl StoreReader {
     /// check that cannot decide counts as alive). False in a forked child,
     /// which cannot tell (the reader is the parent's: attach anew).
     pub fn writer_alive(&self) -> bool {
-        self.is_owner()
-            && self.geo.header().writer_pid() != 0
-            && self.map.seg().held_by_other(liveness::WRITER_SLOT)
+        self.at.is_owner()
+            && self.at.geo.header().writer_pid() != 0
+            && self.at.map.seg().held_by_other(liveness::WRITER_SLOT)
     }
 
+    /// `Err(WriterGone)` if the writer has exited or died. Objects already
+    /// published stay readable; nothing new will come.
+    pub fn check_writer(&self) -> Result<()> {
+        self.at.check_owner()?;
+        if self.writer_alive() {
+            Ok(())
+        } else {
+            Err(Error::WriterGone {
+                name: self.at.map.seg().name().to_owned(),
+            })
+        }
+    }
+
+    fn slot(&self, h: ObjectHandle) -> Result<SlotPtr> {
+        if h.monotonic_id == 0 {
+            return Err(self.stale(h, "id 0 is never used"));
+        }
+        let slot = self
+            .at
+            .geo
+            .slot(h.address)
+            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))?;
+        // Before any byte of it is touched: a read fault on a page the
+        // writer never backed would allocate it (and raise SIGBUS on a full
+        // /dev/shm). `geo.slot` checked that this cannot overflow.
+        if h.address + self.at.geo.prefix_len > self.at.geo.header().backed() {
+            return Err(self.stale(h, "address past what the writer has written"));
+        }
+        Ok(slot)
+    }
+
+    /// Given the slot's id as just loaded, checks it, the tag and the size
+    /// against the handle and the process-local bounds.
+    fn validate_slot(&self, h: ObjectHandle, slot: &SlotPtr, id: u64) -> Result<Valid> {
+        if id != h.monotonic_id {
+            return Err(self.stale(h, "id mismatch"));
+        }
+        let (tag, size, kind) = slot.meta();
+        if tag
+            != layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
+        {
+            return Err(self.stale(
+                h,
+                "tag mismatch (other epoch or segment, or a corrupted slot header)",
+            ));
+        }
+        let data = self
+            .at
+            .geo
+            .payload(h.address, size)
+            .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
+        // `payload` checked that this sum stays within the capacity.
+        if h.address + self.at.geo.prefix_len + size > self.at.geo.header().backed() {
+            return Err(self.stale(h, "size runs past what the writer has written"));
+        }
+        let kind = ObjectKind::from_code(kind)
+            .ok_or_else(|| self.stale(h, "unknown object kind (a corrupted slot header)"))?;
+        Ok(Valid {
+            data,
+            len: size as usize,
+            kind,
+            tag,
+        })
+    }
+
+    /// Counts one read of `h`, under the hazard so the slot cannot be
+    /// reused while the counter is written.
+    fn ack_read(&self, h: ObjectHandle) -> Result<()> {
+        self.at.check_attached()?;
+        let slot = self.slot(h)?;
+        self.at.me.set_hazard(h.monotonic_id);
+        let r = self
+            .validate_slot(h, &slot, slot.id_acquire())
+            .map(|_| self.at.ack_held(&slot, h));
+        self.at.me.clear_hazard();
+        r
+    }
+}
+
+impl Attached {
     /// Whether this is the process that attached (not a forked child).
     fn is_owner(&self) -> bool {
         fork::current() == self.fork_gen
@@ -371,69 +470,6 @@ impl StoreReader {
         }
     }
 
-    /// `Err(WriterGone)` if the writer has exited or died. Objects already
-    /// published stay readable; nothing new will come.
-    pub fn check_writer(&self) -> Result<()> {
-        self.check_owner()?;
-        if self.writer_alive() {
-            Ok(())
-        } else {
-            Err(Error::WriterGone {
-                name: self.map.seg().name().to_owned(),
-            })
-        }
-    }
-
-    fn slot(&self, h: ObjectHandle) -> Result<SlotPtr> {
-        if h.monotonic_id == 0 {
-            return Err(self.stale(h, "id 0 is never used"));
-        }
-        let slot = self
-            .geo
-            .slot(h.address)
-            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))?;
-        // Before any byte of it is touched: a read fault on a page the
-        // writer never backed would allocate it (and raise SIGBUS on a full
-        // /dev/shm). `geo.slot` checked that this cannot overflow.
-        if h.address + self.geo.prefix_len > self.geo.header().backed() {
-            return Err(self.stale(h, "address past what the writer has written"));
-        }
-        Ok(slot)
-    }
-
-    /// Given the slot's id as just loaded, checks it, the tag and the size
-    /// against the handle and the process-local bounds.
-    fn validate_slot(&self, h: ObjectHandle, slot: &SlotPtr, id: u64) -> Result<Valid> {
-        if id != h.monotonic_id {
-            return Err(self.stale(h, "id mismatch"));
-        }
-        let (tag, size, kind) = slot.meta();
-        if tag
-            != layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
-        {
-            return Err(self.stale(
-                h,
-                "tag mismatch (other epoch or segment, or a corrupted slot header)",
-            ));
-        }
-        let data = self
-            .geo
-            .payload(h.address, size)
-            .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
-        // `payload` checked that this sum stays within the capacity.
-        if h.address + self.geo.prefix_len + size > self.geo.header().backed() {
-            return Err(self.stale(h, "size runs past what the writer has written"));
-        }
-        let kind = ObjectKind::from_code(kind)
-            .ok_or_else(|| self.stale(h, "unknown object kind (a corrupted slot header)"))?;
-        Ok(Valid {
-            data,
-            len: size as usize,
-            kind,
-            tag,
-        })
-    }
-
     /// This reader's attach generation (what its hold words carry).
     fn generation(&self) -> u64 {
         reader_state::generation(self.word)
@@ -445,20 +481,6 @@ impl StoreReader {
         if self.is_owner() {
             slot.unhold(self.index);
         }
-        self.outstanding.set(self.outstanding.get() - 1);
-    }
-
-    /// Counts one read of `h`, under the hazard so the slot cannot be
-    /// reused while the counter is written.
-    fn ack_read(&self, h: ObjectHandle) -> Result<()> {
-        self.check_attached()?;
-        let slot = self.slot(h)?;
-        self.me.set_hazard(h.monotonic_id);
-        let r = self
-            .validate_slot(h, &slot, slot.id_acquire())
-            .map(|_| self.ack_held(&slot, h));
-        self.me.clear_hazard();
-        r
     }
 
     /// Acknowledges a read of a slot this reader holds (hazard or hold).
@@ -479,23 +501,17 @@ impl StoreReader {
     }
 }
 
-impl Drop for StoreReader {
+impl Drop for Attached {
     fn drop(&mut self) {
         if !self.is_owner() {
             // A forked child's copy: the entry and its lock are the
             // parent's. Only our mapping goes.
             return;
         }
-        if self.outstanding.get() != 0 {
-            // Guards (or a PendingGet) were leaked with mem::forget: keep
-            // their holds and our lock. The lock lives as long as the
-            // mapping, which a copy still in flight holds; after that the
-            // writer finds the entry's lock free and reaps it, and ignores
-            // the holds of a reader it marked left.
-            tracing::debug!(index = self.index, "reader dropped with leaked guards");
-            return;
-        }
-        // No guard can be alive (they borrow self): leave the table.
+        // The reader and every guard are gone (a guard leaked with
+        // mem::forget leaks its share, so this never runs): no hold of
+        // ours is left, and no get can start. Leave the table. The lock
+        // goes with the mapping, once copies in flight let it go.
         self.me.clear_hazard();
         let left = reader_state::word(reader_state::generation(self.word), reader_state::LEFT);
         self.me.transition(self.word, left);

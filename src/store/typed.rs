@@ -63,7 +63,7 @@ impl ObjectStore {
     }
 }
 
-impl<'r> ReadGuard<'r> {
+impl ReadGuard {
     /// The object as a tensor, in place (borrowing this guard).
     pub fn tensor(&self) -> Result<TensorView<'_>> {
         self.expect_kind(ObjectKind::Tensor)?;
@@ -86,12 +86,13 @@ impl<'r> ReadGuard<'r> {
         Ok(())
     }
 
-    /// The object's bytes with the reader's lifetime instead of the guard's.
+    /// The object's bytes, unbound from the borrow of the guard.
     ///
     /// # Safety
     /// The slice must not be used after this guard is dropped (store it
-    /// beside the guard, in a struct that drops both together).
-    unsafe fn bytes_for_guard_life(&self) -> &'r [u8] {
+    /// beside the guard, in a struct that drops both together and lends it
+    /// out only for borrows of itself).
+    unsafe fn bytes_for_guard_life(&self) -> &'static [u8] {
         // SAFETY: the bytes live in the mapping, not in the guard, so moving
         // the guard does not move them; they stay valid and unwritten while
         // the guard lives (the guard is one count in its reader's hold word
@@ -104,8 +105,8 @@ impl<'r> ReadGuard<'r> {
 /// A tensor in place that owns its read: [`TensorView`]'s accessors, and
 /// dropping it acknowledges the read. From [`StoreReader::get_tensor`].
 ///
-/// Not `Deref<Target = TensorView<'r>>`: a `TensorView` is `Copy` and its
-/// bytes borrow for `'r`, so a copy would outlive the guard. Here every
+/// Not `Deref<Target = TensorView>`: a `TensorView` is `Copy`, and a copy
+/// of the stored one would outlive the guard. Here every
 /// view borrows the guard:
 ///
 /// ```compile_fail
@@ -116,12 +117,14 @@ impl<'r> ReadGuard<'r> {
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct TensorGuard<'r> {
-    view: TensorView<'r>,
-    guard: ReadGuard<'r>,
+pub struct TensorGuard {
+    /// Over the guard's bytes: lent out only as `TensorView<'_>` of a
+    /// borrow of `self`, never as stored.
+    view: TensorView<'static>,
+    guard: ReadGuard,
 }
 
-impl<'r> TensorGuard<'r> {
+impl TensorGuard {
     /// The handle this view reads.
     pub fn handle(&self) -> ObjectHandle {
         self.guard.handle()
@@ -166,9 +169,8 @@ impl<'r> TensorGuard<'r> {
 /// An item in place that owns its read: [`ItemView`]'s accessors, and
 /// dropping it acknowledges the read. From [`StoreReader::get_item`].
 ///
-/// Not `Deref<Target = ItemView<'r>>`: the view's names, metadata and
-/// fields borrow for `'r`, the reader's lifetime, so they would outlive
-/// the guard and read a slot the writer may reuse. Here they borrow the
+/// Not `Deref<Target = ItemView>`: the stored view's names, metadata and
+/// fields would outlive the guard and read a slot the writer may reuse. Here they borrow the
 /// guard:
 ///
 /// ```compile_fail
@@ -179,12 +181,14 @@ impl<'r> TensorGuard<'r> {
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct ItemGuard<'r> {
-    view: ItemView<'r>,
-    guard: ReadGuard<'r>,
+pub struct ItemGuard {
+    /// Over the guard's bytes: lent out only as `ItemView<'_>` of a borrow
+    /// of `self`, never as stored.
+    view: ItemView<'static>,
+    guard: ReadGuard,
 }
 
-impl<'r> ItemGuard<'r> {
+impl ItemGuard {
     /// The handle this view reads.
     pub fn handle(&self) -> ObjectHandle {
         self.guard.handle()
@@ -229,7 +233,7 @@ impl<'r> ItemGuard<'r> {
 impl StoreReader {
     /// A tensor, in place: `get(h)` then [`ReadGuard::tensor`], owning the
     /// read. The read is acknowledged when the view drops.
-    pub fn get_tensor(&self, h: ObjectHandle) -> Result<TensorGuard<'_>> {
+    pub fn get_tensor(&self, h: ObjectHandle) -> Result<TensorGuard> {
         let guard = self.get(h)?;
         guard.expect_kind(ObjectKind::Tensor)?;
         // SAFETY: the view is stored beside its guard and dropped with it.
@@ -238,7 +242,7 @@ impl StoreReader {
     }
 
     /// An item, in place: `get(h)` then [`ReadGuard::item`], owning the read.
-    pub fn get_item(&self, h: ObjectHandle) -> Result<ItemGuard<'_>> {
+    pub fn get_item(&self, h: ObjectHandle) -> Result<ItemGuard> {
         let guard = self.get(h)?;
         guard.expect_kind(ObjectKind::Item)?;
         // SAFETY: the view is stored beside its guard and dropped with it.

@@ -4,7 +4,7 @@
 //!
 //! A body proves a state only where the engine lets the test make it:
 //! [`TestEngine::gate`] stops the engine's copies (the CPU engine's
-//! [`Hold`]); the CUDA engine has no gate, and there a body checks what
+//! [`Pause`]); the CUDA engine has no gate, and there a body checks what
 //! holds whatever the copy's timing. Nothing waits on a clock: a copy is
 //! known to be over once [`TestEngine::drain`] returns.
 
@@ -14,7 +14,7 @@ use super::{pattern, Name, Rng};
 use pinshm::testing as layout;
 use pinshm::testing::{pack_cpu, unpack_cpu};
 use pinshm::{
-    CopyEngine, CpuEngine, DType, Error, Hold, ItemLayout, ObjectStore, PackDesc, StoreConfig,
+    CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, Pause, StoreConfig,
     StoreReader,
 };
 
@@ -30,7 +30,7 @@ pub trait TestEngine: CopyEngine + Sized + 'static {
     fn reader(w: &ObjectStore) -> StoreReader;
     /// Stops this engine's copies until the gate drops, where the engine
     /// can be stopped; `None` where it cannot (a GPU stream).
-    fn gate(&self) -> Option<Hold>;
+    fn gate(&self) -> Option<Pause>;
     /// Returns once every copy started on this engine before the call has
     /// finished: an upload is ordered after them (the `CopyEngine`
     /// contract, point 3) and waited for.
@@ -50,8 +50,8 @@ impl TestEngine for CpuEngine {
     fn reader(w: &ObjectStore) -> StoreReader {
         StoreReader::attach(&w.handle()).unwrap()
     }
-    fn gate(&self) -> Option<Hold> {
-        Some(self.hold().unwrap())
+    fn gate(&self) -> Option<Pause> {
+        Some(self.pause().unwrap())
     }
 }
 
@@ -75,7 +75,7 @@ impl TestEngine for pinshm::CudaEngine {
         )
         .expect("a pinned reader")
     }
-    fn gate(&self) -> Option<Hold> {
+    fn gate(&self) -> Option<Pause> {
         None
     }
 }

@@ -26,7 +26,7 @@ def receive_messages(channel_handle, results):
     with pinshm.BroadcastReader.attach(channel_handle, 0) as rx:
         got = []
         while True:
-            m = rx.recv()
+            m = rx.recv_bytes()
             if m == b"eos":
                 break
             got.append(m)
@@ -41,7 +41,7 @@ def serve_objects(channel_handle, store_handle, results):
     ) as reader:
         digests = []
         while True:
-            m = rx.recv()
+            m = rx.recv_bytes()
             if m == b"eos":
                 break
             if not m:  # a nudge from a writer waiting for room

@@ -15,8 +15,8 @@ def test_messages_arrive_in_order_as_bytes(channel):
     tx, rx = channel
     tx.send(b"one")
     tx.send(bytearray(b"two"))
-    assert rx.recv() == b"one"
-    assert rx.recv(timeout=10) == b"two"
+    assert rx.recv_bytes() == b"one"
+    assert rx.recv_bytes(timeout=10) == b"two"
     assert rx.try_recv() is None
     assert tx.sent == 2
 
@@ -28,16 +28,16 @@ def test_a_full_channel_refuses_try_send_and_times_out_send(channel):
     with pytest.raises(pinshm.WaitTimeoutError) as e:
         tx.send(b"c", timeout=0)
     assert isinstance(e.value, builtins.TimeoutError)
-    assert rx.recv() == b"a"
+    assert rx.recv_bytes() == b"a"
     assert tx.try_send(b"c")
 
 
 def test_an_empty_channel_times_out_recv(channel):
     _, rx = channel
     with pytest.raises(pinshm.WaitTimeoutError, match="recv"):
-        rx.recv(timeout=0)
+        rx.recv_bytes(timeout=0)
     with pytest.raises(ValueError, match="timeout"):
-        rx.recv(timeout=-1)
+        rx.recv_bytes(timeout=-1)
 
 
 def test_a_message_larger_than_a_slot_raises(channel):
@@ -50,9 +50,9 @@ def test_receivers_drain_then_see_the_writer_gone(channel):
     tx, rx = channel
     tx.send(b"last")
     tx.close()
-    assert rx.recv() == b"last"
+    assert rx.recv_bytes() == b"last"
     with pytest.raises(pinshm.WriterGoneError):
-        rx.recv()
+        rx.recv_bytes()
 
 
 @pytest.mark.parametrize("proto", [2, pickle.HIGHEST_PROTOCOL])
@@ -189,7 +189,7 @@ def test_cancel_ends_a_blocked_recv_and_a_blocked_send(unique_name, closing):
     t2.join(60)
     assert [type(e) for e in outcome] == [pinshm.CancelledError, pinshm.CancelledError]
     with pytest.raises(pinshm.CancelledError):
-        rx.recv(timeout=1)
+        rx.recv_bytes(timeout=1)
 
 
 def test_star_import_does_not_shadow_the_builtin_timeout_error():

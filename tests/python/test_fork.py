@@ -49,7 +49,7 @@ def test_a_forked_child_refuses_at_once_where_a_parent_thread_held_a_lock_at_the
     b2.send(b"1")
     b2.send(b"2")
     got = []
-    receiver, receiving = in_call("recv", lambda: got.append(r1.recv()))
+    receiver, receiving = in_call("recv_bytes", lambda: got.append(r1.recv_bytes()))
     sender, sending = in_call("send", lambda: b2.send(b"3"))
     # Both are in their waits (nothing to receive, no free slot).
     assert receiving.wait(WAIT_S) and sending.wait(WAIT_S)
@@ -64,7 +64,7 @@ def test_a_forked_child_refuses_at_once_where_a_parent_thread_held_a_lock_at_the
 
     assert in_child(child) == 0
     b1.send(b"wake")
-    assert [r2.recv(timeout=5) for _ in range(3)] == [b"1", b"2", b"3"]
+    assert [r2.recv_bytes(timeout=5) for _ in range(3)] == [b"1", b"2", b"3"]
     receiver.join(5)
     sender.join(5)
     assert got == [b"wake"]

@@ -113,10 +113,10 @@ def test_a_killed_writer_is_gone_to_its_reader_though_its_forked_child_lives(
     party = closing(Party(build, how))
     try:
         r = closing(pinshm.BroadcastReader.attach(party.report, 0))
-        assert r.recv(timeout=WAIT_S) == b"before"
+        assert r.recv_bytes(timeout=WAIT_S) == b"before"
         party.kill()
         with pytest.raises(pinshm.WriterGoneError):
-            r.recv(timeout=GONE_WITHIN_S)
+            r.recv_bytes(timeout=GONE_WITHIN_S)
     finally:
         # The killed writer could not remove its segment.
         if os.path.exists(f"/dev/shm/{name}"):

@@ -52,7 +52,7 @@ def test_nine_vllm_sized_queues_cost_a_few_mib(unique_name, closing):
         rx = closing(pinshm.BroadcastReader.attach(tx.handle(), 0))
         for i in range(100):
             tx.send(b"m" * 300)
-            assert rx.recv() == b"m" * 300
+            assert rx.recv_bytes() == b"m" * 300
         names.append(tx.name)
     total = sum(allocated(n) for n in names)
     assert total <= 16 * MIB, f"nine queues allocated {total} bytes"
@@ -95,18 +95,18 @@ def test_a_sparse_channel_on_a_small_dev_shm_raises_nospace_not_sigbus():
         rx = pinshm.BroadcastReader.attach(tx.handle(), 0)
         for i in range(100):
             tx.send(b"s" * 1000)
-            assert rx.recv() == b"s" * 1000
+            assert rx.recv_bytes() == b"s" * 1000
         err = None
         for i in range(10):
             try:
                 tx.send(b"b" * (20 * MIB))
-                assert len(rx.recv()) == 20 * MIB
+                assert len(rx.recv_bytes()) == 20 * MIB
             except MemoryError as e:
                 err = e
                 break
         assert isinstance(err, pinshm.NoSpaceError), repr(err)
         tx.send(b"small again")
-        assert rx.recv() == b"small again"
+        assert rx.recv_bytes() == b"small again"
         print("OK", err)
         """
     )

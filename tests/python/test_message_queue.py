@@ -65,7 +65,7 @@ def test_shutdown_from_another_thread_wakes_a_blocked_reader(unique_name, closin
         except BaseException as e:  # noqa: BLE001 - the outcome is the test
             outcome.append(e)
 
-    t, entered = in_call("recv_view", blocked)
+    t, entered = in_call("recv", blocked)
     assert entered.wait(JOIN_S)  # the reader is in the channel's wait
     rd.shutdown()
     t.join(JOIN_S)
@@ -267,9 +267,13 @@ def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, closing):
     slots = 4
     mq = closing(MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=slots, name=unique_name()))
     results = ctx.Queue()
-    stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, results)
+    # The stalled reader reports on a queue of its own: SIGKILLed, it may
+    # die holding that queue's write lock (its feeder thread's), which
+    # would block every later put on a shared one.
+    stall_report = ctx.Queue()
+    stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, stall_report)
     mq.enqueue(-1)
-    kind, pid = results.get(timeout=JOIN_S)
+    kind, pid = stall_report.get(timeout=JOIN_S)
     assert kind == "stalled"
     n = 5 * slots
     reader = start(ctx, w.read_count, mq.export_handle(), 0, n + 1, results)

@@ -389,7 +389,7 @@ class MessageQueue:
         wait = Wait(deadline_after(timeout), quiet=indefinite)
         while True:
             try:
-                return rx.recv_view(timeout=wait.step())
+                return rx.recv(timeout=wait.step())
             except pinshm.CancelledError:
                 raise RuntimeError("cancelled") from None
             except pinshm.WaitTimeoutError:

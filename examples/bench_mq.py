@@ -87,7 +87,6 @@ def reader(impl, handle, rank, handles_out):
     handles_out.put((rank, resp.export_handle()))
     resp.wait_until_ready()
     c0 = w0 = 0.0
-    stats = None  # where the waits went: not reported (no per-wait counters)
     while True:
         cmd, t0, _payload = rpc.dequeue(indefinite=True)
         t1 = time.monotonic_ns()
@@ -95,12 +94,10 @@ def reader(impl, handle, rank, handles_out):
         if cmd == "msg":
             resp.enqueue(t1 - t0)
         elif cmd == "begin":
-            if stats:
-                stats(True)
             c0, w0 = time.process_time(), time.monotonic()
             resp.enqueue(0)
         elif cmd == "end":
-            resp.enqueue((time.process_time() - c0, time.monotonic() - w0, dict(stats()) if stats else None))
+            resp.enqueue((time.process_time() - c0, time.monotonic() - w0))
         elif cmd == "idle":
             resp.enqueue(0)
             c0, w0 = time.process_time(), time.monotonic()
@@ -137,8 +134,8 @@ def phase(rpc, resps, mode, size, n):
     wcpu, wwall = time.process_time() - c0, time.monotonic() - w0
     rpc.enqueue(("end", 0, None))
     ends = [r.dequeue() for r in resps]
-    rcpu = max(cpu / wall for cpu, wall, _ in ends)
-    return lat, 100 * rcpu, 100 * wcpu / wwall, [st for _, _, st in ends]
+    rcpu = max(cpu / wall for cpu, wall in ends)
+    return lat, 100 * rcpu, 100 * wcpu / wwall
 
 
 def run(impl, n_readers, iters, idle_s):
@@ -157,7 +154,7 @@ def run(impl, n_readers, iters, idle_s):
     out = {"phases": {}}
     for size in SIZES:
         for mode in MODES:
-            lat, rcpu, wcpu, stats = phase(rpc, resps, mode, size, iters[mode][size])
+            lat, rcpu, wcpu = phase(rpc, resps, mode, size, iters[mode][size])
             q = statistics.quantiles(lat, n=100, method="inclusive")
             out["phases"][f"{mode} {size}"] = {
                 "median": statistics.median(lat),
@@ -165,7 +162,6 @@ def run(impl, n_readers, iters, idle_s):
                 "reader_cpu": rcpu,
                 "writer_cpu": wcpu,
                 "n": len(lat),
-                "wait_stats": stats,
             }
         if size == KIB:
             out["shm_small"] = shm_bytes()
@@ -241,12 +237,10 @@ def report(res, impls):
 
 
 def compare(res, impls):
-    """Every implementation against vLLM's (ratios > 1: faster than vLLM's),
-    and where pinshm's readers got their messages."""
+    """Every implementation against vLLM's (ratios > 1: faster than vLLM's)."""
     base = "vllm" if "vllm" in impls else None
-    print("| mode | message | readers | impl | median | p99 | vLLM/impl median | p99 | reader CPU "
-          "| caught: ready/spin/early/window/sleep | timed-wake overshoot mean/max |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | message | readers | impl | median | p99 | vLLM/impl median | p99 | reader CPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in MODES:
         for size in SIZES:
             for n in READERS:
@@ -254,16 +248,8 @@ def compare(res, impls):
                     p = res[impl, n]["phases"][f"{mode} {size}"]
                     v = res[base, n]["phases"][f"{mode} {size}"] if base else None
                     ratio = f"{v['median'] / p['median']:.2f}× | {v['p99'] / p['p99']:.2f}×" if v else " | "
-                    caught, over = "", ""
-                    sts = [st for st in p.get("wait_stats") or [] if st]
-                    if sts:
-                        tot = {k: sum(st[k] for st in sts) for k in sts[0]}
-                        caught = "/".join(str(int(tot[k])) for k in ("ready", "spin", "early", "window", "sleep"))
-                        if tot["overshoots"]:
-                            over = (f"{1e6 * tot['overshoot_total'] / tot['overshoots']:.0f}/"
-                                    f"{1e6 * max(st['overshoot_max'] for st in sts):.0f} µs")
                     print(f"| {mode} | {label(size)} | {n} | {impl} | {us(p['median'])} | {us(p['p99'])} | {ratio} "
-                          f"| {p['reader_cpu']:.1f} % | {caught} | {over} |")
+                          f"| {p['reader_cpu']:.1f} % |")
     print()
 
 

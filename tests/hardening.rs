@@ -1,4 +1,4 @@
-//! Regression tests for the safety promises of the hardening issue, each
+//! Regression tests for the store's safety promises, each
 //! with real processes: a slot under a live guard is never reused, and safe
 //! code cannot make anything read freed memory.
 //!

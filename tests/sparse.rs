@@ -185,7 +185,7 @@ fn fill_dev_shm(name: &str) {
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_nospace_keeps_the_cache() {
     if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_nospace_keeps_the_cache") {
-        // Issue 26, point 7. A 256 MiB sparse store on a 32 MiB /dev/shm.
+        // A 256 MiB sparse store on a 32 MiB /dev/shm.
         let mut w = ObjectStore::create(
             StoreConfig::new(256 * MIB, 24 * MIB, 1)
                 .name("pinshm-test-nospace-cache")
@@ -353,7 +353,7 @@ fn child_reads_past_written_on_full_shm() {
     }
 }
 
-/// Issue 27, point 3: a cache (a sparse store) and a queue (a sparse
+/// A cache (a sparse store) and a queue (a sparse
 /// channel) share a 32 MiB /dev/shm; the cache is filled with far more than
 /// fits, then the queue's larger messages come. With a headroom the cache
 /// stops growing before it takes what the queue needs; without one it

@@ -509,7 +509,7 @@ fn forged_header(h: ObjectHandle, size: u64, slot_len: u64) -> Vec<u8> {
 
 #[test]
 fn a_newer_payload_spelling_the_old_header_never_passes_for_the_old_object() {
-    // Issue 26, point 5. Objects of mixed sizes: p, then a at its end, then
+    // Objects of mixed sizes: p, then a at its end, then
     // f filling the ring but for a tail too short for b. Once p and a are read, b (as long as both) wraps
     // to 0 and its payload covers a's old header, where it spells a's id,
     // size, kind, slot length and unkeyed tag. A stale handle of a must

@@ -583,7 +583,7 @@ mod tests {
         }
     }
 
-    /// Issue 26, point 5: the slot is freed and reused between the check
+    /// The slot is freed and reused between the check
     /// at the start of a copy and the copy itself, by a newer object whose
     /// payload covers the old header and spells the old id, size, kind and
     /// unkeyed tag there. The check after the copy must refuse it.

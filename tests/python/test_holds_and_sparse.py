@@ -184,7 +184,7 @@ def test_the_torch_gate_releases_at_once_without_cuda():
 
 
 def test_handles_past_what_the_writer_wrote_are_stale_and_allocate_nothing(unique_name, closing):
-    # Issue 26, point 3: a stale, foreign or corrupted handle at an address
+    # A stale, foreign or corrupted handle at an address
     # the writer never wrote is refused before any byte there is touched (a
     # read fault on a hole of /dev/shm allocates a page, or raises SIGBUS
     # when /dev/shm is full).

@@ -1,4 +1,4 @@
-"""Gated releases (`pinshm.set_release_gate`, issue 26 point 6): a read
+"""Gated releases (`pinshm.set_release_gate`): a read
 whose event has completed is released with no further call on its reader
 (the release poller), `close()` and dropping a reader release its
 completed reads and keep the rest until their events complete, and copies

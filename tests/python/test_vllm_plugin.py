@@ -382,7 +382,7 @@ for q in (big, w, r):
 
 
 def test_auto_uses_pinshms_queue_where_vllms_would_not_fit_a_container(tmp_path):
-    # Issue 27, point 2: a stand-in for vLLM whose queue refuses, as
+    # A stand-in for vLLM whose queue refuses, as
     # vLLM's does, what /dev/shm cannot hold, on a container's 64 MiB.
     for rel, text in STAND_IN.items():
         f = tmp_path / rel

@@ -182,7 +182,7 @@ def test_the_handshake_works_from_one_thread_as_in_vllm(unique_name):
     # vLLM's writer-side wait_until_ready returns once every local reader
     # exists (its subscription arrived), not once each has called its own;
     # vLLM's tests/distributed/test_shm_broadcast.py calls them in turn from
-    # one thread. Issue 27, point 1.
+    # one thread.
     import threading
 
     mq = MessageQueue(2, 2, max_chunk_bytes=1 << 16, max_chunks=3, name=unique_name())

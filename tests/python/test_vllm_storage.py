@@ -430,7 +430,7 @@ def test_vllms_own_serde_carries_tensors_and_multimodal_items(make):
 
 
 def test_the_cache_leaves_a_headroom_of_dev_shm(monkeypatch):
-    # Issue 27, point 3: the cache is /dev/shm's elastic user.
+    # The cache is /dev/shm's elastic user.
     from pinshm.vllm.cache import storage
 
     monkeypatch.setenv("PINSHM_VLLM_SHM_HEADROOM", "12345")

@@ -69,8 +69,9 @@ for m in mods:
 for u in upward:
     print("LAYER:", u)
 PY = os.path.join(os.path.dirname(__file__), "..", "python", "pinshm")
-# Entry points: loaded by their host (vLLM loads the plugin), never imported.
-ENTRY_POINTS = {"pinshm.vllm.plugin"}
+# Entry points: loaded by their host (vLLM loads the plugin and the encoder-cache
+# connector), never imported.
+ENTRY_POINTS = {"pinshm.vllm.plugin", "pinshm.vllm.ec_connector"}
 
 
 def py_modules():

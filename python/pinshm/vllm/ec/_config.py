@@ -1,0 +1,159 @@
+"""The connector's settings, read from vLLM's ``ec_connector_extra_config``.
+
+A leaf: no vLLM, no torch, no store. The connector reads the dict vLLM
+hands it; the tests build settings straight from a dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: The store the engines of a node share when none is named.
+DEFAULT_STORE = "pinshm_ec"
+#: Bytes of the store when no size is given: a sparse segment, so this is
+#: what it may grow to, not what it takes at start.
+DEFAULT_SIZE = 1 << 30
+#: Reader entries: each engine takes one for its scheduler and one per
+#: worker (TP rank), so 16 serves, say, four TP=2 engines with room to spare.
+DEFAULT_READERS = 16
+#: Average object size the default key index is sized for: an index with
+#: room for ``size // this`` keys (within the bounds below).
+INDEX_BYTES_PER_KEY = 16 << 10
+MIN_INDEX_KEYS = 1024
+MAX_INDEX_KEYS = 1 << 20
+
+KNOWN_KEYS = frozenset(
+    {"store", "size", "n_readers", "key_index", "max_object_size", "key_prefix", "shm_headroom", "retry_s"}
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: object, what: str = "size", allow_zero: bool = False) -> int:
+    """Bytes from an int or a string such as ``"256m"``, ``"1g"``,
+    ``"1.5GiB"`` or ``"4096"`` (units are powers of 1024). ValueError,
+    naming `what`, for anything else or for a size that is not positive
+    (or negative, with `allow_zero`)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a byte count (an int, or a string like '256m'), not {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{what} must be a byte count (an int, or a string like '256m'), not {value!r}")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ValueError(f"{what} must be positive, not {value!r}")
+    return n
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{what} must be a positive int, not {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{what} must be a positive int, not {value!r}") from None
+    if n <= 0:
+        raise ValueError(f"{what} must be a positive int, not {value!r}")
+    return n
+
+
+def model_fingerprint(model: object, revision: object = None) -> str:
+    """A short tag of the model whose encoder made an output. vLLM's
+    ``mm_hash`` names the input (the image and its processing), not the
+    encoder; two engines of a node that serve different models must not
+    load each other's outputs, so keys carry this tag."""
+    return hashlib.sha256(f"{model}|{revision}".encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ECSettings:
+    """What ``ec_connector_extra_config`` says, with the defaults filled in.
+
+    - ``store``: the segment's name (``/dev/shm/<store>``), shared by the
+      engines of a node: a producer (``ec_producer``, ``ec_both``) writes
+      it, a consumer attaches to it.
+    - ``size``: the store's capacity in bytes (an int, or ``"256m"``,
+      ``"1g"``); sparse, so memory is what the outputs touch.
+    - ``n_readers``: reader entries (scheduler and workers of every engine
+      that reads).
+    - ``key_index``: keys the shared index has room for.
+    - ``max_object_size``: the largest output saved (None: what fits).
+    - ``key_prefix``: put before each ``mm_hash`` (default: the model's
+      fingerprint and a colon).
+    - ``shm_headroom``: free bytes of /dev/shm the sparse store leaves to
+      others (None: the cache drop-in's default).
+    - ``retry_s``: how often a scheduler retries attaching a store that is
+      not there yet, and checks that its store is still the named one.
+    """
+
+    store: str = DEFAULT_STORE
+    size: int = DEFAULT_SIZE
+    n_readers: int = DEFAULT_READERS
+    key_index: int = MIN_INDEX_KEYS
+    max_object_size: Optional[int] = None
+    key_prefix: str = ""
+    shm_headroom: Optional[int] = None
+    retry_s: float = 1.0
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]], fingerprint: str = "") -> ECSettings:
+        """Settings from the extra config dict. ValueError on a value that
+        is not what its key takes; unknown keys are returned by
+        :func:`unknown_keys` for the caller to warn about."""
+        extra = dict(extra or {})
+        store = str(extra.get("store", DEFAULT_STORE)).lstrip("/")
+        if not store or "/" in store or len(store) > 200:
+            raise ValueError(f"store must be a name for /dev/shm (no '/'), not {extra.get('store')!r}")
+        size = parse_size(extra.get("size", DEFAULT_SIZE), "size")
+        n_readers = _count(extra.get("n_readers", DEFAULT_READERS), "n_readers")
+        if "key_index" in extra:
+            key_index = _count(extra["key_index"], "key_index")
+        else:
+            key_index = min(MAX_INDEX_KEYS, max(MIN_INDEX_KEYS, size // INDEX_BYTES_PER_KEY))
+        max_object = extra.get("max_object_size")
+        max_object_size = None if max_object is None else parse_size(max_object, "max_object_size")
+        prefix = extra.get("key_prefix")
+        key_prefix = f"{fingerprint}:" if prefix is None and fingerprint else str(prefix or "")
+        headroom = extra.get("shm_headroom")
+        shm_headroom = None if headroom is None else parse_size(headroom, "shm_headroom", allow_zero=True)
+        retry = extra.get("retry_s", 1.0)
+        if isinstance(retry, bool) or not isinstance(retry, (int, float)) or retry < 0:
+            raise ValueError(f"retry_s must be a number of seconds >= 0, not {retry!r}")
+        return cls(
+            store=store,
+            size=size,
+            n_readers=n_readers,
+            key_index=key_index,
+            max_object_size=max_object_size,
+            key_prefix=key_prefix,
+            shm_headroom=shm_headroom,
+            retry_s=float(retry),
+        )
+
+    def key(self, mm_hash: str) -> str:
+        """The store key of an encoder output."""
+        return self.key_prefix + mm_hash
+
+    def describe(self) -> str:
+        return f"store {self.store!r}, {_human(self.size)}, {self.n_readers} readers, index of {self.key_index} keys"
+
+
+def unknown_keys(extra: Optional[Mapping[str, Any]]) -> list[str]:
+    """Keys of the extra config this connector does not read (typos)."""
+    return sorted(k for k in (extra or {}) if k not in KNOWN_KEYS)
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << (shift - 4)) == 0:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{n} B"

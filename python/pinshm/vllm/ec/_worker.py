@@ -1,0 +1,236 @@
+"""The workers' half of the connector: TP rank 0 of a producer engine
+writes the store (it creates it, sparse, in cache mode) and saves each new
+encoder output into it, device to host straight into the slot; every rank
+of a consumer engine loads what the scheduler leased, host to device from
+the slot, into vLLM's encoder cache.
+
+torch is imported only when a tensor is made here (a placeholder): vLLM's
+workers have it, CI has numpy only, and the device copies
+(:mod:`pinshm.device`) take either.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import MutableMapping, Sequence
+from typing import Any, Callable, Optional
+
+from ..._pinshm import ObjectHandle, ObjectStore, PinshmError
+from ...device import get_tensor, put_tensor
+from .._tracker import Tracked
+from ..cache.storage import shm_headroom
+from ._attach import NamedReader
+from ._config import ECSettings
+from ._meta import LoadReport, LoadSpec
+
+logger = logging.getLogger("vllm.pinshm.ec")
+
+#: Width of a placeholder for a request whose output could not be loaded,
+#: by modality ("" for any): None when it cannot be known.
+WidthOf = Callable[[str], Optional[int]]
+
+
+class WorkerSide:
+    """Saves (the writer, when this rank writes) and loads (every rank of
+    a consumer) for one worker process."""
+
+    def __init__(
+        self,
+        settings: ECSettings,
+        producer: bool,
+        consumer: bool,
+        writes: bool,
+        device: Optional[str] = None,
+        dtype: Any = None,
+        width_of: Optional[WidthOf] = None,
+    ) -> None:
+        self.settings = settings
+        self.producer = producer
+        self.consumer = consumer
+        self.device = device
+        self.dtype = dtype
+        self.width_of = width_of
+        self.store: Optional[ObjectStore] = None
+        self._tracked = Tracked()
+        self.reader = NamedReader(settings.store, settings.retry_s, pin="auto")
+        self._report = LoadReport()
+        self._warned: set[str] = set()
+        self.saved = 0
+        self.already = 0
+        self.unsaved = 0
+        self.loaded = 0
+        self.failed = 0
+        if producer and writes:
+            self.store = self._create()
+
+    # ---- the writer -------------------------------------------------
+
+    def _create(self) -> Optional[ObjectStore]:
+        s = self.settings
+        capacity = s.size - s.size % ObjectStore.SLOT_ALIGN
+        largest = ObjectStore.largest_object(capacity, s.n_readers)
+        limit = largest if s.max_object_size is None else min(s.max_object_size, largest)
+        try:
+            store = ObjectStore(
+                capacity,
+                limit,
+                s.n_readers,
+                name=s.store,
+                reserve=False,
+                cache=True,
+                key_index=s.key_index,
+                shm_headroom=shm_headroom() if s.shm_headroom is None else s.shm_headroom,
+            )
+        except (PinshmError, OSError, ValueError) as e:
+            if os.path.exists(os.path.join("/dev/shm", s.store)):
+                logger.warning(
+                    "pinshm encoder cache: store %r has a live writer (another producer engine): "
+                    "this engine reads it and saves nothing (%s)",
+                    s.store,
+                    e,
+                )
+            else:
+                logger.error("pinshm encoder cache: cannot create store %r (%s): nothing is saved", s.store, e)
+            return None
+        # vLLM SIGKILLs its workers at shutdown: the resource tracker
+        # unlinks the name then.
+        self._tracked.add(s.store)
+        return store
+
+    def save(self, encoder_cache: MutableMapping[str, Any], mm_hash: str) -> None:
+        """Saves the output of `mm_hash` unless it is saved already. A full
+        store, an object too large, or anything else that fails is logged
+        and skipped: the engine goes on."""
+        store = self.store
+        if store is None or mm_hash not in encoder_cache:
+            return
+        key = self.settings.key(mm_hash)
+        try:
+            if store.is_cached(key):
+                self.already += 1
+                return
+            put_tensor(store, key, contiguous(encoder_cache[mm_hash]))
+            self.saved += 1
+        except MemoryError as e:  # FullError, NoSpaceError: everything held
+            self.unsaved += 1
+            self._once("full", "pinshm encoder cache: store %r full, output not saved (%s)", self.settings.store, e)
+        except Exception as e:  # noqa: BLE001 - a save never stops the engine
+            self.unsaved += 1
+            self._once(type(e).__name__, "pinshm encoder cache: output of %s not saved: %r", mm_hash, e)
+
+    # ---- loads ------------------------------------------------------
+
+    def load(self, step: int, loads: Sequence[LoadSpec], encoder_cache: MutableMapping[str, Any]) -> None:
+        """Loads the step's outputs into `encoder_cache`. One that cannot be
+        loaded is replaced by a placeholder of zeros (vLLM's model runner
+        raises on a missing output) and its request is reported failed."""
+        if not loads:
+            return
+        failed: set[str] = set()
+        for spec in loads:
+            if spec.mm_hash in encoder_cache:
+                continue
+            value = self._load_one(spec)
+            if value is None:
+                failed.add(spec.request_id)
+                value = self._placeholder(spec)
+                if value is None:
+                    continue
+            encoder_cache[spec.mm_hash] = value
+        self.loaded += len(loads) - len(failed)
+        self.failed += len(failed)
+        self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
+
+    def _load_one(self, spec: LoadSpec) -> Any:
+        reader = self.reader.for_epoch(spec.epoch)
+        if reader is None:
+            logger.warning(
+                "pinshm encoder cache: output of %s not loaded: store %r is gone or was replaced",
+                spec.mm_hash,
+                self.settings.store,
+            )
+            return None
+        handle = ObjectHandle(spec.address, spec.monotonic_id, spec.epoch)
+        try:
+            value = get_tensor(reader, handle, device=self.device)
+        except Exception as e:  # noqa: BLE001 - StaleError and the like: reported, never raised
+            logger.warning("pinshm encoder cache: output of %s not loaded: %r", spec.mm_hash, e)
+            return None
+        shape = tuple(getattr(value, "shape", ()))
+        rows = shape[0] if shape else None
+        if rows != spec.num_embeds:
+            logger.warning(
+                "pinshm encoder cache: output of %s has %s rows, vLLM expects %d: not loaded",
+                spec.mm_hash,
+                rows,
+                spec.num_embeds,
+            )
+            return None
+        return convert(value, self.dtype)
+
+    def _placeholder(self, spec: LoadSpec) -> Any:
+        width = self.width_of(spec.modality) if self.width_of is not None else None
+        if width is None:
+            logger.error(
+                "pinshm encoder cache: no placeholder width for %s: vLLM's runner will stop on the missing output",
+                spec.mm_hash,
+            )
+            return None
+        return zeros((spec.num_embeds, width), self.dtype, self.device)
+
+    def take_report(self) -> LoadReport:
+        """What this worker loaded and failed since the last call."""
+        report, self._report = self._report, LoadReport()
+        return report
+
+    def _once(self, what: str, msg: str, *args: object) -> None:
+        if what in self._warned:
+            logger.debug(msg, *args)
+        else:
+            self._warned.add(what)
+            logger.warning(msg, *args)
+
+    def close(self) -> None:
+        """Detaches the reader; the writer removes the store. Twice is fine."""
+        self.reader.close()
+        store, self.store = self.store, None
+        if store is not None:
+            try:
+                store.close()
+            except (PinshmError, OSError) as e:
+                if getattr(e, "errno", None) != errno.ENOENT:
+                    logger.debug("pinshm encoder cache: closing store %r: %s", self.settings.store, e)
+        self._tracked.clear()
+
+
+def contiguous(value: Any) -> Any:
+    """`value` (a torch tensor or a numpy array) laid out contiguously."""
+    is_contiguous = getattr(value, "is_contiguous", None)
+    if callable(is_contiguous):
+        return value if is_contiguous() else value.contiguous()
+    flags = getattr(value, "flags", None)
+    if flags is not None and not flags.c_contiguous:
+        import numpy as np
+
+        return np.ascontiguousarray(value)
+    return value
+
+
+def convert(value: Any, dtype: Any) -> Any:
+    """A torch tensor in `dtype` (the model's); anything else as it is."""
+    if dtype is None or not hasattr(value, "to") or getattr(value, "dtype", dtype) == dtype:
+        return value
+    return value.to(dtype)
+
+
+def zeros(shape: tuple[int, int], dtype: Any, device: Optional[str]) -> Any:
+    """Zeros of `shape`: a torch tensor where torch is, else numpy float32."""
+    try:
+        import torch
+    except ImportError:
+        import numpy as np
+
+        return np.zeros(shape, dtype=np.float32)
+    return torch.zeros(shape, dtype=dtype if isinstance(dtype, torch.dtype) else None, device=device)

@@ -1,0 +1,232 @@
+"""``PinshmECConnector``: vLLM's encoder-cache connector over a pinshm store.
+
+vLLM loads it with no line of vLLM changed::
+
+    ec_transfer_config={
+        "ec_connector": "PinshmECConnector",
+        "ec_connector_module_path": "pinshm.vllm.ec_connector",
+        "ec_role": "ec_both",  # or ec_producer, ec_consumer
+        "ec_connector_extra_config": {"store": "pinshm_ec", "size": "1g"},
+    }
+
+This module imports vLLM (its connector base classes): only vLLM's
+connector factory imports it. The work is done by
+:class:`._scheduler.SchedulerSide` (engine core: lookups in the shared key
+index, leases) and :class:`._worker.WorkerSide` (workers: saves, loads),
+which import neither vLLM nor torch.
+
+What vLLM calls, and what happens:
+
+- ``has_cache_item`` (scheduler): the key is looked up in the store's
+  shared index and, if found, leased at once; vLLM then schedules no
+  encoder run for it. A miss (or a store not there yet) runs the encoder.
+- ``update_state_after_alloc``: a leased hit becomes a load of this step;
+  ``build_connector_meta`` sends the step's loads (handles, not data) to
+  the workers and ends the leases of hits whose request was not scheduled.
+- ``start_load_caches`` (every rank of a consumer): each output is copied
+  from its slot to the model's device into vLLM's encoder cache.
+- ``save_caches`` (TP rank 0 of a producer): each new encoder output is put
+  into the store (device to host into the slot), unless it is there.
+- ``build_connector_worker_meta`` → ``update_connector_output``: the step's
+  report; the scheduler ends the step's leases.
+- A load that fails (the store was replaced between the lease and the
+  load) puts zeros in the output's place, since vLLM's model runner stops
+  on a missing output, and the report names the request;
+  ``take_unavailable_requests`` hands it to vLLM, which fails it (sent
+  again, it runs the encoder). See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from ._config import ECSettings, model_fingerprint, unknown_keys
+from ._meta import LoadReport, LoadSpec
+from ._scheduler import SchedulerSide
+from ._worker import WidthOf, WorkerSide
+
+logger = logging.getLogger("vllm.pinshm.ec")
+
+__all__ = ["PinshmECConnector", "PinshmECConnectorMetadata", "PinshmECWorkerMetadata"]
+
+
+class PinshmECConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → workers, once per step: the step's number and loads."""
+
+    def __init__(self, step: int = 0, loads: Optional[list[LoadSpec]] = None) -> None:
+        self.step = step
+        self.loads: list[LoadSpec] = list(loads or [])
+
+    def __repr__(self) -> str:
+        return f"PinshmECConnectorMetadata(step={self.step}, loads={len(self.loads)})"
+
+
+class PinshmECWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
+    """Workers → scheduler: the steps loaded and the requests that failed,
+    merged over the ranks by vLLM's output aggregator."""
+
+    def __init__(self, report: LoadReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: Any) -> PinshmECWorkerMetadata:
+        if isinstance(other, PinshmECWorkerMetadata):
+            return PinshmECWorkerMetadata(self.report.merge(other.report))
+        return self
+
+    def __repr__(self) -> str:
+        return f"PinshmECWorkerMetadata({self.report})"
+
+
+class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
+    """The encoder cache of every engine of a node, in one pinshm store."""
+
+    def __init__(self, vllm_config: Any, role: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        ec = vllm_config.ec_transfer_config
+        extra = getattr(ec, "ec_connector_extra_config", None) or {}
+        model = getattr(vllm_config, "model_config", None)
+        fingerprint = model_fingerprint(getattr(model, "model", None), getattr(model, "revision", None))
+        self.settings = ECSettings.from_extra(extra, fingerprint)
+        for key in unknown_keys(extra):
+            logger.warning("pinshm encoder cache: ec_connector_extra_config key %r is not one it reads", key)
+        self._scheduler: Optional[SchedulerSide] = None
+        self._worker: Optional[WorkerSide] = None
+        ec_role = getattr(ec, "ec_role", "?")
+        if role == ECConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.settings, consumer=self.is_consumer)
+            where = "scheduler, reads" if self.is_consumer else "scheduler"
+        else:
+            self._worker = WorkerSide(
+                self.settings,
+                producer=self.is_producer,
+                consumer=self.is_consumer,
+                writes=_saving_rank(),
+                device=_device(),
+                dtype=getattr(model, "dtype", None),
+                width_of=_width_of(vllm_config),
+            )
+            where = "worker, writes the store" if self._worker.store is not None else "worker"
+        logger.info("pinshm encoder cache connector in use (%s, %s): %s", ec_role, where, self.settings.describe())
+
+    # ---- scheduler side -----------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._scheduler is not None and self._scheduler.has(identifier)
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        if self._scheduler is None:
+            return
+        feature = request.mm_features[index]
+        if hasattr(request, "get_num_encoder_embeds"):
+            num_embeds = int(request.get_num_encoder_embeds(index))
+        else:
+            num_embeds = int(feature.mm_position.get_num_embeds())
+        self._scheduler.allocated(
+            feature.identifier, request.request_id, index, num_embeds, str(getattr(feature, "modality", ""))
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> PinshmECConnectorMetadata:
+        if self._scheduler is None:
+            return PinshmECConnectorMetadata()
+        step, loads = self._scheduler.build()
+        return PinshmECConnectorMetadata(step, loads)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "ec_connector_worker_meta", None)
+        if self._scheduler is not None and isinstance(meta, PinshmECWorkerMetadata):
+            self._scheduler.reported(meta.report)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self._scheduler.take_unavailable() if self._scheduler is not None else set()
+
+    # ---- worker side --------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is not None and self.is_consumer and isinstance(meta, PinshmECConnectorMetadata):
+            self._worker.load(meta.step, meta.loads, encoder_cache)
+
+    def save_caches(self, encoder_cache: Any, mm_hash: str, **kwargs: Any) -> None:
+        if self._worker is not None and self.is_producer:
+            self._worker.save(encoder_cache, mm_hash)
+
+    def build_connector_worker_meta(self) -> Optional[PinshmECWorkerMetadata]:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return PinshmECWorkerMetadata(report) if report else None
+
+    # ---- both -----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        s, w = self._scheduler, self._worker
+        if s is not None:
+            logger.info(
+                "pinshm encoder cache: %d hits, %d misses, %d failed loads (store %r)",
+                s.hits,
+                s.misses,
+                s.failed_loads,
+                self.settings.store,
+            )
+            s.close()
+        if w is not None:
+            if w.store is not None or w.loaded or w.failed:
+                logger.info(
+                    "pinshm encoder cache: %d saved, %d already there, %d not saved, %d loaded, %d failed",
+                    w.saved,
+                    w.already,
+                    w.unsaved,
+                    w.loaded,
+                    w.failed,
+                )
+            w.close()
+
+
+def _saving_rank() -> bool:
+    """Whether this worker saves: TP rank 0 of the first pipeline stage
+    (the other TP ranks hold the same outputs; only the first stage runs
+    the encoder)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return bool(get_tensor_model_parallel_rank() == 0 and get_pp_group().is_first_rank)
+    except Exception as e:  # noqa: BLE001 - no groups (one process): it saves
+        logger.debug("pinshm encoder cache: no parallel state (%r): this worker saves", e)
+        return True
+
+
+def _device() -> Optional[str]:
+    """The device vLLM's encoder cache lives on in this worker."""
+    try:
+        from vllm.platforms import current_platform
+
+        device = str(current_platform.device_type)
+        if current_platform.is_cuda_alike():
+            device = f"{device}:{current_platform.current_device()}"
+        return device
+    except Exception:  # noqa: BLE001 - no platform (a stand-in): the host
+        return None
+
+
+def _width_of(vllm_config: Any) -> WidthOf:
+    """The width of an encoder output of a modality: what an ec producer
+    measured at start (vLLM 0.32+), else the model's input embedding width."""
+
+    def width(modality: str) -> Optional[int]:
+        widths = getattr(vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+        if modality in widths:
+            return int(widths[modality])
+        try:
+            return int(vllm_config.model_config.get_inputs_embeds_size())
+        except Exception:  # noqa: BLE001 - a config without it
+            return None
+
+    return width

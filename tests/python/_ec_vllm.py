@@ -1,0 +1,369 @@
+"""A stand-in for the few vLLM modules the encoder-cache connector imports
+(CI has no vLLM), and an engine that calls the connector as vLLM 0.32's V1
+scheduler and model runner do, with its workers in real processes.
+
+The stand-in's base class keeps the shape of vLLM's ``ECConnectorBase``
+(``vllm/distributed/ec_transfer/ec_connector/base.py``): the constructor
+reads the roles from ``ec_transfer_config``, the metadata is bound before
+the model runs and cleared after, and the abstract methods are the same.
+The engine keeps vLLM's order of calls: ``has_cache_item`` for an input
+not in the engine's own encoder cache, ``update_state_after_alloc`` for
+every input given space, ``build_connector_meta`` once a step; in each
+worker ``start_load_caches`` (consumers) before the encoder runs,
+``save_caches`` after each output, ``build_connector_worker_meta`` last;
+then ``take_unavailable_requests`` BEFORE ``update_connector_output``
+(vllm/v1/core/sched/scheduler.py, update_from_output).
+"""
+
+import hashlib
+import os
+import pickle
+import sys
+import types
+from functools import reduce
+
+import numpy as np
+
+STAND_IN = {
+    "vllm/__init__.py": "STAND_IN = True\n",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/ec_transfer/__init__.py": "",
+    "vllm/distributed/ec_transfer/ec_connector/__init__.py": "",
+    "vllm/distributed/ec_transfer/ec_connector/base.py": '''
+import enum
+from abc import ABC, abstractmethod
+
+
+class ECConnectorRole(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class ECConnectorMetadata(ABC):  # noqa: B024
+    pass
+
+
+class ECConnectorWorkerMetadata(ABC):
+    @abstractmethod
+    def aggregate(self, other): ...
+
+
+class ECConnectorBase(ABC):
+    def __init__(self, vllm_config, role):
+        self._connector_metadata = None
+        self._vllm_config = vllm_config
+        self._role = role
+        if vllm_config.ec_transfer_config is None:
+            raise ValueError("ec_transfer_config must be set for ECConnectorBase")
+        self._is_producer = vllm_config.ec_transfer_config.is_ec_producer
+        self._is_consumer = vllm_config.ec_transfer_config.is_ec_consumer
+
+    @property
+    def role(self):
+        return self._role
+
+    @property
+    def is_producer(self):
+        return self._is_producer
+
+    @property
+    def is_consumer(self):
+        return self._is_consumer
+
+    def shutdown(self):
+        return None
+
+    def bind_connector_metadata(self, connector_metadata):
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self):
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self):
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+    @abstractmethod
+    def start_load_caches(self, encoder_cache, **kwargs): ...
+
+    @abstractmethod
+    def save_caches(self, encoder_cache, mm_hash, **kwargs): ...
+
+    def get_finished(self, finished_req_ids):
+        return None, None
+
+    def build_connector_worker_meta(self):
+        return None
+
+    @abstractmethod
+    def has_cache_item(self, identifier): ...
+
+    def ensure_cache_available(self, request, num_computed_tokens):
+        return True
+
+    def take_unavailable_requests(self):
+        return set()
+
+    @abstractmethod
+    def update_state_after_alloc(self, request, index): ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output): ...
+
+    def update_connector_output(self, connector_output):
+        return
+
+    def request_finished(self, request):
+        return False, None
+''',
+    "vllm/distributed/parallel_state.py": '''
+import os
+import types
+
+
+def get_tensor_model_parallel_rank():
+    return int(os.environ.get("STAND_IN_TP_RANK", "0"))
+
+
+def get_pp_group():
+    return types.SimpleNamespace(is_first_rank=True)
+''',
+}
+
+MODEL = "stand-in/tiny-llava"
+WIDTH = 64
+ROWS = 64  # an output is ROWS x WIDTH float32: 16 KiB
+
+
+def install(root):
+    """Writes the stand-in under `root` and puts it first on sys.path (so
+    spawned children, which take the parent's sys.path, import it too)."""
+    for rel, text in STAND_IN.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    if root not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+def config(role, extra, model=MODEL):
+    """The parts of a VllmConfig the connector reads."""
+    ec = types.SimpleNamespace(
+        ec_connector="PinshmECConnector",
+        ec_connector_module_path="pinshm.vllm.ec_connector",
+        ec_role=role,
+        is_ec_producer=role in ("ec_producer", "ec_both"),
+        is_ec_consumer=role in ("ec_consumer", "ec_both"),
+        ec_connector_extra_config=dict(extra),
+        mm_encoder_output_widths={},
+    )
+    model_config = types.SimpleNamespace(model=model, revision=None, dtype=None, get_inputs_embeds_size=lambda: WIDTH)
+    return types.SimpleNamespace(ec_transfer_config=ec, model_config=model_config)
+
+
+def encode(mm_hash, rows=ROWS):
+    """The stand-in encoder: an output that only `mm_hash` gives."""
+    seed = int(hashlib.sha256(mm_hash.encode()).hexdigest()[:8], 16)
+    return np.random.default_rng(seed).standard_normal((rows, WIDTH), dtype=np.float32)
+
+
+def digest(value):
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(value)).tobytes()).hexdigest()
+
+
+class Feature:
+    def __init__(self, mm_hash, rows):
+        self.identifier = mm_hash
+        self.modality = "image"
+        self.mm_position = types.SimpleNamespace(get_num_embeds=lambda: rows)
+
+
+class Request:
+    """A request with one image per hash, as vLLM's Request shows them."""
+
+    def __init__(self, request_id, hashes, rows=ROWS):
+        self.request_id = request_id
+        self.mm_features = [Feature(h, rows) for h in hashes]
+
+    def get_num_encoder_embeds(self, index):
+        return self.mm_features[index].mm_position.get_num_embeds()
+
+
+# ---- a worker process -------------------------------------------------
+
+
+def worker_main(conn, role, extra, rank, model=MODEL):
+    """A vLLM worker: its connector (WORKER role), its encoder cache, and
+    the model runner's calls, one step per message."""
+    os.environ["STAND_IN_TP_RANK"] = str(rank)
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from pinshm.vllm.ec_connector import PinshmECConnector
+
+    c = PinshmECConnector(config(role, extra, model), ECConnectorRole.WORKER)
+    cache = {}
+    encoded = 0
+    conn.send(("ready", c._worker.store is not None))
+    while True:
+        msg = conn.recv()
+        op = msg[0]
+        if op == "step":
+            _, meta_bytes, compute, wanted = msg
+            c.bind_connector_metadata(pickle.loads(meta_bytes))
+            if c.is_consumer:
+                c.start_load_caches(cache)
+            for h, rows in compute:
+                cache[h] = encode(h, rows)
+                encoded += 1
+                c.save_caches(encoder_cache=cache, mm_hash=h)
+            # The model runner's gather: a missing output stops it.
+            missing = [h for h in wanted if h not in cache]
+            got = {h: digest(cache[h]) for h in wanted if h in cache}
+            meta = c.build_connector_worker_meta()
+            c.clear_connector_metadata()
+            conn.send(("done", pickle.dumps(meta), got, missing))
+        elif op == "save":  # the writer saves outputs nobody scheduled
+            for h in msg[1]:
+                cache[h] = encode(h)
+                c.save_caches(encoder_cache=cache, mm_hash=h)
+                del cache[h]
+            conn.send(("saved",))
+        elif op == "forget":  # vLLM's own encoder cache let them go
+            cache.clear()
+            conn.send(("forgot",))
+        elif op == "stats":
+            w = c._worker
+            conn.send(("stats", dict(saved=w.saved, already=w.already, unsaved=w.unsaved,
+                                     loaded=w.loaded, failed=w.failed, encoded=encoded)))
+        elif op == "stop":
+            c.shutdown()
+            conn.send(("bye",))
+            return
+
+
+class Engine:
+    """One engine: worker processes (started first, as vLLM's executor
+    starts them before the scheduler exists) and this process's scheduler
+    connector. `images` of a step: one request per image."""
+
+    WAIT_S = 60
+
+    def __init__(self, ctx, role, extra, tp=1, model=MODEL):
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+        from pinshm.vllm.ec_connector import PinshmECConnector
+
+        self.procs, self.conns = [], []
+        try:
+            for rank in range(tp):
+                a, b = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(b, role, extra, rank, model))
+                p.start()
+                self.procs.append(p)
+                self.conns.append(a)
+            self.writes = [self._recv(a)[1] for a in self.conns]
+            self.scheduler = PinshmECConnector(config(role, extra, model), ECConnectorRole.SCHEDULER)
+        except BaseException:
+            self.kill()
+            raise
+        self.closed = False
+        self.cached = set()  # vLLM's encoder cache manager: what the workers hold
+        self.failed = set()
+        self._n = 0
+        self._output = None
+
+    def _recv(self, conn):
+        if not conn.poll(self.WAIT_S):
+            raise AssertionError("a worker did not answer")
+        return conn.recv()
+
+    def _all(self, *msg):
+        for a in self.conns:
+            a.send(msg)
+        return [self._recv(a) for a in self.conns]
+
+    def schedule(self, images, rows=ROWS):
+        """The scheduler's half of a step: the step's plan (metadata built)."""
+        s = self.scheduler
+        compute, wanted, loads = [], [], []
+        for h in images:
+            self._n += 1
+            req = Request(f"req-{self._n}", [h], rows)
+            wanted.append(h)
+            if h in self.cached:
+                continue
+            if s.has_cache_item(h):
+                loads.append(h)
+            else:
+                compute.append((h, rows))
+            s.update_state_after_alloc(req, 0)
+            self.cached.add(h)
+        meta = s.build_connector_meta(None)
+        return types.SimpleNamespace(meta=meta, compute=compute, wanted=wanted, loads=loads)
+
+    def execute(self, plan, meta=None):
+        """The workers' half, then the scheduler's update from the output,
+        in vLLM's order. Returns the step's result."""
+        replies = self._all("step", pickle.dumps(meta if meta is not None else plan.meta), plan.compute, plan.wanted)
+        metas = [pickle.loads(r[1]) for r in replies]
+        metas = [m for m in metas if m is not None]
+        # vLLM: take_unavailable_requests, then update_connector_output.
+        self.failed |= self.scheduler.take_unavailable_requests()
+        if metas:
+            agg = reduce(lambda x, y: x.aggregate(y), metas)
+            self.scheduler.update_connector_output(types.SimpleNamespace(ec_connector_worker_meta=agg))
+        return types.SimpleNamespace(
+            loads=plan.loads,
+            computed=[h for h, _ in plan.compute],
+            digests=[r[2] for r in replies],
+            missing=[r[3] for r in replies],
+        )
+
+    def step(self, images, rows=ROWS):
+        return self.execute(self.schedule(images, rows))
+
+    def forget(self):
+        """vLLM's own encoder cache evicts everything."""
+        self.cached.clear()
+        self._all("forget")
+
+    def save(self, images):
+        """Rank 0's connector saves outputs no request scheduled (a lap of puts)."""
+        self.conns[0].send(("save", list(images)))
+        self._recv(self.conns[0])
+
+    def stats(self):
+        return [r[1] for r in self._all("stats")]
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.scheduler.shutdown()
+            self._all("stop")
+            for p in self.procs:
+                p.join(self.WAIT_S)
+        finally:
+            self.kill()
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def consumer_engine_main(conn, extra, tp, images, start_method):
+    """A whole consumer engine in this (spawned) process: its scheduler
+    here, its workers in processes of their own. Reports each image's
+    digests on every rank and the workers' counters."""
+    import multiprocessing as mp
+
+    e = Engine(mp.get_context(start_method), "ec_consumer", extra, tp=tp)
+    try:
+        r = e.step(images)
+        conn.send(("result", r.loads, r.computed, r.digests, r.missing, e.stats()))
+    finally:
+        e.close()

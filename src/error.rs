@@ -108,6 +108,14 @@ pub enum Error {
         key: String,
     },
 
+    /// [`StoreReader::lookup`](crate::StoreReader::lookup) (or another
+    /// lookup by key) in a store created without a shared key index.
+    #[error("store '{name}' has no key index: readers cannot look keys up (create it with StoreConfig::key_index)")]
+    NoKeyIndex {
+        /// The segment.
+        name: String,
+    },
+
     /// A configuration value that cannot work.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),

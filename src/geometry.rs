@@ -9,7 +9,7 @@
 
 use bytemuck::Pod;
 
-use crate::atomics::{HeaderPtr, ReaderPtr, SlotPtr};
+use crate::atomics::{HeaderPtr, IndexPtr, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
 use crate::layout::{self, channel, Preamble, SegmentHeader};
 use crate::sys::segment::Segment;
@@ -24,6 +24,10 @@ pub(crate) struct StoreGeometry {
     pub(crate) prefix_len: u64,
     /// `flags::AGGREGATE_READS` of the store.
     pub(crate) aggregate: bool,
+    /// `flags::CACHE` of the store: objects owe no reads.
+    pub(crate) cache: bool,
+    /// Entries of the shared key index (0: none).
+    pub(crate) index_entries: u64,
     base: *mut u8,
     data: *mut u8,
 }
@@ -35,6 +39,7 @@ impl StoreGeometry {
         capacity: u64,
         max_object_size: u64,
         flags: u64,
+        index_entries: u64,
     ) -> Self {
         let header_len = layout::header_len(n_readers);
         StoreGeometry {
@@ -43,6 +48,8 @@ impl StoreGeometry {
             max_object_size,
             prefix_len: layout::slot_prefix_len(n_readers) as u64,
             aggregate: flags & layout::flags::AGGREGATE_READS != 0,
+            cache: flags & layout::flags::CACHE != 0,
+            index_entries,
             base,
             // SAFETY: callers checked the mapping is header_len + capacity bytes.
             data: unsafe { base.add(header_len) },
@@ -60,6 +67,19 @@ impl StoreGeometry {
         // bytes, which holds every entry; entries are 8-aligned (128 B each
         // after a 256 B header).
         unsafe { ReaderPtr::new(self.base.add(layout::reader_entry_offset(i))) }
+    }
+
+    /// The shared key index, if the store has one.
+    pub(crate) fn index(&self) -> Option<IndexPtr> {
+        if self.index_entries == 0 {
+            return None;
+        }
+        let at = layout::index_offset(self.n_readers, self.capacity) as usize;
+        // SAFETY: callers checked that the mapping spans the index after the
+        // data region (`validate_store`, or the creator's own size), whose
+        // offset is page aligned plus a multiple of 64; `index_entries` is a
+        // power of two (checked likewise); the header is this mapping's.
+        Some(unsafe { IndexPtr::new(self.base.add(at), self.index_entries, self.header()) })
     }
 
     /// The slot at `address`, if a slot prefix fits there.
@@ -249,6 +269,31 @@ pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry>
             format!("{} exceeds capacity {}", h.max_object_size, h.capacity),
         ));
     }
+    if h.index_entries != 0
+        && (!h.index_entries.is_power_of_two() || h.index_entries > layout::MAX_INDEX_ENTRIES)
+    {
+        return Err(check.bad(
+            "index_entries",
+            format!(
+                "{} is neither 0 nor a power of two up to {}",
+                h.index_entries,
+                layout::MAX_INDEX_ENTRIES
+            ),
+        ));
+    }
+    // Checked above: header_len + capacity does not overflow, and the index
+    // length is at most 2^29.
+    let end = h.header_len + h.capacity + layout::index_len(h.index_entries);
+    if end > seg.len() as u64 {
+        return Err(check.bad(
+            "index_entries",
+            format!(
+                "a key index of {} entries ends at byte {end}, past the segment's {} bytes",
+                h.index_entries,
+                seg.len()
+            ),
+        ));
+    }
     if h.flags & !layout::flags::KNOWN != 0 {
         return Err(check.bad(
             "flags",
@@ -265,6 +310,7 @@ pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry>
         h.capacity,
         h.max_object_size,
         h.flags,
+        h.index_entries,
     ))
 }
 

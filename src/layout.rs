@@ -24,11 +24,17 @@
 //! (`ReaderEntry::hazard`, at the offset of the old one-element array) and
 //! dropped the header's `hazards_per_reader` (now `reserved1`, zero): there
 //! is nothing left to configure, so nothing to check.
+//! Version 8 added the shared key index (`SegmentHeader::index_entries`
+//! and `index_seq`, and an [`IndexEntry`] table after the data region), the
+//! slot's `key_fp` (the fingerprint of its key, which a lookup checks under
+//! its hold) and `touched` (set by readers' key hits, for the writer's
+//! second-chance eviction), and the [`flags::CACHE`] flag.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
 //! 256                 ReaderEntry × n_readers (128 B each: 64 B of fields, the hazard word, padding)
 //! header_len          data region (capacity bytes, page aligned): slots and gaps
+//! header_len+capacity key index: IndexEntry × index_entries (32 B each; none if 0)
 //!   slot (64 B aligned):
 //!     +0              SlotHeader (64 B)
 //!     +64             reads: [u32; n_readers], one acknowledged-read counter per reader
@@ -53,7 +59,7 @@ pub mod channel;
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -106,8 +112,11 @@ pub mod flags {
     /// reader: an object referenced k times is done after k × readers
     /// reads (vLLM's accounting). Unset: one counter per reader.
     pub const AGGREGATE_READS: u64 = 1;
+    /// A cache (v8): objects owe no reads. Any object nobody holds or
+    /// leases may be reclaimed, read or not.
+    pub const CACHE: u64 = 2;
     /// Every flag this build knows.
-    pub const KNOWN: u64 = AGGREGATE_READS;
+    pub const KNOWN: u64 = AGGREGATE_READS | CACHE;
 }
 
 /// Reader table entry states, for the store's and the channel's reader
@@ -199,8 +208,14 @@ pub struct SegmentHeader {
     /// another store, corrupted) allocates no page and cannot raise
     /// SIGBUS. Only grows; `capacity` for a reserved store.
     pub backed: u64,
+    /// Entries of the shared key index after the data region: 0 (no index)
+    /// or a power of two (v8).
+    pub index_entries: u64,
+    /// Atomic. The key index's sequence word: odd while the writer changes
+    /// the table, bumped twice per change (v8).
+    pub index_seq: u64,
     /// Zero. Room for fields of later versions.
-    pub reserved: [u64; 12],
+    pub reserved: [u64; 10],
 }
 
 /// One reader's row of the reader table.
@@ -254,8 +269,60 @@ pub struct SlotHeader {
     pub refs: u32,
     /// What the payload is: an [`ObjectKind`] code.
     pub kind: u32,
-    /// Zero (v2 kept the epoch here, which the tag already covers).
-    pub reserved: [u64; 3],
+    /// The fingerprint of the object's key ([`key_fingerprint`]), written
+    /// before the id is published (v8): a lookup by key checks it once it
+    /// holds the slot, so a torn or outdated index entry never yields
+    /// another key's object.
+    pub key_fp: [u64; 2],
+    /// Atomic. Set by a reader's hit by key, cleared by the writer's
+    /// second-chance sweep (v8).
+    pub touched: u64,
+}
+
+/// One entry of the shared key index (v8): a key's fingerprint and where
+/// its object is. Empty while `id` is 0. Written only by the writer, under
+/// the index's sequence word; read lock-free by readers, who trust nothing
+/// in it before the slot it names has been checked.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct IndexEntry {
+    /// Atomic. [`key_fingerprint`] of the key.
+    pub fp: [u64; 2],
+    /// Atomic. The object's id; 0 = empty.
+    pub id: u64,
+    /// Atomic. The object's slot address in the data region.
+    pub address: u64,
+}
+
+/// The most entries a key index may have (2^24: 512 MiB of table).
+pub const MAX_INDEX_ENTRIES: u64 = 1 << 24;
+
+/// Byte offset of the key index in a segment.
+pub const fn index_offset(n_readers: u32, capacity: u64) -> u64 {
+    header_len(n_readers) as u64 + capacity
+}
+
+/// Bytes of a key index of `entries` entries.
+pub const fn index_len(entries: u64) -> u64 {
+    entries * size_of::<IndexEntry>() as u64
+}
+
+/// The fingerprint of `key` in a segment whose secret is `secret`: the
+/// first 128 bits of SHA-256(secret ‖ key), never all zero. Keyed, so
+/// nobody who has not mapped the segment can make two keys collide.
+pub fn key_fingerprint(secret: &[u8; 32], key: &str) -> [u64; 2] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(secret);
+    h.update(key.as_bytes());
+    let d = h.finalize();
+    let a = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
+    let b = u64::from_le_bytes(d[8..16].try_into().expect("8 bytes"));
+    if a == 0 && b == 0 {
+        [1, 0]
+    } else {
+        [a, b]
+    }
 }
 
 /// Byte offset of reader `i`'s entry in the header.
@@ -379,7 +446,9 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, flags), 112);
         assert_eq!(offset_of!(SegmentHeader, secret), 120);
         assert_eq!(offset_of!(SegmentHeader, backed), 152);
-        assert_eq!(offset_of!(SegmentHeader, reserved), 160);
+        assert_eq!(offset_of!(SegmentHeader, index_entries), 160);
+        assert_eq!(offset_of!(SegmentHeader, index_seq), 168);
+        assert_eq!(offset_of!(SegmentHeader, reserved), 176);
 
         assert_eq!(size_of::<ReaderEntry>(), 128);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
@@ -398,9 +467,17 @@ mod tests {
         assert_eq!(offset_of!(SlotHeader, slot_len), 24);
         assert_eq!(offset_of!(SlotHeader, refs), 32);
         assert_eq!(offset_of!(SlotHeader, kind), 36);
-        assert_eq!(offset_of!(SlotHeader, reserved), 40);
+        assert_eq!(offset_of!(SlotHeader, key_fp), 40);
+        assert_eq!(offset_of!(SlotHeader, touched), 56);
 
-        assert_eq!(LAYOUT_VERSION, 7);
+        assert_eq!(size_of::<IndexEntry>(), 32);
+        assert_eq!(offset_of!(IndexEntry, fp), 0);
+        assert_eq!(offset_of!(IndexEntry, id), 16);
+        assert_eq!(offset_of!(IndexEntry, address), 24);
+        assert_eq!(index_offset(2, 1 << 20), 4096 + (1 << 20));
+        assert_eq!(index_len(1024), 32 * 1024);
+
+        assert_eq!(LAYOUT_VERSION, 8);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
         assert_eq!(header_len(MAX_READERS), 12288);
@@ -444,6 +521,15 @@ mod tests {
             0,
             "wraps in 56 bits"
         );
+    }
+
+    #[test]
+    fn key_fingerprints_depend_on_key_and_secret_and_are_never_zero() {
+        let a = key_fingerprint(&[1; 32], "image-1");
+        assert_ne!(a, key_fingerprint(&[1; 32], "image-2"));
+        assert_ne!(a, key_fingerprint(&[2; 32], "image-1"));
+        assert_eq!(a, key_fingerprint(&[1; 32], "image-1"));
+        assert_ne!(key_fingerprint(&[0; 32], ""), [0, 0]);
     }
 
     #[test]

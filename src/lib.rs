@@ -53,9 +53,9 @@ pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
 pub use layout::ObjectKind;
 pub use pin::PinMode;
 pub use store::{
-    Eviction, ItemGuard, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard,
-    ReaderOptions, Signature, StoreConfig, StoreHandle, StoreReader, StoreStats, TensorGuard,
-    SIGNATURE_LEN,
+    Eviction, ItemGuard, Lease, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard,
+    ReaderOptions, Reservation, Signature, StoreConfig, StoreHandle, StoreReader, StoreStats,
+    TensorGuard, SIGNATURE_LEN,
 };
 
 /// This process's fork generation (registering the `pthread_atfork` child

@@ -1,7 +1,7 @@
 """Type stubs of the native module pinshm._pinshm."""
 
 import builtins
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import (
     Any,
@@ -36,11 +36,14 @@ __all__ = [
     "ObjectStore",
     "StoreReader",
     "ReadGuard",
+    "Lease",
+    "TensorReservation",
     "Broadcast",
     "BroadcastReader",
     "MessageView",
     "signature_bytes",
     "set_release_gate",
+    "has_release_gate",
     "flush_releases",
     "inspect_segment",
     "cuda_status",
@@ -138,6 +141,8 @@ class ObjectStore:
         eviction: Literal["fifo", "second_chance"] = "second_chance",
         pin: Literal["auto", "off", "require"] = "auto",
         shm_headroom: int = 0,
+        cache: bool = False,
+        key_index: int = 0,
     ) -> ObjectStore: ...
     def put(self, key: str, data: Buffer) -> ObjectHandle: ...
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:
@@ -153,6 +158,14 @@ class ObjectStore:
         kept in the mapping's order; `meta` maps str to str (the item format
         stores string metadata only: convert numbers yourself). The format
         is Rust's `put_item`'s, so Rust readers read it too."""
+    def reserve_tensor(self, key: str, dtype: str, shape: Sequence[int]) -> TensorReservation:
+        """Reserves a slot for a tensor of `dtype` (torch's names: "float32",
+        "bfloat16", ...) and `shape` under `key`, its bytes to be written in
+        place (through the reservation's writable buffer); `publish` it
+        then. Errors as `put`."""
+    def publish(self, reservation: TensorReservation) -> ObjectHandle:
+        """Publishes a reservation whose bytes are written. BufferError while
+        an export of it is alive; ValueError if published or aborted."""
     def is_cached(self, key: str) -> bool: ...
     def get_cached(self, key: str) -> Optional[ObjectHandle]: ...
     def add_reference(self, key: str) -> None:
@@ -207,6 +220,10 @@ class ReadGuard:
     @property
     def released(self) -> bool: ...
     def release(self) -> None: ...
+    def tensor_meta(self) -> tuple[str, tuple[int, ...], int]:
+        """`(dtype, shape, offset)` of the tensor read: its dtype's name
+        (torch's), its shape, and where its elements start in the guard's
+        bytes. WrongKindError if it is not a tensor."""
     def __bytes__(self) -> bytes: ...
     def __len__(self) -> int: ...
     # The buffer protocol (C slots): Python 3.12+ shows it as these two
@@ -220,6 +237,38 @@ class ReadGuard:
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
     ) -> bool: ...
+
+# A PyO3 class: it cannot be subclassed.
+@final
+class Lease:
+    """An object kept in the store, unread, until `release()` (or the end
+    of a `with` block, or garbage collection). A dead process's leases
+    count for nothing."""
+
+    @property
+    def handle(self) -> ObjectHandle: ...
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> None: ...
+    def __enter__(self: _T) -> _T: ...
+    def __exit__(self, *_exc: object) -> bool: ...
+
+# A PyO3 class: it cannot be subclassed.
+@final
+class TensorReservation:
+    """A reserved slot (`ObjectStore.reserve_tensor`): write the tensor's
+    bytes through the (writable) buffer protocol, then `ObjectStore.publish`.
+    Dropped unpublished (`abort()` or garbage collection), the slot is
+    reclaimed in turn."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    def abort(self) -> None: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+    def __release_buffer__(self, view: memoryview) -> None: ...
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -240,6 +289,15 @@ class StoreReader:
         read_only_views: bool = False,
     ) -> StoreReader: ...
     def get(self, handle: ObjectHandle) -> ReadGuard: ...
+    def lookup(self, key: str) -> Optional[ObjectHandle]:
+        """The handle of `key`'s object from the store's shared key index
+        (`key_index=` at create), without the writer; None on a miss. Never
+        another key's object. PinshmError if the store has no key index."""
+    def lease(self, handle: ObjectHandle) -> Lease:
+        """Keeps the object from being reclaimed, unread, until the lease
+        is released. StaleError if it is gone."""
+    def lease_key(self, key: str) -> Optional[Lease]:
+        """Looks `key` up and leases its object in one step; None on a miss."""
     @property
     def is_pinned(self) -> bool: ...
     def get_tensor(self, handle: ObjectHandle) -> Any:
@@ -384,6 +442,9 @@ def set_release_gate(gate: Optional[Callable[[], Optional[_Event]]]) -> None:
     call), on gets, by `flush_releases()` and by `StoreReader.close()`. A
     pending read keeps its reader attached, closed or not, until its event
     completes. Copies out (`get_copy`, `get_copy_into`) are never gated."""
+
+def has_release_gate() -> bool:
+    """Whether a release gate is set (`set_release_gate`)."""
 
 def flush_releases() -> int:
     """Ends every pending gated read whose event has completed; returns how

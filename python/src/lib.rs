@@ -17,6 +17,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod buffer;
+mod cache;
 mod channel;
 mod errors;
 mod gil;
@@ -156,12 +157,15 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::ObjectStore>()?;
     m.add_class::<reader::StoreReader>()?;
     m.add_class::<reader::ReadGuard>()?;
+    m.add_class::<cache::Lease>()?;
+    m.add_class::<cache::TensorReservation>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
     m.add_class::<message::MessageView>()?;
     m.add_function(wrap_pyfunction!(handles::signature_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(release::set_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(release::flush_releases, m)?)?;
+    m.add_function(wrap_pyfunction!(release::has_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;
     py.import("atexit")?

@@ -264,6 +264,32 @@ impl StoreReader {
         })
     }
 
+    /// The handle of `key`'s object, found in the store's shared key index
+    /// without the writer (`key_index=` at create), or None. Never another
+    /// key's object. PinshmError if the store has no key index.
+    fn lookup(&self, py: Python<'_>, key: &str) -> PyResult<Option<ObjectHandle>> {
+        let key = key.to_owned();
+        Ok(self
+            .with(py, move |r| r.lookup(&key))?
+            .map_err(to_py)?
+            .map(ObjectHandle))
+    }
+
+    /// Keeps the object from being reclaimed, without reading it, until the
+    /// returned `Lease` is released. StaleError if it is gone.
+    fn lease(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<crate::cache::Lease> {
+        let l = self.with(py, move |r| r.lease(handle.0))?.map_err(to_py)?;
+        Ok(crate::cache::Lease::new(l, &self.name))
+    }
+
+    /// A `Lease` on `key`'s object, looked up in the shared key index and
+    /// held in one step, or None on a miss.
+    fn lease_key(&self, py: Python<'_>, key: &str) -> PyResult<Option<crate::cache::Lease>> {
+        let key = key.to_owned();
+        let l = self.with(py, move |r| r.lease_key(&key))?.map_err(to_py)?;
+        Ok(l.map(|l| crate::cache::Lease::new(l, &self.name)))
+    }
+
     /// A tensor (put by `put_tensor`, here or in Rust) as a read-only numpy
     /// array over the slot, with no copy. The array holds the read (its
     /// base is a memoryview of a `ReadGuard`'s export, whose `view.obj`
@@ -544,6 +570,19 @@ impl ReadGuard {
         debug_assert!(held.as_ref().is_none_or(|h| h.handle() == self.handle));
         drop(held);
         Ok(())
+    }
+
+    /// `(dtype, shape, offset)` of the tensor read: its dtype's name
+    /// (torch's, "bfloat16" included), its shape, and where its elements
+    /// start in the guard's bytes. WrongKindError if it is not a tensor.
+    fn tensor_meta<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let layout = self.tensor_layout()?;
+        (
+            crate::tensor::dtype_name(layout.dtype),
+            PyTuple::new(py, layout.shape)?,
+            layout.offset,
+        )
+            .into_pyobject(py)
     }
 
     /// A copy of the bytes.

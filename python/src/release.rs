@@ -123,6 +123,13 @@ pub(crate) fn set_release_gate(gate: Option<Py<PyAny>>) {
     drop(old);
 }
 
+/// Whether a release gate is set (`set_release_gate`): reads whose last
+/// view goes are then released only once the gate's event completes.
+#[pyfunction]
+pub(crate) fn has_release_gate() -> bool {
+    SET.load(Ordering::Acquire)
+}
+
 /// The event to wait for before releasing a read whose last view just
 /// went, if a gate is set and returns one. A gate that raises is reported
 /// (as an unraisable exception) and the read released at once: the gate

@@ -64,9 +64,15 @@ impl ObjectStore {
     /// reserved segment in this process), `"off"` (never: a process that
     /// must stay CUDA-free, such as vLLM's API server, which forks the
     /// engine) or `"require"` (pin or raise).
+    ///
+    /// `cache=True`: objects owe no reads; any object no reader holds or
+    /// leases may be reclaimed, read or not (an encoder cache). Not with
+    /// `aggregate_reads`. `key_index=N`: a shared key index with room for
+    /// N keys, so readers look keys up themselves (`StoreReader.lookup`).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
-        *, reserve=true, prefault=None, eviction="second_chance", pin="auto", shm_headroom=0
+        *, reserve=true, prefault=None, eviction="second_chance", pin="auto", shm_headroom=0,
+        cache=false, key_index=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -81,6 +87,8 @@ impl ObjectStore {
         eviction: &str,
         pin: &str,
         shm_headroom: u64,
+        cache: bool,
+        key_index: usize,
     ) -> PyResult<Self> {
         let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
@@ -98,7 +106,9 @@ impl ObjectStore {
             .prefault(prefault.unwrap_or(reserve))
             .eviction(eviction)
             .pin(pin)
-            .shm_headroom(shm_headroom);
+            .shm_headroom(shm_headroom)
+            .cache(cache)
+            .key_index(key_index);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }
@@ -239,6 +249,55 @@ impl ObjectStore {
     }
 
     /// Whether `key` is stored.
+    /// Reserves a slot for a tensor of `dtype` (torch's names: "float32",
+    /// "bfloat16", ...) and `shape` under `key`, for its bytes to be
+    /// written in place (a device-to-host copy straight into the slot);
+    /// `publish` it then. Errors as `put`.
+    fn reserve_tensor(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        dtype: &str,
+        shape: Vec<u64>,
+    ) -> PyResult<crate::cache::TensorReservation> {
+        let d = crate::tensor::from_name(dtype)?;
+        let key = key.to_owned();
+        let sh = shape.clone();
+        let res = self
+            .with(py, false, move |s| s.reserve_tensor(&key, d, &sh))?
+            .map_err(to_py)?;
+        Ok(crate::cache::TensorReservation::new(
+            res,
+            crate::tensor::dtype_name(d),
+            shape,
+            &self.home.name,
+        ))
+    }
+
+    /// Publishes a reservation whose bytes are written: readers may get
+    /// it from now on. BufferError while an export of it is alive;
+    /// ValueError if it was published or aborted already.
+    fn publish(
+        &self,
+        py: Python<'_>,
+        reservation: &crate::cache::TensorReservation,
+    ) -> PyResult<ObjectHandle> {
+        let held = crate::buffer::take_unshared(&reservation.held, "TensorReservation")?
+            .ok_or_else(|| {
+                PyValueError::new_err("the TensorReservation was published or aborted")
+            })?;
+        let res = match std::sync::Arc::try_unwrap(held) {
+            Ok(r) => r
+                .res
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            Err(_) => unreachable!("take_unshared leaves no other owner"),
+        };
+        self.with(py, false, move |s| s.publish(res))?
+            .map(ObjectHandle)
+            .map_err(to_py)
+    }
+
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.with(py, false, |s| s.is_cached(key))
     }
@@ -344,6 +403,9 @@ impl ObjectStore {
         d.set_item("largest_free_block", st.largest_free_block)?;
         d.set_item("dead_readers_reaped", st.dead_readers_reaped)?;
         d.set_item("stale_reads", st.stale_reads)?;
+        d.set_item("nospace_fallbacks", st.nospace_fallbacks)?;
+        d.set_item("indexed", st.indexed)?;
+        d.set_item("unindexed", st.unindexed)?;
         d.set_item("oldest_unread", st.oldest_unread.map(|b| b.to_string()))?;
         Ok(d)
     }

@@ -31,6 +31,48 @@ pub(crate) fn numpy_dtype(d: DType) -> PyResult<&'static str> {
     })
 }
 
+/// Every dtype by its torch name (and numpy's, where they agree).
+const NAMES: [(DType, &str); 13] = [
+    (DType::U8, "uint8"),
+    (DType::I8, "int8"),
+    (DType::I16, "int16"),
+    (DType::U16, "uint16"),
+    (DType::I32, "int32"),
+    (DType::U32, "uint32"),
+    (DType::I64, "int64"),
+    (DType::U64, "uint64"),
+    (DType::F16, "float16"),
+    (DType::BF16, "bfloat16"),
+    (DType::F32, "float32"),
+    (DType::F64, "float64"),
+    (DType::Bool, "bool"),
+];
+
+/// The name of `d` (torch's: "float32", "bfloat16", ...).
+pub(crate) fn dtype_name(d: DType) -> &'static str {
+    NAMES
+        .iter()
+        .find(|(x, _)| *x == d)
+        .map(|(_, n)| *n)
+        .expect("every dtype is named")
+}
+
+/// The dtype named `s` (torch's names, with or without "torch.").
+pub(crate) fn from_name(s: &str) -> PyResult<DType> {
+    let s = s.strip_prefix("torch.").unwrap_or(s);
+    NAMES
+        .iter()
+        .find(|(_, n)| *n == s)
+        .map(|(d, _)| *d)
+        .ok_or_else(|| {
+            let names: Vec<_> = NAMES.iter().map(|(_, n)| *n).collect();
+            PyValueError::new_err(format!(
+                "dtype {s:?} cannot be stored as a tensor: one of {}",
+                names.join(", ")
+            ))
+        })
+}
+
 /// The pinshm dtype of a numpy dtype string (`arr.dtype.str`).
 pub(crate) fn from_numpy(s: &str) -> PyResult<DType> {
     Ok(match s {

@@ -130,4 +130,9 @@ impl HeaderPtr {
         self.u64_at(offset_of!(SegmentHeader, high_water))
             .store(high_water, Ordering::Relaxed);
     }
+
+    /// The key index's sequence word (see `crate::atomics::index`).
+    pub(crate) fn index_seq(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(SegmentHeader, index_seq))
+    }
 }

@@ -14,7 +14,13 @@ use loom::sync::Arc;
 use loom::thread;
 
 use super::word::table;
-use super::{ReaderPtr, SlotPtr};
+use super::{ReaderPtr, SlotMeta, SlotPtr};
+
+/// One reference and no key (the slot protocol checked here does not read either).
+const ONE_REF: SlotMeta = SlotMeta {
+    refs: 1,
+    key_fp: [0, 0],
+};
 
 const OLD: u64 = 1;
 const NEW: u64 = 2;
@@ -53,7 +59,7 @@ impl World {
                 ReaderPtr::new(reader_mem.0.as_mut_ptr().cast()),
             )
         };
-        slot.publish(OLD, 0, 8, 128, 0);
+        slot.publish(OLD, 0, 8, 128, 0, ONE_REF);
         // Make every word's loom atomic here, before any thread starts: a
         // word made lazily by one thread and used by another would be an
         // unsynchronised initialisation to loom.
@@ -80,7 +86,7 @@ impl World {
         self.slot.begin_write();
         // SAFETY (model): loom checks that no reader access races this.
         self.payload.with_mut(|p| unsafe { *p = 200 });
-        self.slot.publish(NEW, 0, 8, 128, 0);
+        self.slot.publish(NEW, 0, 8, 128, 0, ONE_REF);
         true
     }
 

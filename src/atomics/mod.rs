@@ -15,6 +15,9 @@
 //! | `SlotHeader::refs` | writer (Release) on put / get_cached | readers (Acquire) before acknowledging | a reader acknowledges only while `reads < refs` |
 //! | `reads[i]` | reader `i` only (Release fetch_update: its guards may drop on several threads), while it holds the slot; in aggregate mode `reads[0]` by every reader (Release fetch_add) | writer (Acquire) before reclaiming | the reader's reads of the payload happen before the writer's reuse |
 //! | `holds[i]` (generation and count in one word) | reader `i`: +1 (Relaxed CAS) only under its validated hazard, −1 (Release RMW) when a guard or view goes; writer: 0 at publish (no live holder exists then) | writer (Acquire) after the hazard scan | a count of reader `i`'s current generation keeps the slot; another generation's word is a dead holder's leftover |
+//! | `SlotHeader::key_fp` | writer (Relaxed, before the id's Release publish) | readers (Relaxed, under their hold or between two equal id loads) | part of the published object: a lookup by key checks it (v8) |
+//! | `SlotHeader::touched` | readers (Relaxed, under a hold) on a hit by key; writer 0 at publish, swaps to 0 (Relaxed) in its sweep | writer | a hint for second-chance eviction; orders nothing |
+//! | the key index | see [`index`] | | seqlock over entries checked against their slots |
 //! | `ReaderEntry::hazard` | reader (Release + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken. Every store to the word is Release, so whichever one the writer's load reads (a clear, or a later get's hazard), every hold taken before it is visible |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
@@ -58,6 +61,7 @@
 //! same fence.)
 
 mod header;
+mod index;
 #[cfg(all(test, loom))]
 mod loom_tests;
 mod reader;
@@ -65,8 +69,9 @@ mod slot;
 pub(crate) mod word;
 
 pub(crate) use header::HeaderPtr;
+pub(crate) use index::IndexPtr;
 pub(crate) use reader::ReaderPtr;
-pub(crate) use slot::SlotPtr;
+pub(crate) use slot::{SlotMeta, SlotPtr};
 
 /// The atomic of type `A` at byte `off` from `base`, for the pointer types
 /// below (the one place shared memory is turned into atomics).
@@ -233,7 +238,17 @@ mod tests {
         // and for a whole reader entry (128 bytes).
         let slot = unsafe { SlotPtr::new(sp.0, 2) };
         slot.begin_write();
-        slot.publish(7, 99, 10, 192, 0);
+        slot.publish(
+            7,
+            99,
+            10,
+            192,
+            0,
+            SlotMeta {
+                refs: 1,
+                key_fp: [0, 0],
+            },
+        );
         assert_eq!(slot.id_acquire(), 7);
         assert_eq!(slot.meta(), (99, 10, 0));
         assert!(slot.acknowledge(0));

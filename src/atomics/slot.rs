@@ -6,6 +6,14 @@ use std::mem::offset_of;
 use super::field;
 use crate::layout::{self, hold, SlotHeader};
 
+/// What [`SlotPtr::publish`] writes beside the identity: the references
+/// the object starts with (1, or 0 in a cache) and its key's fingerprint.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotMeta {
+    pub refs: u32,
+    pub key_fp: [u64; 2],
+}
+
 /// A slot's prefix (header, reader counters, hold words) in shared memory.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotPtr {
@@ -40,6 +48,11 @@ impl SlotPtr {
     /// The tag word.
     fn tag(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(SlotHeader, tag))
+    }
+
+    /// The touched word (v8).
+    fn touched(&self) -> &AtomicU64 {
+        self.u64_at(offset_of!(SlotHeader, touched))
     }
 
     /// Reader `i`'s acknowledged-read counter.
@@ -79,13 +92,19 @@ impl SlotPtr {
     /// whoever sees it). No live reader holds the slot (the writer freed it
     /// or never published it), so the hold words it zeroes are a dead
     /// holder's leftovers at most.
-    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32) {
+    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32, meta: SlotMeta) {
         let r = Ordering::Relaxed;
         self.tag().store(tag, r);
+        self.u64_at(offset_of!(SlotHeader, key_fp))
+            .store(meta.key_fp[0], r);
+        self.u64_at(offset_of!(SlotHeader, key_fp) + 8)
+            .store(meta.key_fp[1], r);
+        self.touched().store(0, r);
         self.u64_at(offset_of!(SlotHeader, size)).store(size, r);
         self.u64_at(offset_of!(SlotHeader, slot_len))
             .store(slot_len, r);
-        self.u32_at(offset_of!(SlotHeader, refs)).store(1, r);
+        self.u32_at(offset_of!(SlotHeader, refs))
+            .store(meta.refs, r);
         self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
         for i in 0..self.n_readers {
             self.reads(i).store(0, r);
@@ -194,8 +213,36 @@ impl SlotPtr {
             slot_len: self.u64_at(offset_of!(SlotHeader, slot_len)).load(r),
             refs: self.u32_at(offset_of!(SlotHeader, refs)).load(r),
             kind: self.u32_at(offset_of!(SlotHeader, kind)).load(r),
-            reserved: [0; 3],
+            key_fp: self.key_fp(),
+            touched: self.touched().load(r),
         }
+    }
+
+    /// The fingerprint of the object's key (Relaxed): meaningful only
+    /// between two equal id loads, or while the reader holds the slot (it
+    /// is written before the id's Release publish and never while the
+    /// slot is held).
+    pub fn key_fp(&self) -> [u64; 2] {
+        let r = Ordering::Relaxed;
+        [
+            self.u64_at(offset_of!(SlotHeader, key_fp)).load(r),
+            self.u64_at(offset_of!(SlotHeader, key_fp) + 8).load(r),
+        ]
+    }
+
+    /// A reader's hit by key (Relaxed: a hint for eviction, ordering
+    /// nothing). Called only while the reader holds the slot.
+    pub fn touch(&self) {
+        if self.touched().load(Ordering::Relaxed) == 0 {
+            self.touched().store(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The writer's second-chance sweep: whether a reader hit the object
+    /// by key since the last sweep, clearing the mark (Relaxed: a hint).
+    pub fn take_touched(&self) -> bool {
+        self.touched().load(Ordering::Relaxed) != 0
+            && self.touched().swap(0, Ordering::Relaxed) != 0
     }
 
     /// Reader `i`'s acknowledged reads (relaxed, for inspection).

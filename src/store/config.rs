@@ -19,6 +19,8 @@ pub struct StoreConfig {
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
     pub(crate) eviction: Eviction,
+    pub(crate) cache: bool,
+    pub(crate) key_index: usize,
 }
 
 /// Which reclaimable objects the writer's allocator lets go when it needs
@@ -62,6 +64,8 @@ impl StoreConfig {
             reader_timeout: None,
             aggregate_reads: false,
             eviction: Eviction::default(),
+            cache: false,
+            key_index: 0,
         }
     }
 
@@ -161,8 +165,57 @@ impl StoreConfig {
         self
     }
 
+    /// A cache (off by default): objects owe no reads. Any object that no
+    /// reader holds or leases may be reclaimed, read or not, under the
+    /// eviction policy; [`get_cached`](crate::ObjectStore::get_cached)
+    /// counts a hit and adds no read. For stores whose readers look up
+    /// what they want by key ([`StoreConfig::key_index`]) rather than
+    /// being sent every object, such as an encoder cache. Not with
+    /// [`StoreConfig::aggregate_reads`].
+    pub fn cache(mut self, yes: bool) -> Self {
+        self.cache = yes;
+        self
+    }
+
+    /// A shared key index with room for `max_keys` keys (default 0: none),
+    /// so that readers find a key's object without the writer
+    /// ([`StoreReader::lookup`](crate::StoreReader::lookup)). It costs 32
+    /// bytes per entry, about 43 per key, after the data region, backed at
+    /// create. Keys past `max_keys` stay stored but readers miss them
+    /// (`StoreStats::unindexed` counts them); size it by the objects the
+    /// ring holds (capacity / the smallest object).
+    pub fn key_index(mut self, max_keys: usize) -> Self {
+        self.key_index = max_keys;
+        self
+    }
+
+    /// Entries of the key index for [`StoreConfig::key_index`]'s keys:
+    /// a power of two at most three quarters full, at least 16.
+    pub(crate) fn index_entries(&self) -> u64 {
+        if self.key_index == 0 {
+            return 0;
+        }
+        let want = (self.key_index as u64)
+            .saturating_mul(4)
+            .div_ceil(3)
+            .max(16);
+        want.checked_next_power_of_two().unwrap_or(u64::MAX)
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.cache && self.aggregate_reads {
+            return bad(
+                "a cache owes no reads: cache and aggregate_reads exclude each other".into(),
+            );
+        }
+        if self.index_entries() > layout::MAX_INDEX_ENTRIES {
+            return bad(format!(
+                "key_index of {} keys is over the most a table holds ({})",
+                self.key_index,
+                layout::MAX_INDEX_ENTRIES / 4 * 3
+            ));
+        }
         if self.n_readers == 0 || self.n_readers > layout::MAX_READERS {
             return bad(format!(
                 "n_readers must be 1..={}, got {}",

@@ -2,13 +2,17 @@
 //! ([`StoreReader`]) with their zero-copy [`ReadGuard`]s, and the glue that
 //! joins the store to the codec (`typed`) and to copy engines (`device`).
 
+mod clear;
 mod config;
 mod device;
 mod guard;
 mod handle;
+mod key_index;
+mod lease;
 mod mapping;
 mod reader;
 mod reclaim;
+mod reservation;
 mod signature;
 mod stats;
 mod typed;
@@ -18,7 +22,9 @@ pub use config::{Eviction, ReaderOptions, StoreConfig};
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;
 pub use handle::{ObjectHandle, StoreHandle};
+pub use lease::Lease;
 pub use reader::StoreReader;
+pub use reservation::Reservation;
 pub use signature::{Signature, SIGNATURE_LEN};
 pub use stats::StoreStats;
 pub use typed::{ItemGuard, TensorGuard};

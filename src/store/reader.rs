@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::config::ReaderOptions;
 use super::guard::ReadGuard;
 use super::handle::{ObjectHandle, StoreHandle};
+use super::lease::Lease;
 use super::mapping::Mapping;
 use super::signature;
 use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
@@ -217,6 +218,90 @@ impl StoreReader {
     /// as it likes: each is one count in the slot, and the writer allocates
     /// around held objects.
     pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard> {
+        let (
+            slot,
+            Valid {
+                data, len, kind, ..
+            },
+        ) = self.hold(h)?;
+        Ok(self.guard(h, slot, data, len, kind))
+    }
+
+    /// Keeps the object from being reclaimed, without reading it, until
+    /// the [`Lease`] is released or dropped: a hold with no view and no
+    /// read to acknowledge (a scheduler keeping what it has promised to
+    /// its workers). As a guard's hold, a dead leaseholder's leases count
+    /// for nothing.
+    pub fn lease(&self, h: ObjectHandle) -> Result<Lease> {
+        let (slot, _) = self.hold(h)?;
+        Ok(Lease::new(Arc::clone(&self.at), slot, h))
+    }
+
+    /// The handle of `key`'s object, from the store's shared key index
+    /// ([`StoreConfig::key_index`](crate::StoreConfig::key_index)), without
+    /// the writer. `None` if the key is not stored (or not indexed, or its
+    /// object was just reclaimed). Never another key's object: the slot the
+    /// index names is checked (id, tag, and the key's fingerprint). The
+    /// handle is as good as one sent by the writer: a later `get` of it is
+    /// `Stale` if the object goes meanwhile; [`StoreReader::get_key`] and
+    /// [`StoreReader::lease_key`] look up and hold in one step.
+    pub fn lookup(&self, key: &str) -> Result<Option<ObjectHandle>> {
+        self.at.check_attached()?;
+        let Some((h, fp)) = self.probe(key)? else {
+            return Ok(None);
+        };
+        let Ok(slot) = self.find_slot(h) else {
+            return Ok(None);
+        };
+        let Ok(valid) = self.check_slot(h, &slot, slot.id_acquire()) else {
+            return Ok(None);
+        };
+        let key_fp = slot.key_fp();
+        // As `validate`: what was read after the id load is the handle's only
+        // if the id and tag are still the ones checked.
+        if key_fp != fp || slot.identity_recheck() != (h.monotonic_id, valid.tag) {
+            return Ok(None);
+        }
+        Ok(Some(h))
+    }
+
+    /// A zero-copy view of `key`'s object, found through the shared key
+    /// index and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    pub fn get_key(&self, key: &str) -> Result<Option<ReadGuard>> {
+        Ok(self
+            .hold_key(key)?
+            .map(|(h, slot, v)| self.guard(h, slot, v.data, v.len, v.kind)))
+    }
+
+    /// A [`Lease`] on `key`'s object, found through the shared key index
+    /// and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    pub fn lease_key(&self, key: &str) -> Result<Option<Lease>> {
+        Ok(self
+            .hold_key(key)?
+            .map(|(h, slot, _)| Lease::new(Arc::clone(&self.at), slot, h)))
+    }
+
+    fn guard(
+        &self,
+        h: ObjectHandle,
+        slot: SlotPtr,
+        data: *const u8,
+        len: usize,
+        kind: ObjectKind,
+    ) -> ReadGuard {
+        ReadGuard {
+            reader: Arc::clone(&self.at),
+            slot,
+            handle: h,
+            data: self.at.map.view_of(data),
+            len,
+            kind,
+        }
+    }
+
+    /// Takes a hold on `h` (the hold protocol of crate::atomics): the slot
+    /// stays until the hold is given back.
+    fn hold(&self, h: ObjectHandle) -> Result<(SlotPtr, Valid)> {
         // Before the hazard word is written: in a forked child it is the
         // parent's.
         self.at.check_owner()?;
@@ -231,17 +316,53 @@ impl StoreReader {
             slot.hold(self.at.index, self.at.generation());
         }
         self.at.me.clear_hazard();
-        let Valid {
-            data, len, kind, ..
-        } = checked?;
-        Ok(ReadGuard {
-            reader: Arc::clone(&self.at),
-            slot,
-            handle: h,
-            data: self.at.map.view_of(data),
-            len,
-            kind,
-        })
+        checked.map(|v| (slot, v))
+    }
+
+    /// Looks `key` up in the shared key index and takes a hold on what it
+    /// names, if that is `key`'s object. A miss counts no stale read.
+    fn hold_key(&self, key: &str) -> Result<Option<(ObjectHandle, SlotPtr, Valid)>> {
+        self.at.check_owner()?;
+        let Some((h, fp)) = self.probe(key)? else {
+            return Ok(None);
+        };
+        let Ok(slot) = self.find_slot(h) else {
+            return Ok(None);
+        };
+        self.at.me.set_hazard(h.monotonic_id);
+        // Under the validated hazard the slot cannot be reused, so the key
+        // fingerprint read after the id is the object's own.
+        let checked = self
+            .check_slot(h, &slot, slot.id_acquire())
+            .ok()
+            .filter(|_| slot.key_fp() == fp);
+        let entry = self.at.check_entry();
+        if checked.is_some() && entry.is_ok() {
+            slot.hold(self.at.index, self.at.generation());
+            slot.touch();
+        }
+        self.at.me.clear_hazard();
+        entry?;
+        Ok(checked.map(|v| (h, slot, v)))
+    }
+
+    /// The index entry for `key`: a handle to check, and the key's
+    /// fingerprint to check it with.
+    fn probe(&self, key: &str) -> Result<Option<(ObjectHandle, [u64; 2])>> {
+        let index = self.at.geo.index().ok_or_else(|| Error::NoKeyIndex {
+            name: self.at.map.seg().name().to_owned(),
+        })?;
+        let fp = layout::key_fingerprint(&self.secret, key);
+        Ok(super::key_index::probe(&index, fp).map(|(id, address)| {
+            (
+                ObjectHandle {
+                    address,
+                    monotonic_id: id,
+                    epoch: self.at.geo.header().epoch(),
+                },
+                fp,
+            )
+        }))
     }
 
     /// An owned copy of the object; its read is acknowledged before return.
@@ -371,19 +492,25 @@ impl StoreReader {
     }
 
     fn slot(&self, h: ObjectHandle) -> Result<SlotPtr> {
+        self.find_slot(h).map_err(|why| self.stale(h, why))
+    }
+
+    /// The slot `h` names, if it lies in what the writer has backed; else
+    /// why not.
+    fn find_slot(&self, h: ObjectHandle) -> std::result::Result<SlotPtr, &'static str> {
         if h.monotonic_id == 0 {
-            return Err(self.stale(h, "id 0 is never used"));
+            return Err("id 0 is never used");
         }
         let slot = self
             .at
             .geo
             .slot(h.address)
-            .ok_or_else(|| self.stale(h, "address out of range or misaligned"))?;
+            .ok_or("address out of range or misaligned")?;
         // Before any byte of it is touched: a read fault on a page the
         // writer never backed would allocate it (and raise SIGBUS on a full
         // /dev/shm). `geo.slot` checked that this cannot overflow.
         if h.address + self.at.geo.prefix_len > self.at.geo.header().backed() {
-            return Err(self.stale(h, "address past what the writer has written"));
+            return Err("address past what the writer has written");
         }
         Ok(slot)
     }
@@ -391,29 +518,37 @@ impl StoreReader {
     /// Given the slot's id as just loaded, checks it, the tag and the size
     /// against the handle and the process-local bounds.
     fn validate_slot(&self, h: ObjectHandle, slot: &SlotPtr, id: u64) -> Result<Valid> {
+        self.check_slot(h, slot, id)
+            .map_err(|why| self.stale(h, why))
+    }
+
+    /// As [`StoreReader::validate_slot`], counting nothing: why not, if not.
+    fn check_slot(
+        &self,
+        h: ObjectHandle,
+        slot: &SlotPtr,
+        id: u64,
+    ) -> std::result::Result<Valid, &'static str> {
         if id != h.monotonic_id {
-            return Err(self.stale(h, "id mismatch"));
+            return Err("id mismatch");
         }
         let (tag, size, kind) = slot.meta();
         if tag
             != layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
         {
-            return Err(self.stale(
-                h,
-                "tag mismatch (other epoch or segment, or a corrupted slot header)",
-            ));
+            return Err("tag mismatch (other epoch or segment, or a corrupted slot header)");
         }
         let data = self
             .at
             .geo
             .payload(h.address, size)
-            .ok_or_else(|| self.stale(h, "size runs past the data region"))?;
+            .ok_or("size runs past the data region")?;
         // `payload` checked that this sum stays within the capacity.
         if h.address + self.at.geo.prefix_len + size > self.at.geo.header().backed() {
-            return Err(self.stale(h, "size runs past what the writer has written"));
+            return Err("size runs past what the writer has written");
         }
-        let kind = ObjectKind::from_code(kind)
-            .ok_or_else(|| self.stale(h, "unknown object kind (a corrupted slot header)"))?;
+        let kind =
+            ObjectKind::from_code(kind).ok_or("unknown object kind (a corrupted slot header)")?;
         Ok(Valid {
             data,
             len: size as usize,

@@ -102,7 +102,8 @@ impl Judge<'_> {
     /// `owed` is asked and it has a key), or (with `holds`) holds it. One
     /// pass over the reader table, each entry's state word read once.
     fn in_use(&self, e: &Entry, slot: SlotPtr, owed: bool, holds: bool) -> bool {
-        let owed = owed && e.key.is_some();
+        // A cache's objects, and a cleared object (no key), are owed nothing.
+        let owed = owed && e.key.is_some() && !self.geo.cache;
         let short = if owed {
             self.aggregate_short(e, slot)
         } else {
@@ -147,9 +148,13 @@ impl Judge<'_> {
     /// it stays once more (its bit is cleared).
     pub(super) fn may_go_in_walk(&self, span: &mut Span<Entry>, policy: Eviction) -> bool {
         let e = &mut span.value;
-        if policy == Eviction::SecondChance && e.hit && e.pending.is_none() {
-            e.hit = false;
-            return false;
+        if policy == Eviction::SecondChance && e.pending.is_none() {
+            // A reader's hit by key (shared key index) counts as the
+            // writer's own: both are cleared here.
+            let touched = self.geo.index_entries != 0 && self.slot(span.pos).take_touched();
+            if std::mem::take(&mut e.hit) | touched {
+                return false;
+            }
         }
         self.may_go(span.pos, e, e.held_seen.get())
     }
@@ -401,7 +406,7 @@ impl Space {
             return false;
         };
         if let Some(key) = span.value.key {
-            keys.forget(&key);
+            keys.forget(&key, span.value.id, span.value.fp);
         }
         // Its header (id 0 now, its length) still spans it for the walk.
         stats.evictions += 1;

@@ -26,6 +26,11 @@ pub struct StoreStats {
     /// Puts placed in the part of a sparse ring already backed because
     /// /dev/shm had no room for new pages.
     pub nospace_fallbacks: u64,
+    /// Keys in the shared key index now (0 without one).
+    pub indexed: u64,
+    /// Puts whose key the shared key index had no room for (readers miss
+    /// them; [`StoreConfig::key_index`](crate::StoreConfig::key_index)).
+    pub unindexed: u64,
     /// The oldest object that may not be reclaimed now (a reader owes it
     /// a read, holds it, or the writer protects it), and who blocks.
     pub oldest_unread: Option<Box<Blocker>>,

@@ -11,8 +11,9 @@ use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
+use super::key_index::SharedIndex;
 use super::reclaim::{NoRoom, Space};
-use crate::atomics::SlotPtr;
+use crate::atomics::{SlotMeta, SlotPtr};
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::{self, Backing, Segment};
@@ -20,7 +21,7 @@ use crate::sys::segment::{self, Backing, Segment};
 use super::mapping::Mapping;
 use super::signature::{self, Signature};
 
-fn next_epoch(e: u64) -> u64 {
+pub(super) fn next_epoch(e: u64) -> u64 {
     layout::slot_tag(e, 0x5eed, e, 0, 0).max(1)
 }
 
@@ -40,6 +41,8 @@ pub(super) struct Entry {
     pub(super) pending: Option<Arc<dyn PendingCopy>>,
     pub(super) kind: ObjectKind,
     pub(super) size: u64,
+    /// The key's fingerprint in the shared key index (zero without one).
+    pub(super) fp: [u64; 2],
     /// Protected by `protect` until the next `get_cached` of its key or
     /// `release_protections`: never reclaimed meanwhile.
     pub(super) protected: bool,
@@ -85,13 +88,13 @@ struct Reserved {
 pub struct ObjectStore {
     /// The data region: its bounds, the allocator, what may be reclaimed
     /// (`reclaim.rs`).
-    space: Space,
+    pub(super) space: Space,
     /// Every stored key, and those whose put is still in flight.
-    keys: Keys,
-    next_id: u64,
-    epoch: u64,
+    pub(super) keys: Keys,
+    pub(super) next_id: u64,
+    pub(super) epoch: u64,
     nonce: u64,
-    stats: StoreStats,
+    pub(super) stats: StoreStats,
     /// The key of handle signatures (also in the segment, for readers).
     secret: [u8; 32],
     /// The key of slot tags, from `secret` ([`layout::tag_key`]).
@@ -107,17 +110,32 @@ pub struct ObjectStore {
 /// The writer's keys: what is stored, and what is being put.
 #[derive(Debug, Default)]
 pub(super) struct Keys {
-    index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
+    pub(super) index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
     /// Keys of puts whose copy is still in flight.
     pending: std::collections::HashSet<Arc<str>, KeyHasher>,
+    /// The shared key index readers look keys up in, if the store has one.
+    shared: Option<SharedIndex>,
 }
 
 impl Keys {
-    /// Forgets `key` (its object was reclaimed).
-    pub(super) fn forget(&mut self, key: &str) {
+    /// Forgets `key`, the key of object `id` whose fingerprint is `fp`
+    /// (its object was reclaimed).
+    pub(super) fn forget(&mut self, key: &str, id: u64, fp: [u64; 2]) {
         self.index.remove(key);
         if !self.pending.is_empty() {
             self.pending.remove(key);
+        }
+        if let Some(shared) = &mut self.shared {
+            shared.remove(fp, id);
+        }
+    }
+
+    /// Forgets every key.
+    pub(super) fn clear(&mut self) {
+        self.index.clear();
+        self.pending.clear();
+        if let Some(shared) = &mut self.shared {
+            shared.clear();
         }
     }
 }
@@ -134,8 +152,11 @@ impl ObjectStore {
         let fork_gen = fork::register();
         let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
         let header_len = layout::header_len(cfg.n_readers);
+        let index_entries = cfg.index_entries();
+        let index_at = layout::index_offset(cfg.n_readers, cfg.capacity as u64);
         let total = header_len
             .checked_add(cfg.capacity)
+            .and_then(|t| t.checked_add(layout::index_len(index_entries) as usize))
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
@@ -161,6 +182,10 @@ impl ObjectStore {
         // error here, never SIGBUS).
         let mut backing = Backing::prefix(total as u64, cfg.reserve);
         backing.ensure(&seg, 0, header_len as u64)?;
+        // So is its key index, whole (readers probe any entry of it).
+        if !cfg.reserve {
+            seg.back(index_at, layout::index_len(index_entries))?;
+        }
         // The headroom is for the data: a store always gets its header.
         let backing = backing.headroom(cfg.shm_headroom);
         // The lock before the stamp: whoever sees the magic sees a writer
@@ -175,13 +200,14 @@ impl ObjectStore {
             layout::flags::AGGREGATE_READS
         } else {
             0
-        };
+        } | if cfg.cache { layout::flags::CACHE } else { 0 };
         let geo = StoreGeometry::new(
             seg.as_ptr(),
             cfg.n_readers,
             cfg.capacity as u64,
             cfg.max_object_size as u64,
             flags,
+            index_entries,
         );
         let secret = signature::new_secret()?;
         let nonce = segment::random_u64();
@@ -207,7 +233,9 @@ impl ObjectStore {
             flags,
             secret,
             backed: backing.backed().saturating_sub(header_len as u64),
-            reserved: [0; 12],
+            index_entries,
+            index_seq: 0,
+            reserved: [0; 10],
         };
         // The reader table is zero (VACANT) in a fresh object; stamp last.
         geo.header().init(&header);
@@ -224,7 +252,10 @@ impl ObjectStore {
                 cfg.eviction,
                 cfg.reader_timeout.map(|d| d.as_nanos() as u64),
             ),
-            keys: Keys::default(),
+            keys: Keys {
+                shared: geo.index().map(SharedIndex::new),
+                ..Keys::default()
+            },
             next_id: 1,
             epoch,
             nonce,
@@ -270,7 +301,7 @@ impl ObjectStore {
         let pos = r.plan.pos;
         let id = self.commit(r, key, len as u64, kind, None);
         Ok(self
-            .publish(id, pos)
+            .publish_slot(id, pos)
             .expect("a slot committed without a pending copy publishes"))
     }
 
@@ -331,7 +362,7 @@ impl ObjectStore {
             }
             return Err(e);
         }
-        self.publish(id, address).ok_or(Error::Stale {
+        self.publish_slot(id, address).ok_or(Error::Stale {
             address,
             monotonic_id: id,
         })
@@ -415,6 +446,10 @@ impl ObjectStore {
     ) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
+        let fp = match self.keys.shared {
+            Some(_) => layout::key_fingerprint(&self.secret, key),
+            None => [0, 0],
+        };
         let key: Arc<str> = Arc::from(key);
         if pending.is_some() {
             self.keys.pending.insert(key.clone());
@@ -425,11 +460,12 @@ impl ObjectStore {
             id,
             Entry {
                 id,
-                refs: 1,
+                refs: if self.space.geo.cache { 0 } else { 1 },
                 key: Some(key),
                 pending,
                 kind,
                 size,
+                fp,
                 protected: false,
                 invalid: false,
                 hit: false,
@@ -445,7 +481,7 @@ impl ObjectStore {
 
     /// Publishes committed slot `id` at `pos` (its bytes are complete):
     /// readers may get it from now on. `None` if it was cleared meanwhile.
-    fn publish(&mut self, id: u64, pos: u64) -> Option<ObjectHandle> {
+    fn publish_slot(&mut self, id: u64, pos: u64) -> Option<ObjectHandle> {
         let epoch = self.epoch;
         let span = self.space.ring.find(id).filter(|s| s.pos == pos)?;
         let address = span.pos;
@@ -458,9 +494,19 @@ impl ObjectStore {
             e.size,
             span.len,
             e.kind as u32,
+            SlotMeta {
+                refs: e.refs,
+                key_fp: e.fp,
+            },
         );
+        let fp = e.fp;
         if !self.keys.pending.is_empty() {
             self.keys.pending.remove(&key);
+        }
+        if let Some(shared) = &mut self.keys.shared {
+            if !shared.insert(fp, id, address) {
+                self.stats.unindexed += 1;
+            }
         }
         let handle = ObjectHandle {
             address,
@@ -525,7 +571,8 @@ impl ObjectStore {
     }
 
     /// The handle of `key`, counting one more expected read per reader (the
-    /// object then needs one more read from each reader before it can go).
+    /// object then needs one more read from each reader before it can go;
+    /// in a [cache](crate::StoreConfig::cache), a hit only).
     /// Ends a [`protect`](Self::protect) of the key.
     pub fn get_cached(&mut self, key: &str) -> Option<ObjectHandle> {
         if !self.is_owner() {
@@ -537,12 +584,14 @@ impl ObjectStore {
             .ring
             .find_mut(h.monotonic_id)
             .expect("every indexed key has a live slot");
-        span.value.refs = span.value.refs.saturating_add(1);
         span.value.protected = false;
         span.value.hit = true;
-        let refs = span.value.refs;
-        let (slot, _) = self.slot_and_payload(h.address, 0);
-        slot.set_refs(refs);
+        if !self.space.geo.cache {
+            span.value.refs = span.value.refs.saturating_add(1);
+            let refs = span.value.refs;
+            let (slot, _) = self.slot_and_payload(h.address, 0);
+            slot.set_refs(refs);
+        }
         self.stats.hits += 1;
         Some(h)
     }
@@ -578,88 +627,6 @@ impl ObjectStore {
         }
         self.space
             .reap_dead_readers(self.map.seg(), &mut self.stats)
-    }
-
-    /// Keeps `key` from being reclaimed until its next
-    /// [`get_cached`](Self::get_cached) or [`release_protections`](Self::release_protections)
-    /// (vLLM 0.33's writer `touch`). Adds no expected read.
-    pub fn protect(&mut self, key: &str) -> Result<()> {
-        self.check_owner()?;
-        let id = self
-            .keys
-            .index
-            .get(key)
-            .ok_or_else(|| Error::KeyNotFound {
-                key: key.to_owned(),
-            })?
-            .monotonic_id;
-        let span = self
-            .space
-            .ring
-            .find_mut(id)
-            .expect("every indexed key has a live slot");
-        span.value.protected = true;
-        Ok(())
-    }
-
-    /// Ends every [`protect`](Self::protect) (vLLM 0.33's `release_touches`).
-    pub fn release_protections(&mut self) {
-        if !self.is_owner() {
-            return;
-        }
-        for span in self.space.ring.iter_mut() {
-            span.value.protected = false;
-        }
-    }
-
-    /// Forgets every key (vLLM 0.33's soft clear): `is_cached` is false for
-    /// all, ids keep increasing, and nothing is owed any more. The next puts
-    /// go from the ring's first byte, as in vLLM. A handle from before
-    /// reads its own bytes until its slot is reused, then it is stale.
-    /// Slots under a live guard are reused only once the guard drops (the
-    /// puts go around them).
-    pub fn clear(&mut self) {
-        if !self.is_owner() {
-            return;
-        }
-        for span in self.space.ring.iter_mut() {
-            span.value.key = None;
-            span.value.protected = false;
-            span.value.hit = false;
-        }
-        self.space.ring.rewind();
-        self.keys.index.clear();
-        self.keys.pending.clear();
-        tracing::debug!(held = self.space.ring.len(), "store cleared (soft)");
-    }
-
-    /// Forgets every object and starts a new epoch: every handle from
-    /// before is stale at once. Slots under a live guard are freed once the
-    /// guard drops.
-    pub fn clear_hard(&mut self) {
-        if !self.is_owner() {
-            return;
-        }
-        let geo = self.space.geo;
-        for span in self.space.ring.iter_mut() {
-            let e = &mut span.value;
-            e.key = None;
-            e.protected = false;
-            if e.pending.is_none() && !e.invalid {
-                geo.slot(span.pos)
-                    .expect("ring slots are in bounds")
-                    .invalidate();
-                e.invalid = true;
-            }
-        }
-        self.keys.index.clear();
-        self.keys.pending.clear();
-        self.space.geo.header().set_cleared_below(self.next_id);
-        self.epoch = next_epoch(self.epoch);
-        self.space.geo.header().set_epoch(self.epoch);
-        let freed = self.space.reclaim_all(&mut self.keys, &mut self.stats);
-        tracing::debug!(freed, held = self.space.ring.len(), "store cleared (hard)");
-        self.publish_progress();
     }
 
     /// The signature of `key`'s handle (vLLM 0.33's `get_signature`): an
@@ -731,6 +698,7 @@ impl ObjectStore {
                 .map(|i| self.space.geo.reader(i).stale_reads())
                 .fold(0u64, u64::saturating_add),
             oldest_unread,
+            indexed: self.keys.shared.as_ref().map_or(0, SharedIndex::len),
             ..self.stats.clone()
         }
     }

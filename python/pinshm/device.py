@@ -1,0 +1,162 @@
+"""Tensors into and out of slots on any device.
+
+`put_tensor` stores a torch tensor (on any device) or a numpy array (or
+anything numpy takes through DLPack or the buffer protocol) as a tensor
+object, copied once, straight into the slot: the writer reserves the slot
+(`ObjectStore.reserve_tensor`), the copy writes it in place, and the
+object is published once the copy is complete. For a CUDA tensor the copy
+is torch's device-to-host copy into the slot, queued on the current stream
+and completed on a CUDA event; where the store's mapping is pinned (a
+reserved store in a process with a CUDA driver), that copy is a DMA into
+the slot with no staging buffer.
+
+`get_tensor` copies an object out to a device: a host-to-device copy
+queued from the slot itself (pinned where the reader's mapping is), the
+read released once the copy has completed. With a release gate installed
+(`pinshm.cuda_release.install()`), the release waits for the copy's
+event without blocking anyone; without one, `get_tensor` waits for the
+copy's event itself before it releases the read.
+
+Neither needs torch: without it, numpy arrays go in and come out.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Optional
+
+from ._pinshm import (
+    ObjectHandle,
+    ObjectStore,
+    StoreReader,
+    TensorReservation,
+    has_release_gate,
+)
+
+__all__ = ["get_tensor", "put_tensor"]
+
+
+def _is_torch(t: Any) -> bool:
+    return type(t).__module__.split(".")[0] == "torch"
+
+
+def _torch() -> Any:
+    """torch, imported only when asked for (pinshm does not need it)."""
+    import importlib
+
+    return sys.modules.get("torch") or importlib.import_module("torch")
+
+
+def _torch_view(torch: Any, buffer: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A tensor over `buffer` (no copy). torch.frombuffer warns on a
+    read-only buffer (a reader's slot): nothing writes through it here."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def put_tensor(store: ObjectStore, key: str, tensor: Any) -> ObjectHandle:
+    """Stores `tensor` under `key`, copied once, straight into the slot.
+
+    A torch tensor on any device (any strides), or a numpy array (anything
+    `numpy.asarray` takes). Errors as `ObjectStore.put`: InvalidArgumentError
+    for a duplicate key or an object too large, FullError or NoSpaceError
+    (MemoryErrors) when there is no room. Nothing is published on error.
+    """
+    if _is_torch(tensor):
+        torch = _torch()
+        name = str(tensor.dtype).removeprefix("torch.")
+        shape = tuple(int(n) for n in tensor.shape)
+        r = store.reserve_tensor(key, name, list(shape))
+        try:
+            _fill_torch(torch, r, tensor, shape)
+        except BaseException:
+            r.abort()
+            raise
+        return store.publish(r)
+    import numpy as np
+
+    array = np.asarray(tensor)
+    r = store.reserve_tensor(key, array.dtype.name, list(array.shape))
+    try:
+        if array.size:
+            dst = np.frombuffer(r, dtype=array.dtype.newbyteorder("<")).reshape(array.shape)
+            dst[...] = array
+            del dst
+    except BaseException:
+        r.abort()
+        raise
+    return store.publish(r)
+
+
+def _fill_torch(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> None:
+    dst = _torch_view(torch, r, tensor.dtype, shape)
+    if tensor.is_cuda:
+        # Device to host, straight into the slot, on the current stream;
+        # published only once the copy's event has completed.
+        dst.copy_(tensor.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    else:
+        dst.copy_(tensor.detach())
+    del dst
+
+
+def get_tensor(reader: StoreReader, handle: ObjectHandle, device: Optional[Any] = None) -> Any:
+    """A copy of the tensor object `handle` names, on `device`.
+
+    With torch (imported, or `device` given): a torch tensor on `device`
+    (default: the CPU), copied from the slot (host to device for a CUDA
+    device). Without: a numpy array (bfloat16 needs torch). StaleError if
+    the object is gone; WrongKindError if it is not a tensor.
+    """
+    guard = reader.get(handle)
+    try:
+        dtype, shape, offset = guard.tensor_meta()
+        if device is not None or "torch" in sys.modules:
+            return _get_torch(_torch(), guard, dtype, tuple(shape), offset, device)
+        import numpy as np
+
+        if dtype == "bfloat16":
+            raise TypeError("a bfloat16 tensor needs torch to come out (numpy has no bfloat16)")
+        np_dtype = np.dtype(dtype).newbyteorder("<")
+        count = 1
+        for n in shape:
+            count *= n
+        return np.frombuffer(guard, dtype=np_dtype, count=count, offset=offset).reshape(shape).copy()
+    finally:
+        _release(guard)
+
+
+def _get_torch(torch: Any, guard: Any, dtype: str, shape: tuple[int, ...], offset: int, device: Any) -> Any:
+    view = memoryview(guard)[offset:]
+    src = _torch_view(torch, view, getattr(torch, dtype), shape)
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    if target.type == "cuda":
+        out = src.to(target, non_blocking=True)
+        if not has_release_gate():
+            # No gate to defer the release to: the copy must have read the
+            # slot before the read ends.
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+    else:
+        out = src.to(target, copy=True)
+    del src
+    view.release()
+    return out
+
+
+def _release(guard: Any) -> None:
+    """Ends the read now if nothing still views it (else when that goes)."""
+    try:
+        guard.release()
+    except BufferError:
+        pass

@@ -1,0 +1,218 @@
+//! `pinshm.Lease` (an object kept for a reader that has not read it) and
+//! `pinshm.TensorReservation` (a slot whose bytes Python writes, torch's
+//! device-to-host copy say, before the writer publishes it).
+
+use std::os::raw::c_int;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::handles::ObjectHandle;
+use crate::{lock, Home};
+
+/// A lease: the object stays in the store, unread, until `release()` (or
+/// the end of a `with` block, or garbage collection). Leases of a process
+/// that dies count for nothing.
+#[pyclass(module = "pinshm", frozen)]
+pub(crate) struct Lease {
+    handle: pinshm::ObjectHandle,
+    inner: Mutex<Option<pinshm::Lease>>,
+    home: Home,
+}
+
+impl Lease {
+    pub(crate) fn new(l: pinshm::Lease, name: &str) -> Lease {
+        Lease {
+            handle: l.handle(),
+            inner: Mutex::new(Some(l)),
+            home: Home::new(name),
+        }
+    }
+}
+
+#[pymethods]
+impl Lease {
+    /// The handle of the leased object.
+    #[getter]
+    fn handle(&self) -> ObjectHandle {
+        ObjectHandle(self.handle)
+    }
+
+    /// Whether the lease has ended.
+    #[getter]
+    fn released(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    /// Ends the lease; again does nothing. In a forked child the lease is
+    /// the parent's: this releases nothing there.
+    fn release(&self) {
+        let l = lock(&self.inner).take();
+        if self.home.forked() {
+            // The core's drop touches nothing shared in a child, either.
+            drop(l);
+            return;
+        }
+        drop(l);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.release();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Lease(address={}, monotonic_id={}, released={})",
+            self.handle.address,
+            self.handle.monotonic_id,
+            self.released()
+        )
+    }
+}
+
+/// A reservation behind a mutex, shared with each export of its bytes.
+pub(crate) struct Reserved {
+    pub(crate) res: Mutex<pinshm::Reservation>,
+    data: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `data` points into the mapping the reservation keeps alive, and
+// `Reservation` is `Send`; the bytes are written only through exports,
+// which Python code serialises as it likes (they are plain bytes nobody
+// else reads until the reservation is published, which needs no export
+// to be alive).
+unsafe impl Send for Reserved {}
+// SAFETY: as above; through `&Reserved` nothing but the pointer is read.
+unsafe impl Sync for Reserved {}
+
+/// The owner of one writable export of a reservation (`view.obj`).
+#[pyclass(module = "pinshm", frozen, name = "_ReservationExport")]
+pub(crate) struct ReservationExport {
+    _res: Arc<Reserved>,
+}
+
+/// A slot reserved by `ObjectStore.reserve_tensor`: write the tensor's
+/// bytes through the buffer protocol (writable: `memoryview(r)`,
+/// `numpy.frombuffer(r, ...)`, `torch.frombuffer(r, ...)`), then
+/// `ObjectStore.publish(r)`. Readers see nothing until then. Publishing
+/// raises BufferError while an export of it is alive. Dropped
+/// unpublished (`abort()`, or garbage collection), the slot is reclaimed
+/// in turn.
+#[pyclass(module = "pinshm", frozen)]
+pub(crate) struct TensorReservation {
+    /// `None` once published or aborted.
+    pub(crate) held: Mutex<Option<Arc<Reserved>>>,
+    dtype: &'static str,
+    shape: Vec<u64>,
+    home: Home,
+}
+
+impl TensorReservation {
+    pub(crate) fn new(
+        mut res: pinshm::Reservation,
+        dtype: &'static str,
+        shape: Vec<u64>,
+        name: &str,
+    ) -> TensorReservation {
+        let (data, len) = (res.as_mut_ptr(), res.len());
+        TensorReservation {
+            held: Mutex::new(Some(Arc::new(Reserved {
+                res: Mutex::new(res),
+                data,
+                len,
+            }))),
+            dtype,
+            shape,
+            home: Home::new(name),
+        }
+    }
+}
+
+#[pymethods]
+impl TensorReservation {
+    /// The tensor's dtype name (torch's: "float32", "bfloat16", ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype
+    }
+
+    /// The tensor's shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// Bytes to write.
+    fn __len__(&self) -> usize {
+        lock(&self.held).as_ref().map_or(0, |r| r.len)
+    }
+
+    /// Gives the slot back unpublished (BufferError while exports live);
+    /// again does nothing.
+    fn abort(&self) -> PyResult<()> {
+        drop(crate::buffer::take_unshared(
+            &self.held,
+            "TensorReservation",
+        )?);
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython with a `Py_buffer` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let this = slf.get();
+        this.home.not_forked()?;
+        let res = lock(&this.held).clone().ok_or_else(|| {
+            PyBufferError::new_err("the TensorReservation was published or aborted")
+        })?;
+        let (data, len) = (res.data, res.len);
+        let len = ffi::Py_ssize_t::try_from(len)
+            .map_err(|_| PyValueError::new_err("reservation too large for a buffer"))?;
+        let owner = Bound::new(slf.py(), ReservationExport { _res: res })?;
+        // SAFETY: `view` is ours to fill; the `len` bytes at `data` are the
+        // reserved, unpublished payload, valid while the reservation lives,
+        // which `owner` (stored in `view.obj`) keeps alive; publishing needs
+        // every export gone, so nobody reads them while Python may write.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                owner.as_ptr(),
+                data.cast::<std::ffi::c_void>(),
+                len,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Never called: an export's `view.obj` is its `_ReservationExport`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TensorReservation(dtype={}, shape={:?}, open={})",
+            self.dtype,
+            self.shape,
+            lock(&self.held).is_some()
+        )
+    }
+}

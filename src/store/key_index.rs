@@ -1,0 +1,235 @@
+//! The shared key index: the writer's half (insert, remove, clear) and the
+//! reader's probe, over the table and sequence word of
+//! [`IndexPtr`](crate::atomics::IndexPtr) (whose orderings are chosen in
+//! `crate::atomics::index`).
+//!
+//! Open addressing with linear probing from `fp[0] mod entries`; removal
+//! shifts the entries after a hole back (no tombstones, so chains stay as
+//! short as the load allows). The table is kept at most three quarters
+//! full: a key past that is not indexed (readers miss it; the writer's
+//! own lookup still finds it) and counted in `StoreStats::unindexed`.
+
+use crate::atomics::IndexPtr;
+
+/// The writer's side of the index.
+#[derive(Debug)]
+pub(super) struct SharedIndex {
+    ptr: IndexPtr,
+    /// Entries in use.
+    len: u64,
+    /// Most entries in use (three quarters of the table).
+    limit: u64,
+}
+
+// SAFETY: the pointer is into the writer's mapping, which the store keeps
+// alive and moves with it; the writer uses it from one thread at a time.
+unsafe impl Send for SharedIndex {}
+
+impl SharedIndex {
+    pub(super) fn new(ptr: IndexPtr) -> SharedIndex {
+        SharedIndex {
+            ptr,
+            len: 0,
+            limit: ptr.entries() / 4 * 3,
+        }
+    }
+
+    fn mask(&self) -> u64 {
+        self.ptr.entries() - 1
+    }
+
+    /// Indexes `fp` at object `id` in the slot at `address`; false if the
+    /// table is at its limit (the key is then not indexed).
+    pub(super) fn insert(&mut self, fp: [u64; 2], id: u64, address: u64) -> bool {
+        if self.len >= self.limit {
+            return false;
+        }
+        let mask = self.mask();
+        let mut i = fp[0] & mask;
+        // Below the limit there is an empty entry on every chain.
+        while self.ptr.read(i).1 != 0 {
+            i = (i + 1) & mask;
+        }
+        let s = self.ptr.begin_change();
+        self.ptr.write(i, fp, id, address);
+        self.ptr.end_change(s);
+        self.len += 1;
+        true
+    }
+
+    /// Removes the entry of object `id` (key fingerprint `fp`), if any.
+    pub(super) fn remove(&mut self, fp: [u64; 2], id: u64) {
+        let mask = self.mask();
+        let mut i = fp[0] & mask;
+        loop {
+            let (_, eid, _) = self.ptr.read(i);
+            if eid == 0 {
+                return; // not indexed (the table was full at its put)
+            }
+            if eid == id {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        let s = self.ptr.begin_change();
+        // Backward shift (Knuth's algorithm R): each later entry of the run
+        // whose home is not cyclically in (hole, its place] moves into the
+        // hole, which moves to where it was.
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let (efp, eid, eaddr) = self.ptr.read(j);
+            if eid == 0 {
+                break;
+            }
+            let home = efp[0] & mask;
+            let stays = if i <= j {
+                i < home && home <= j
+            } else {
+                i < home || home <= j
+            };
+            if !stays {
+                self.ptr.write(i, efp, eid, eaddr);
+                i = j;
+            }
+        }
+        self.ptr.write(i, [0, 0], 0, 0);
+        self.ptr.end_change(s);
+        self.len -= 1;
+    }
+
+    /// Empties the table (a clear).
+    pub(super) fn clear(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let s = self.ptr.begin_change();
+        for i in 0..self.ptr.entries() {
+            if self.ptr.read(i).1 != 0 {
+                self.ptr.write(i, [0, 0], 0, 0);
+            }
+        }
+        self.ptr.end_change(s);
+        self.len = 0;
+    }
+
+    /// Entries in use.
+    pub(super) fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+/// How many times a reader probes again after the writer changed the
+/// table under a probe that missed, before it reports the miss.
+const RETRIES: usize = 8;
+
+/// A reader's probe for `fp`: `Some((id, address))` of an entry whose
+/// fingerprint is `fp` (to be checked against its slot), `None` if the
+/// table had no such entry at some instant of the probe (or the writer
+/// kept changing it through every retry).
+pub(super) fn probe(ptr: &IndexPtr, fp: [u64; 2]) -> Option<(u64, u64)> {
+    let mask = ptr.entries() - 1;
+    for _ in 0..RETRIES {
+        let s = ptr.seq_begin();
+        if s & 1 == 0 {
+            let mut i = fp[0] & mask;
+            // At most a lap: a table the writer keeps below 3/4 full always
+            // has an empty entry, but a hostile one need not.
+            for _ in 0..ptr.entries() {
+                let (efp, id, address) = ptr.read(i);
+                if id == 0 {
+                    break;
+                }
+                if efp == fp {
+                    return Some((id, address));
+                }
+                i = (i + 1) & mask;
+            }
+            if ptr.seq_end() == s {
+                return None;
+            }
+        }
+        std::hint::spin_loop();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::atomics::HeaderPtr;
+
+    /// A table and a header in heap memory, laid out as in a segment.
+    struct Table {
+        _mem: Vec<u64>,
+        ptr: IndexPtr,
+    }
+
+    fn table(entries: u64) -> Table {
+        let mut mem = vec![0u64; 512 + 4 * entries as usize];
+        let base = mem.as_mut_ptr() as *mut u8;
+        // SAFETY: `mem` is 8-aligned and holds a 4096-byte header followed
+        // by `entries` 32-byte entries; it outlives `ptr` (both in Table).
+        let ptr = unsafe { IndexPtr::new(base.add(4096), entries, HeaderPtr::new(base)) };
+        Table { _mem: mem, ptr }
+    }
+
+    fn fp(home: u64, n: u64) -> [u64; 2] {
+        [home, n]
+    }
+
+    #[test]
+    fn entries_are_found_after_removals_in_the_middle_of_their_chain() {
+        let t = table(16);
+        let mut ix = SharedIndex::new(t.ptr);
+        // Five keys on home 14 (wrapping past the end), two on home 15.
+        let keys: Vec<_> = (0..5)
+            .map(|n| fp(14, n))
+            .chain((0..2).map(|n| fp(15, 10 + n)))
+            .collect();
+        for (k, f) in keys.iter().enumerate() {
+            assert!(ix.insert(*f, k as u64 + 1, 64 * k as u64));
+        }
+        let mut removed = Vec::new();
+        for remove in [2usize, 0, 5] {
+            ix.remove(keys[remove], remove as u64 + 1);
+            removed.push(remove);
+            for (k, f) in keys.iter().enumerate() {
+                let want = (!removed.contains(&k)).then_some((k as u64 + 1, 64 * k as u64));
+                assert_eq!(
+                    probe(&t.ptr, *f),
+                    want,
+                    "key {k} after removing {removed:?}"
+                );
+            }
+        }
+        assert_eq!(ix.len(), 4);
+        ix.clear();
+        assert!(keys.iter().all(|f| probe(&t.ptr, *f).is_none()));
+    }
+
+    #[test]
+    fn a_full_table_refuses_keys_past_three_quarters() {
+        let t = table(8);
+        let mut ix = SharedIndex::new(t.ptr);
+        for n in 0..6 {
+            assert!(ix.insert(fp(n, n), n + 1, 0));
+        }
+        assert!(!ix.insert(fp(6, 6), 7, 0), "6 of 8 is the limit");
+        assert_eq!(probe(&t.ptr, fp(6, 6)), None);
+        ix.remove(fp(3, 3), 4);
+        assert!(ix.insert(fp(6, 6), 7, 0));
+        assert_eq!(probe(&t.ptr, fp(6, 6)), Some((7, 0)));
+    }
+
+    #[test]
+    fn removing_an_unindexed_key_changes_nothing() {
+        let t = table(8);
+        let mut ix = SharedIndex::new(t.ptr);
+        ix.insert(fp(1, 1), 1, 64);
+        ix.remove(fp(1, 2), 9);
+        ix.remove(fp(1, 1), 9);
+        assert_eq!(probe(&t.ptr, fp(1, 1)), Some((1, 64)));
+        assert_eq!(ix.len(), 1);
+    }
+}

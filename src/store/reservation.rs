@@ -1,0 +1,157 @@
+//! [`Reservation`]: a slot whose bytes the caller writes by any means (a
+//! device-to-host copy queued by another runtime, torch's say), published
+//! when the caller says the bytes are complete.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::handle::ObjectHandle;
+use super::writer::{ObjectStore, PendingCopy};
+use crate::codec::{self, TENSOR_HEADER_LEN};
+use crate::copy::KeepAlive;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::ObjectKind;
+
+/// A reserved, unpublished slot: no reader can see it and the writer does
+/// not reuse it while the reservation lives. Write its bytes through
+/// [`Reservation::bytes_mut`] (or the pointer, from a copy engine of your
+/// own), then publish it with [`ObjectStore::publish`]. Dropped
+/// unpublished, the slot is reclaimed in turn (its key stays taken until
+/// then).
+///
+/// ```
+/// use pinshm::{DType, ObjectStore, StoreConfig, StoreReader};
+/// # let name = format!("pinshm-doc-reserve-{}", std::process::id());
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name))?;
+/// let mut r = store.reserve_tensor("t", DType::F32, &[2])?;
+/// r.bytes_mut().copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0]));
+/// let h = store.publish(r)?;
+/// let reader = StoreReader::attach(&store.handle())?;
+/// assert_eq!(reader.get_tensor(h)?.as_slice::<f32>()?, &[1.0, 2.0]);
+/// # Ok::<(), pinshm::Error>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "the object is published only by ObjectStore::publish"]
+pub struct Reservation {
+    id: u64,
+    store: u64,
+    data: *mut u8,
+    len: usize,
+    state: Arc<Writing>,
+    /// The mapping stays while the reservation can write into it, even
+    /// past the store.
+    _keep: KeepAlive,
+}
+
+// SAFETY: `data` points into the mapping `_keep` holds; only the holder of
+// `&mut Reservation` writes through it.
+unsafe impl Send for Reservation {}
+
+/// What the store sees of a reservation (its pending copy).
+#[derive(Debug)]
+struct Writing {
+    /// The caller may still be writing the bytes.
+    open: AtomicBool,
+}
+
+impl PendingCopy for Writing {
+    fn is_done(&self) -> bool {
+        !self.open.load(Ordering::Acquire)
+    }
+    fn wait(&self) -> Result<()> {
+        Ok(())
+    }
+    fn abandoned(&self) -> bool {
+        // Published reservations are not pending any more; a closed one
+        // still pending was dropped.
+        self.is_done()
+    }
+}
+
+impl Reservation {
+    /// The bytes to write (a tensor's payload, after its header).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `data..data+len` lies in a slot reserved for this put
+        // (checked by the writer's reserve), in a mapping `_keep` keeps; it
+        // is unpublished, so no reader reads it, and the writer does not
+        // reuse it while `open` is set, which only our drop or publish
+        // clears. `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
+    }
+
+    /// The start of the bytes, for a copy engine that writes them itself
+    /// (valid, and written by nobody else, while the reservation lives).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.data
+    }
+
+    /// How many bytes to write.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes to write (an empty tensor).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.state.open.store(false, Ordering::Release);
+    }
+}
+
+impl ObjectStore {
+    /// Reserves a slot for a tensor of `dtype` and `shape` under `key`, its
+    /// header written; its payload is the caller's to write. Errors as a
+    /// put (`DuplicateKey`, `TooLarge`, `Full`, `NoSpace`).
+    pub fn reserve_tensor(
+        &mut self,
+        key: &str,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<Reservation> {
+        let len = codec::payload_len(dtype, shape)?;
+        let total = len
+            .checked_add(TENSOR_HEADER_LEN)
+            .ok_or_else(|| Error::InvalidTensor("tensor size overflows".into()))?;
+        let state = Arc::new(Writing {
+            open: AtomicBool::new(true),
+        });
+        let mut data = std::ptr::null_mut();
+        let pending = Arc::clone(&state) as Arc<dyn PendingCopy>;
+        let id = self.begin_pending(key, total, ObjectKind::Tensor, |p| {
+            // SAFETY: p spans the `total` bytes of the reserved, unpublished object.
+            let obj = unsafe { std::slice::from_raw_parts_mut(p, total) };
+            codec::write_tensor_header(obj, dtype, shape, len);
+            // SAFETY: the payload starts after the header, inside the object.
+            data = unsafe { p.add(TENSOR_HEADER_LEN) };
+            Ok(pending)
+        })?;
+        Ok(Reservation {
+            id,
+            store: self.identity(),
+            data,
+            len,
+            state,
+            _keep: self.mapping(),
+        })
+    }
+
+    /// Publishes a reservation whose bytes are complete: readers may get
+    /// it from now on. `Stale` if the store was cleared meanwhile.
+    pub fn publish(&mut self, r: Reservation) -> Result<ObjectHandle> {
+        if r.store != self.identity() {
+            return Err(Error::PutNotPending {
+                id: r.id,
+                reason: "it belongs to another store",
+            });
+        }
+        let id = r.id;
+        // Dropping it closes it: the pending copy is done, and published here.
+        drop(r);
+        self.finish_pending(id)
+    }
+}

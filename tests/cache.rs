@@ -1,0 +1,441 @@
+//! Cache stores, the shared key index and leases, in real processes: readers
+//! that look keys up without the writer while it evicts and reuses slots
+//! (never a wrong object), leases that outlive laps of puts, a killed
+//! leaseholder's leases ignored, and unread objects reclaimed. The readers
+//! are this test binary re-executed; they take lines on stdin and answer
+//! on stdout.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::Child;
+
+use common::{checksum, pattern, spawn_child, Name, Rng};
+use pinshm::{DType, Error, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+
+const KIB: usize = 1 << 10;
+
+/// A cache of `slots` objects of `len` bytes for `n_readers`, with a key
+/// index for twice as many keys.
+fn cache(name: &Name, slots: usize, len: usize, n_readers: u32) -> ObjectStore {
+    ObjectStore::create(
+        StoreConfig::new(
+            slots * StoreConfig::slot_len(n_readers, len),
+            len,
+            n_readers,
+        )
+        .name(&**name)
+        .cache(true)
+        .key_index(2 * slots),
+    )
+    .unwrap()
+}
+
+/// The bytes of key `k{i}`: the key decides them, so any reader can check
+/// that what it found under a key is that key's object.
+fn bytes_of(i: u64, len: usize) -> Vec<u8> {
+    pattern(i, len)
+}
+
+struct Peer {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(role: &str, sh: &StoreHandle) -> Peer {
+        let mut child = spawn_child(
+            "child_reader",
+            role,
+            &[("PINSHM_HANDLE", serde_json::to_string(sh).unwrap())],
+        );
+        let stdin = child.stdin.take().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Peer {
+            child,
+            stdin: Some(stdin),
+            out,
+        }
+    }
+
+    fn send(&mut self, l: &str) {
+        writeln!(self.stdin.as_mut().unwrap(), "{l}").unwrap();
+    }
+
+    fn answer(&mut self) -> String {
+        loop {
+            let mut s = String::new();
+            assert!(self.out.read_line(&mut s).unwrap() > 0, "child exited");
+            if let Some((_, r)) = s.trim().split_once("ANSWER ") {
+                return r.to_owned();
+            }
+        }
+    }
+
+    fn ask(&mut self, l: &str) -> String {
+        self.send(l);
+        self.answer()
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    fn finish(mut self) -> String {
+        drop(self.stdin.take());
+        let a = self.answer();
+        assert!(self.child.wait().unwrap().success());
+        a
+    }
+}
+
+#[test]
+fn a_reader_finds_stored_keys_without_the_writer_and_misses_evicted_ones() {
+    let name = Name::new("lookup");
+    let len = 4 * KIB;
+    let mut w = cache(&name, 8, len, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    for i in 0..20u64 {
+        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+    }
+    let mut found = 0;
+    for i in 0..20u64 {
+        let key = format!("k{i}");
+        let got = r.lookup(&key).unwrap();
+        assert_eq!(got, w.lookup(&key), "reader and writer agree on {key}");
+        if let Some(h) = got {
+            assert_eq!(&*r.get(h).unwrap(), &bytes_of(i, len)[..]);
+            let g = r.get_key(&key).unwrap().expect("found, so held");
+            assert_eq!(&*g, &bytes_of(i, len)[..]);
+            found += 1;
+        }
+    }
+    assert!((1..20).contains(&found), "some evicted, some kept: {found}");
+    assert_eq!(r.lookup("never-stored").unwrap(), None);
+    assert_eq!(w.stats().indexed, found as u64);
+    w.clear();
+    assert!((0..20).all(|i| r.lookup(&format!("k{i}")).unwrap().is_none()));
+}
+
+#[test]
+fn a_cache_reclaims_objects_nobody_read_where_a_store_would_be_full() {
+    let len = 4 * KIB;
+    for cache_mode in [true, false] {
+        let name = Name::new("unread");
+        let mut w = ObjectStore::create(
+            StoreConfig::new(8 * StoreConfig::slot_len(1, len), len, 1)
+                .name(&*name)
+                .cache(cache_mode),
+        )
+        .unwrap();
+        // Attached, never reading: a store waits for it, a cache does not.
+        let _r = StoreReader::attach(&w.handle()).unwrap();
+        let outcome =
+            (0..80u64).try_for_each(|i| w.put(&format!("k{i}"), &bytes_of(i, len)).map(|_| ()));
+        match (cache_mode, outcome) {
+            (true, Ok(())) => assert!(w.stats().evictions >= 72),
+            (false, Err(Error::Full { .. })) => {}
+            (mode, other) => panic!("cache {mode}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn get_cached_in_a_cache_counts_a_hit_and_owes_no_read() {
+    let name = Name::new("cachehit");
+    let len = 4 * KIB;
+    let mut w = cache(&name, 8, len, 1);
+    let _r = StoreReader::attach(&w.handle()).unwrap();
+    w.put("hot", &bytes_of(0, len)).unwrap();
+    // Hit on every put: second chance keeps it, and it owes no read, so
+    // the unread stream behind it never fills the ring.
+    for i in 1..80u64 {
+        assert!(w.get_cached("hot").is_some());
+        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+    }
+    assert!(w.is_cached("hot"));
+    assert_eq!(w.stats().hits, 79);
+}
+
+#[test]
+fn lookups_racing_a_writer_that_evicts_and_reuses_slots_never_return_a_wrong_object() {
+    let name = Name::new("lookuprace");
+    let len = 2 * KIB;
+    // A ring of 16 objects and a stream of 6000 of random sizes: every put
+    // evicts, and slots are reused at other addresses and sizes all along.
+    let mut w = cache(&name, 16, len, 2);
+    let mut peers = [
+        Peer::spawn("lookups", &w.handle()),
+        Peer::spawn("lookups", &w.handle()),
+    ];
+    let mut rng = Rng(0xcafe);
+    let mut i = 0u64;
+    let mut put = |w: &mut ObjectStore, i: u64| {
+        let size = 1 + rng.below(len as u64) as usize;
+        w.put(&format!("k{i}"), &bytes_of(i, size)).unwrap();
+    };
+    // Each reader is told how far the writer has come, every 50 puts, and
+    // looks up keys from the last 40 (about half of them evicted by then)...
+    for _ in 0..120 {
+        for _ in 0..50 {
+            put(&mut w, i);
+            i += 1;
+        }
+        for p in peers.iter_mut() {
+            p.send(&format!("upto {}", i - 1));
+        }
+    }
+    // ...while the writer goes on evicting and reusing their slots until
+    // both have checked every byte of every object they found.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answers = std::thread::spawn({
+        let done = done.clone();
+        move || {
+            let a: Vec<String> = peers.into_iter().map(Peer::finish).collect();
+            done.store(true, std::sync::atomic::Ordering::Release);
+            a
+        }
+    });
+    // The last 40 keys come back as they go (a key is free again once its
+    // object is evicted), between fillers, so lookups of them keep meeting
+    // both outcomes at any pace.
+    let mut n = 0u64;
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        let k = i - 40 + n % 40;
+        if !w.is_cached(&format!("k{k}")) {
+            put(&mut w, k);
+        }
+        let size = 1 + (n * 7919) as usize % len;
+        w.put(&format!("filler{n}"), &pattern(u64::MAX - n, size))
+            .unwrap();
+        n += 1;
+    }
+    for a in answers.join().unwrap() {
+        let f: Vec<u64> = a.split(' ').skip(1).map(|x| x.parse().unwrap()).collect();
+        assert!(f[0] > 0 && f[1] > 0, "both hits and misses: {a}");
+    }
+}
+
+#[test]
+fn a_lease_keeps_its_unread_object_through_ten_laps_of_puts() {
+    let name = Name::new("lease");
+    let len = 8 * KIB;
+    let slots = 16;
+    let mut w = cache(&name, slots, len, 1);
+    w.put("leased", &bytes_of(7, len)).unwrap();
+    let mut peer = Peer::spawn("lease", &w.handle());
+    assert_eq!(peer.ask("lease leased"), "leased");
+    for i in 0..10 * slots as u64 {
+        w.put(&format!("k{i}"), &bytes_of(i, len))
+            .unwrap_or_else(|e| panic!("put {i} around a lease: {e}"));
+    }
+    assert!(w.is_cached("leased"), "a leased object is never reclaimed");
+    // The leaseholder reads it now: the bytes are the ones put.
+    assert_eq!(
+        peer.ask("read"),
+        format!("read {}", checksum(&bytes_of(7, len)))
+    );
+    assert_eq!(peer.ask("release"), "released");
+    for i in 0..2 * slots as u64 {
+        w.put(&format!("after{i}"), &bytes_of(i, len)).unwrap();
+    }
+    assert!(!w.is_cached("leased"), "released, it goes like any other");
+    peer.finish();
+}
+
+#[test]
+fn a_killed_leaseholders_leases_are_ignored() {
+    let name = Name::new("leasekill");
+    let len = 4 * KIB;
+    let slots = 16;
+    let mut w = cache(&name, slots, len, 1);
+    for i in 0..slots as u64 {
+        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+    }
+    // Every object of the ring leased: while the holder lives, nothing fits.
+    let mut peer = Peer::spawn("leaseall", &w.handle());
+    assert_eq!(peer.ask(&slots.to_string()), format!("leased {slots}"));
+    assert_eq!(pinshm::inspect(&name).unwrap().readers[0].guards, slots);
+    assert!(matches!(
+        w.put("blocked", &bytes_of(0, len)),
+        Err(Error::Full { .. })
+    ));
+    peer.kill();
+    for i in 0..4 * slots as u64 {
+        w.put(&format!("after{i}"), &bytes_of(i, len))
+            .unwrap_or_else(|e| panic!("put {i} after the leaseholder died: {e}"));
+    }
+    assert!(w.stats().dead_readers_reaped >= 1);
+    assert!((0..slots).all(|i| !w.is_cached(&format!("k{i}"))));
+}
+
+#[test]
+fn a_readers_hit_by_key_keeps_an_object_one_more_lap() {
+    let len = 4 * KIB;
+    let slots = 8;
+    for hit in [true, false] {
+        let name = Name::new("touch");
+        let mut w = cache(&name, slots, len, 1);
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        w.put("a", &bytes_of(0, len)).unwrap();
+        for i in 1..slots as u64 {
+            w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+        }
+        if hit {
+            drop(r.get_key("a").unwrap().expect("stored"));
+        }
+        // The next put needs the oldest slot: a's.
+        w.put("next", &bytes_of(99, len)).unwrap();
+        assert_eq!(w.is_cached("a"), hit, "hit by a reader: {hit}");
+    }
+}
+
+#[test]
+fn a_lookup_in_a_store_without_a_key_index_says_so() {
+    let name = Name::new("noindex");
+    let mut w = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&*name)).unwrap();
+    w.put("k", b"v").unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    match r.lookup("k") {
+        Err(e @ Error::NoKeyIndex { .. }) => assert!(e.to_string().contains("key_index")),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_cache_with_aggregate_reads_is_refused() {
+    let cfg = StoreConfig::new(1 << 20, 1 << 16, 1)
+        .cache(true)
+        .aggregate_reads(true);
+    assert!(matches!(
+        ObjectStore::create(cfg),
+        Err(Error::InvalidConfig(_))
+    ));
+}
+
+#[test]
+fn a_reservation_is_read_once_published_and_reclaimed_if_dropped() {
+    let name = Name::new("reserve");
+    let len = 4 * KIB;
+    let mut w = cache(&name, 4, len + 256, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let mut res = w.reserve_tensor("t", DType::U8, &[len as u64]).unwrap();
+    assert_eq!(res.len(), len);
+    res.bytes_mut().copy_from_slice(&bytes_of(3, len));
+    assert!(!w.is_cached("t"), "not visible before it is published");
+    let h = w.publish(res).unwrap();
+    assert_eq!(r.get_tensor(h).unwrap().bytes(), &bytes_of(3, len)[..]);
+    assert_eq!(r.lookup("t").unwrap(), Some(h));
+    // Dropped unpublished: never visible, and its slot comes back.
+    let dropped = w.reserve_tensor("gone", DType::U8, &[len as u64]).unwrap();
+    drop(dropped);
+    for i in 0..8u64 {
+        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+    }
+    assert!(!w.is_cached("gone"));
+    assert_eq!(r.lookup("gone").unwrap(), None);
+    w.put("gone", b"reusable key").unwrap();
+}
+
+#[test]
+fn an_index_size_the_segment_cannot_hold_is_refused_at_attach() {
+    let name = Name::new("badindex");
+    let w = cache(&name, 4, 4 * KIB, 1);
+    let sh = w.handle();
+    // index_entries (offset 160): not a power of two, then far too large.
+    for bad in [3u64, 1 << 20] {
+        common::scribble(&name, 160, &bad.to_le_bytes());
+        match StoreReader::attach(&sh) {
+            Err(Error::BadHeader { field, .. }) => assert_eq!(field, "index_entries"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "child process entry point: its parent test runs it with --ignored"]
+fn child_reader() {
+    if let Ok(role) = std::env::var("PINSHM_CHILD") {
+        let sh: StoreHandle =
+            serde_json::from_str(&std::env::var("PINSHM_HANDLE").unwrap()).unwrap();
+        child_body(&role, &sh);
+    }
+}
+
+fn child_body(role: &str, sh: &StoreHandle) {
+    let r = StoreReader::attach(sh).unwrap();
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines().map(|l| l.unwrap());
+    let answer = |s: &str| {
+        println!("ANSWER {s}");
+        std::io::stdout().flush().unwrap();
+    };
+    match role {
+        "lookups" => {
+            let mut rng = Rng(std::process::id() as u64);
+            let (mut hits, mut misses) = (0u64, 0u64);
+            for l in lines.by_ref() {
+                let upto: u64 = l.strip_prefix("upto ").unwrap().parse().unwrap();
+                for _ in 0..200 {
+                    let i = upto.saturating_sub(rng.below(40));
+                    let key = format!("k{i}");
+                    // Both ways: a held get by key, and lookup-then-copy.
+                    let got = if rng.below(2) == 0 {
+                        r.get_key(&key).unwrap().map(|g| g.to_vec())
+                    } else {
+                        match r.lookup(&key).unwrap() {
+                            Some(h) => match r.get_copy(h) {
+                                Ok(b) => Some(b),
+                                Err(Error::Stale { .. }) => None,
+                                Err(e) => panic!("{e}"),
+                            },
+                            None => None,
+                        }
+                    };
+                    match got {
+                        Some(b) => {
+                            assert_eq!(b, bytes_of(i, b.len()), "{key} gave another object");
+                            hits += 1;
+                        }
+                        None => misses += 1,
+                    }
+                }
+            }
+            answer(&format!("lookups {hits} {misses}"));
+        }
+        "lease" => {
+            let mut lease = None;
+            for l in lines.by_ref() {
+                match l.split_once(' ').map_or((l.as_str(), ""), |(a, b)| (a, b)) {
+                    ("lease", key) => {
+                        lease = r.lease_key(key).unwrap();
+                        assert!(lease.is_some());
+                        answer("leased");
+                    }
+                    ("read", _) => {
+                        let h = lease.as_ref().unwrap().handle();
+                        answer(&format!("read {}", checksum(&r.get(h).unwrap())));
+                    }
+                    ("release", _) => {
+                        lease.take().unwrap().release();
+                        answer("released");
+                    }
+                    (other, _) => panic!("unknown command {other}"),
+                }
+            }
+            answer("done");
+        }
+        "leaseall" => {
+            let n: u64 = lines.next().unwrap().parse().unwrap();
+            let leases: Vec<_> = (0..n)
+                .map(|i| r.lease_key(&format!("k{i}")).unwrap().expect("stored"))
+                .collect();
+            answer(&format!("leased {}", leases.len()));
+            // Killed here, holding every lease.
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}

@@ -22,12 +22,12 @@ DEFAULT_SIZE = 1 << 30
 DEFAULT_READERS = 16
 #: Average object size the default key index is sized for: an index with
 #: room for ``size // this`` keys (within the bounds below).
-INDEX_BYTES_PER_KEY = 16 << 10
-MIN_INDEX_KEYS = 1024
+INDEX_BYTES_PER_KEY = 8 << 10
+MIN_INDEX_KEYS = 64
 MAX_INDEX_KEYS = 1 << 20
 
 KNOWN_KEYS = frozenset(
-    {"store", "size", "n_readers", "key_index", "max_object_size", "key_prefix", "shm_headroom", "retry_s"}
+    {"store", "size", "n_readers", "key_index", "max_object_size", "key_prefix", "shm_headroom", "retry_s", "reserve"}
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -93,6 +93,10 @@ class ECSettings:
       others (None: the cache drop-in's default).
     - ``retry_s``: how often a scheduler retries attaching a store that is
       not there yet, and checks that its store is still the named one.
+    - ``reserve``: the writer reserves and pre-faults the whole store at
+      creation (a full /dev/shm fails then), and so, with a CUDA driver,
+      its mapping and the workers' are pinned: saves and loads are DMA
+      from and into the slots. Default: sparse, unpinned.
     """
 
     store: str = DEFAULT_STORE
@@ -103,6 +107,7 @@ class ECSettings:
     key_prefix: str = ""
     shm_headroom: Optional[int] = None
     retry_s: float = 1.0
+    reserve: bool = False
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], fingerprint: str = "") -> ECSettings:
@@ -128,6 +133,11 @@ class ECSettings:
         retry = extra.get("retry_s", 1.0)
         if isinstance(retry, bool) or not isinstance(retry, (int, float)) or retry < 0:
             raise ValueError(f"retry_s must be a number of seconds >= 0, not {retry!r}")
+        reserve = extra.get("reserve", False)
+        if isinstance(reserve, str):
+            reserve = reserve.strip().lower() in ("1", "true", "yes")
+        if not isinstance(reserve, bool):
+            raise ValueError(f"reserve must be true or false, not {reserve!r}")
         return cls(
             store=store,
             size=size,
@@ -137,6 +147,7 @@ class ECSettings:
             key_prefix=key_prefix,
             shm_headroom=shm_headroom,
             retry_s=float(retry),
+            reserve=reserve,
         )
 
     def key(self, mm_hash: str) -> str:
@@ -144,7 +155,11 @@ class ECSettings:
         return self.key_prefix + mm_hash
 
     def describe(self) -> str:
-        return f"store {self.store!r}, {_human(self.size)}, {self.n_readers} readers, index of {self.key_index} keys"
+        kind = "reserved" if self.reserve else "sparse"
+        return (
+            f"store {self.store!r}, {_human(self.size)} {kind}, {self.n_readers} readers, "
+            f"index of {self.key_index} keys"
+        )
 
 
 def unknown_keys(extra: Optional[Mapping[str, Any]]) -> list[str]:

@@ -78,10 +78,11 @@ class WorkerSide:
                 limit,
                 s.n_readers,
                 name=s.store,
-                reserve=False,
+                reserve=s.reserve,
+                prefault=s.reserve,
                 cache=True,
                 key_index=s.key_index,
-                shm_headroom=shm_headroom() if s.shm_headroom is None else s.shm_headroom,
+                shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
         except (PinshmError, OSError, ValueError) as e:
             if os.path.exists(os.path.join("/dev/shm", s.store)):

@@ -9,7 +9,13 @@ they are imported and appends one JSON line to the probe file
   vLLM's or pinshm's): its class, writer or reader;
 - each time a MessageQueue is built (either class, as writer or from a
   handle);
-- with the sender cache's hit count after every item.
+- with the sender cache's hit count after every item;
+- each time the model's encoder runs (``embed_multimodal``), with the
+  number of items it encoded;
+- for an encoder-cache connector (any: vLLM's or pinshm's), each
+  ``has_cache_item`` answer (scheduler), each load (items that
+  ``start_load_caches`` put into the encoder cache) and each
+  ``save_caches`` call (workers).
 
 The lines come from the constructors themselves, so they say what ran,
 whatever was logged. Nothing here changes behaviour.
@@ -20,6 +26,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import time
 
 _PATH = os.environ.get("PINSHM_E2E_PROBE")
 
@@ -104,9 +111,60 @@ def _after_shm_broadcast(mod):
         _wrap_queue(MessageQueue)
 
 
+def _after_llava(mod):
+    cls = mod.LlavaForConditionalGeneration
+    embed = cls.embed_multimodal
+
+    def embed_multimodal(self, **kwargs):
+        out = embed(self, **kwargs)
+        _record(what="encode", items=len(out) if out is not None else 0, t=time.time())
+        return out
+
+    cls.embed_multimodal = embed_multimodal
+
+
+def _probe_connector(c):
+    """Wraps one connector instance's methods (vLLM calls them on it)."""
+    has, load, save = c.has_cache_item, c.start_load_caches, c.save_caches
+
+    def has_cache_item(identifier):
+        hit = has(identifier)
+        _record(what="ec_lookup", hit=bool(hit), t=time.time())
+        return hit
+
+    def start_load_caches(encoder_cache, **kwargs):
+        n = len(encoder_cache)
+        load(encoder_cache, **kwargs)
+        if len(encoder_cache) > n:
+            _record(what="ec_load", items=len(encoder_cache) - n, t=time.time())
+
+    def save_caches(encoder_cache, mm_hash, **kwargs):
+        save(encoder_cache=encoder_cache, mm_hash=mm_hash, **kwargs)
+        _record(what="ec_save", t=time.time())
+
+    c.has_cache_item = has_cache_item
+    c.start_load_caches = start_load_caches
+    c.save_caches = save_caches
+
+
+def _after_ec_factory(mod):
+    factory = mod.ECConnectorFactory
+    create = factory.create_connector.__func__
+
+    def create_connector(cls, config, role):
+        c = create(cls, config, role)
+        _probe_connector(c)
+        _record(what="ec_connector", cls=_name(type(c)), role=str(role))
+        return c
+
+    factory.create_connector = classmethod(create_connector)
+
+
 _HOOKS = {
     "vllm.multimodal.cache.shm": _after_cache_shm,
     "vllm.distributed.device_communicators.shm_broadcast": _after_shm_broadcast,
+    "vllm.model_executor.models.llava": _after_llava,
+    "vllm.distributed.ec_transfer.ec_connector.factory": _after_ec_factory,
 }
 
 

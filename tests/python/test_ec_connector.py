@@ -342,11 +342,13 @@ def test_sizes_are_ints_or_strings_with_units():
 
 def test_settings_fill_in_defaults_and_refuse_bad_values():
     s = ECSettings.from_extra({}, "f00d")
-    assert (s.store, s.size, s.n_readers, s.max_object_size) == ("pinshm_ec", 1 << 30, 16, None)
-    assert s.key("abc") == "f00d:abc" and s.key_index >= 1024
+    assert (s.store, s.size, s.n_readers, s.max_object_size, s.reserve) == ("pinshm_ec", 1 << 30, 16, None, False)
+    assert s.key("abc") == "f00d:abc" and s.key_index == (1 << 30) // (8 << 10)
+    assert ECSettings.from_extra({"size": "48k"}).key_index == 64, "at least 64 keys"
+    assert ECSettings.from_extra({"reserve": "true"}).reserve is True
     s = ECSettings.from_extra({"store": "/x", "size": "64m", "n_readers": "4", "key_index": 99, "key_prefix": ""})
     assert (s.store, s.size, s.n_readers, s.key_index, s.key("abc")) == ("x", 64 << 20, 4, 99, "abc")
-    for bad in [{"store": "a/b"}, {"n_readers": 0}, {"size": "big"}, {"retry_s": -1}, {"key_index": True}]:
+    for bad in [{"store": "a/b"}, {"n_readers": 0}, {"size": "big"}, {"retry_s": -1}, {"key_index": True}, {"reserve": 2}]:
         with pytest.raises(ValueError):
             ECSettings.from_extra(bad)
 

@@ -80,7 +80,9 @@ class Engine:
         self.probe, self.log, self.result = out / f"{tag}.probe.jsonl", out / f"{tag}.log", out / f"{tag}.json"
         for p in (self.probe, self.result):
             p.unlink(missing_ok=True)
-        self.before = set(harness.shm_usage())
+        # The store counts for every engine that maps it, even one started
+        # after it was made (a consumer).
+        self.before = set(harness.shm_usage()) - {store}
         cmd = [py, str(HERE / "offline.py"), str(model), str(self.result), "--passes", str(passes)]
         cmd += ["--singles", str(singles), "--max-batched-tokens", str(batched)]
         if ec is not None:

@@ -380,3 +380,18 @@ def test_the_connector_is_a_vllm_connector_that_vllms_factory_can_make(stand_in,
         assert pickle.loads(pickle.dumps(meta)).loads == []
     finally:
         c.shutdown()
+
+
+def test_a_step_that_never_reports_ends_its_leases_after_a_while(engines, extra):
+    from pinshm.vllm.ec._scheduler import MAX_STEPS_IN_FLIGHT
+
+    e = engines("fork", "ec_both", extra)
+    e.step(["img-a"])
+    e.forget()
+    e.schedule(["img-a"])  # its workers never run it: no report
+    side = e.scheduler._scheduler
+    for _ in range(MAX_STEPS_IN_FLIGHT - 1):
+        e.scheduler.build_connector_meta(None)
+    assert side.leases_out == 1, "a report may still come"
+    e.scheduler.build_connector_meta(None)
+    assert side.leases_out == 0

@@ -21,6 +21,12 @@ from ._meta import LoadReport, LoadSpec
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
+#: Steps a lease waits for its report before it ends anyway. vLLM has a
+#: few steps in flight at most (async scheduling: 2, pipeline parallel: one
+#: per stage); a report that never comes (a path of the model runner that
+#: skips the connector's output) must not keep an output forever.
+MAX_STEPS_IN_FLIGHT = 64
+
 
 class SchedulerSide:
     """Lookups, leases and their ends, for one engine's scheduler.
@@ -87,6 +93,10 @@ class SchedulerSide:
         for lease in self._probes.values():
             _release(lease)
         self._probes.clear()
+        for step in [s for s in self._in_flight if s <= self._step - MAX_STEPS_IN_FLIGHT]:
+            logger.debug("pinshm encoder cache: step %d never reported: its leases end", step)
+            for lease in self._in_flight.pop(step):
+                _release(lease)
         loads = [spec for spec, _ in self._loads]
         if self._loads:
             self._in_flight[self._step] = [lease for _, lease in self._loads]

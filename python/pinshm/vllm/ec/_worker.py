@@ -136,12 +136,13 @@ class WorkerSide:
             value = self._load_one(spec)
             if value is None:
                 failed.add(spec.request_id)
+                self.failed += 1
                 value = self._placeholder(spec)
                 if value is None:
                     continue
+            else:
+                self.loaded += 1
             encoder_cache[spec.mm_hash] = value
-        self.loaded += len(loads) - len(failed)
-        self.failed += len(failed)
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 
     def _load_one(self, spec: LoadSpec) -> Any:

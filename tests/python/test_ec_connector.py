@@ -343,7 +343,7 @@ def test_sizes_are_ints_or_strings_with_units():
 def test_settings_fill_in_defaults_and_refuse_bad_values():
     s = ECSettings.from_extra({}, "f00d")
     assert (s.store, s.size, s.n_readers, s.max_object_size, s.reserve) == ("pinshm_ec", 1 << 30, 16, None, False)
-    assert s.key("abc") == "f00d:abc" and s.key_index == (1 << 30) // (8 << 10)
+    assert s.key("abc") == "f00d:abc" and s.key_index == (1 << 30) // (32 << 10)
     assert ECSettings.from_extra({"size": "48k"}).key_index == 64, "at least 64 keys"
     assert ECSettings.from_extra({"reserve": "true"}).reserve is True
     s = ECSettings.from_extra({"store": "/x", "size": "64m", "n_readers": "4", "key_index": 99, "key_prefix": ""})

@@ -20,9 +20,10 @@ DEFAULT_SIZE = 1 << 30
 #: Reader entries: each engine takes one for its scheduler and one per
 #: worker (TP rank), so 16 serves, say, four TP=2 engines with room to spare.
 DEFAULT_READERS = 16
-#: Average object size the default key index is sized for: an index with
+#: Average output size the default key index is sized for (an image of 64
+#: tokens of width 256 in bf16; real encoders' are larger): an index with
 #: room for ``size // this`` keys (within the bounds below).
-INDEX_BYTES_PER_KEY = 8 << 10
+INDEX_BYTES_PER_KEY = 32 << 10
 MIN_INDEX_KEYS = 64
 MAX_INDEX_KEYS = 1 << 20
 

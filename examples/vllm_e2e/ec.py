@@ -13,7 +13,7 @@ LLaVA model (TP=2, mp executor, offline ``vllm.LLM``), in one run, for
   over the same images.
 
     python ec.py --python /path/to/venv/bin/python [--quick] [--out DIR]
-        [--configs ec-stock,ec-example,ec-pinshm,ec-pinshm-small,ec-pinshm-2,ec-example-2]
+        [--configs ec-stock,ec-example,ec-pinshm,ec-pinshm-small,ec-pinshm-2,ec-example-2] [--tp 2]
 
 Every engine runs with ``--max-batched-tokens`` (default 64), which also
 sizes vLLM's own encoder cache: 64 image tokens hold 4 of the tiny model's
@@ -75,7 +75,7 @@ def ec_config(cfg: str, out: Path, tag: str, role: str = "ec_both") -> tuple[dic
 class Engine:
     """One offline engine process (offline.py), sampled while it runs."""
 
-    def __init__(self, py, model, ec, out, tag, passes, singles, batched, hold=None, store=None):
+    def __init__(self, py, model, ec, out, tag, passes, singles, batched, hold=None, store=None, tp=2):
         self.tag, self.out, self.store = tag, out, store
         self.probe, self.log, self.result = out / f"{tag}.probe.jsonl", out / f"{tag}.log", out / f"{tag}.json"
         for p in (self.probe, self.result):
@@ -84,7 +84,7 @@ class Engine:
         # after it was made (a consumer).
         self.before = set(harness.shm_usage()) - {store}
         cmd = [py, str(HERE / "offline.py"), str(model), str(self.result), "--passes", str(passes)]
-        cmd += ["--singles", str(singles), "--max-batched-tokens", str(batched)]
+        cmd += ["--singles", str(singles), "--max-batched-tokens", str(batched), "--tp", str(tp)]
         if ec is not None:
             cmd += ["--ec", json.dumps(ec)]
         if hold is not None:
@@ -157,11 +157,11 @@ def folder_mib(path: str | None) -> float:
     return round(total / 2**20, 3)
 
 
-def one(py, model, cfg, out, passes, singles, batched) -> list[dict]:
+def one(py, model, cfg, out, passes, singles, batched, tp) -> list[dict]:
     tag = cfg
     if not cfg.endswith("-2"):
         ec, where = ec_config(cfg, out, tag)
-        e = Engine(py, model, ec, out, tag, passes, singles, batched, store=where)
+        e = Engine(py, model, ec, out, tag, passes, singles, batched, store=where, tp=tp)
         r = e.finish()
         r["files_mib"] = folder_mib(where)
         return [r]
@@ -170,14 +170,14 @@ def one(py, model, cfg, out, passes, singles, batched) -> list[dict]:
     ec, where = ec_config(base, out, tag)
     hold = out / f"{tag}.hold"
     hold.write_text("")
-    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, hold=hold, store=where)
+    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, hold=hold, store=where, tp=tp)
     try:
         if not a.wait_result():
             raise RuntimeError(f"{tag}: the ec_both engine stopped before its passes were done (see {a.log})")
         ec_b, _ = ec_config(base, out, tag, role="ec_consumer")
         if ec is not None and ec_b is not None:
             ec_b["ec_connector_extra_config"] = ec["ec_connector_extra_config"]  # the same store or folder
-        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, store=where)
+        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, store=where, tp=tp)
         rb = b.finish()
     finally:
         hold.unlink(missing_ok=True)
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two passes and one single request per engine")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--max-batched-tokens", type=int, default=64, help="also vLLM's encoder cache, in tokens")
+    ap.add_argument("--tp", type=int, default=2, help="tensor parallel size of every engine")
     args = ap.parse_args()
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
@@ -235,7 +236,7 @@ def main() -> None:
     runs: list[dict] = []
     for cfg in configs:
         print(f"== {cfg}", flush=True)
-        for r in one(args.python, model, cfg, args.out, passes, singles, args.max_batched_tokens):
+        for r in one(args.python, model, cfg, args.out, passes, singles, args.max_batched_tokens, args.tp):
             runs.append(r)
             brief = {k: r.get(k) for k in ("config", "rc", "encoded", "ec_hits", "lookups", "loaded", "pass_s")}
             print(json.dumps(brief), flush=True)
@@ -247,7 +248,7 @@ def main() -> None:
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     head = (
-        f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; TP=2 offline; "
+        f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; TP={args.tp} offline; "
         f"max_num_batched_tokens {args.max_batched_tokens} (vLLM's encoder cache: "
         f"{args.max_batched_tokens // 16} images); {passes} passes of 40 items over 12 images, {singles} single(s)\n\n"
     )

@@ -20,15 +20,13 @@ use crate::{lock, Home};
 pub(crate) struct Lease {
     handle: pinshm::ObjectHandle,
     inner: Mutex<Option<pinshm::Lease>>,
-    home: Home,
 }
 
 impl Lease {
-    pub(crate) fn new(l: pinshm::Lease, name: &str) -> Lease {
+    pub(crate) fn new(l: pinshm::Lease) -> Lease {
         Lease {
             handle: l.handle(),
             inner: Mutex::new(Some(l)),
-            home: Home::new(name),
         }
     }
 }
@@ -48,15 +46,10 @@ impl Lease {
     }
 
     /// Ends the lease; again does nothing. In a forked child the lease is
-    /// the parent's: this releases nothing there.
+    /// the parent's: there this forgets it and releases nothing (the
+    /// core's drop touches nothing shared in a child).
     fn release(&self) {
-        let l = lock(&self.inner).take();
-        if self.home.forked() {
-            // The core's drop touches nothing shared in a child, either.
-            drop(l);
-            return;
-        }
-        drop(l);
+        drop(lock(&self.inner).take());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

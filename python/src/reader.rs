@@ -279,7 +279,7 @@ impl StoreReader {
     /// returned `Lease` is released. StaleError if it is gone.
     fn lease(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<crate::cache::Lease> {
         let l = self.with(py, move |r| r.lease(handle.0))?.map_err(to_py)?;
-        Ok(crate::cache::Lease::new(l, &self.name))
+        Ok(crate::cache::Lease::new(l))
     }
 
     /// A `Lease` on `key`'s object, looked up in the shared key index and
@@ -287,7 +287,7 @@ impl StoreReader {
     fn lease_key(&self, py: Python<'_>, key: &str) -> PyResult<Option<crate::cache::Lease>> {
         let key = key.to_owned();
         let l = self.with(py, move |r| r.lease_key(&key))?.map_err(to_py)?;
-        Ok(l.map(|l| crate::cache::Lease::new(l, &self.name)))
+        Ok(l.map(crate::cache::Lease::new))
     }
 
     /// A tensor (put by `put_tensor`, here or in Rust) as a read-only numpy

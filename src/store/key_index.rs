@@ -46,9 +46,18 @@ impl SharedIndex {
         }
         let mask = self.mask();
         let mut i = fp[0] & mask;
-        // Below the limit there is an empty entry on every chain.
+        // Below the limit there is an empty entry on every chain, unless
+        // another process scribbled over the table: a lap at most.
+        let mut steps = 0;
         while self.ptr.read(i).1 != 0 {
             i = (i + 1) & mask;
+            steps += 1;
+            if steps == self.ptr.entries() {
+                tracing::warn!(
+                    "the shared key index has no empty entry (corrupted?): key not indexed"
+                );
+                return false;
+            }
         }
         let s = self.ptr.begin_change();
         self.ptr.write(i, fp, id, address);
@@ -61,22 +70,24 @@ impl SharedIndex {
     pub(super) fn remove(&mut self, fp: [u64; 2], id: u64) {
         let mask = self.mask();
         let mut i = fp[0] & mask;
+        let mut steps = 0;
         loop {
             let (_, eid, _) = self.ptr.read(i);
-            if eid == 0 {
+            if eid == 0 || steps == self.ptr.entries() {
                 return; // not indexed (the table was full at its put)
             }
             if eid == id {
                 break;
             }
             i = (i + 1) & mask;
+            steps += 1;
         }
         let s = self.ptr.begin_change();
         // Backward shift (Knuth's algorithm R): each later entry of the run
         // whose home is not cyclically in (hole, its place] moves into the
         // hole, which moves to where it was.
         let mut j = i;
-        loop {
+        for _ in 1..self.ptr.entries() {
             j = (j + 1) & mask;
             let (efp, eid, eaddr) = self.ptr.read(j);
             if eid == 0 {

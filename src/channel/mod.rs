@@ -231,9 +231,7 @@ pub struct BroadcastHandle {
     pub name: String,
     /// The channel's nonce (a recreated channel of the same name differs).
     pub nonce: u64,
-    /// Layout version of the writer (as `StoreHandle::layout_version`;
-    /// `version` in a handle serialized by 0.1.0 before the rename).
-    #[serde(alias = "version")]
+    /// Layout version of the writer (as `StoreHandle::layout_version`).
     pub layout_version: u32,
     /// Reader entries.
     pub n_readers: u32,

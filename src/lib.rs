@@ -28,12 +28,6 @@ mod ring;
 mod store;
 mod sys;
 
-/// The channel's protocol cores, for the integration-test loom models of
-/// `tests/loom_channel.rs` (`cfg(loom)` only; the store's models are unit
-/// tests of `atomics`).
-#[cfg(loom)]
-#[doc(hidden)]
-pub use channel::loom_api as __loom_channel;
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
 pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{

@@ -432,9 +432,9 @@ impl ObjectStore {
         check_readers(n_readers)?;
         // Room for the rounding: no slot is within a page of usize::MAX.
         if payload > isize::MAX as usize {
-            return Err(PyValueError::new_err(format!(
+            return Err(to_py(pinshm::Error::InvalidConfig(format!(
                 "payload of {payload} bytes: no slot is that large"
-            )));
+            ))));
         }
         Ok(pinshm::StoreConfig::slot_len(n_readers, payload))
     }
@@ -514,13 +514,14 @@ fn name_part(py: Python<'_>, e: PyErr, i: usize, part: &Bound<'_, PyAny>) -> PyE
     )
 }
 
-/// The layout helpers' reader count, as a store is created with.
+/// The layout helpers' reader count, checked as creating a store checks it
+/// and refused with the same error (InvalidArgumentError).
 fn check_readers(n_readers: u32) -> PyResult<()> {
     if n_readers == 0 || n_readers > pinshm::StoreConfig::MAX_READERS {
-        return Err(PyValueError::new_err(format!(
+        return Err(to_py(pinshm::Error::InvalidConfig(format!(
             "n_readers must be 1..={}, got {n_readers}",
             pinshm::StoreConfig::MAX_READERS
-        )));
+        ))));
     }
     Ok(())
 }

@@ -190,6 +190,78 @@ fn get_ns(size: usize, op: &str, quick: bool) -> f64 {
     median(&mut t)
 }
 
+/// Reads by key in a cache with a shared key index, beside the read by
+/// handle (get_guard) of the same objects in the same run.
+fn keys_bench(json: bool, quick: bool) {
+    let by_key = key_ns(quick);
+    let base = by_key[0].1;
+    for (op, ns) in by_key {
+        if json {
+            println!(
+                "{{\"op\": \"{op}\", \"size\": 4096, \"objects\": 1000, \"median_ns\": {ns:.1}, \"get_guard_ns\": {base:.1}, \"ratio\": {:.3}}}",
+                ns / base
+            );
+        } else {
+            println!(
+                "{op:<20} {:>10} {ns:>14.1} {base:>14.1} {:>8.2}   (1000 keys of 64 hex digits; baseline: get_guard by handle)",
+                4096,
+                ns / base
+            );
+        }
+    }
+}
+
+/// Reads by key, medians in ns, in one cache store of 1000 objects of
+/// 4 KiB (keys as vLLM's mm hashes: 64 hex digits), each op over every key
+/// in turn: get_guard (by handle, the baseline), lookup (key to handle),
+/// get_key (look up, hold, drop), lease_key (look up, lease, release).
+fn key_ns(quick: bool) -> Vec<(&'static str, f64)> {
+    let (size, objects) = (4096, 1000);
+    let cap = (StoreConfig::slot_len(1, size) * objects).next_multiple_of(4096);
+    let mut store = ObjectStore::create(
+        StoreConfig::new(cap, size, 1)
+            .cache(true)
+            .key_index(2 * objects),
+    )
+    .expect("create store");
+    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let keys: Vec<String> = (0..objects)
+        .map(|i| format!("{:064x}", (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect();
+    let hs: Vec<_> = keys
+        .iter()
+        .map(|k| store.put(k, &vec![5u8; size]).unwrap())
+        .collect();
+    let rounds = if quick { 20 } else { 100 };
+    let ops = ["get_guard", "lookup", "get_key", "lease_key"];
+    ops.iter()
+        .map(|&op| {
+            let mut t = Vec::new();
+            for _ in 0..rounds {
+                let t0 = Instant::now();
+                for (k, h) in keys.iter().zip(&hs) {
+                    match op {
+                        "get_guard" => black_box(reader.get(black_box(*h)).unwrap().as_ptr()),
+                        "lookup" => {
+                            black_box(reader.lookup(black_box(k)).unwrap().unwrap());
+                            std::ptr::null()
+                        }
+                        "get_key" => {
+                            black_box(reader.get_key(black_box(k)).unwrap().unwrap().as_ptr())
+                        }
+                        _ => {
+                            reader.lease_key(black_box(k)).unwrap().unwrap().release();
+                            std::ptr::null()
+                        }
+                    };
+                }
+                t.push(t0.elapsed().as_nanos() as f64 / objects as f64);
+            }
+            (op, median(&mut t))
+        })
+        .collect()
+}
+
 /// get_item: an item of three fields (pixel values of `size` bytes, a grid
 /// and a mask) decoded and viewed in place, then dropped. A view, not a
 /// copy: the cost should not grow with `size`.
@@ -375,6 +447,10 @@ fn main() {
         println!("{}", bcast_idle_cpu_ns(false));
         return;
     }
+    if args.iter().any(|a| a == "--keys-only") {
+        keys_bench(json, quick);
+        return;
+    }
     if args.iter().any(|a| a == "--bcast-only") {
         bcast_bench(json, quick);
         return;
@@ -446,6 +522,7 @@ fn main() {
             );
         }
     }
+    keys_bench(json, quick);
     let m = memcpy_ns(MIB, 64 * MIB, quick);
     let (gbps, lat) = xproc(quick);
     if json {

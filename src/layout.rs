@@ -206,7 +206,8 @@ pub struct SegmentHeader {
     /// has backed (allocated in /dev/shm, v6): a reader touches no byte at
     /// or past it, so a handle past what was ever written (stale, of
     /// another store, corrupted) allocates no page and cannot raise
-    /// SIGBUS. Only grows; `capacity` for a reserved store.
+    /// SIGBUS. Only grows; for a reserved store, the whole segment after
+    /// the header (readers bound every access by `capacity` as well).
     pub backed: u64,
     /// Entries of the shared key index after the data region: 0 (no index)
     /// or a power of two (v8).

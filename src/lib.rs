@@ -28,12 +28,6 @@ mod ring;
 mod store;
 mod sys;
 
-/// The channel's protocol cores, for the integration-test loom models of
-/// `tests/loom_channel.rs` (`cfg(loom)` only; the store's models are unit
-/// tests of `atomics`).
-#[cfg(loom)]
-#[doc(hidden)]
-pub use channel::loom_api as __loom_channel;
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
 pub use channel::{BroadcastConfig, BroadcastHandle};
 pub use codec::{
@@ -73,7 +67,6 @@ pub fn fork_generation() -> u64 {
 #[doc(hidden)]
 pub mod testing {
     pub use crate::codec::TENSOR_HEADER_LEN;
-    #[cfg(feature = "cuda")]
     #[cfg(feature = "cuda")]
     pub use crate::copy::kernels::{compile_kernels, kernel_binaries};
     pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};

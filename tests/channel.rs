@@ -360,20 +360,6 @@ fn a_sleeping_reader_is_woken_when_the_writer_is_dropped() {
 }
 
 #[test]
-fn a_handle_serialized_before_the_rename_reads_its_version_as_layout_version() {
-    let name = Name::new("bcast-old-handle");
-    let tx = Broadcast::create(BroadcastConfig::new(1, 2, 64).name(&*name)).unwrap();
-    let h = tx.handle();
-    let json = serde_json::to_string(&h)
-        .unwrap()
-        .replace("\"layout_version\"", "\"version\"");
-    assert!(json.contains("\"version\""), "{json}");
-    let old: BroadcastHandle = serde_json::from_str(&json).unwrap();
-    assert_eq!(old, h);
-    drop(BroadcastReader::attach(&old).unwrap());
-}
-
-#[test]
 fn timeouts_too_long_for_the_clock_wait_without_a_deadline() {
     let name = Name::new("bcast-max-timeout");
     let mut tx = Broadcast::create(BroadcastConfig::new(1, 2, 64).name(&*name)).unwrap();

@@ -67,7 +67,8 @@ def put_tensor(store: ObjectStore, key: str, tensor: Any) -> ObjectHandle:
     A torch tensor on any device (any strides), or a numpy array (anything
     `numpy.asarray` takes). Errors as `ObjectStore.put`: InvalidArgumentError
     for a duplicate key or an object too large, FullError or NoSpaceError
-    (MemoryErrors) when there is no room. Nothing is published on error.
+    (MemoryErrors) when there is no room. Nothing is published on error,
+    and the key is free again once the slot is reclaimed.
     """
     if _is_torch(tensor):
         torch = _torch()
@@ -85,28 +86,43 @@ def put_tensor(store: ObjectStore, key: str, tensor: Any) -> ObjectHandle:
     array = np.asarray(tensor)
     r = store.reserve_tensor(key, array.dtype.name, list(array.shape))
     try:
-        if array.size:
-            dst = np.frombuffer(r, dtype=array.dtype.newbyteorder("<")).reshape(array.shape)
-            dst[...] = array
-            del dst
+        _fill_numpy(np, r, array)
     except BaseException:
         r.abort()
         raise
     return store.publish(r)
 
 
+def _fill_numpy(np: Any, r: TensorReservation, array: Any) -> None:
+    if not array.size:
+        return
+    dst = np.frombuffer(r, dtype=array.dtype.newbyteorder("<")).reshape(array.shape)
+    try:
+        dst[...] = array
+    finally:
+        # The view goes with this frame, even when a traceback keeps it.
+        del dst
+
+
 def _fill_torch(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> None:
     dst = _torch_view(torch, r, tensor.dtype, shape)
-    if tensor.is_cuda:
-        # Device to host, straight into the slot, on the current stream;
-        # published only once the copy's event has completed.
-        dst.copy_(tensor.detach(), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-    else:
-        dst.copy_(tensor.detach())
-    del dst
+    try:
+        if tensor.is_cuda:
+            # Device to host, straight into the slot, on the current stream
+            # of the tensor's device (where torch queues the copy); the slot
+            # is published, or given back, only once that stream has
+            # finished the copy, error or not.
+            with torch.cuda.device(tensor.device):
+                try:
+                    dst.copy_(tensor.detach(), non_blocking=True)
+                finally:
+                    done = torch.cuda.Event()
+                    done.record()
+                    done.synchronize()
+        else:
+            dst.copy_(tensor.detach())
+    finally:
+        del dst
 
 
 def get_tensor(reader: StoreReader, handle: ObjectHandle, device: Optional[Any] = None) -> Any:
@@ -140,15 +156,20 @@ def _get_torch(torch: Any, guard: Any, dtype: str, shape: tuple[int, ...], offse
     src = _torch_view(torch, view, getattr(torch, dtype), shape)
     target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cuda":
-        out = src.to(target, non_blocking=True)
-        if not has_release_gate():
-            # No gate to defer the release to: the copy must have read the
-            # slot before the read ends.
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
-    else:
-        out = src.to(target, copy=True)
+        # Queued on the current stream of the target device; the read ends
+        # (below, or through the release gate, which records its event on
+        # the current device) only after that stream has read the slot.
+        with torch.cuda.device(target):
+            out = src.to(target, non_blocking=True)
+            if not has_release_gate():
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+            del src
+            view.release()
+            _release(guard)
+        return out
+    out = src.to(target, copy=True)
     del src
     view.release()
     return out

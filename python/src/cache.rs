@@ -20,15 +20,13 @@ use crate::{lock, Home};
 pub(crate) struct Lease {
     handle: pinshm::ObjectHandle,
     inner: Mutex<Option<pinshm::Lease>>,
-    home: Home,
 }
 
 impl Lease {
-    pub(crate) fn new(l: pinshm::Lease, name: &str) -> Lease {
+    pub(crate) fn new(l: pinshm::Lease) -> Lease {
         Lease {
             handle: l.handle(),
             inner: Mutex::new(Some(l)),
-            home: Home::new(name),
         }
     }
 }
@@ -48,15 +46,10 @@ impl Lease {
     }
 
     /// Ends the lease; again does nothing. In a forked child the lease is
-    /// the parent's: this releases nothing there.
+    /// the parent's: there this forgets it and releases nothing (the
+    /// core's drop touches nothing shared in a child).
     fn release(&self) {
-        let l = lock(&self.inner).take();
-        if self.home.forked() {
-            // The core's drop touches nothing shared in a child, either.
-            drop(l);
-            return;
-        }
-        drop(l);
+        drop(lock(&self.inner).take());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -157,14 +150,11 @@ impl TensorReservation {
         lock(&self.held).as_ref().map_or(0, |r| r.len)
     }
 
-    /// Gives the slot back unpublished (BufferError while exports live);
-    /// again does nothing.
-    fn abort(&self) -> PyResult<()> {
-        drop(crate::buffer::take_unshared(
-            &self.held,
-            "TensorReservation",
-        )?);
-        Ok(())
+    /// Gives the slot back unpublished; again does nothing. Views of it
+    /// still alive keep it open (and their bytes writable, seen by nobody)
+    /// until they go; then the slot is reclaimed in turn.
+    fn abort(&self) {
+        drop(lock(&self.held).take());
     }
 
     /// # Safety
@@ -204,7 +194,13 @@ impl TensorReservation {
     }
 
     /// # Safety
-    /// Never called: an export's `view.obj` is its `_ReservationExport`.
+    /// Never called: an export's `view.obj` is its `_ReservationExport`,
+    /// whose type CPython asks on release. Defined only so that the type
+    /// has a `bf_releasebuffer`, which makes numpy.frombuffer wrap the
+    /// reservation in a memoryview (that keeps the export's owner, and so
+    /// the reservation open) rather than keep the reservation itself as
+    /// the array's base, which `publish` could not see: without it, an
+    /// array could write into a published, later reused slot.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 
     fn __repr__(&self) -> String {

@@ -128,23 +128,6 @@ pub(crate) fn close_in<T: Send>(py: Python<'_>, home: &Home, m: &Mutex<Option<T>
     }
 }
 
-/// As [`locked`], giving `f` a shared reference only: for contents that
-/// other references point into (a reader that guards borrow), which a
-/// `&mut` would invalidate.
-pub(crate) fn locked_shared<T: Send, R: Send>(
-    py: Python<'_>,
-    home: &Home,
-    m: &Mutex<T>,
-    f: impl FnOnce(&T) -> R + Send,
-) -> PyResult<R> {
-    home.not_forked()?;
-    Ok(match m.try_lock() {
-        Ok(g) => f(&g),
-        Err(TryLockError::Poisoned(p)) => f(&p.into_inner()),
-        Err(TryLockError::WouldBlock) => crate::gil::released(py, || f(&lock(m))),
-    })
-}
-
 /// The native module, re-exported by `pinshm/__init__.py`.
 #[pymodule]
 fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {

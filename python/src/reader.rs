@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
 use crate::store::RELEASE_GIL_AT;
-use crate::{closed, lock, locked_shared, to_py, Home};
+use crate::{closed, lock, locked, to_py, Home};
 
 /// A reader behind a mutex (`StoreReader` is `Send`, not `Sync`: its gets
 /// share one hazard word).
@@ -62,7 +62,7 @@ impl Held {
     ) -> PyResult<Held> {
         crate::release::flush_releases(py);
         let guard =
-            locked_shared(py, &shared.home, &shared.reader, move |r| r.get(h))?.map_err(to_py)?;
+            locked(py, &shared.home, &shared.reader, false, move |r| r.get(h))?.map_err(to_py)?;
         Ok(Held {
             read: Some(Release(guard)),
             reader: Arc::clone(shared),
@@ -189,7 +189,7 @@ impl StoreReader {
         f: impl FnOnce(&pinshm::StoreReader) -> R + Send,
     ) -> PyResult<R> {
         let shared = self.shared()?;
-        locked_shared(py, &shared.home, &shared.reader, f)
+        locked(py, &shared.home, &shared.reader, false, |r| f(r))
     }
 
     fn wrap(r: pinshm::StoreReader) -> Self {
@@ -279,7 +279,7 @@ impl StoreReader {
     /// returned `Lease` is released. StaleError if it is gone.
     fn lease(&self, py: Python<'_>, handle: ObjectHandle) -> PyResult<crate::cache::Lease> {
         let l = self.with(py, move |r| r.lease(handle.0))?.map_err(to_py)?;
-        Ok(crate::cache::Lease::new(l, &self.name))
+        Ok(crate::cache::Lease::new(l))
     }
 
     /// A `Lease` on `key`'s object, looked up in the shared key index and
@@ -287,7 +287,7 @@ impl StoreReader {
     fn lease_key(&self, py: Python<'_>, key: &str) -> PyResult<Option<crate::cache::Lease>> {
         let key = key.to_owned();
         let l = self.with(py, move |r| r.lease_key(&key))?.map_err(to_py)?;
-        Ok(l.map(|l| crate::cache::Lease::new(l, &self.name)))
+        Ok(l.map(crate::cache::Lease::new))
     }
 
     /// A tensor (put by `put_tensor`, here or in Rust) as a read-only numpy
@@ -565,7 +565,8 @@ impl ReadGuard {
     /// the guard are alive (memoryviews, arrays, or any object keeping an
     /// export's `view.obj`); releasing twice does nothing.
     fn release(&self) -> PyResult<()> {
-        // Dropped outside the mutex (the read's drop locks the reader).
+        // Dropped outside the mutex: the read's drop may call the release
+        // gate (Python), which may look at this guard.
         let held = crate::buffer::take_unshared(&self.held, "ReadGuard")?;
         debug_assert!(held.as_ref().is_none_or(|h| h.handle() == self.handle));
         drop(held);

@@ -248,7 +248,6 @@ impl ObjectStore {
         h.map(ObjectHandle).map_err(to_py)
     }
 
-    /// Whether `key` is stored.
     /// Reserves a slot for a tensor of `dtype` (torch's names: "float32",
     /// "bfloat16", ...) and `shape` under `key`, for its bytes to be
     /// written in place (a device-to-host copy straight into the slot);
@@ -282,6 +281,16 @@ impl ObjectStore {
         py: Python<'_>,
         reservation: &crate::cache::TensorReservation,
     ) -> PyResult<ObjectHandle> {
+        // Another store's reservation stays open in its own store.
+        let theirs = crate::lock(&reservation.held).clone();
+        if let Some(r) = theirs {
+            let ours = self.with(py, false, move |s| crate::lock(&r.res).belongs_to(s))?;
+            if !ours {
+                return Err(PyValueError::new_err(
+                    "the TensorReservation belongs to another store",
+                ));
+            }
+        }
         let held = crate::buffer::take_unshared(&reservation.held, "TensorReservation")?
             .ok_or_else(|| {
                 PyValueError::new_err("the TensorReservation was published or aborted")
@@ -298,6 +307,7 @@ impl ObjectStore {
             .map_err(to_py)
     }
 
+    /// Whether `key` is stored.
     fn is_cached(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
         self.with(py, false, |s| s.is_cached(key))
     }
@@ -422,9 +432,9 @@ impl ObjectStore {
         check_readers(n_readers)?;
         // Room for the rounding: no slot is within a page of usize::MAX.
         if payload > isize::MAX as usize {
-            return Err(PyValueError::new_err(format!(
+            return Err(to_py(pinshm::Error::InvalidConfig(format!(
                 "payload of {payload} bytes: no slot is that large"
-            )));
+            ))));
         }
         Ok(pinshm::StoreConfig::slot_len(n_readers, payload))
     }
@@ -504,13 +514,14 @@ fn name_part(py: Python<'_>, e: PyErr, i: usize, part: &Bound<'_, PyAny>) -> PyE
     )
 }
 
-/// The layout helpers' reader count, as a store is created with.
+/// The layout helpers' reader count, checked as creating a store checks it
+/// and refused with the same error (InvalidArgumentError).
 fn check_readers(n_readers: u32) -> PyResult<()> {
     if n_readers == 0 || n_readers > pinshm::StoreConfig::MAX_READERS {
-        return Err(PyValueError::new_err(format!(
+        return Err(to_py(pinshm::Error::InvalidConfig(format!(
             "n_readers must be 1..={}, got {n_readers}",
             pinshm::StoreConfig::MAX_READERS
-        )));
+        ))));
     }
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! | field | written by | read by | protocol |
 //! |---|---|---|---|
 //! | `SegmentHeader::index_seq` | writer: odd (Relaxed) then a Release fence before it changes entries, the next even value (Release) after | readers: Acquire before a probe; an Acquire fence then Relaxed after it | seqlock: a probe between two equal even loads saw no change |
-//! | `IndexEntry::{fp, id, address}` | writer only (Relaxed), between the two stores of `index_seq` | readers (Relaxed), between the two loads of `index_seq` | a reader may read a torn entry; it trusts a hit only after checking the slot it names (id, tag and key fingerprint, under its hold), and a miss only when the sequence word did not move |
+//! | `IndexEntry::{fp, id, address}` | writer only (Relaxed), between the two stores of `index_seq` | readers (Relaxed), between the two loads of `index_seq` | a reader takes an entry, or the absence of one, only when the sequence word did not move across its probe; and a hit only after checking the slot it names (id, tag and key fingerprint, under its hold), since the writer may change the table right after |
 //!
 //! Why a torn hit is harmless: the slot, not the entry, decides. A reader
 //! that follows an entry takes its hold (the hold protocol of

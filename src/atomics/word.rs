@@ -16,6 +16,15 @@ pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ord
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+/// Gives the CPU to another thread (loom's scheduler under `--cfg loom`):
+/// what a reader does while the writer is in the middle of a change.
+pub(crate) fn yield_now() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::thread::yield_now();
+}
+
 /// FUTEX_WAIT: sleeps while `word` holds `expected`, at most `timeout`
 /// (the kernel compares and queues atomically with respect to wakes).
 #[cfg(not(loom))]

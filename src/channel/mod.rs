@@ -31,6 +31,9 @@ pub mod spin;
 mod validate;
 pub mod writer;
 
+#[cfg(all(test, loom))]
+mod loom_tests;
+
 use std::time::Duration;
 
 pub use reader::{BroadcastReader, Message};
@@ -231,9 +234,7 @@ pub struct BroadcastHandle {
     pub name: String,
     /// The channel's nonce (a recreated channel of the same name differs).
     pub nonce: u64,
-    /// Layout version of the writer (as `StoreHandle::layout_version`;
-    /// `version` in a handle serialized by 0.1.0 before the rename).
-    #[serde(alias = "version")]
+    /// Layout version of the writer (as `StoreHandle::layout_version`).
     pub layout_version: u32,
     /// Reader entries.
     pub n_readers: u32,
@@ -241,22 +242,4 @@ pub struct BroadcastHandle {
     pub slots: u32,
     /// Largest message.
     pub slot_size: u32,
-}
-
-/// The protocol cores, for `tests/loom_channel.rs` (only in `cfg(loom)`
-/// builds, where the atomics are loom's, see [`crate::atomics::word`]).
-#[cfg(loom)]
-pub mod loom_api {
-    pub use super::atomics::ChannelPtr;
-    pub use super::reader::{ReaderCore, Received, Recv};
-    pub use super::spin::WaitPlan;
-    pub use super::writer::{Blocked, WriterCore};
-    pub use crate::geometry::ChannelGeometry;
-    pub use crate::layout::reader_state;
-
-    /// Starts a loom execution: forgets the last one's atomics, futexes
-    /// and heap mappings (call first in every model).
-    pub fn reset() {
-        crate::atomics::word::table::reset();
-    }
 }

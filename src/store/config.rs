@@ -38,7 +38,10 @@ pub enum Eviction {
     /// the sweep last passed it stays for one more lap, in place (no copy,
     /// its handles stay valid). On a Zipf trace of multimodal-sized objects
     /// it beat FIFO at equal capacity in every cell measured, by 1.3 to 6.2
-    /// points of hit rate (docs/hit_rate.md). Without `get_cached` it is FIFO.
+    /// points of hit rate (docs/hit_rate.md). A reader's hit by key
+    /// ([`StoreReader::get_key`](crate::StoreReader::get_key),
+    /// [`lease_key`](crate::StoreReader::lease_key)) counts as one. Without
+    /// hits it is FIFO.
     #[default]
     SecondChance,
 }
@@ -180,7 +183,8 @@ impl StoreConfig {
     /// A shared key index with room for `max_keys` keys (default 0: none),
     /// so that readers find a key's object without the writer
     /// ([`StoreReader::lookup`](crate::StoreReader::lookup)). It costs 32
-    /// bytes per entry, about 43 per key, after the data region, backed at
+    /// bytes per entry, 43 to 85 per key (the table is a power of two at
+    /// most three quarters full), after the data region, backed at
     /// create. Keys past `max_keys` stay stored but readers miss them
     /// (`StoreStats::unindexed` counts them); size it by the objects the
     /// ring holds (capacity / the smallest object).

@@ -46,9 +46,18 @@ impl SharedIndex {
         }
         let mask = self.mask();
         let mut i = fp[0] & mask;
-        // Below the limit there is an empty entry on every chain.
+        // Below the limit there is an empty entry on every chain, unless
+        // another process scribbled over the table: a lap at most.
+        let mut steps = 0;
         while self.ptr.read(i).1 != 0 {
             i = (i + 1) & mask;
+            steps += 1;
+            if steps == self.ptr.entries() {
+                tracing::warn!(
+                    "the shared key index has no empty entry (corrupted?): key not indexed"
+                );
+                return false;
+            }
         }
         let s = self.ptr.begin_change();
         self.ptr.write(i, fp, id, address);
@@ -61,22 +70,24 @@ impl SharedIndex {
     pub(super) fn remove(&mut self, fp: [u64; 2], id: u64) {
         let mask = self.mask();
         let mut i = fp[0] & mask;
+        let mut steps = 0;
         loop {
             let (_, eid, _) = self.ptr.read(i);
-            if eid == 0 {
+            if eid == 0 || steps == self.ptr.entries() {
                 return; // not indexed (the table was full at its put)
             }
             if eid == id {
                 break;
             }
             i = (i + 1) & mask;
+            steps += 1;
         }
         let s = self.ptr.begin_change();
         // Backward shift (Knuth's algorithm R): each later entry of the run
         // whose home is not cyclically in (hole, its place] moves into the
         // hole, which moves to where it was.
         let mut j = i;
-        loop {
+        for _ in 1..self.ptr.entries() {
             j = (j + 1) & mask;
             let (efp, eid, eaddr) = self.ptr.read(j);
             if eid == 0 {
@@ -120,19 +131,23 @@ impl SharedIndex {
 }
 
 /// How many times a reader probes again after the writer changed the
-/// table under a probe that missed, before it reports the miss.
-const RETRIES: usize = 8;
+/// table under its probe, yielding the CPU between tries, before it
+/// reports a miss (a writer that died in the middle of a change leaves the
+/// sequence word odd: its readers miss, they never spin forever).
+const RETRIES: usize = 32;
 
 /// A reader's probe for `fp`: `Some((id, address))` of an entry whose
-/// fingerprint is `fp` (to be checked against its slot), `None` if the
-/// table had no such entry at some instant of the probe (or the writer
-/// kept changing it through every retry).
+/// fingerprint is `fp`, read whole between two equal even values of the
+/// sequence word (still to be checked against its slot: the writer may
+/// change the table right after), or `None` if the table had no such
+/// entry then (or the writer kept changing it through every retry).
 pub(super) fn probe(ptr: &IndexPtr, fp: [u64; 2]) -> Option<(u64, u64)> {
     let mask = ptr.entries() - 1;
     for _ in 0..RETRIES {
         let s = ptr.seq_begin();
         if s & 1 == 0 {
             let mut i = fp[0] & mask;
+            let mut found = None;
             // At most a lap: a table the writer keeps below 3/4 full always
             // has an empty entry, but a hostile one need not.
             for _ in 0..ptr.entries() {
@@ -141,15 +156,18 @@ pub(super) fn probe(ptr: &IndexPtr, fp: [u64; 2]) -> Option<(u64, u64)> {
                     break;
                 }
                 if efp == fp {
-                    return Some((id, address));
+                    found = Some((id, address));
+                    break;
                 }
                 i = (i + 1) & mask;
             }
+            // A hit is checked against its slot anyway; checking it here too
+            // turns a torn entry (mid-move) into a retry, not a miss.
             if ptr.seq_end() == s {
-                return None;
+                return found;
             }
         }
-        std::hint::spin_loop();
+        crate::atomics::word::yield_now();
     }
     None
 }
@@ -231,5 +249,51 @@ mod tests {
         ix.remove(fp(1, 1), 9);
         assert_eq!(probe(&t.ptr, fp(1, 1)), Some((1, 64)));
         assert_eq!(ix.len(), 1);
+    }
+}
+
+/// loom runs the shipped index code (its atomics are loom's under
+/// `--cfg loom`): a reader probing for a key that is present before and
+/// after a removal that moves it finds it, whatever the interleaving
+/// (`.ci/run`: `--cfg loom`, `store::key_index::loom_model`).
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+    use crate::atomics::word::table;
+    use crate::atomics::HeaderPtr;
+
+    #[test]
+    fn a_key_moved_by_a_removal_is_never_missed() {
+        let mut b = loom::model::Builder::new();
+        b.preemption_bound = Some(3);
+        b.check(|| {
+            table::reset();
+            let base = table::mapping(4096);
+            // SAFETY: a page of zeroes: a 256-byte header, then a table of
+            // 4 entries (128 bytes), 8-aligned, live until the next reset.
+            let ptr = unsafe { IndexPtr::new(base.add(256), 4, HeaderPtr::new(base)) };
+            let mut ix = SharedIndex::new(ptr);
+            // Both keys' home is entry 0: k2 sits at 1, and moves to 0
+            // when k1 goes.
+            assert!(ix.insert([4, 1], 1, 64));
+            assert!(ix.insert([8, 2], 2, 128));
+            // Every word made before the threads start (the shim makes a
+            // word's loom atomic on its first access).
+            (0..4).for_each(|i| {
+                let _ = ptr.read(i);
+            });
+            ptr.seq_begin();
+            struct P(IndexPtr);
+            // SAFETY: the mapping outlives the model's threads (freed at
+            // the next reset); every access goes through loom's atomics.
+            unsafe impl Send for P {}
+            let p = P(ptr);
+            let reader = loom::thread::spawn(move || {
+                let p = p;
+                probe(&p.0, [8, 2])
+            });
+            ix.remove([4, 1], 1);
+            assert_eq!(reader.join().unwrap(), Some((2, 128)));
+        });
     }
 }

@@ -151,7 +151,11 @@ impl Judge<'_> {
         if policy == Eviction::SecondChance && e.pending.is_none() {
             // A reader's hit by key (shared key index) counts as the
             // writer's own: both are cleared here.
-            let touched = self.geo.index_entries != 0 && self.slot(span.pos).take_touched();
+            // A cleared object (no key, or invalidated) gets no extra lap.
+            let touched = self.geo.index_entries != 0
+                && e.key.is_some()
+                && !e.invalid
+                && self.slot(span.pos).take_touched();
             if std::mem::take(&mut e.hit) | touched {
                 return false;
             }

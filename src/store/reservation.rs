@@ -82,6 +82,9 @@ impl Reservation {
 
     /// The start of the bytes, for a copy engine that writes them itself
     /// (valid, and written by nobody else, while the reservation lives).
+    /// An asynchronous copy into them must have finished before the
+    /// reservation is published or dropped: the slot may be read, or
+    /// reclaimed and reused, from then on.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.data
     }
@@ -89,6 +92,12 @@ impl Reservation {
     /// How many bytes to write.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether the reservation was made by `store` (what
+    /// [`ObjectStore::publish`] checks first).
+    pub fn belongs_to(&self, store: &ObjectStore) -> bool {
+        self.store == store.identity()
     }
 
     /// Whether there are no bytes to write (an empty tensor).
@@ -141,9 +150,12 @@ impl ObjectStore {
     }
 
     /// Publishes a reservation whose bytes are complete: readers may get
-    /// it from now on. `Stale` if the store was cleared meanwhile.
+    /// it from now on. `Stale` if the store was cleared meanwhile;
+    /// `PutNotPending` if it is another store's (check first with
+    /// [`Reservation::belongs_to`]: it is dropped here, so aborted in its
+    /// own store).
     pub fn publish(&mut self, r: Reservation) -> Result<ObjectHandle> {
-        if r.store != self.identity() {
+        if !r.belongs_to(self) {
             return Err(Error::PutNotPending {
                 id: r.id,
                 reason: "it belongs to another store",

@@ -153,11 +153,12 @@ impl ObjectStore {
         let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
         let header_len = layout::header_len(cfg.n_readers);
         let index_entries = cfg.index_entries();
-        let index_at = layout::index_offset(cfg.n_readers, cfg.capacity as u64);
         let total = header_len
             .checked_add(cfg.capacity)
             .and_then(|t| t.checked_add(layout::index_len(index_entries) as usize))
             .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
+        // No overflow: below `total`.
+        let index_at = layout::index_offset(cfg.n_readers, cfg.capacity as u64);
         // Not pre-faulted twice: a segment that will be pinned is faulted
         // in by the registration (Mapping::new pre-faults it otherwise).
         // Only a reserved segment is pre-faulted: faulting a hole of a
@@ -596,7 +597,8 @@ impl ObjectStore {
         Some(h)
     }
 
-    /// One more reference to `key` (each reader owes one more read): as
+    /// One more reference to `key` (each reader owes one more read; in a
+    /// cache, a hit only): as
     /// `get_cached`, without returning the handle; errors if `key` is absent.
     pub fn add_reference(&mut self, key: &str) -> Result<()> {
         self.get_cached(key)

@@ -54,6 +54,7 @@ for want in gpu device bench; do
 done
 cp tests/gpu/run.sh "$kit/run.sh"
 cp tests/gpu/py_pinned.py "$kit/py_pinned.py"
+cp tests/gpu/py_encoder_cache.py "$kit/py_encoder_cache.py"
 # The wheel itself (to pip install on the GPU machine), and unpacked (a
 # wheel is a zip): run.sh puts that on PYTHONPATH.
 cp "$wheel" "$kit/"

@@ -7,7 +7,10 @@
 #   4. the bench (examples/bench.rs, --quick);
 #   5. the Python side with the machine's torch (py_pinned.py): vLLM's path
 #      to the GPU against the pinned slot's, and the event-gated release
-#      (a copy on the current stream, and one on a side stream).
+#      (a copy on the current stream, and one on a side stream);
+#      py_encoder_cache.py: an encoder output (bf16 [4096, 4096]) saved D2H
+#      straight into a slot against .cpu() plus a put, and loaded H2D from
+#      the slot against pageable memory.
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail
@@ -84,6 +87,7 @@ if [ "${#failed[@]}" -eq 0 ]; then
   step "bench --quick" 30 "$here/bench" --quick
   if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
+    step "python: encoder cache save (D2H into the slot) and load" 40 env PYTHONPATH="$here/py" python3 "$here/py_encoder_cache.py"
   else
     echo "=== python: skipped (python3 has no torch or numpy)"
   fi

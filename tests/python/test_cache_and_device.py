@@ -192,3 +192,38 @@ def test_torch_tensors_round_trip_with_bfloat16(unique_name, closing):
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (32, 16)
     assert torch.equal(out, t.t())
     assert store.free_unused() == 1
+
+
+def test_an_abort_with_a_view_alive_closes_when_the_view_goes(unique_name, closing):
+    store = closing(cache_store(unique_name(), slots=4, n_readers=1))
+    r = store.reserve_tensor("t", "uint8", [4 * KIB])
+    view = np.frombuffer(r, dtype=np.uint8)
+    r.abort()
+    view[:] = 1  # still ours to write, and nobody sees it
+    with pytest.raises(ValueError, match="published or aborted"):
+        store.publish(r)
+    del view
+    for i in range(8):
+        store.put(f"k{i}", b"k" * 4 * KIB)
+    store.put("t", b"the key is free again")
+
+
+def test_a_reservation_of_another_store_stays_open_in_its_own(unique_name, closing):
+    a = closing(cache_store(unique_name("a"), n_readers=1))
+    b = closing(cache_store(unique_name("b"), n_readers=1))
+    r = a.reserve_tensor("t", "uint8", [8])
+    with pytest.raises(ValueError, match="another store"):
+        b.publish(r)
+    h = a.publish(r)
+    assert a.lookup("t") == h
+
+
+def test_a_torch_copy_that_fails_gives_the_slot_and_key_back(unique_name, closing):
+    torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
+    store = closing(cache_store(unique_name(), slots=4, n_readers=1))
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        pinshm.device.put_tensor(store, "meta", torch.empty(16, device="meta"))
+    assert not store.is_cached("meta")
+    for i in range(8):
+        store.put(f"k{i}", b"k" * 4 * KIB)
+    pinshm.device.put_tensor(store, "meta", torch.zeros(16))

@@ -153,10 +153,13 @@ def test_the_layout_sizes_bound_from_rust_size_a_ring_exactly(unique_name, closi
     assert s.stats()["bytes_in_use"] == pinshm.ObjectStore.slot_len(n, largest)
     with pytest.raises(ValueError, match="max_object_size"):
         pinshm.ObjectStore(cap, largest + 1, n, name=unique_name())
+    # The same error as creating a store with that many readers.
     for bad in (0, 65):
-        with pytest.raises(ValueError, match="n_readers"):
+        with pytest.raises(pinshm.InvalidArgumentError, match="n_readers"):
+            pinshm.ObjectStore(cap, 1024, bad, name=unique_name())
+        with pytest.raises(pinshm.InvalidArgumentError, match="n_readers"):
             pinshm.ObjectStore.slot_len(bad, 1)
-        with pytest.raises(ValueError, match="n_readers"):
+        with pytest.raises(pinshm.InvalidArgumentError, match="n_readers"):
             pinshm.ObjectStore.largest_object(cap, bad)
 
 

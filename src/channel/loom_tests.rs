@@ -1,25 +1,28 @@
 //! Loom models of the broadcast channel: the shipped writer and reader
-//! cores (`WriterCore`, `ReaderCore`, every atomic access in
-//! `src/channel/atomics.rs`, offsets included) run unchanged over heap
+//! cores (`WriterCore`, `ReaderCore`, every atomic access in [`super::atomics`],
+//! offsets included) run unchanged over heap
 //! memory laid out as a channel segment, whose words are loom atomics (the
-//! address table of `src/atomics/word.rs`, as for the store's models), with
+//! address table of `crate::atomics::word`, as for the store's models), with
 //! the futex modelled by a loom mutex and condvar whose waits have no
 //! timeout. A lost wake-up is therefore a deadlock, which loom reports; a
 //! slot rewritten while a reader reads it is a race on its payload cell,
 //! which loom reports too.
 //!
-//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_channel`
-#![cfg(loom)]
+//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --lib channel::loom_tests`
 
 use std::time::{Duration, Instant};
 
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use pinshm::__loom_channel::{
-    reader_state, reset, Blocked, ChannelGeometry, ChannelPtr, ReaderCore, Recv, WaitPlan,
-    WriterCore,
-};
+
+use super::atomics::ChannelPtr;
+use super::reader::{ReaderCore, Recv};
+use super::spin::WaitPlan;
+use super::writer::{Blocked, WriterCore};
+use crate::atomics::word::table;
+use crate::geometry::ChannelGeometry;
+use crate::layout::reader_state;
 
 fn geo(n_readers: u32, slots: u32) -> ChannelGeometry {
     ChannelGeometry {
@@ -40,7 +43,8 @@ fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     b.preemption_bound = Some(preemptions);
     b.check(move || {
-        reset();
+        // Forgets the last execution's atomics, futexes and heap mappings.
+        table::reset();
         f()
     });
 }

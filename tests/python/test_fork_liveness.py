@@ -26,7 +26,8 @@ KIB = 1024
 GONE_WITHIN_S = 5.0
 
 
-def _idle():
+def _idle(ready):
+    ready.set()
     time.sleep(60)
 
 
@@ -44,8 +45,14 @@ def _start_idle_child(how):
         assert os.read(rx, 1) == b"r"
         os.close(rx)
         return pid
-    p = mp.get_context("fork").Process(target=_idle, daemon=False)
+    # Returned once the child runs: until then it may not have dropped the
+    # liveness locks it inherited (its fork handler runs in the child), and
+    # a test that kills the parent first would see the parent still alive.
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_idle, args=(ready,), daemon=False)
     p.start()
+    assert ready.wait(WAIT_S)
     return p.pid
 
 

@@ -7,8 +7,9 @@ object, copied once, straight into the slot: the writer reserves the slot
 object is published once the copy is complete. For a CUDA tensor the copy
 is torch's device-to-host copy into the slot, queued on the current stream
 and completed on a CUDA event; where the store's mapping is pinned (a
-reserved store in a process with a CUDA driver), that copy is a DMA into
-the slot with no staging buffer.
+reserved store in a process with a CUDA driver), that copy is meant to be
+a DMA into the slot with no staging buffer (no GPU has run it yet: the
+GPU kit's py_encoder_cache.py measures it where one is lent).
 
 `get_tensor` copies an object out to a device: a host-to-device copy
 queued from the slot itself (pinned where the reader's mapping is), the

@@ -14,18 +14,25 @@ LLaVA model (TP=2, mp executor, offline ``vllm.LLM``), in one run, for
 
     python ec.py --python /path/to/venv/bin/python [--quick] [--out DIR]
         [--configs ec-stock,ec-example,ec-pinshm,ec-pinshm-small,ec-pinshm-2,ec-example-2] [--tp 2]
+        [--image-size 64] [--repeat 1]
 
-Every engine runs with ``--max-batched-tokens`` (default 64), which also
-sizes vLLM's own encoder cache: 64 image tokens hold 4 of the tiny model's
-16-token images, fewer than a pass shows (12), so vLLM evicts outputs it
-will need again, and the connector is asked for them. pinshm's plugin is
-off in every run (``VLLM_PLUGINS=""``): the connector needs no plugin, and
-the runs differ by the connector alone.
+Every engine runs with ``--max-batched-tokens`` (default: 4 images' tokens,
+64 for the default 64-px images of 16 tokens), which also sizes vLLM's own
+encoder cache: it holds 4 images, fewer than a pass shows (12), so vLLM
+evicts outputs it will need again, and the connector is asked for them.
+``--image-size`` builds the model for larger images ((N/16)^2 tokens each,
+a model folder per size), so that the encoder costs more of a pass.
+``--repeat N`` runs every configuration N times, interleaved (stock,
+example, pinshm, stock, ...), so drift of the machine falls on all alike;
+the summary then gives each configuration's median pass times and their
+ratios to stock's. pinshm's plugin is off in every run
+(``VLLM_PLUGINS=""``): the connector needs no plugin, and the runs differ
+by the connector alone.
 
 Per run (from probe/sitecustomize.py, in-process): the items each worker's
-encoder ran per pass (``embed_multimodal``), the connector's answers
-(``has_cache_item``: hits), loads and saves; token ids against
-``ec-stock``'s; pass and single-request times; /dev/shm peak (all segments,
+encoder ran per pass (``embed_multimodal``) and the seconds it took, the
+connector's answers (``has_cache_item``: hits), loads and saves; token ids
+against ``ec-stock``'s; pass and single-request times; /dev/shm peak (all segments,
 and the connector's store) and the example connector's folder size.
 ``ec-summary.json`` and ``ec-summary.md`` go to --out.
 """
@@ -36,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -48,7 +56,7 @@ MODULE = "pinshm.vllm.ec_connector"
 CONFIGS = ("ec-stock", "ec-example", "ec-pinshm", "ec-pinshm-small", "ec-pinshm-2", "ec-example-2")
 
 
-def ec_config(cfg: str, out: Path, tag: str, role: str = "ec_both") -> tuple[dict | None, str | None]:
+def ec_config(cfg: str, out: Path, tag: str, item_bytes: int, role: str = "ec_both") -> tuple[dict | None, str | None]:
     """The ec_transfer_config of `cfg` (None: no connector), and the store
     (a /dev/shm name) or folder it uses."""
     if cfg == "ec-stock":
@@ -61,9 +69,9 @@ def ec_config(cfg: str, out: Path, tag: str, role: str = "ec_both") -> tuple[dic
             "ec_connector_extra_config": {"shared_storage_path": str(folder)},
         }, str(folder)
     store = f"pinshm_ec_e2e_{os.getpid()}_{tag}"
-    # The tiny model's output is 16 x 128 float32 (8 KiB): "small" holds
-    # about 4 of a pass's 12 images.
-    size = "48k" if cfg == "ec-pinshm-small" else "64m"
+    # An image's output is tokens x 128 float32 (8 KiB at 64 px): "small"
+    # (48k at 64 px) holds about 4 of a pass's 12 images.
+    size = f"{6 * item_bytes // 1024}k" if cfg == "ec-pinshm-small" else "64m"
     return {
         "ec_connector": "PinshmECConnector",
         "ec_connector_module_path": MODULE,
@@ -75,7 +83,7 @@ def ec_config(cfg: str, out: Path, tag: str, role: str = "ec_both") -> tuple[dic
 class Engine:
     """One offline engine process (offline.py), sampled while it runs."""
 
-    def __init__(self, py, model, ec, out, tag, passes, singles, batched, hold=None, store=None, tp=2):
+    def __init__(self, py, model, ec, out, tag, passes, singles, batched, model_len, hold=None, store=None, tp=2):
         self.tag, self.out, self.store = tag, out, store
         self.probe, self.log, self.result = out / f"{tag}.probe.jsonl", out / f"{tag}.log", out / f"{tag}.json"
         for p in (self.probe, self.result):
@@ -85,6 +93,7 @@ class Engine:
         self.before = set(harness.shm_usage()) - {store}
         cmd = [py, str(HERE / "offline.py"), str(model), str(self.result), "--passes", str(passes)]
         cmd += ["--singles", str(singles), "--max-batched-tokens", str(batched), "--tp", str(tp)]
+        cmd += ["--max-model-len", str(model_len)]
         if ec is not None:
             cmd += ["--ec", json.dumps(ec)]
         if hold is not None:
@@ -106,7 +115,9 @@ class Engine:
     def finish(self, timeout=1800) -> dict:
         rc = self.proc.wait(timeout=timeout)
         self.lf.close()
-        res = harness.finish({"config": self.tag, "rc": rc}, self.sampler, self.before, self.probe, self.proc.pid, self.log)
+        res = harness.finish(
+            {"config": self.tag, "rc": rc}, self.sampler, self.before, self.probe, self.proc.pid, self.log
+        )
         if self.result.exists():
             r = json.loads(self.result.read_text())
             res.update({k: r[k] for k in ("init_s", "pass_s", "pass_t", "single_s", "tokens", "single_tokens")})
@@ -125,17 +136,18 @@ def encoder_counts(probe: Path, pass_t: list) -> dict:
         t0, t1 = pass_t[i]
         return t0 <= x.get("t", 0) <= t1
 
-    def most_per_pid(what, i):
-        by: dict[int, int] = {}
+    def most_per_pid(what, i, field="items"):
+        by: dict[int, float] = {}
         for x in lines:
             if x["what"] == what and in_pass(x, i):
-                by[x["pid"]] = by.get(x["pid"], 0) + x.get("items", 1)
+                by[x["pid"]] = by.get(x["pid"], 0) + x.get(field, 0)
         return max(by.values(), default=0)
 
     n = len(pass_t)
     start = pass_t[0][0] if pass_t else float("inf")
     return {
         "encoded": [most_per_pid("encode", i) for i in range(n)],
+        "encoder_s": [round(most_per_pid("encode", i, "s"), 4) for i in range(n)],
         "encoder_calls": [sum(x["what"] == "encode" and in_pass(x, i) for x in lines) for i in range(n)],
         "lookups": [sum(x["what"] == "ec_lookup" and in_pass(x, i) for x in lines) for i in range(n)],
         "ec_hits": [sum(x["what"] == "ec_lookup" and x["hit"] and in_pass(x, i) for x in lines) for i in range(n)],
@@ -157,31 +169,35 @@ def folder_mib(path: str | None) -> float:
     return round(total / 2**20, 3)
 
 
-def one(py, model, cfg, out, passes, singles, batched, tp) -> list[dict]:
-    tag = cfg
+def one(py, model, cfg, out, passes, singles, batched, tp, model_len, item_bytes, rep=None) -> list[dict]:
+    """The engine(s) of `cfg`; with `rep` (a repeat's number) in its file
+    and store names, and in its results."""
+    tag = cfg if rep is None else f"{cfg}-r{rep}"
     if not cfg.endswith("-2"):
-        ec, where = ec_config(cfg, out, tag)
-        e = Engine(py, model, ec, out, tag, passes, singles, batched, store=where, tp=tp)
+        ec, where = ec_config(cfg, out, tag, item_bytes)
+        e = Engine(py, model, ec, out, tag, passes, singles, batched, model_len, store=where, tp=tp)
         r = e.finish()
-        r["files_mib"] = folder_mib(where)
+        r.update(config=cfg, rep=rep, files_mib=folder_mib(where))
         return [r]
     # Two engines: the producer holds after its passes; the consumer runs.
     base = cfg[:-2]
-    ec, where = ec_config(base, out, tag)
+    ec, where = ec_config(base, out, tag, item_bytes)
     hold = out / f"{tag}.hold"
     hold.write_text("")
-    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, hold=hold, store=where, tp=tp)
+    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, model_len, hold=hold, store=where, tp=tp)
     try:
         if not a.wait_result():
             raise RuntimeError(f"{tag}: the ec_both engine stopped before its passes were done (see {a.log})")
-        ec_b, _ = ec_config(base, out, tag, role="ec_consumer")
+        ec_b, _ = ec_config(base, out, tag, item_bytes, role="ec_consumer")
         if ec is not None and ec_b is not None:
             ec_b["ec_connector_extra_config"] = ec["ec_connector_extra_config"]  # the same store or folder
-        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, store=where, tp=tp)
+        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, model_len, store=where, tp=tp)
         rb = b.finish()
     finally:
         hold.unlink(missing_ok=True)
     ra = a.finish()
+    ra.update(config=f"{cfg}-both", rep=rep)
+    rb.update(config=f"{cfg}-consumer", rep=rep)
     ra["files_mib"] = rb["files_mib"] = folder_mib(where)
     return [ra, rb]
 
@@ -189,10 +205,11 @@ def one(py, model, cfg, out, passes, singles, batched, tp) -> list[dict]:
 def summarize(runs: list[dict]) -> str:
     stock = next((r for r in runs if r["config"] == "ec-stock" and "tokens" in r), None)
     head = (
-        "| run | rc | tokens = stock | encoder items per pass (per rank) | connector hits / lookups per pass | "
-        "loaded per pass | saves | pass s | single s | /dev/shm peak MiB (store) | files MiB | tracebacks |"
+        "| run | rc | tokens = stock | encoder items per pass (per rank) | encoder s per pass | "
+        "connector hits / lookups per pass | loaded per pass | saves | pass s | single s | "
+        "/dev/shm peak MiB (store) | files MiB | tracebacks |"
     )
-    md = [head, "|" + "---|" * 12]
+    md = [head, "|" + "---|" * 13]
     for r in runs:
         same = None
         if stock is not None and "tokens" in r:
@@ -201,12 +218,45 @@ def summarize(runs: list[dict]) -> str:
                 not r.get("single_tokens") or r["single_tokens"] == stock["single_tokens"]
             )
         hits = ", ".join(f"{h}/{n}" for h, n in zip(r.get("ec_hits", []), r.get("lookups", [])))
+        name = r["config"] if r.get("rep") is None else f"{r['config']} #{r['rep'] + 1}"
         md.append(
-            f"| {r['config']} | {r['rc']} | {same} | {r.get('encoded')} | {hits or '-'} | {r.get('loaded')} | "
+            f"| {name} | {r['rc']} | {same} | {r.get('encoded')} | {r.get('encoder_s')} | {hits or '-'} | "
+            f"{r.get('loaded')} | "
             f"{r.get('saves')} | {[round(x, 2) for x in r.get('pass_s', [])]} | "
             f"{[round(x, 2) for x in r.get('single_s', [])]} | {r['shm_peak_mib']} ({r.get('store_peak_mib')}) | "
             f"{r.get('files_mib')} | {r['tracebacks']} |"
         )
+    return "\n".join(md) + "\n"
+
+
+def timing(runs: list[dict]) -> str:
+    """Per configuration, over its repeats: the median time of each pass
+    (min-max in brackets) and its ratio to stock's median (below 1:
+    faster); encoder items and seconds per pass, medians too."""
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("pass_s"):
+            by.setdefault(r["config"], []).append(r)
+    n = min((len(r["pass_s"]) for rs in by.values() for r in rs), default=0)
+
+    def med(rs, key, i):
+        return statistics.median(r[key][i] for r in rs)
+
+    stock = by.get("ec-stock")
+    passes = [f"pass {i + 1} s" for i in range(n)]
+    md = [
+        "| config | runs | encoder items per pass | encoder s per pass | " + " | ".join(passes) + " | ratio to stock |",
+        "|" + "---|" * (5 + n),
+    ]
+    for cfg, rs in by.items():
+        cells = []
+        for i in range(n):
+            xs = [r["pass_s"][i] for r in rs]
+            cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})")
+        ratios = ", ".join(f"{med(rs, 'pass_s', i) / med(stock, 'pass_s', i):.2f}" for i in range(n)) if stock else "-"
+        items = [med(rs, "encoded", i) for i in range(n)]
+        enc_s = [round(med(rs, "encoder_s", i), 3) for i in range(n)]
+        md.append(f"| {cfg} | {len(rs)} | {items} | {enc_s} | " + " | ".join(cells) + f" | {ratios} |")
     return "\n".join(md) + "\n"
 
 
@@ -217,15 +267,39 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("e2e-out"))
     ap.add_argument("--quick", action="store_true", help="two passes and one single request per engine")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--max-batched-tokens", type=int, default=64, help="also vLLM's encoder cache, in tokens")
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="also vLLM's encoder cache, in tokens (default: 4 images' worth, 64 at 64 px)",
+    )
     ap.add_argument("--tp", type=int, default=2, help="tensor parallel size of every engine")
+    ap.add_argument(
+        "--image-size",
+        type=int,
+        default=64,
+        help="the model's image size, a multiple of 16 ((N/16)^2 tokens per image); the model is built per size",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration, interleaved")
     args = ap.parse_args()
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
+    os.environ["E2E_IMAGE_SIZE"] = str(args.image_size)  # the engines' workload.py draws images this size
+    image_tokens = (args.image_size // 16) ** 2
+    batched = args.max_batched_tokens or 4 * image_tokens
+    # A prompt holds two images and a few words; 512 is the model's limit.
+    model_len = max(256, 2 * image_tokens + 64)
+    if model_len > 512:
+        sys.exit(f"--image-size {args.image_size}: two images of {image_tokens} tokens exceed the model's 512")
+    item_bytes = image_tokens * 128 * 4  # the projector's float32 output, hidden size 128
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or args.out / "tiny-llava"
+    default_model = "tiny-llava" if args.image_size == 64 else f"tiny-llava-{args.image_size}"
+    model = args.model or args.out / default_model
     if not (model / "BUILT").exists():
-        subprocess.run([args.python, str(HERE / "build_model.py"), str(model), "64"], check=True)
+        subprocess.run([args.python, str(HERE / "build_model.py"), str(model), str(args.image_size)], check=True)
+    built = json.loads((model / "BUILT").read_text()).get("image_size", 64)
+    if built != args.image_size:
+        sys.exit(f"{model} was built for {built}x{built} images, not --image-size {args.image_size}")
     passes, singles = (2, 1) if args.quick else (3, 3)
     configs = args.configs.split(",")
     for c in configs:
@@ -234,25 +308,26 @@ def main() -> None:
     if "ec-stock" in configs:  # first: the others' tokens are compared with it
         configs = ["ec-stock"] + [c for c in configs if c != "ec-stock"]
     runs: list[dict] = []
-    for cfg in configs:
-        print(f"== {cfg}", flush=True)
-        for r in one(args.python, model, cfg, args.out, passes, singles, args.max_batched_tokens, args.tp):
-            runs.append(r)
-            brief = {k: r.get(k) for k in ("config", "rc", "encoded", "ec_hits", "lookups", "loaded", "pass_s")}
-            print(json.dumps(brief), flush=True)
-        (args.out / "ec-runs.json").write_text(json.dumps(runs, indent=1, default=str))
-        for d in args.out.glob("*.ec-files"):
-            shutil.rmtree(d, ignore_errors=True)
-    versions = subprocess.run(
-        [args.python, "-c", "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    for rep in range(args.repeat):
+        for cfg in configs:
+            print(f"== {cfg}" + (f" #{rep + 1}" if args.repeat > 1 else ""), flush=True)
+            eng = (passes, singles, batched, args.tp, model_len, item_bytes, rep if args.repeat > 1 else None)
+            for r in one(args.python, model, cfg, args.out, *eng):
+                runs.append(r)
+                brief = {k: r.get(k) for k in ("config", "rc", "encoded", "encoder_s", "ec_hits", "loaded", "pass_s")}
+                print(json.dumps(brief), flush=True)
+            (args.out / "ec-runs.json").write_text(json.dumps(runs, indent=1, default=str))
+            for d in args.out.glob("*.ec-files"):
+                shutil.rmtree(d, ignore_errors=True)
+    code = "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"
+    versions = subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     head = (
         f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; TP={args.tp} offline; "
-        f"max_num_batched_tokens {args.max_batched_tokens} (vLLM's encoder cache: "
-        f"{args.max_batched_tokens // 16} images); {passes} passes of 40 items over 12 images, {singles} single(s)\n\n"
+        f"{args.image_size}-px images ({image_tokens} tokens); max_num_batched_tokens {batched} (vLLM's encoder "
+        f"cache: {batched // image_tokens} images); {passes} passes of 40 items over 12 images, {singles} single(s)"
+        f"; {args.repeat} run(s) of each configuration, interleaved\n\n"
     )
-    md = summarize(runs)
+    md = summarize(runs) + "\n" + timing(runs)
     (args.out / "ec-summary.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1, default=str))
     (args.out / "ec-summary.md").write_text(head + md)
     print(head + md)

@@ -2,7 +2,7 @@
 the vLLM venv's Python; writes a JSON result file.
 
     python offline.py MODEL_DIR RESULT_JSON [--passes N] [--tp 2]
-        [--ec JSON] [--max-batched-tokens N] [--hold FILE]
+        [--ec JSON] [--max-batched-tokens N] [--max-model-len N] [--hold FILE]
 
 The workload (the same for every configuration): a pass is 20 prompts of
 2 images each, from a pool of 12 images, so a pass has 40 items and the
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--ec", default=None, help="ec_transfer_config, as JSON")
     ap.add_argument("--max-batched-tokens", type=int, default=None)
+    # Two images of a model built for larger images take more than 256.
+    ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--hold", default=None, help="after the result, wait while this file exists")
     args = ap.parse_args()
 
@@ -58,7 +60,7 @@ def main() -> None:
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp",
         mm_processor_cache_type="shm",
-        max_model_len=256,
+        max_model_len=args.max_model_len,
         max_num_seqs=8,
         enforce_eager=True,
         dtype="float32",
@@ -71,7 +73,7 @@ def main() -> None:
     event("ready")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens, pass_s, pass_t = [], [], []
-    for p in range(args.passes):
+    for _ in range(args.passes):
         reqs = workload.pass_requests()
         t, wall = time.monotonic(), time.time()
         outs = llm.generate(reqs, params, use_tqdm=False)

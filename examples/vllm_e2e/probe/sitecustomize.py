@@ -11,7 +11,7 @@ they are imported and appends one JSON line to the probe file
   handle);
 - with the sender cache's hit count after every item;
 - each time the model's encoder runs (``embed_multimodal``), with the
-  number of items it encoded;
+  number of items it encoded and the seconds it took;
 - for an encoder-cache connector (any: vLLM's or pinshm's), each
   ``has_cache_item`` answer (scheduler), each load (items that
   ``start_load_caches`` put into the encoder cache) and each
@@ -116,8 +116,10 @@ def _after_llava(mod):
     embed = cls.embed_multimodal
 
     def embed_multimodal(self, **kwargs):
+        t0 = time.monotonic()
         out = embed(self, **kwargs)
-        _record(what="encode", items=len(out) if out is not None else 0, t=time.time())
+        s = time.monotonic() - t0  # the encoder's own time (CPU: synchronous)
+        _record(what="encode", items=len(out) if out is not None else 0, s=s, t=time.time())
         return out
 
     cls.embed_multimodal = embed_multimodal

@@ -14,7 +14,7 @@ LLaVA model (TP=2, mp executor, offline ``vllm.LLM``), in one run, for
 
     python ec.py --python /path/to/venv/bin/python [--quick] [--out DIR]
         [--configs ec-stock,ec-example,ec-pinshm,ec-pinshm-small,ec-pinshm-2,ec-example-2] [--tp 2]
-        [--image-size 64] [--repeat 1]
+        [--image-size 64] [--repeat 1] [--no-prefix-caching]
 
 Every engine runs with ``--max-batched-tokens`` (default: 4 images' tokens,
 64 for the default 64-px images of 16 tokens), which also sizes vLLM's own
@@ -25,7 +25,10 @@ a model folder per size), so that the encoder costs more of a pass.
 ``--repeat N`` runs every configuration N times, interleaved (stock,
 example, pinshm, stock, ...), so drift of the machine falls on all alike;
 the summary then gives each configuration's median pass times and their
-ratios to stock's. pinshm's plugin is off in every run
+ratios to stock's. ``--no-prefix-caching``: vLLM's prefix cache off; with
+it on, a prompt seen before (a pass repeats the last) is served from the
+KV cache, its images with it, and asks neither the encoder nor the
+connector (at 224 px, stock's second pass runs the encoder 0 times). pinshm's plugin is off in every run
 (``VLLM_PLUGINS=""``): the connector needs no plugin, and the runs differ
 by the connector alone.
 
@@ -83,7 +86,9 @@ def ec_config(cfg: str, out: Path, tag: str, item_bytes: int, role: str = "ec_bo
 class Engine:
     """One offline engine process (offline.py), sampled while it runs."""
 
-    def __init__(self, py, model, ec, out, tag, passes, singles, batched, model_len, hold=None, store=None, tp=2):
+    def __init__(self, py, model, ec, out, tag, passes, singles, batched, extra, hold=None, store=None, tp=2):
+        """`extra`: more of offline.py's arguments, the same for every
+        engine of a run (--max-model-len, --no-prefix-caching)."""
         self.tag, self.out, self.store = tag, out, store
         self.probe, self.log, self.result = out / f"{tag}.probe.jsonl", out / f"{tag}.log", out / f"{tag}.json"
         for p in (self.probe, self.result):
@@ -93,7 +98,7 @@ class Engine:
         self.before = set(harness.shm_usage()) - {store}
         cmd = [py, str(HERE / "offline.py"), str(model), str(self.result), "--passes", str(passes)]
         cmd += ["--singles", str(singles), "--max-batched-tokens", str(batched), "--tp", str(tp)]
-        cmd += ["--max-model-len", str(model_len)]
+        cmd += extra
         if ec is not None:
             cmd += ["--ec", json.dumps(ec)]
         if hold is not None:
@@ -169,13 +174,13 @@ def folder_mib(path: str | None) -> float:
     return round(total / 2**20, 3)
 
 
-def one(py, model, cfg, out, passes, singles, batched, tp, model_len, item_bytes, rep=None) -> list[dict]:
+def one(py, model, cfg, out, passes, singles, batched, tp, extra, item_bytes, rep=None) -> list[dict]:
     """The engine(s) of `cfg`; with `rep` (a repeat's number) in its file
     and store names, and in its results."""
     tag = cfg if rep is None else f"{cfg}-r{rep}"
     if not cfg.endswith("-2"):
         ec, where = ec_config(cfg, out, tag, item_bytes)
-        e = Engine(py, model, ec, out, tag, passes, singles, batched, model_len, store=where, tp=tp)
+        e = Engine(py, model, ec, out, tag, passes, singles, batched, extra, store=where, tp=tp)
         r = e.finish()
         r.update(config=cfg, rep=rep, files_mib=folder_mib(where))
         return [r]
@@ -184,14 +189,14 @@ def one(py, model, cfg, out, passes, singles, batched, tp, model_len, item_bytes
     ec, where = ec_config(base, out, tag, item_bytes)
     hold = out / f"{tag}.hold"
     hold.write_text("")
-    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, model_len, hold=hold, store=where, tp=tp)
+    a = Engine(py, model, ec, out, f"{tag}-both", passes, 0, batched, extra, hold=hold, store=where, tp=tp)
     try:
         if not a.wait_result():
             raise RuntimeError(f"{tag}: the ec_both engine stopped before its passes were done (see {a.log})")
         ec_b, _ = ec_config(base, out, tag, item_bytes, role="ec_consumer")
         if ec is not None and ec_b is not None:
             ec_b["ec_connector_extra_config"] = ec["ec_connector_extra_config"]  # the same store or folder
-        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, model_len, store=where, tp=tp)
+        b = Engine(py, model, ec_b, out, f"{tag}-consumer", passes, 0, batched, extra, store=where, tp=tp)
         rb = b.finish()
     finally:
         hold.unlink(missing_ok=True)
@@ -281,6 +286,7 @@ def main() -> None:
         help="the model's image size, a multiple of 16 ((N/16)^2 tokens per image); the model is built per size",
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration, interleaved")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM's prefix cache off in every engine")
     args = ap.parse_args()
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
@@ -292,6 +298,7 @@ def main() -> None:
     if model_len > 512:
         sys.exit(f"--image-size {args.image_size}: two images of {image_tokens} tokens exceed the model's 512")
     item_bytes = image_tokens * 128 * 4  # the projector's float32 output, hidden size 128
+    extra = ["--max-model-len", str(model_len)] + (["--no-prefix-caching"] if args.no_prefix_caching else [])
     args.out.mkdir(parents=True, exist_ok=True)
     default_model = "tiny-llava" if args.image_size == 64 else f"tiny-llava-{args.image_size}"
     model = args.model or args.out / default_model
@@ -311,7 +318,7 @@ def main() -> None:
     for rep in range(args.repeat):
         for cfg in configs:
             print(f"== {cfg}" + (f" #{rep + 1}" if args.repeat > 1 else ""), flush=True)
-            eng = (passes, singles, batched, args.tp, model_len, item_bytes, rep if args.repeat > 1 else None)
+            eng = (passes, singles, batched, args.tp, extra, item_bytes, rep if args.repeat > 1 else None)
             for r in one(args.python, model, cfg, args.out, *eng):
                 runs.append(r)
                 brief = {k: r.get(k) for k in ("config", "rc", "encoded", "encoder_s", "ec_hits", "loaded", "pass_s")}
@@ -325,7 +332,8 @@ def main() -> None:
         f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; TP={args.tp} offline; "
         f"{args.image_size}-px images ({image_tokens} tokens); max_num_batched_tokens {batched} (vLLM's encoder "
         f"cache: {batched // image_tokens} images); {passes} passes of 40 items over 12 images, {singles} single(s)"
-        f"; {args.repeat} run(s) of each configuration, interleaved\n\n"
+        f"; {args.repeat} run(s) of each configuration, interleaved"
+        f"{'; prefix caching off' if args.no_prefix_caching else ''}\n\n"
     )
     md = summarize(runs) + "\n" + timing(runs)
     (args.out / "ec-summary.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1, default=str))

@@ -3,6 +3,7 @@ the vLLM venv's Python; writes a JSON result file.
 
     python offline.py MODEL_DIR RESULT_JSON [--passes N] [--tp 2]
         [--ec JSON] [--max-batched-tokens N] [--max-model-len N] [--hold FILE]
+        [--no-prefix-caching]
 
 The workload (the same for every configuration): a pass is 20 prompts of
 2 images each, from a pool of 12 images, so a pass has 40 items and the
@@ -37,6 +38,9 @@ def main() -> None:
     # Two images of a model built for larger images take more than 256.
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--hold", default=None, help="after the result, wait while this file exists")
+    # A prompt seen before is served from the KV cache, its images with it,
+    # and never asks for their encoder outputs: off, every prompt does.
+    ap.add_argument("--no-prefix-caching", action="store_true")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -67,6 +71,7 @@ def main() -> None:
         seed=0,
         limit_mm_per_prompt={"image": 2},
         gpu_memory_utilization=float(os.environ.get("E2E_MEM_UTIL", "0.1")),
+        enable_prefix_caching=not args.no_prefix_caching,
         **extra,
     )
     res["init_s"] = time.monotonic() - t0

@@ -7,10 +7,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::Child;
+use std::io::{BufRead, Write};
 
-use common::{checksum, pattern, spawn_child, Name, Rng};
+use common::{checksum, pattern, Name, Peer, Rng};
 use pinshm::{DType, Error, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1 << 10;
@@ -35,60 +34,6 @@ fn cache(name: &Name, slots: usize, len: usize, n_readers: u32) -> ObjectStore {
 /// that what it found under a key is that key's object.
 fn bytes_of(i: u64, len: usize) -> Vec<u8> {
     pattern(i, len)
-}
-
-struct Peer {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Peer {
-    fn spawn(role: &str, sh: &StoreHandle) -> Peer {
-        let mut child = spawn_child(
-            "child_reader",
-            role,
-            &[("PINSHM_HANDLE", serde_json::to_string(sh).unwrap())],
-        );
-        let stdin = child.stdin.take().unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Peer {
-            child,
-            stdin: Some(stdin),
-            out,
-        }
-    }
-
-    fn send(&mut self, l: &str) {
-        writeln!(self.stdin.as_mut().unwrap(), "{l}").unwrap();
-    }
-
-    fn answer(&mut self) -> String {
-        loop {
-            let mut s = String::new();
-            assert!(self.out.read_line(&mut s).unwrap() > 0, "child exited");
-            if let Some((_, r)) = s.trim().split_once("ANSWER ") {
-                return r.to_owned();
-            }
-        }
-    }
-
-    fn ask(&mut self, l: &str) -> String {
-        self.send(l);
-        self.answer()
-    }
-
-    fn kill(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    fn finish(mut self) -> String {
-        drop(self.stdin.take());
-        let a = self.answer();
-        assert!(self.child.wait().unwrap().success());
-        a
-    }
 }
 
 #[test]

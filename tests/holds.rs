@@ -5,10 +5,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::Child;
+use std::io::{BufRead, Write};
 
-use common::{checksum, pattern, spawn_child, Name, Rng};
+use common::{checksum, pattern, Name, Peer, Rng};
 use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1 << 10;
@@ -25,57 +24,6 @@ fn parse(l: &str) -> (ObjectHandle, u64, usize) {
         epoch: f[2],
     };
     (h, f[3], f[4] as usize)
-}
-
-struct Peer {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Peer {
-    fn spawn(role: &str, sh: &StoreHandle) -> Peer {
-        let mut child = spawn_child(
-            "child_reader",
-            role,
-            &[("PINSHM_HANDLE", serde_json::to_string(sh).unwrap())],
-        );
-        let stdin = child.stdin.take().unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Peer {
-            child,
-            stdin: Some(stdin),
-            out,
-        }
-    }
-
-    fn send(&mut self, l: &str) {
-        writeln!(self.stdin.as_mut().unwrap(), "{l}").unwrap();
-    }
-
-    /// The next line the child answered (its test-harness chatter skipped).
-    fn answer(&mut self) -> String {
-        loop {
-            let mut s = String::new();
-            assert!(self.out.read_line(&mut s).unwrap() > 0, "child exited");
-            // The harness may print "test child_reader ... " before it.
-            if let Some((_, r)) = s.trim().split_once("ANSWER ") {
-                return r.to_owned();
-            }
-        }
-    }
-
-    fn kill(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    fn finish(mut self) -> String {
-        drop(self.stdin.take());
-        let a = self.answer();
-        assert!(self.child.wait().unwrap().success());
-        a
-    }
 }
 
 /// One object stays in use in another process (held by a guard, or never

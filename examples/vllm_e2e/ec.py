@@ -300,13 +300,7 @@ def main() -> None:
     item_bytes = image_tokens * 128 * 4  # the projector's float32 output, hidden size 128
     extra = ["--max-model-len", str(model_len)] + (["--no-prefix-caching"] if args.no_prefix_caching else [])
     args.out.mkdir(parents=True, exist_ok=True)
-    default_model = "tiny-llava" if args.image_size == 64 else f"tiny-llava-{args.image_size}"
-    model = args.model or args.out / default_model
-    if not (model / "BUILT").exists():
-        subprocess.run([args.python, str(HERE / "build_model.py"), str(model), str(args.image_size)], check=True)
-    built = json.loads((model / "BUILT").read_text()).get("image_size", 64)
-    if built != args.image_size:
-        sys.exit(f"{model} was built for {built}x{built} images, not --image-size {args.image_size}")
+    model = harness.tiny_model(args.python, args.model, args.out, args.image_size)
     passes, singles = (2, 1) if args.quick else (3, 3)
     configs = args.configs.split(",")
     for c in configs:

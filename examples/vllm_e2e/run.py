@@ -460,6 +460,20 @@ def in_container(size: str) -> None:
     sys.exit(subprocess.run(cmd, env=env).returncode)
 
 
+def tiny_model(python: str, model: Path | None, out: Path, image_size: int) -> Path:
+    """The tiny LLaVA for `image_size`-px images: `model`, or one in `out`
+    (built with build_model.py if missing); exits if it was built for
+    another size."""
+    default = "tiny-llava" if image_size == 64 else f"tiny-llava-{image_size}"
+    model = model or out / default
+    if not (model / "BUILT").exists():
+        subprocess.run([python, str(HERE / "build_model.py"), str(model), str(image_size)], check=True)
+    built = json.loads((model / "BUILT").read_text()).get("image_size", 64)
+    if built != image_size:
+        sys.exit(f"{model} was built for {built}x{built} images, not --image-size {image_size}")
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=os.environ.get("VLLM_PYTHON"), help="a Python with vLLM and pinshm")
@@ -499,13 +513,7 @@ def main() -> None:
     if not args.python:
         sys.exit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
     args.out.mkdir(parents=True, exist_ok=True)
-    default_model = "tiny-llava" if args.image_size == 64 else f"tiny-llava-{args.image_size}"
-    model = args.model or args.out / default_model
-    if not (model / "BUILT").exists():
-        subprocess.run([args.python, str(HERE / "build_model.py"), str(model), str(args.image_size)], check=True)
-    built = json.loads((model / "BUILT").read_text()).get("image_size", 64)
-    if built != args.image_size:
-        sys.exit(f"{model} was built for {built}x{built} images, not --image-size {args.image_size}")
+    model = tiny_model(args.python, args.model, args.out, args.image_size)
     passes, singles = (1, 1) if args.quick else (3, 3)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     import workload  # after E2E_IMAGES is set

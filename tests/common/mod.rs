@@ -90,6 +90,67 @@ pub fn spawn_child(test: &str, role: &str, env: &[(&str, String)]) -> std::proce
     cmd.spawn().expect("spawn child test process")
 }
 
+/// A reader process: this test binary re-executed as `child_reader` with
+/// `role`, given the store's handle; it takes lines on stdin and answers
+/// `ANSWER ...` lines on stdout.
+pub struct Peer {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    pub fn spawn(role: &str, sh: &pinshm::StoreHandle) -> Peer {
+        let mut child = spawn_child(
+            "child_reader",
+            role,
+            &[("PINSHM_HANDLE", serde_json::to_string(sh).unwrap())],
+        );
+        let stdin = child.stdin.take().unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        Peer {
+            child,
+            stdin: Some(stdin),
+            out,
+        }
+    }
+
+    pub fn send(&mut self, l: &str) {
+        use std::io::Write;
+        writeln!(self.stdin.as_mut().unwrap(), "{l}").unwrap();
+    }
+
+    /// The next line the child answered (its test-harness chatter skipped).
+    pub fn answer(&mut self) -> String {
+        use std::io::BufRead;
+        loop {
+            let mut s = String::new();
+            assert!(self.out.read_line(&mut s).unwrap() > 0, "child exited");
+            // The harness may print "test child_reader ... " before it.
+            if let Some((_, r)) = s.trim().split_once("ANSWER ") {
+                return r.to_owned();
+            }
+        }
+    }
+
+    pub fn ask(&mut self, l: &str) -> String {
+        self.send(l);
+        self.answer()
+    }
+
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    pub fn finish(mut self) -> String {
+        drop(self.stdin.take());
+        let a = self.answer();
+        assert!(self.child.wait().unwrap().success());
+        a
+    }
+}
+
 /// The `RESULT ...` line a child printed, or a panic with its output.
 pub fn child_result(child: std::process::Child) -> String {
     let out = child.wait_with_output().unwrap();

@@ -47,6 +47,9 @@ pub(crate) fn inspect_segment<'py>(
         readers.append(e)?;
     }
     d.set_item("readers", readers)?;
+    let (used, free) = snap.reader_entries();
+    d.set_item("entries_used", used)?;
+    d.set_item("entries_free", free)?;
     let slots = PyList::empty(py);
     for s in &snap.slots {
         let e = PyDict::new(py);

@@ -61,8 +61,11 @@ def _inspect_held_and_dead(store, a, b, ctx):
     # the dead reader (and by reader 0, which has not read it).
     assert f"blocker   oldest in use: id {a.monotonic_id}" in text, text
     assert f"{a.address}:{a.monotonic_id}: live" in text, text
+    # The killed reader's entry is free again: the kernel released its lock.
+    assert "entries   1 of 2 reader entries held by live readers, 1 free" in text, text
 
     snap = json.loads(_pinshm_cli("inspect", store.name, "--json").stdout)
+    assert (snap["entries_used"], snap["entries_free"]) == (1, 1)
     readers = {r["index"]: r for r in snap["readers"]}
     assert readers[0]["alive"] and readers[0]["guards"] == 1
     assert not readers[1]["alive"] and readers[1]["pid"] == child.pid

@@ -23,13 +23,17 @@ from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import ECSettings
-from ._meta import LoadReport, LoadSpec
+from ._meta import FailedLoad, LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
 #: Width of a placeholder for a request whose output could not be loaded,
 #: by modality ("" for any): None when it cannot be known.
 WidthOf = Callable[[str], Optional[int]]
+
+#: Steps after a move to a new segment that the reader of the old one is
+#: kept for loads leased there (the scheduler's leases end by then).
+KEEP_PREVIOUS_STEPS = 64
 
 
 class WorkerSide:
@@ -45,8 +49,10 @@ class WorkerSide:
         device: Optional[str] = None,
         dtype: Any = None,
         width_of: Optional[WidthOf] = None,
+        rank: int = 0,
     ) -> None:
         self.settings = settings
+        self.rank = rank
         self.producer = producer
         self.consumer = consumer
         self.device = device
@@ -54,8 +60,13 @@ class WorkerSide:
         self.width_of = width_of
         self.store: Optional[ObjectStore] = None
         self._tracked = Tracked()
-        self.reader = NamedReader(settings.store, settings.retry_s, pin="auto")
+        self.reader = NamedReader(settings.store, settings.retry_s, pin="auto", keep_previous=True)
         self._report = LoadReport()
+        self._state: Optional[RankState] = None
+        self._state_told = False
+        self._step = 0
+        self._moved_at: dict[int, int] = {}
+        self._placeholders: set[str] = set()
         self._warned: set[str] = set()
         self.saved = 0
         self.already = 0
@@ -64,6 +75,10 @@ class WorkerSide:
         self.failed = 0
         if producer and writes:
             self.store = self._create()
+        if consumer:
+            # Every rank attaches at start (the scheduler says yes only once
+            # every rank reported that it reads the store).
+            self._check_rank()
 
     # ---- the writer -------------------------------------------------
 
@@ -127,21 +142,30 @@ class WorkerSide:
         """Loads the step's outputs into `encoder_cache`. One that cannot be
         loaded is replaced by a placeholder of zeros (vLLM's model runner
         raises on a missing output) and its request is reported failed."""
+        self._step = max(self._step, step)
+        if self._placeholders:
+            # vLLM evicted them (free_encoder_mm_hashes), or the encoder
+            # wrote a real output over them.
+            self._placeholders.intersection_update(encoder_cache)
         if not loads:
             return
-        failed: set[str] = set()
+        failed: set[FailedLoad] = set()
         for spec in loads:
-            if spec.mm_hash in encoder_cache:
+            if spec.mm_hash in encoder_cache and spec.mm_hash not in self._placeholders:
                 continue
             value = self._load_one(spec)
             if value is None:
-                failed.add(spec.request_id)
+                failed.add(FailedLoad(spec.request_id, spec.mm_hash, spec.epoch, spec.monotonic_id))
                 self.failed += 1
                 value = self._placeholder(spec)
                 if value is None:
                     continue
+                # Stands in for this step only: the scheduler fails every
+                # request that uses it and has vLLM evict it.
+                self._placeholders.add(spec.mm_hash)
             else:
                 self.loaded += 1
+                self._placeholders.discard(spec.mm_hash)
             encoder_cache[spec.mm_hash] = value
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 
@@ -182,9 +206,40 @@ class WorkerSide:
             return None
         return zeros((spec.num_embeds, width), self.dtype, self.device)
 
+    def _check_rank(self) -> None:
+        """Attaches (at the reader's pace) and notes this rank's state for
+        the next report when it changed; lets go of readers of segments
+        moved from once no load can need them."""
+        reader = self.reader.get()
+        if reader is not None:
+            state = RankState(self.rank, reader.epoch)
+        else:
+            state = RankState(self.rank, None, self.reader.last_error or "no store yet", self.reader.no_entry)
+        if state != self._state:
+            if self._state is not None and self._state.epoch is not None:
+                self._moved_at.setdefault(self._state.epoch, self._step)
+            self._state, self._state_told = state, False
+        for epoch in self.reader.previous_epochs:
+            if self._step - self._moved_at.setdefault(epoch, self._step) > KEEP_PREVIOUS_STEPS:
+                self.reader.drop_previous(epoch)
+                del self._moved_at[epoch]
+
+    @property
+    def state(self) -> Optional[RankState]:
+        """This rank's state as last checked (None: not a consumer)."""
+        return self._state
+
     def take_report(self) -> LoadReport:
-        """What this worker loaded and failed since the last call."""
+        """What this worker loaded and failed since the last call, and its
+        rank's state if that changed since it was last told."""
+        if self.consumer:
+            self._check_rank()
         report, self._report = self._report, LoadReport()
+        # Told when it changes, and again with every report there is (a
+        # report that never arrives is made up for by the next one).
+        if self._state is not None and (report or not self._state_told):
+            self._state_told = True
+            report = report.merge(LoadReport(ranks=frozenset({self._state})))
         return report
 
     def _once(self, what: str, msg: str, *args: object) -> None:

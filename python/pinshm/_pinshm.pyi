@@ -461,3 +461,10 @@ def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = No
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and
     `driver_version` (`major * 1000 + minor * 10`, or None)."""
+
+def gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
+    """The segments in /dev/shm whose name starts with `prefix` and whose
+    writer is gone: each a dict of `name`, `kind` ("store" or "channel"),
+    `bytes` (of /dev/shm it holds), `writer_pid` (None where unknown) and
+    `removed`. With `dry_run` (the default) nothing is removed; else each
+    is removed under the dead writer's liveness lock (`python -m pinshm gc`)."""

@@ -84,6 +84,30 @@ pub(crate) fn inspect_segment<'py>(
     Ok(d)
 }
 
+/// The segments in /dev/shm whose name starts with `prefix` and whose
+/// writer is gone (`pinshm::gc`): listed with `dry_run`, else removed, each
+/// under the dead writer's liveness lock.
+#[pyfunction]
+#[pyo3(signature = (prefix = "", dry_run = true))]
+pub(crate) fn gc_segments<'py>(
+    py: Python<'py>,
+    prefix: &str,
+    dry_run: bool,
+) -> PyResult<Bound<'py, PyList>> {
+    let found = crate::gil::released(py, || pinshm::gc(prefix, dry_run)).map_err(to_py)?;
+    let out = PyList::empty(py);
+    for a in found {
+        let d = PyDict::new(py);
+        d.set_item("name", &a.name)?;
+        d.set_item("kind", a.kind)?;
+        d.set_item("bytes", a.bytes)?;
+        d.set_item("writer_pid", a.writer_pid)?;
+        d.set_item("removed", a.removed)?;
+        out.append(d)?;
+    }
+    Ok(out)
+}
+
 /// Whether this build has the `cuda` feature, whether a CUDA driver
 /// library loads, and its version (`major * 1000 + minor * 10`).
 #[pyfunction]

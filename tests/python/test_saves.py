@@ -303,3 +303,81 @@ def test_a_save_pending_when_the_store_is_cleared_is_never_published(unique_name
         save.wait(timeout=LONG)
     assert save.state == "failed" and not store.is_cached("k")
     store.put("k", b"after the clear")
+
+
+# ---- the CUDA path of put_tensor, with torch's CUDA calls stood in -------
+
+
+class _RecordedEvent(StandInEvent):
+    """A stand-in for torch.cuda.Event: `record()` notes it, and
+    `synchronize()` notes that the caller waited (it never blocks)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self._log = log
+
+    def record(self, stream=None):
+        self._log.append(("record", self))
+
+    def synchronize(self):
+        self._log.append(("synchronize", self))
+
+
+def _stand_in_cuda(monkeypatch, torch):
+    """torch.cuda.Event and torch.cuda.device stood in (no GPU here);
+    returns the log of what put_tensor did with the events."""
+    import contextlib
+
+    log = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _RecordedEvent(log))
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    return log
+
+
+class _AsIfOnCuda:
+    """A CPU tensor that says it is on a GPU: what `put_tensor` asks of a
+    tensor, so that its CUDA path runs with stand-in events."""
+
+    __module__ = "torch.stand_in"
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, t):
+        self._t = t
+        self.dtype = t.dtype
+        self.shape = t.shape
+
+    def detach(self):
+        return self._t.detach()
+
+
+def test_a_cuda_save_without_waiting_queues_its_copy_and_is_published_by_its_event(unique_name, closing, monkeypatch):
+    torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
+    log = _stand_in_cuda(monkeypatch, torch)
+    store = closing(cache_store(unique_name(), n_readers=1))
+    reader = closing(pinshm.StoreReader.attach(store.handle()))
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    save = pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False)
+    assert [what for what, _ in log] == ["record"], "the save waited for its copy"
+    assert save.state == "pending" and store.is_pending("k") and reader.lookup("k") is None
+    assert pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False) is None
+    assert len(log) == 1, "a second save of a pending key queued a copy"
+    log[0][1].complete()
+    h = save.wait(timeout=LONG)
+    assert torch.equal(pinshm.device.get_tensor(reader, h, "cpu"), t)
+
+
+def test_a_cuda_save_whose_copy_raises_waits_for_what_was_queued_then_frees_its_slot_and_key(
+    unique_name, closing, monkeypatch
+):
+    torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
+    log = _stand_in_cuda(monkeypatch, torch)
+    store = closing(cache_store(unique_name(), n_readers=1))
+    objects = store.stats()["objects"]
+    wrong = _AsIfOnCuda(torch.zeros(8, 8))
+    wrong.detach = lambda: torch.zeros(3, 3)  # a copy torch refuses
+    with pytest.raises(RuntimeError):
+        pinshm.device.put_tensor(store, "k", wrong, wait=False)
+    assert [what for what, _ in log] == ["record", "synchronize"]
+    assert not store.is_pending("k") and store.stats()["objects"] == objects
+    assert pinshm.device.put_tensor(store, "k", torch.ones(4), wait=False).state == "published"

@@ -167,14 +167,19 @@ class ObjectStore:
     def publish(self, reservation: TensorReservation) -> ObjectHandle:
         """Publishes a reservation whose bytes are written. BufferError while
         an export of it is alive; ValueError if published or aborted."""
-    def publish_after(self, reservation: TensorReservation, event: Optional[_Event]) -> PendingSave:
+    def publish_after(
+        self, reservation: TensorReservation, event: Optional[_Event], staged: Optional[Buffer] = None
+    ) -> PendingSave:
         """Publishes a reservation once `event.query()` returns true (a
         device-to-host copy queued into it, not waited for): pinshm's
         poller thread, and every flush, queries the event; never published
         before. Until then the key is pending (`is_pending`): `is_cached`,
         `get_cached` and readers miss it, and a put of it raises. If
         `query()` raises, the reservation is aborted: key and slot free at
-        once. `event=None` publishes now. Errors as `publish`. `close()`
+        once. `event=None` publishes now. `staged`: a buffer of the
+        reservation's length that the copy writes instead of the slot
+        (pinned staging, for a slot that is not pinned), copied into the
+        slot once the event has completed. Errors as `publish`. `close()`
         discards saves still pending; `flush_pending()` publishes them."""
     def abort(self, reservation: TensorReservation) -> None:
         """Gives a reservation back unpublished: its key and its slot are

@@ -17,6 +17,10 @@ thread publishes the slot once the copy's event has completed
 (`ObjectStore.publish_after`). Until then the key is pending
 (`ObjectStore.is_pending`): lookups miss it, and a second save of it is a
 no-op that returns None. `ObjectStore.flush_pending()` waits for them all.
+Where the slot is not pinned memory (a sparse store), the copy goes to a
+pinned staging tensor instead (CUDA copies into pageable memory
+synchronously), which pinshm copies into the slot once the event has
+completed.
 
 `get_tensor` copies an object out to a device: a host-to-device copy
 queued from the slot itself (pinned where the reader's mapping is), the
@@ -107,11 +111,11 @@ def put_tensor(
         r = store.reserve_tensor(key, name, list(shape))
         if not wait and tensor.is_cuda:
             try:
-                done = _queue_d2h(torch, r, tensor, shape)
+                done, staged = _queue_d2h(torch, r, tensor, shape)
             except BaseException:
                 store.abort(r)
                 raise
-            return store.publish_after(r, done)
+            return store.publish_after(r, done, staged)
         try:
             _fill_torch(torch, r, tensor, shape)
         except BaseException:
@@ -145,17 +149,23 @@ class _CopyDone:
         self._event.synchronize()
 
 
-def _queue_d2h(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> _CopyDone:
-    """Queues the copy of CUDA `tensor` into `r` on the current stream of
-    its device and returns the event recorded after it, not waited for.
-    If queueing raises, waits for whatever was queued, then raises (the
-    slot is given back only once nothing can write it)."""
+def _queue_d2h(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> tuple[_CopyDone, Any]:
+    """Queues the copy of CUDA `tensor` on the current stream of its
+    device and returns the event recorded after it (not waited for), and
+    what the copy writes if not the slot: where the slot is not pinned
+    memory (a sparse store, or no registration), a copy into it would not
+    be asynchronous (CUDA waits for a copy into pageable memory), so the
+    copy goes to a pinned staging tensor, which pinshm copies into the
+    slot once the event has completed. If queueing raises, waits for
+    whatever was queued, then raises (the slot is given back only once
+    nothing can write it)."""
     dst = _torch_view(torch, r, tensor.dtype, shape)
     try:
         with torch.cuda.device(tensor.device):
             src = tensor.detach()
+            staging = None if _is_pinned(dst) else _pinned_empty(torch, shape, tensor.dtype)
             try:
-                dst.copy_(src, non_blocking=True)
+                (dst if staging is None else staging).copy_(src, non_blocking=True)
             except BaseException:
                 failed = torch.cuda.Event()
                 failed.record()
@@ -163,10 +173,23 @@ def _queue_d2h(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, 
                 raise
             done = torch.cuda.Event()
             done.record()
-            return _CopyDone(done, src)
+            staged = None if staging is None else staging.reshape(-1).view(torch.uint8).numpy()
+            return _CopyDone(done, src), staged
     finally:
         # The view goes before the reservation is handed on.
         del dst
+
+
+def _is_pinned(t: Any) -> bool:
+    """Whether host tensor `t` is page-locked memory a CUDA copy can write
+    asynchronously (an empty one needs no copy)."""
+    return t.numel() == 0 or bool(t.is_pinned())
+
+
+def _pinned_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A pinned host tensor from torch's caching host allocator (which
+    reuses the block only once the copies recorded on it are done)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def _fill_numpy(np: Any, r: TensorReservation, array: Any) -> None:

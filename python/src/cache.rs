@@ -114,6 +114,11 @@ pub(crate) struct TensorReservation {
 }
 
 impl TensorReservation {
+    /// Bytes to write (0 once published or aborted).
+    pub(crate) fn byte_len(&self) -> usize {
+        lock(&self.held).as_ref().map_or(0, |r| r.len)
+    }
+
     pub(crate) fn new(
         mut res: pinshm::Reservation,
         key: String,
@@ -158,7 +163,7 @@ impl TensorReservation {
 
     /// Bytes to write.
     fn __len__(&self) -> usize {
-        lock(&self.held).as_ref().map_or(0, |r| r.len)
+        self.byte_len()
     }
 
     /// Gives the slot back unpublished; again does nothing. Its key is

@@ -180,6 +180,9 @@ pub(crate) trait Gated: Send {
     fn failed(&mut self, py: Python<'_>, e: PyErr, event: &Py<PyAny>) {
         e.write_unraisable(py, Some(event.bind(py)));
     }
+    /// The event's query returned true (the GIL held, an exception
+    /// pending set aside): a save copies what was staged, if anything.
+    fn completed(&mut self, _py: Python<'_>) {}
     /// Called once, when the event has completed (`ok`) or its query
     /// raised (`!ok`), holding no lock of ours: with the GIL (`py`) in a
     /// flush, without it in the poller. A read ends when dropped.
@@ -318,7 +321,10 @@ fn query_all(py: Python<'_>, pass: &mut Pass) -> Vec<(Box<dyn Gated>, bool)> {
             outcome => {
                 let (event, mut gated) = pass.batch.swap_remove(i);
                 let ok = match outcome {
-                    Ok(_) => true,
+                    Ok(_) => {
+                        keeping_exception(py, || gated.completed(py));
+                        true
+                    }
                     Err(e) => {
                         keeping_exception(py, || gated.failed(py, e, &event));
                         false

@@ -81,7 +81,12 @@ struct SaveGate {
     home: Home,
     /// `None` once ended.
     res: Option<pinshm::Reservation>,
-    /// What the event's query raised.
+    /// A buffer the copy wrote instead of the slot (pinned staging, for a
+    /// store whose mapping is not pinned): copied into the slot once the
+    /// event has completed. `None` once copied.
+    staged: Option<Py<PyAny>>,
+    /// What the event's query raised, or why the staged bytes could not
+    /// be copied.
     error: Option<String>,
     state: Arc<SaveState>,
 }
@@ -116,6 +121,34 @@ impl Gated for SaveGate {
         self.error = Some(format!("the copy's event raised {e}"));
     }
 
+    fn completed(&mut self, py: Python<'_>) {
+        let Some(staged) = self.staged.take() else {
+            return;
+        };
+        if self.home.forked() {
+            std::mem::forget(staged);
+            return;
+        }
+        let Some(res) = self.res.as_mut() else {
+            return;
+        };
+        match crate::buffer::Buffer::readable(staged.bind(py)) {
+            Ok(buf) if buf.len() == res.len() => {
+                let (src, dst) = (buf.as_slice(), res.bytes_mut());
+                // Off the GIL: a copy of megabytes, on the poller's time.
+                crate::gil::released(py, || dst.copy_from_slice(src));
+            }
+            Ok(buf) => {
+                self.error = Some(format!(
+                    "the staged buffer is {} bytes, the reservation {}",
+                    buf.len(),
+                    res.len()
+                ))
+            }
+            Err(e) => self.error = Some(format!("the staged buffer refused its bytes: {e}")),
+        }
+    }
+
     fn end(mut self: Box<Self>, py: Option<Python<'_>>, ok: bool) {
         if self.home.forked() {
             // A child forked inside a pass: the save is the parent's.
@@ -124,6 +157,8 @@ impl Gated for SaveGate {
         }
         let res = self.res.take().expect("a save ends once");
         let error = self.error.take();
+        // Staged bytes that could not be copied fail the save.
+        let ok = ok && error.is_none();
         let status = match self.store.upgrade() {
             None => {
                 drop(res);
@@ -186,6 +221,7 @@ impl PendingSave {
         key: &str,
         res: pinshm::Reservation,
         event: Py<PyAny>,
+        staged: Option<Py<PyAny>>,
         store: &Shared,
         pending: &Arc<AtomicUsize>,
         name: &str,
@@ -201,6 +237,7 @@ impl PendingSave {
                 store: Arc::downgrade(store),
                 home: Home::new(name),
                 res: Some(res),
+                staged,
                 error: None,
                 state: Arc::clone(&state),
             }),

@@ -345,17 +345,42 @@ impl ObjectStore {
     /// true, `is_cached`, `get_cached` and readers miss it, and a put of
     /// it raises. If `query()` raises, the copy has failed: the
     /// reservation is aborted, its key and slot free at once. With
-    /// `event=None` it is published now. Returns the `PendingSave`.
-    /// Errors as `publish`. Closing the store discards saves still
-    /// pending (none is published); `flush_pending()` first publishes them.
+    /// `event=None` it is published now. `staged`: a buffer of exactly
+    /// the reservation's length that the copy writes instead of the slot
+    /// (pinned staging memory, where the store's mapping is not pinned and
+    /// a copy straight into it would not be asynchronous): its bytes are
+    /// copied into the slot, by the poller, once the event has completed,
+    /// then published (with `event=None`, at once). Returns the
+    /// `PendingSave`. Errors as `publish`. Closing the store discards
+    /// saves still pending (none is published); `flush_pending()` first
+    /// publishes them.
+    #[pyo3(signature = (reservation, event, staged=None))]
     fn publish_after(
         &self,
         py: Python<'_>,
         reservation: &crate::cache::TensorReservation,
         event: Option<Py<PyAny>>,
+        staged: Option<Py<PyAny>>,
     ) -> PyResult<crate::save::PendingSave> {
         let key = reservation.key.clone();
-        let res = self.take_reservation(py, reservation)?;
+        if let Some(st) = &staged {
+            let (got, want) = (Buffer::readable(st.bind(py))?.len(), reservation.byte_len());
+            if got != want {
+                return Err(PyValueError::new_err(format!(
+                    "publish_after: the staged buffer is {got} bytes, the reservation {want}"
+                )));
+            }
+        }
+        let mut res = self.take_reservation(py, reservation)?;
+        let (event, staged) = match (event, staged) {
+            (None, Some(st)) => {
+                // Nothing to wait for: the staged bytes go in now.
+                let buf = Buffer::readable(st.bind(py))?;
+                res.bytes_mut().copy_from_slice(buf.as_slice());
+                (None, None)
+            }
+            other => other,
+        };
         match event {
             None => {
                 let h = self
@@ -371,6 +396,7 @@ impl ObjectStore {
                 &key,
                 res,
                 event,
+                staged,
                 &self.inner,
                 &self.saves,
                 &self.home.name,

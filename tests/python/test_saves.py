@@ -270,6 +270,24 @@ def test_a_host_tensor_saved_without_waiting_is_published_at_once(unique_name, c
     np.testing.assert_array_equal(reader.get_tensor(save.handle), a)
 
 
+def test_a_staged_save_copies_its_staged_bytes_into_the_slot_only_once_its_event_completes(unique_name, closing):
+    store = closing(cache_store(unique_name(), n_readers=1))
+    reader = closing(pinshm.StoreReader.attach(store.handle()))
+    r = store.reserve_tensor("k", "uint8", [256])
+    with pytest.raises(ValueError, match="staged"):
+        store.publish_after(r, StandInEvent(), np.zeros(255, dtype=np.uint8))
+    staged = np.zeros(256, dtype=np.uint8)
+    event = StandInEvent()
+    save = store.publish_after(r, event, staged)
+    # What the (stand-in) copy writes into the staging buffer meanwhile is
+    # what the slot gets: its bytes are taken only after the event.
+    staged[:] = np.arange(256, dtype=np.uint8)
+    assert reader.lookup("k") is None
+    event.complete()
+    h = save.wait(timeout=LONG)
+    assert reader.get_tensor(h).tobytes() == bytes(range(256))
+
+
 def test_flush_pending_publishes_every_save_and_gives_up_after_its_timeout(unique_name, closing):
     store = closing(cache_store(unique_name(), n_readers=1))
     saves = [pending_save(store, f"k{i}", bytes([i]) * 64) for i in range(3)]
@@ -323,14 +341,22 @@ class _RecordedEvent(StandInEvent):
         self._log.append(("synchronize", self))
 
 
-def _stand_in_cuda(monkeypatch, torch):
-    """torch.cuda.Event and torch.cuda.device stood in (no GPU here);
-    returns the log of what put_tensor did with the events."""
+def _stand_in_cuda(monkeypatch, torch, pinned=True):
+    """torch.cuda.Event and torch.cuda.device stood in (no GPU here), the
+    slot taken for pinned memory or not, and pinned staging for plain host
+    memory; returns the log of what put_tensor did."""
     import contextlib
 
     log = []
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _RecordedEvent(log))
     monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(pinshm.device, "_is_pinned", lambda _t: pinned)
+
+    def staging(torch_, shape, dtype):
+        log.append(("staging", None))
+        return torch_.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(pinshm.device, "_pinned_empty", staging)
     return log
 
 
@@ -351,18 +377,22 @@ class _AsIfOnCuda:
         return self._t.detach()
 
 
-def test_a_cuda_save_without_waiting_queues_its_copy_and_is_published_by_its_event(unique_name, closing, monkeypatch):
+@pytest.mark.parametrize("pinned", [True, False], ids=["into a pinned slot", "staged for a pageable slot"])
+def test_a_cuda_save_without_waiting_queues_its_copy_and_is_published_by_its_event(
+    unique_name, closing, monkeypatch, pinned
+):
     torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
-    log = _stand_in_cuda(monkeypatch, torch)
+    log = _stand_in_cuda(monkeypatch, torch, pinned)
     store = closing(cache_store(unique_name(), n_readers=1))
     reader = closing(pinshm.StoreReader.attach(store.handle()))
-    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    t = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
     save = pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False)
-    assert [what for what, _ in log] == ["record"], "the save waited for its copy"
+    queued = ["record"] if pinned else ["staging", "record"]
+    assert [what for what, _ in log] == queued, "the save waited for its copy"
     assert save.state == "pending" and store.is_pending("k") and reader.lookup("k") is None
     assert pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False) is None
-    assert len(log) == 1, "a second save of a pending key queued a copy"
-    log[0][1].complete()
+    assert len(log) == len(queued), "a second save of a pending key queued a copy"
+    log[-1][1].complete()
     h = save.wait(timeout=LONG)
     assert torch.equal(pinshm.device.get_tensor(reader, h, "cpu"), t)
 
@@ -379,5 +409,6 @@ def test_a_cuda_save_whose_copy_raises_waits_for_what_was_queued_then_frees_its_
     with pytest.raises(RuntimeError):
         pinshm.device.put_tensor(store, "k", wrong, wait=False)
     assert [what for what, _ in log] == ["record", "synchronize"]
+    assert len(log) == 2
     assert not store.is_pending("k") and store.stats()["objects"] == objects
     assert pinshm.device.put_tensor(store, "k", torch.ones(4), wait=False).state == "published"

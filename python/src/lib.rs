@@ -26,6 +26,7 @@ mod message;
 mod per_fork;
 mod reader;
 mod release;
+mod save;
 mod store;
 mod tensor;
 mod tools;
@@ -142,6 +143,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<cache::Lease>()?;
     m.add_class::<cache::TensorReservation>()?;
+    m.add_class::<save::PendingSave>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
     m.add_class::<message::MessageView>()?;

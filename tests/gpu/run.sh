@@ -10,7 +10,8 @@
 #      (a copy on the current stream, and one on a side stream);
 #      py_encoder_cache.py: an encoder output (bf16 [4096, 4096]) saved D2H
 #      straight into a slot against .cpu() plus a put, and loaded H2D from
-#      the slot against pageable memory.
+#      the slot against pageable memory; and a step timed alone, after a
+#      blocking save, and with a non-blocking save (wait=False) in flight.
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail

@@ -17,7 +17,7 @@ import os
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
-from ..._pinshm import ObjectHandle, ObjectStore, PinshmError
+from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError
 from ...device import get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
@@ -34,6 +34,8 @@ WidthOf = Callable[[str], Optional[int]]
 #: Steps after a move to a new segment that the reader of the old one is
 #: kept for loads leased there (the scheduler's leases end by then).
 KEEP_PREVIOUS_STEPS = 64
+#: Seconds a closing writer waits for saves still in flight.
+CLOSE_FLUSH_S = 5.0
 
 
 class WorkerSide:
@@ -67,6 +69,7 @@ class WorkerSide:
         self._step = 0
         self._moved_at: dict[int, int] = {}
         self._placeholders: set[str] = set()
+        self._pending: list[PendingSave] = []
         self._warned: set[str] = set()
         self.saved = 0
         self.already = 0
@@ -123,11 +126,18 @@ class WorkerSide:
         if store is None or mm_hash not in encoder_cache:
             return
         key = self.settings.key(mm_hash)
+        self._settle()
         try:
-            if store.is_cached(key):
+            if store.is_cached(key) or store.is_pending(key):
                 self.already += 1
                 return
-            put_tensor(store, key, contiguous(encoder_cache[mm_hash]))
+            # Queued, never waited for: a CUDA output's device-to-host copy
+            # runs on the current stream, and pinshm's poller publishes the
+            # slot once the copy's event has completed (a lookup of the key
+            # is a miss until then; a failed copy gives slot and key back).
+            pending = put_tensor(store, key, contiguous(encoder_cache[mm_hash]), wait=False)
+            if pending is not None and not pending.done:
+                self._pending.append(pending)
             self.saved += 1
         except MemoryError as e:  # FullError, NoSpaceError: everything held
             self.unsaved += 1
@@ -135,6 +145,21 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - a save never stops the engine
             self.unsaved += 1
             self._once(type(e).__name__, "pinshm encoder cache: output of %s not saved: %r", mm_hash, e)
+
+    def _settle(self) -> None:
+        """Forgets the saves that are over; counts those that failed."""
+        if not self._pending:
+            return
+        still = []
+        for p in self._pending:
+            state = p.state
+            if state == "pending":
+                still.append(p)
+            elif state != "published":
+                self.saved -= 1
+                self.unsaved += 1
+                self._once("save-" + state, "pinshm encoder cache: a save of %s %s: %s", p.key, state, p.error)
+        self._pending = still
 
     # ---- loads ------------------------------------------------------
 
@@ -255,6 +280,10 @@ class WorkerSide:
         store, self.store = self.store, None
         if store is not None:
             try:
+                # Saves still in flight get a moment; what is left is
+                # discarded by close, never published.
+                store.flush_pending(timeout=CLOSE_FLUSH_S)
+                self._settle()
                 store.close()
             except (PinshmError, OSError) as e:
                 if getattr(e, "errno", None) != errno.ENOENT:

@@ -25,7 +25,37 @@ from functools import reduce
 import numpy as np
 
 STAND_IN = {
-    "vllm/__init__.py": "STAND_IN = True\n",
+    "vllm/__init__.py": '''
+STAND_IN = True
+
+
+class LLM:
+    """The docs' entry (test_docs_snippets.py): makes the encoder-cache
+    connector that `ec_transfer_config` names, for the scheduler and for a
+    worker, as vLLM would, and refuses a config the connector would not
+    take."""
+
+    def __init__(self, model, tensor_parallel_size=1, ec_transfer_config=None, **kwargs):
+        import importlib
+
+        from _ec_vllm import config
+        from pinshm.vllm.ec._config import ECSettings, unknown_keys
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+        import os
+
+        ec = dict(ec_transfer_config or {})
+        extra = ec.get("ec_connector_extra_config", {})
+        assert not unknown_keys(extra), unknown_keys(extra)
+        ECSettings.from_extra(extra)
+        # A name of this run's own: never a real deployment's store.
+        extra = dict(extra, store=f"pinshm-doc-{os.getpid()}-{extra.get('store', 'ec')}")
+        cls = getattr(importlib.import_module(ec["ec_connector_module_path"]), ec["ec_connector"])
+        cfg = config(ec.get("ec_role", "ec_both"), extra, model, tensor_parallel_size)
+        self.connectors = [cls(cfg, ECConnectorRole.SCHEDULER), cls(cfg, ECConnectorRole.WORKER)]
+        for c in reversed(self.connectors):
+            c.shutdown()
+''',
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/ec_transfer/__init__.py": "",
     "vllm/distributed/ec_transfer/ec_connector/__init__.py": "",

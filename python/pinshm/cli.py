@@ -10,7 +10,9 @@
   checked against the dead writer's liveness lock; ``--dry-run`` lists
   them only. Live writers' segments and other programs' files are never
   touched.
-- ``doctor``: checks a machine before vLLM starts (:mod:`pinshm.doctor`).
+- ``doctor``: checks a machine before vLLM starts (:mod:`pinshm.doctor`);
+  ``--gpu`` adds the GPU kit's checks on this machine's GPU
+  (:mod:`pinshm._gpu_check`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--mq-chunk-mib", type=int, default=16, help="VLLM_MQ_MAX_CHUNK_BYTES_MB (vLLM's default: 16)")
     d.add_argument("--tensor-arena", action="store_true", help="planned --enable-shm-tensor-arena")
     d.add_argument("--json", action="store_true", help="print the checks as JSON")
+    d.add_argument(
+        "--gpu", action="store_true", help="also pin, copy and time on this machine's GPU (needs torch and a GPU)"
+    )
     return p
 
 
@@ -76,6 +81,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cache_gib=args.cache_gib, tp=args.tp, mq_chunk_mib=args.mq_chunk_mib, tensor_arena=args.tensor_arena
     )
     checks = doctor.run(plan)
+    if args.gpu:
+        from . import _gpu_check
+
+        checks += _gpu_check.run()
     if args.json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=2))
     else:

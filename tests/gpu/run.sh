@@ -89,6 +89,8 @@ if [ "${#failed[@]}" -eq 0 ]; then
   if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
     step "python: encoder cache save (D2H into the slot) and load" 40 env PYTHONPATH="$here/py" python3 "$here/py_encoder_cache.py"
+    # What a user with a GPU runs from the wheel (python -m pinshm doctor --gpu).
+    step "python: doctor --gpu from the wheel" 40 env PYTHONPATH="$here/py" python3 -m pinshm doctor --gpu
   else
     echo "=== python: skipped (python3 has no torch or numpy)"
   fi

@@ -134,6 +134,9 @@ class ECConnectorBase(ABC):
     def take_unavailable_requests(self):
         return set()
 
+    def update_state_after_free(self, request, index):
+        return
+
     @abstractmethod
     def update_state_after_alloc(self, request, index): ...
 
@@ -343,9 +346,15 @@ class Engine:
     starts them before the scheduler exists) and this process's scheduler
     connector, made in this constructor as vLLM's Scheduler makes it (and
     held, like vLLM's, as `ec_connector` beside `encoder_cache_manager`).
-    `images` of a step: one request per image; a request finishes with its
-    step, except one scheduled ahead (`schedule` then `execute` later, as
-    vLLM's async scheduling does)."""
+    `images` of a step: one request per image. As in vLLM, a request's
+    encoder inputs are freed once its prefill step has run (the connector
+    is told, `update_state_after_free`), and it finishes DECODE_STEPS steps
+    later, before the step's failed requests are taken: a request failed
+    after that has completed all the same (`wrong_answers` counts it). A
+    plan may be scheduled ahead of the step that runs it (`schedule`, then
+    `execute` later), as vLLM's async scheduling does."""
+
+    DECODE_STEPS = 2
 
     WAIT_S = 60
 
@@ -371,8 +380,10 @@ class Engine:
         self.scheduler = self.ec_connector
         self.closed = False
         self.failed = set()
-        self.completed = {}  # request id -> (hash, digest on every rank), for requests not failed
+        self.running = {}  # request id -> (hash, rows, digests on every rank, the step it finishes in)
+        self.completed = {}  # request id -> (hash, rows, digests on every rank): finished, whatever came later
         self._n = 0
+        self._steps = 0
 
     @property
     def cached(self):
@@ -418,11 +429,20 @@ class Engine:
         Returns the step's result."""
         msg = ("step", pickle.dumps(meta if meta is not None else plan.meta), plan.compute, plan.wanted, plan.freed)
         replies = self._all(*msg)
+        self._steps += 1
+        # vLLM's update_from_output: the requests first (prefill done: their
+        # encoder inputs freed; the finished ones out), then the failed
+        # requests taken, then the connector's output.
         for req in plan.requests:
             h = req.mm_features[0].identifier
             rows = req.get_num_encoder_embeds(0)
-            self.completed[req.request_id] = (h, rows, [r[2].get(h) for r in replies])
+            self.running[req.request_id] = (h, rows, [r[2].get(h) for r in replies], self._steps + self.DECODE_STEPS)
             self.encoder_cache_manager.free(req)
+            self.scheduler.update_state_after_free(req, 0)
+        for rid, (h, rows, digests, last) in list(self.running.items()):
+            if last <= self._steps:
+                self.completed[rid] = (h, rows, digests)
+                del self.running[rid]
         metas = [pickle.loads(r[1]) for r in replies]
         metas = [m for m in metas if m is not None]
         self._take_unavailable()
@@ -441,14 +461,16 @@ class Engine:
         failed = self.scheduler.take_unavailable_requests()
         self.failed |= failed
         for rid in failed:
-            self.completed.pop(rid, None)
+            self.running.pop(rid, None)  # a finished request stays finished
 
     def step(self, images, rows=ROWS):
         return self.execute(self.schedule(images, rows))
 
     def wrong_answers(self):
-        """Requests that completed (were not failed) with an output other
-        than the encoder's, on any rank."""
+        """Requests that completed with an output other than the encoder's,
+        on any rank (the engine first runs until every request is done)."""
+        while self.running:
+            self.step([])
         return {
             rid: h
             for rid, (h, rows, digests) in self.completed.items()

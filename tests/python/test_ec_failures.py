@@ -102,6 +102,21 @@ def test_a_failed_load_is_evicted_from_vllms_encoder_cache_and_every_request_tha
     assert e.scheduler._scheduler.failed_loads == 1
 
 
+def test_a_request_served_the_placeholder_by_vllms_cache_in_the_same_step_fails_too(engines, extra):
+    e = engines("fork", "ec_both", extra)
+    e.step(["img-a"])
+    e.forget()
+    # One pass: the first request loads img-a (and fails: vLLM expects more
+    # rows), the second is served it by vLLM's own cache. Both are done
+    # with the image before the failure is reported (their prefill ran).
+    plan = e.schedule(["img-a", "img-a"], rows=ROWS + 1)
+    assert plan.loads == ["img-a"] and len(plan.requests) == 2
+    e.execute(plan)
+    e.step([])
+    assert e.failed == {r.request_id for r in plan.requests}
+    assert e.wrong_answers() == {}
+
+
 def test_a_key_whose_load_failed_is_a_hit_again_once_it_is_saved_again(engines, extra):
     e = engines("fork", "ec_both", extra)
     e.step(["img-a"])

@@ -183,3 +183,19 @@ def test_gc_lists_then_removes_a_killed_writers_store_and_leaves_a_live_one(ctx,
     finally:
         if os.path.exists(f"/dev/shm/{dead}"):
             os.unlink(f"/dev/shm/{dead}")
+
+
+def test_doctor_gpu_says_what_it_checks_or_why_it_cannot():
+    out = _pinshm_cli("doctor", "--gpu")
+    assert out.returncode in (0, 1), out.stderr
+    gpu = [line for line in out.stdout.splitlines() if "] gpu " in line]
+    assert gpu, out.stdout
+    try:
+        import torch
+    except ImportError:
+        assert "torch is not installed" in gpu[0], gpu
+        return
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in gpu[0], gpu
+        return
+    assert any("[ ok ] h2d" in line for line in out.stdout.splitlines()), out.stdout

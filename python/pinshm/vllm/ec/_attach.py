@@ -74,6 +74,8 @@ class NamedReader:
             return self._reader
         if epoch in self._previous:
             return self._previous[epoch]
+        if self._reader is not None and self._current_nonce() == self._nonce:
+            return None  # the name still names the attached segment: not that epoch's
         self._let_go()
         self._next = self._clock() + self.retry_s
         reader = self._attach()

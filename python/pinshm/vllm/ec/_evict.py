@@ -64,7 +64,9 @@ def manager_of(connector: object, candidates: list[Callable[[], Any]]) -> Option
         owner = ref()
         if owner is not None and getattr(owner, "ec_connector", None) is connector:
             manager = getattr(owner, "encoder_cache_manager", None)
-            if manager is not None and all(hasattr(manager, a) for a in _ATTRS):
+            # vLLM's own manager only: a custom one (ec_manager_config) may
+            # keep other books under the same names.
+            if type(manager).__qualname__ == "EncoderCacheManager" and all(hasattr(manager, a) for a in _ATTRS):
                 return manager
     return None
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from ..._pinshm import Lease, PinshmError
 from ._attach import NamedReader
-from ._config import ECSettings
+from ._config import MAX_READERS, ECSettings
 from ._meta import LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -43,6 +43,8 @@ MAX_FAILED_KEYS = 4096
 #: Evicts an mm_hash from vLLM's own encoder cache; returns the requests
 #: that referenced it (they read the placeholder, so they are failed).
 Evict = Callable[[str], set[str]]
+#: The requests that reference an mm_hash in vLLM's own encoder cache now.
+Refs = Callable[[str], set[str]]
 
 
 class SchedulerSide:
@@ -65,11 +67,13 @@ class SchedulerSide:
         reader: Optional[NamedReader] = None,
         ranks: int = 1,
         evict: Optional[Evict] = None,
+        refs: Optional[Refs] = None,
     ) -> None:
         self.settings = settings
         self.consumer = consumer
         self.ranks = max(1, ranks)
         self.evict = evict
+        self.refs = refs
         self.reader = reader if reader is not None else NamedReader(settings.store, settings.retry_s, pin="off")
         self._probes: dict[str, Lease] = {}
         self._loads: list[tuple[LoadSpec, Lease]] = []
@@ -77,6 +81,12 @@ class SchedulerSide:
         self._unavailable: set[str] = set()
         self._rank_states: dict[int, RankState] = {}
         self._failed: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        # While a load is unreported: every request that used its output
+        # (the one that loaded it, and any that vLLM's own cache served it
+        # to meanwhile), and the steps that loaded each hash.
+        self._users: dict[str, set[str]] = {}
+        self._load_steps: dict[int, set[str]] = {}
+        self._steps_unheard = 0
         self._said: set[str] = set()
         self._step = 0
         self.hits = 0
@@ -148,11 +158,15 @@ class SchedulerSide:
 
     def _advice(self) -> str:
         need = 1 + self.ranks
-        free = free_entries(self.settings.store)
+        free, total = entries(self.settings.store)
+        if total is not None and total >= MAX_READERS:
+            what = "Run fewer engines that read the store, or give them stores of their own"
+        else:
+            what = f"Raise n_readers in the producer's ec_connector_extra_config (at most {MAX_READERS})"
         return (
             f"This engine needs {need} reader entries (its scheduler and {self.ranks} worker(s)); "
-            f"{'unknown' if free is None else free} are free now. Raise n_readers in the producer's "
-            "ec_connector_extra_config (at most 64). Until then this engine runs its encoder for every input."
+            f"{'unknown' if free is None else free} are free now. {what}. "
+            "Until then this engine runs its encoder for every input."
         )
 
     def allocated(self, mm_hash: str, request_id: str, input_index: int, num_embeds: int, modality: str = "") -> None:
@@ -177,11 +191,54 @@ class SchedulerSide:
             logger.debug("pinshm encoder cache: step %d never reported: its leases end", step)
             for lease in self._in_flight.pop(step):
                 _release(lease)
+            self._forget_step(step)
         loads = [spec for spec, _ in self._loads]
         if self._loads:
             self._in_flight[self._step] = [lease for _, lease in self._loads]
             self._loads = []
+            hashes = self._load_steps.setdefault(self._step, set())
+            for spec in loads:
+                hashes.add(spec.mm_hash)
+                users = self._users.setdefault(spec.mm_hash, set())
+                users.add(spec.request_id)
+                # vLLM's cache serves the output to requests of this pass too.
+                users |= self._refs(spec.mm_hash)
+        self._say_if_unheard()
         return self._step, loads
+
+    def freed(self, mm_hash: str, request_id: str) -> None:
+        """vLLM's ``update_state_after_free``: a request is done with an
+        input (its tokens are computed). If that input's load is not
+        reported yet, the request read it: it is failed with the load."""
+        users = self._users.get(mm_hash)
+        if users is not None:
+            users.add(request_id)
+
+    def _refs(self, mm_hash: str) -> set[str]:
+        if self.refs is None:
+            return set()
+        try:
+            return set(self.refs(mm_hash))
+        except Exception as e:  # noqa: BLE001 - never into vLLM's engine core
+            logger.debug("pinshm encoder cache: references of %s: %r", mm_hash, e)
+            return set()
+
+    def _forget_step(self, step: int) -> None:
+        for h in self._load_steps.pop(step, set()):
+            if not any(h in hashes for hashes in self._load_steps.values()):
+                self._users.pop(h, None)
+
+    def _say_if_unheard(self) -> None:
+        if not self.consumer or self._rank_states:
+            return
+        self._steps_unheard += 1
+        if self._steps_unheard == MAX_STEPS_IN_FLIGHT:
+            logger.warning(
+                "pinshm encoder cache: no worker of this engine has said which store it reads after %d steps, "
+                "so every lookup is a miss. vLLM passes the connector's output on from the first pipeline "
+                "stage only where that stage is the last (vLLM's V1 model runner with pipeline parallel drops it)",
+                MAX_STEPS_IN_FLIGHT,
+            )
 
     def reported(self, report: LoadReport) -> None:
         """A worker report: the ranks' states; the leases of its steps (and
@@ -189,11 +246,8 @@ class SchedulerSide:
         and every request that read their placeholders is to be failed."""
         for state in report.ranks:
             self._rank_state(state)
-        if report.steps:
-            last = max(report.steps)
-            for step in [s for s in self._in_flight if s <= last]:
-                for lease in self._in_flight.pop(step):
-                    _release(lease)
+        # Failures first: the users of a failed load are known until its
+        # step is forgotten below.
         if report.failed:
             self.failed_loads += len(report.failed)
             failed = set(report.failed_requests)
@@ -203,8 +257,12 @@ class SchedulerSide:
                 self._failed.move_to_end(key)
                 while len(self._failed) > MAX_FAILED_KEYS:
                     self._failed.popitem(last=False)
+                failed |= self._users.pop(f.mm_hash, set())
                 if self.evict is not None:
-                    failed |= self.evict(f.mm_hash)
+                    try:
+                        failed |= self.evict(f.mm_hash)
+                    except Exception as e:  # noqa: BLE001 - never into vLLM's engine core
+                        logger.error("pinshm encoder cache: evicting %s from vLLM's encoder cache: %r", f.mm_hash, e)
             logger.warning(
                 "pinshm encoder cache: %d encoder output(s) could not be loaded; vLLM fails the "
                 "request(s) that used them (sent again, they run the encoder): %s",
@@ -212,6 +270,13 @@ class SchedulerSide:
                 sorted(failed),
             )
             self._unavailable |= failed
+        if report.steps:
+            last = max(report.steps)
+            for step in [s for s in self._in_flight if s <= last]:
+                for lease in self._in_flight.pop(step):
+                    _release(lease)
+            for step in [s for s in self._load_steps if s <= last]:
+                self._forget_step(step)
 
     def _rank_state(self, state: RankState) -> None:
         before = self._rank_states.get(state.rank)
@@ -256,14 +321,16 @@ class SchedulerSide:
         self.reader.close()
 
 
-def free_entries(store: str) -> Optional[int]:
-    """Reader entries of `store` free for an attach now (None: unknown)."""
+def entries(store: str) -> tuple[Optional[int], Optional[int]]:
+    """Reader entries of `store`: free for an attach now, and in all (None:
+    unknown)."""
     try:
         from ..._pinshm import inspect_segment
 
-        return int(inspect_segment(store)["entries_free"])
+        snap = inspect_segment(store)
+        return int(snap["entries_free"]), len(snap["readers"])
     except Exception:  # noqa: BLE001 - advice only
-        return None
+        return None, None
 
 
 def _release(lease: Lease) -> None:

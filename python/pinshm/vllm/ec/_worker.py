@@ -68,7 +68,7 @@ class WorkerSide:
         self._state_told = False
         self._step = 0
         self._moved_at: dict[int, int] = {}
-        self._placeholders: set[str] = set()
+        self._placeholders: dict[str, Any] = {}
         self._pending: list[PendingSave] = []
         self._warned: set[str] = set()
         self.saved = 0
@@ -169,9 +169,9 @@ class WorkerSide:
         raises on a missing output) and its request is reported failed."""
         self._step = max(self._step, step)
         if self._placeholders:
-            # vLLM evicted them (free_encoder_mm_hashes), or the encoder
-            # wrote a real output over them.
-            self._placeholders.intersection_update(encoder_cache)
+            # Gone: vLLM evicted them (free_encoder_mm_hashes), or the
+            # encoder wrote a real output over them.
+            self._placeholders = {h: p for h, p in self._placeholders.items() if encoder_cache.get(h, None) is p}
         if not loads:
             return
         failed: set[FailedLoad] = set()
@@ -187,10 +187,10 @@ class WorkerSide:
                     continue
                 # Stands in for this step only: the scheduler fails every
                 # request that uses it and has vLLM evict it.
-                self._placeholders.add(spec.mm_hash)
+                self._placeholders[spec.mm_hash] = value
             else:
                 self.loaded += 1
-                self._placeholders.discard(spec.mm_hash)
+                self._placeholders.pop(spec.mm_hash, None)
             encoder_cache[spec.mm_hash] = value
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 

@@ -113,7 +113,11 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
             self._owners = owner_candidates(self)
             self._said_no_manager = False
             self._scheduler = SchedulerSide(
-                self.settings, consumer=self.is_consumer, ranks=_loading_ranks(vllm_config), evict=self._evict
+                self.settings,
+                consumer=self.is_consumer,
+                ranks=_loading_ranks(vllm_config),
+                evict=self._evict,
+                refs=self._refs,
             )
             where = "scheduler, reads" if self.is_consumer else "scheduler"
         else:
@@ -133,6 +137,10 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
         logger.info("pinshm encoder cache connector in use (%s, %s): %s", ec_role, where, self.settings.describe())
 
     # ---- scheduler side -----------------------------------------------
+
+    def _refs(self, mm_hash: str) -> set[str]:
+        manager = manager_of(self, self._owners)
+        return set(manager.cached.get(mm_hash, ())) if manager is not None else set()
 
     def _evict(self, mm_hash: str) -> set[str]:
         manager = manager_of(self, self._owners)
@@ -160,6 +168,10 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
         self._scheduler.allocated(
             feature.identifier, request.request_id, index, num_embeds, str(getattr(feature, "modality", ""))
         )
+
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.freed(request.mm_features[index].identifier, request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> PinshmECConnectorMetadata:
         if self._scheduler is None:
@@ -221,24 +233,36 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
 
 
 def _loading_ranks(vllm_config: Any) -> int:
-    """Workers that load encoder outputs: the TP ranks of the first
-    pipeline stage (only it runs the encoder's part of the model)."""
+    """Workers that load encoder outputs: those of the first pipeline stage
+    (only it runs the encoder's part of the model), TP ranks times prefill
+    context parallel ranks."""
     parallel = getattr(vllm_config, "parallel_config", None)
     try:
-        return max(1, int(getattr(parallel, "tensor_parallel_size", 1)))
+        tp = int(getattr(parallel, "tensor_parallel_size", 1))
+        pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+        return max(1, tp * max(1, pcp))
     except (TypeError, ValueError):
         return 1
 
 
 def _tp_rank() -> int:
-    """This worker's TP rank (0 without parallel state: one process)."""
+    """This worker's place among the loading workers: its TP rank, and its
+    prefill context parallel rank above that (0 without parallel state:
+    one process)."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
+        rank = int(get_tensor_model_parallel_rank())
     except Exception as e:  # noqa: BLE001 - no groups (one process)
         logger.debug("pinshm encoder cache: no parallel state (%r): rank 0", e)
         return 0
+    try:
+        from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+
+        pcp = get_pcp_group()
+        return int(pcp.rank_in_group) * int(get_tp_group().world_size) + rank
+    except Exception:  # noqa: BLE001 - no prefill context parallel group
+        return rank
 
 
 def _first_stage() -> bool:

@@ -9,7 +9,11 @@ a second):
 2. no tracked Markdown file, and no tracked text file under docs/ or
    examples/, names a path of one machine as a location (`/work/...`,
    `/root/...`, `/home/...`, `/tmp/...` and the like). System paths that
-   exist everywhere (/dev/shm, /proc, /sys, /usr, ...) are fine.
+   exist everywhere (/dev/shm, /proc, /sys, /usr, ...) are fine;
+3. every figure is what its stamped results file renders, no figure was
+   measured at another layout version than the code's, and no results
+   file goes unused (tools/figures.py --check; its self-test with
+   --self-test).
 
 Usage: tools/check_docs.py [ROOT]   (default: the repository this file is in)
        tools/check_docs.py --self-test
@@ -181,10 +185,18 @@ def self_test():
 def main():
     if sys.argv[1:] == ["--self-test"]:
         self_test()
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import figures
+
+        figures.self_test()
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..")
     problems, n = check(root)
+    sys.path.insert(0, here)
+    import figures
+
+    problems += figures.run(figures.Path(root).resolve(), write=False)
     for p in problems:
         print(p)
     if problems:

@@ -26,11 +26,15 @@ import argparse
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import ec
 import run as harness
+
+HERE = Path(__file__).resolve().parent
 
 FAULTS = ("readers", "kill", "replace")
 
@@ -132,6 +136,7 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--results", type=Path, default=None, help="write the stamped results file (RESULTS-ec-faults.json)")
     args = ap.parse_args()
     if not args.python:
         raise SystemExit("give --python (or VLLM_PYTHON): an interpreter with vLLM and pinshm installed")
@@ -161,8 +166,14 @@ def main() -> None:
         )
     text = f"stock encoder items per pass: {rs.get('encoded')}; TP={args.tp}\n\n" + "\n".join(md) + "\n"
     (args.out / "ec-faults.md").write_text(text)
-    (args.out / "ec-faults.json").write_text(json.dumps(rows, indent=1, default=str))
+    results = {"stock_encoded": rs.get("encoded"), "faults": rows}
+    (args.out / "ec-faults.json").write_text(json.dumps(results, indent=1, default=str))
     print(text)
+    if args.results:
+        # The results file the docs' figure renders (tools/figures.py), stamped.
+        args.results.write_text(json.dumps(results, indent=1, sort_keys=True, default=str) + "\n")
+        cmd = f"python3 examples/vllm_e2e/ec_faults.py --python VENV/bin/python --tp {args.tp}"
+        subprocess.run([sys.executable, str(HERE.parent.parent / "tools" / "figures.py"), "--stamp", str(args.results), "--command", cmd], check=True)
 
 
 if __name__ == "__main__":

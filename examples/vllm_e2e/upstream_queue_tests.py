@@ -1,7 +1,7 @@
 """Runs vLLM 0.33.0's own queue tests (tests/distributed/test_shm_broadcast.py)
 against pinshm's MessageQueue, in a venv with vLLM and torch (never in CI).
 
-    V/bin/python examples/vllm_e2e/upstream_queue_tests.py vllm-0.33.0.tar.gz [pytest args]
+    V/bin/python examples/vllm_e2e/upstream_queue_tests.py vllm-0.33.0.tar.gz [--json OUT] [pytest args]
 
 The test file comes from vLLM's source distribution (PyPI's
 vllm-0.33.0.tar.gz; a source checkout's tests/ directory works too) and is
@@ -66,15 +66,20 @@ DIFFERS = {
 }
 
 
+def read_test(source: str, test: str) -> str:
+    """The text of `test` (a path under vLLM's tree) from a source checkout
+    or vLLM's sdist."""
+    if os.path.isdir(source):
+        with open(os.path.join(source, test)) as f:
+            return f.read()
+    with tarfile.open(source) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(test))
+        return tar.extractfile(member).read().decode()
+
+
 def extract(source: str, into: str) -> str:
     dest = os.path.join(into, "test_shm_broadcast.py")
-    if os.path.isdir(source):
-        with open(os.path.join(source, TEST)) as f:
-            text = f.read()
-    else:
-        with tarfile.open(source) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith(TEST))
-            text = tar.extractfile(member).read().decode()
+    text = read_test(source, TEST)
     dropped = re.compile(r"^\s*\w+\._spin_condition\.(busy_loop_s|last_read)\s*=.*$", re.M)
     text, n = dropped.subn(lambda m: re.sub(r"\S.*", "pass  # pinshm: vLLM's spin state", m.group(0)), text)
     print(f"{n} line(s) setting vLLM's spin state dropped")
@@ -85,29 +90,60 @@ def extract(source: str, into: str) -> str:
     return dest
 
 
+def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], args: list[str]) -> int:
+    """Runs pytest over `tmp`, prints each failure as DIFFERS (listed in
+    `differs`, with why) or FAILED (unexpected); with ``--json OUT`` in
+    `args`, merges this suite's counts into OUT. Exit 1 on an unexpected
+    failure."""
+    out_json = None
+    if "--json" in args:
+        i = args.index("--json")
+        out_json, args = args[i + 1], args[:i] + args[i + 2 :]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-q", *args, tmp],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+    )
+    out = r.stdout + r.stderr
+    print(out[-20000:])
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) \S*::(\w+)", out, re.M)))
+    unexpected = [t for t in failed if t not in differs]
+    for t in failed:
+        print(f"{'DIFFERS' if t in differs else 'FAILED '} {t}: {differs.get(t, 'unexpected')}")
+    passed = sorted(set(re.findall(r"^PASSED \S*::(\w+)", out, re.M)))
+    passed_anyway = [t for t in differs if t in passed]
+    if passed_anyway:
+        print("listed as differing but passed:", ", ".join(passed_anyway))
+    if out_json:
+        import json
+
+        results = json.load(open(out_json)) if os.path.exists(out_json) else {}
+        import pinshm
+        import vllm
+
+        results[suite] = {
+            "passed": len(passed),
+            "differ": {t: differs[t] for t in failed if t in differs},
+            "failed": unexpected,
+            "total": len(passed) + len(failed),
+            "tests_from": os.path.basename(os.path.normpath(source)),
+            "vllm_installed": vllm.__version__,
+            "pinshm": pinshm.__version__,
+        }
+        with open(out_json, "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return 1 if unexpected else 0
+
+
 def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory(prefix="pinshm-upstream-") as tmp:
         extract(sys.argv[1], tmp)
-        r = subprocess.run(
-            [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-q", *sys.argv[2:], tmp],
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-        )
-    out = r.stdout + r.stderr
-    print(out[-20000:])
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) \S*::(\w+)", out, re.M)))
-    unexpected = [t for t in failed if t not in DIFFERS]
-    for t in failed:
-        print(f"{'DIFFERS' if t in DIFFERS else 'FAILED '} {t}: {DIFFERS.get(t, 'unexpected')}")
-    passed = set(re.findall(r"^PASSED \S*::(\w+)", out, re.M))
-    passed_anyway = [t for t in DIFFERS if t in passed]
-    if passed_anyway:
-        print("listed as differing but passed:", ", ".join(passed_anyway))
-    return 1 if unexpected else 0
+        return run_and_report("queue", sys.argv[1], tmp, DIFFERS, sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -85,7 +85,12 @@ def r_upstream(data: Any) -> str:
         s = data.get(suite)
         if not s:
             continue
-        differ = "; ".join(f"`{t}` ({why})" for t, why in sorted(s["differ"].items()))
+        by_fn: dict[str, list[str]] = {}
+        for t, why in sorted(s["differ"].items()):
+            by_fn.setdefault(t.split("[", 1)[0], []).append(why)
+        differ = "; ".join(
+            f"`{fn}`{f' (x{len(whys)})' if len(whys) > 1 else ''}: {whys[0]}" for fn, whys in by_fn.items()
+        )
         failed = f", {len(s['failed'])} fail unexpectedly ({', '.join(s['failed'])})" if s["failed"] else ""
         out.append(
             f"- vLLM's {suite} tests ({what} of {s['tests_from']}, run with vLLM {s['vllm_installed']} "

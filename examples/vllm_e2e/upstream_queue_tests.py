@@ -90,6 +90,10 @@ def extract(source: str, into: str) -> str:
     return dest
 
 
+def _fn(test_id: str) -> str:
+    return test_id.split("[", 1)[0]
+
+
 def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], args: list[str]) -> int:
     """Runs pytest over `tmp`, prints each failure as DIFFERS (listed in
     `differs`, with why) or FAILED (unexpected); with ``--json OUT`` in
@@ -107,12 +111,14 @@ def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], a
     )
     out = r.stdout + r.stderr
     print(out[-20000:])
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) \S*::(\w+)", out, re.M)))
-    unexpected = [t for t in failed if t not in differs]
+    # Test ids as pytest counts them (a parametrized test once per case);
+    # DIFFERS is keyed by the test's function name.
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) \S*::(\w+(?:\[[^\]\s]*\])?)", out, re.M)))
+    unexpected = [t for t in failed if _fn(t) not in differs]
     for t in failed:
-        print(f"{'DIFFERS' if t in differs else 'FAILED '} {t}: {differs.get(t, 'unexpected')}")
-    passed = sorted(set(re.findall(r"^PASSED \S*::(\w+)", out, re.M)))
-    passed_anyway = [t for t in differs if t in passed]
+        print(f"{'DIFFERS' if _fn(t) in differs else 'FAILED '} {t}: {differs.get(_fn(t), 'unexpected')}")
+    passed = sorted(set(re.findall(r"^PASSED \S*::(\w+(?:\[[^\]\s]*\])?)", out, re.M)))
+    passed_anyway = sorted({_fn(t) for t in passed} & set(differs))
     if passed_anyway:
         print("listed as differing but passed:", ", ".join(passed_anyway))
     if out_json:
@@ -124,7 +130,7 @@ def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], a
 
         results[suite] = {
             "passed": len(passed),
-            "differ": {t: differs[t] for t in failed if t in differs},
+            "differ": {t: differs[_fn(t)] for t in failed if _fn(t) in differs},
             "failed": unexpected,
             "total": len(passed) + len(failed),
             "tests_from": os.path.basename(os.path.normpath(source)),

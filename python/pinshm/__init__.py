@@ -1,8 +1,12 @@
 """pinshm: a single-writer, many-reader object store and a broadcast
 channel in named shared memory (/dev/shm), with zero-copy reads.
 
-The native module is ``pinshm._pinshm``; everything public is re-exported
-here.
+The native module is ``pinshm._pinshm``; everything public in it is
+re-exported here: the classes, the exceptions, the release gate, and the
+tools behind ``python -m pinshm`` (``inspect_segment``, ``gc_segments``,
+``cuda_status``). ``signature_bytes`` (a vLLM handle signature's bytes) is
+the vLLM drop-in's and stays in ``pinshm._pinshm``; a test checks that
+nothing else is left out.
 """
 
 from ._pinshm import (
@@ -29,8 +33,11 @@ from ._pinshm import (
     WriterGoneError,
     WrongKindError,
     __version__,
+    cuda_status,
     flush_releases,
+    gc_segments,
     has_release_gate,
+    inspect_segment,
     set_release_gate,
 )
 
@@ -58,7 +65,10 @@ __all__ = [
     "WriterGoneError",
     "WrongKindError",
     "__version__",
+    "cuda_status",
     "flush_releases",
+    "gc_segments",
     "has_release_gate",
+    "inspect_segment",
     "set_release_gate",
 ]

@@ -199,3 +199,12 @@ def test_doctor_gpu_says_what_it_checks_or_why_it_cannot():
         assert "no CUDA device" in gpu[0], gpu
         return
     assert any("[ ok ] h2d" in line for line in out.stdout.splitlines()), out.stdout
+
+
+def test_everything_public_in_the_native_module_is_re_exported_by_pinshm():
+    import pinshm._pinshm as native
+
+    public = {n for n in dir(native) if not n.startswith("_")} | {"__version__"}
+    kept_native = {"signature_bytes"}  # the vLLM drop-in's, documented in __init__
+    assert public - kept_native == set(pinshm.__all__), public ^ set(pinshm.__all__)
+    assert all(getattr(pinshm, n) is getattr(native, n) for n in pinshm.__all__)

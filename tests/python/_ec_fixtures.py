@@ -17,7 +17,7 @@ HOLDS = 12
 
 def _vllm_module(name):
     # vLLM, and the two modules of pinshm that import it.
-    return name in ("vllm", "pinshm.vllm.ec.connector", "pinshm.vllm.ec_connector") or name.startswith("vllm.")
+    return name in ("vllm", "pinshm.vllm.ec._connector", "pinshm.vllm.ec_connector") or name.startswith("vllm.")
 
 
 @pytest.fixture

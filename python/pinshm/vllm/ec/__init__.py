@@ -3,7 +3,7 @@ host straight into a shared store's slots, found by key from any process
 through the store's shared index, leased while scheduled, and shared by
 every engine of a node.
 
-- :mod:`.connector`: ``PinshmECConnector`` and its metadata, on vLLM's
+- :mod:`._connector`: ``PinshmECConnector`` and its metadata, on vLLM's
   connector base classes (it imports vLLM; vLLM's factory imports it,
   through :mod:`pinshm.vllm.ec_connector`);
 - :mod:`._scheduler`: the engine core's half (lookups, leases);

@@ -48,6 +48,7 @@ __all__ = [
     "flush_releases",
     "inspect_segment",
     "cuda_status",
+    "gc_segments",
 ]
 
 __version__: str

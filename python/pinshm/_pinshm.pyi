@@ -48,20 +48,64 @@ __all__ = [
     "flush_releases",
     "inspect_segment",
     "cuda_status",
+    "gc_segments",
 ]
 
 __version__: str
+"""The version of the pinshm crate this module was built from."""
 
-class PinshmError(Exception): ...
-class StaleError(PinshmError, ValueError): ...
-class FullError(PinshmError, MemoryError): ...
-class NoSpaceError(PinshmError, MemoryError): ...
-class WaitTimeoutError(PinshmError, builtins.TimeoutError): ...
-class KeyNotFoundError(PinshmError, KeyError): ...
-class WrongKindError(PinshmError, TypeError): ...
-class InvalidArgumentError(PinshmError, ValueError): ...
-class WriterGoneError(PinshmError): ...
-class CancelledError(PinshmError): ...
+class PinshmError(Exception):
+    """Base of every pinshm error; most are also a builtin (see the subclasses).
+
+    Raised as itself for the rest: a segment that is missing or not
+    pinshm's, a name taken, every reader entry taken, an object made
+    before a fork() used in the child (attach anew there). The message
+    says what happened and what to do."""
+
+class StaleError(PinshmError, ValueError):
+    """The handle names an object that is gone (reclaimed, overwritten,
+    cleared, of another segment or epoch) or never existed. Treat it as a
+    cache miss: produce or fetch the object again."""
+
+class FullError(PinshmError, MemoryError):
+    """The ring is full of objects still owed reads, held (guards, views,
+    leases) or protected; nothing was stored. The message names the oldest
+    blocker. Retry once readers read or release, or go on uncached."""
+
+class NoSpaceError(PinshmError, MemoryError):
+    """/dev/shm has no room for the pages this put or send would write (or
+    for a reserved segment at creation). The store or channel is unchanged
+    and works again once space is free: free some, or use a smaller segment."""
+
+class WaitTimeoutError(PinshmError, builtins.TimeoutError):
+    """A send or receive (or `PendingSave.wait`) gave up after its timeout;
+    nothing was sent or received. Call again, or find out why the other
+    side is slow (`Broadcast.blocking_readers()`)."""
+
+class KeyNotFoundError(PinshmError, KeyError):
+    """The store holds no object under that key (`add_reference`,
+    `protect`): put it first, or treat it as a miss."""
+
+class WrongKindError(PinshmError, TypeError):
+    """The object is not of the kind asked for (not a tensor, not an item,
+    another dtype): read it with the call for its kind (`get()` for bytes)."""
+
+class InvalidArgumentError(PinshmError, ValueError):
+    """An argument pinshm refuses: a key already stored or pending (use
+    `get_cached` to reference it again), an object larger than
+    `max_object_size` or a message larger than `slot_size`, a bad
+    configuration or segment name, a reader index out of range, a
+    malformed tensor. Fix the argument; nothing was changed."""
+
+class WriterGoneError(PinshmError):
+    """The writer of the segment has exited or died. What it published or
+    sent before is still readable; nothing new will come: attach to its
+    successor."""
+
+class CancelledError(PinshmError):
+    """A blocking send or receive ended because `cancel()` was called (a
+    shutdown); nothing was sent or received, and every later wait of the
+    same writer or reader ends the same way."""
 
 def signature_bytes(signature: object) -> Optional[bytes]:
     """The 32 bytes of a vLLM handle signature (a list of 32 ints in
@@ -70,19 +114,37 @@ def signature_bytes(signature: object) -> Optional[bytes]:
 # A PyO3 class: it cannot be subclassed.
 @final
 class ObjectHandle:
-    def __new__(cls, address: int, monotonic_id: int, epoch: int) -> ObjectHandle: ...
+    """Where an object lives: `(address, monotonic_id, epoch)`, what the
+    writer sends its readers instead of the bytes. Immutable, hashable and
+    picklable; it names the object, it does not keep it (a `get` of a
+    handle whose object is gone raises StaleError)."""
+
+    def __new__(cls, address: int, monotonic_id: int, epoch: int) -> ObjectHandle:
+        """A handle from its fields (as unpickling makes it): a handle known
+        only by address and id, as vLLM sends them, is rebuilt with the
+        reader's `epoch`."""
     @property
-    def address(self) -> int: ...
+    def address(self) -> int:
+        """Offset of the object's slot in the data region, in bytes."""
     @property
-    def monotonic_id(self) -> int: ...
+    def monotonic_id(self) -> int:
+        """The object's id, never reused within a segment's life."""
     @property
-    def epoch(self) -> int: ...
-    def __eq__(self, other: object) -> bool: ...
-    def __hash__(self) -> int: ...
+    def epoch(self) -> int:
+        """The store's epoch when the object was put (new at create and at
+        every `clear_hard`)."""
+    def __eq__(self, other: object) -> bool:
+        """Whether `other` is a handle with the same three fields."""
+    def __hash__(self) -> int:
+        """A hash of the three fields: handles work as dict keys."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
 class StoreHandle:
+    """Everything a reader process needs to attach to a store
+    (`StoreReader.attach`): from `ObjectStore.handle()` or
+    `StoreHandle.of(name)`. Immutable, hashable and picklable."""
+
     def __new__(
         cls,
         name: str,
@@ -91,44 +153,77 @@ class StoreHandle:
         max_object_size: int,
         n_readers: int,
         layout_version: int,
-    ) -> StoreHandle: ...
+    ) -> StoreHandle:
+        """A handle from its fields (as unpickling makes it); prefer
+        `ObjectStore.handle()` or `StoreHandle.of`, which read them from
+        the store."""
     @staticmethod
-    def of(name: str) -> StoreHandle: ...
+    def of(name: str) -> StoreHandle:
+        """The handle of the live store segment `name` (in /dev/shm), read
+        from its header. PinshmError if there is no such segment or it is
+        not a pinshm store."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Segment name (in /dev/shm)."""
     @property
-    def nonce(self) -> int: ...
+    def nonce(self) -> int:
+        """The segment's creation nonce: a store recreated under the same
+        name has another, and attaching with the old handle raises
+        PinshmError (get a new handle from the writer)."""
     @property
-    def capacity(self) -> int: ...
+    def capacity(self) -> int:
+        """Bytes of the ring (the data region)."""
     @property
-    def max_object_size(self) -> int: ...
+    def max_object_size(self) -> int:
+        """The largest object the store takes, in bytes."""
     @property
-    def n_readers(self) -> int: ...
+    def n_readers(self) -> int:
+        """Reader entries in the segment: at most this many readers at once."""
     @property
-    def layout_version(self) -> int: ...
+    def layout_version(self) -> int:
+        """The writer's segment layout version; a reader built for another
+        refuses to attach (PinshmError)."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
 class BroadcastHandle:
+    """Everything a reader process needs to attach to a broadcast channel
+    (`BroadcastReader.attach`): from `Broadcast.handle()`. Immutable,
+    hashable and picklable."""
+
     def __new__(
         cls, name: str, nonce: int, layout_version: int, n_readers: int, slots: int, slot_size: int
-    ) -> BroadcastHandle: ...
+    ) -> BroadcastHandle:
+        """A handle from its fields (as unpickling makes it); prefer
+        `Broadcast.handle()`."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Segment name (in /dev/shm)."""
     @property
-    def nonce(self) -> int: ...
+    def nonce(self) -> int:
+        """The channel's nonce: a channel recreated under the same name has
+        another (attaching with the old handle raises PinshmError)."""
     @property
-    def layout_version(self) -> int: ...
+    def layout_version(self) -> int:
+        """The writer's channel layout version."""
     @property
-    def n_readers(self) -> int: ...
+    def n_readers(self) -> int:
+        """Reader entries: every message is for this many readers."""
     @property
-    def slots(self) -> int: ...
+    def slots(self) -> int:
+        """Message slots in the ring."""
     @property
-    def slot_size(self) -> int: ...
+    def slot_size(self) -> int:
+        """The largest message, in bytes."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
 class ObjectStore:
+    """The writer of a store: one per segment, in one process. Puts objects
+    under keys into a ring in shared memory; readers in other processes
+    (`StoreReader`) read them in place by handle. Close it (or use `with`)
+    to unlink the segment. Calls in a forked child raise PinshmError."""
+
     def __new__(
         cls,
         capacity: int,
@@ -144,15 +239,45 @@ class ObjectStore:
         shm_headroom: int = 0,
         cache: bool = False,
         key_index: int = 0,
-    ) -> ObjectStore: ...
-    def put(self, key: str, data: Buffer) -> ObjectHandle: ...
+    ) -> ObjectStore:
+        """Creates the segment (`capacity` bytes of ring, objects up to
+        `max_object_size` bytes, `n_readers` readers, 1 to 64; `name` in
+        /dev/shm, default unique) and becomes its writer. `aggregate_reads`:
+        an object referenced k times is done after k × n_readers reads
+        from any readers (vLLM's count), not k from each.
+
+        `reserve` takes every page of /dev/shm now (`prefault`, default as
+        `reserve`, also maps them in); `reserve=False` makes it sparse: a
+        full /dev/shm then raises NoSpaceError from the put that needs the
+        page, and `shm_headroom` (bytes) is left free there. `eviction`:
+        "second_chance" (a hit keeps an object one more lap) or "fifo".
+        `pin`: "auto" (pin a reserved segment where CUDA is there), "off",
+        "require" (pin or raise). `cache=True`: objects owe no reads (not
+        with `aggregate_reads`); `key_index=N`: room for N keys readers
+        look up themselves (`StoreReader.lookup`).
+
+        InvalidArgumentError for a bad configuration or name, ValueError
+        for an unknown `eviction` or `pin`, NoSpaceError where /dev/shm
+        cannot hold a reserved segment, PinshmError if the name is taken
+        or pinning is required and impossible."""
+    def put(self, key: str, data: Buffer) -> ObjectHandle:
+        """Stores the bytes of `data` (any contiguous buffer: bytes,
+        bytearray, memoryview, a C-contiguous numpy array) under `key`,
+        copied once, into the slot; returns its handle. Each reader owes
+        one read. InvalidArgumentError if `key` is stored or pending, or
+        `data` is larger than `max_object_size`; FullError; NoSpaceError."""
     def put_parts(self, key: str, parts: Iterable[Buffer]) -> ObjectHandle:
         """Stores the bytes of every part, one after the other, as ONE object
         (what `put(key, b"".join(parts))` stores), copied once each, straight
         into the slot. Errors as `put`; a part that is not one contiguous
         buffer raises its exporter's error (ValueError or BufferError),
         naming the part."""
-    def put_tensor(self, key: str, array: Any) -> ObjectHandle: ...
+    def put_tensor(self, key: str, array: Any) -> ObjectHandle:
+        """Stores a C-contiguous numpy array (little-endian integers,
+        floats, bool) as a tensor: dtype and shape in a header, then the
+        elements, 64-byte aligned, in the format Rust's `put_tensor`
+        writes (`StoreReader.get_tensor` reads it). ValueError for another
+        dtype; errors otherwise as `put`."""
     def put_item(self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None) -> ObjectHandle:
         """Stores a multimodal item as one object: `fields` maps names to
         C-contiguous numpy arrays (little-endian integers, floats, bool),
@@ -192,40 +317,93 @@ class ObjectStore:
         """Waits until every save queued by `publish_after` is over (at most
         `timeout` seconds; None: no limit); returns how many are still
         pending."""
-    def is_cached(self, key: str) -> bool: ...
-    def get_cached(self, key: str) -> Optional[ObjectHandle]: ...
+    def is_cached(self, key: str) -> bool:
+        """Whether `key` is stored (False while its save is pending)."""
+    def get_cached(self, key: str) -> Optional[ObjectHandle]:
+        """The handle of `key`, counting one more reference (each reader
+        owes one more read; in a cache, a hit only), or None if it is not
+        stored. Ends a `protect` of the key."""
     def add_reference(self, key: str) -> None:
         """One more reference to `key`: each reader owes one more read."""
-    def lookup(self, key: str) -> Optional[ObjectHandle]: ...
-    def keys(self) -> list[tuple[str, ObjectHandle]]: ...
-    def __len__(self) -> int: ...
-    def peek(self, handle: ObjectHandle) -> bytes: ...
-    def protect(self, key: str) -> None: ...
-    def release_protections(self) -> None: ...
-    def free_unused(self) -> int: ...
-    def clear(self) -> None: ...
-    def clear_hard(self) -> None: ...
-    def signature(self, key: str) -> Optional[bytes]: ...
-    def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool: ...
-    def stats(self) -> dict[str, Optional[int | str]]: ...
+    def lookup(self, key: str) -> Optional[ObjectHandle]:
+        """The handle of `key`, counting no reference, or None (vLLM's
+        `key_index[key]`)."""
+    def keys(self) -> list[tuple[str, ObjectHandle]]:
+        """Every stored `(key, handle)`, in no particular order."""
+    def __len__(self) -> int:
+        """How many keys are stored."""
+    def peek(self, handle: ObjectHandle) -> bytes:
+        """A copy of the bytes of `handle`, read by the writer itself: no
+        read is counted (vLLM's writer-side `get`). StaleError if `handle`
+        is not a live object of this store."""
+    def protect(self, key: str) -> None:
+        """Keeps `key` from eviction until its next `get_cached` or
+        `release_protections()` (vLLM's writer `touch`); adds no read.
+        KeyNotFoundError if it is not stored."""
+    def release_protections(self) -> None:
+        """Ends every `protect`."""
+    def free_unused(self) -> int:
+        """Reclaims every object that every reader is done with (and nobody
+        holds or protects); returns how many. A put reclaims what it needs
+        by itself."""
+    def clear(self) -> None:
+        """Forgets every key (vLLM's soft clear): nothing is owed any more,
+        and old handles read their own bytes until their slot is reused,
+        then raise StaleError. Slots under a live guard are reused only
+        once it is released."""
+    def clear_hard(self) -> None:
+        """Forgets every key and starts a new epoch: every old handle is
+        stale at once. Slots under a live guard are freed once it is
+        released."""
+    def signature(self, key: str) -> Optional[bytes]:
+        """The 32-byte signature of `key`'s handle (an HMAC-SHA256 with the
+        store's secret, which readers check with `StoreReader.verify`), or
+        None if `key` is not stored."""
+    def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool:
+        """Whether `signature` signs `key` at `handle`, and `key` still maps
+        to `handle`."""
+    def stats(self) -> dict[str, Optional[int | str]]:
+        """The writer's counters: `puts`, `hits`, `evictions`,
+        `full_errors`, `objects`, `bytes_in_use`, `largest_free_block`,
+        `dead_readers_reaped`, `stale_reads`, `nospace_fallbacks`,
+        `indexed`, `unindexed` (ints), and `oldest_unread` (who blocks the
+        oldest object, as text; None when nothing does)."""
     SLOT_ALIGN: ClassVar[int]
+    """Slots start at, and a ring's capacity is a multiple of, this many
+    bytes."""
     @staticmethod
-    def slot_len(n_readers: int, payload: int) -> int: ...
+    def slot_len(n_readers: int, payload: int) -> int:
+        """Ring bytes one object of `payload` bytes takes with `n_readers`
+        readers (slot header, read counters and alignment included): size a
+        ring as a multiple of this. InvalidArgumentError for `n_readers`
+        outside 1..=64."""
     @staticmethod
-    def largest_object(capacity: int, n_readers: int) -> int: ...
-    def handle(self) -> StoreHandle: ...
+    def largest_object(capacity: int, n_readers: int) -> int:
+        """The largest `max_object_size` a ring of `capacity` bytes accepts
+        with `n_readers` readers (0 when not even an empty object fits).
+        InvalidArgumentError for `n_readers` outside 1..=64."""
+    def handle(self) -> StoreHandle:
+        """What a reader process needs to attach (picklable: send it)."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The segment's name in /dev/shm."""
     @property
-    def closed(self) -> bool: ...
-    def close(self) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def closed(self) -> bool:
+        """Whether `close()` has run."""
+    def close(self) -> None:
+        """Closes the store and unlinks its segment (readers already
+        attached keep their mapping). Saves still pending are discarded,
+        never published (`flush_pending()` first publishes them). Again,
+        or in a forked child, does nothing. Later calls raise ValueError."""
+    def __enter__(self: _T) -> _T:
+        """The store itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
-    ) -> bool: ...
+    ) -> bool:
+        """Closes the store (`close()`); never suppresses the exception."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -242,27 +420,42 @@ class ReadGuard:
     guard's hold and lets live exports keep the read."""
 
     @property
-    def handle(self) -> ObjectHandle: ...
+    def handle(self) -> ObjectHandle:
+        """The handle this guard reads."""
     @property
-    def released(self) -> bool: ...
-    def release(self) -> None: ...
+    def released(self) -> bool:
+        """Whether the guard's own hold is released (exports of it may
+        still hold the read)."""
+    def release(self) -> None:
+        """Releases the read (acknowledging it; with a release gate set,
+        once its event completes). BufferError while exports of the guard
+        are alive: delete arrays and tensors, `memoryview.release()` the
+        views, then release. Again does nothing."""
     def tensor_meta(self) -> tuple[str, tuple[int, ...], int]:
         """`(dtype, shape, offset)` of the tensor read: its dtype's name
         (torch's), its shape, and where its elements start in the guard's
         bytes. WrongKindError if it is not a tensor."""
-    def __bytes__(self) -> bytes: ...
-    def __len__(self) -> int: ...
+    def __bytes__(self) -> bytes:
+        """A copy of the object's bytes. ValueError once released."""
+    def __len__(self) -> int:
+        """The object's size in bytes."""
     # The buffer protocol (C slots): Python 3.12+ shows it as these two
     # dunders, 3.11 does not (see python/stubtest-allowlist.txt).
-    def __buffer__(self, flags: int) -> memoryview: ...
-    def __release_buffer__(self, view: memoryview) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def __buffer__(self, flags: int) -> memoryview:
+        """A read-only export of the slot's bytes (no copy) that holds the
+        read while it lives. BufferError once released."""
+    def __release_buffer__(self, view: memoryview) -> None:
+        """Ends an export (the read ends with the last one and the guard)."""
+    def __enter__(self: _T) -> _T:
+        """The guard itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
-    ) -> bool: ...
+    ) -> bool:
+        """Releases the read (`release()`); left by an exception, drops the
+        guard's hold instead, never raising BufferError. Never suppresses."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -272,12 +465,18 @@ class Lease:
     count for nothing."""
 
     @property
-    def handle(self) -> ObjectHandle: ...
+    def handle(self) -> ObjectHandle:
+        """The handle of the leased object (`StoreReader.get` reads it)."""
     @property
-    def released(self) -> bool: ...
-    def release(self) -> None: ...
-    def __enter__(self: _T) -> _T: ...
-    def __exit__(self, *_exc: object) -> bool: ...
+    def released(self) -> bool:
+        """Whether the lease has ended."""
+    def release(self) -> None:
+        """Ends the lease; again does nothing. In a forked child the lease
+        is the parent's: there this forgets it and releases nothing."""
+    def __enter__(self: _T) -> _T:
+        """The lease itself."""
+    def __exit__(self, *_exc: object) -> bool:
+        """Ends the lease (`release()`); never suppresses the exception."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -289,15 +488,27 @@ class TensorReservation:
     its slot is reclaimed (at once by `ObjectStore.abort`, else in turn)."""
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        """The key it is reserved under."""
     @property
-    def dtype(self) -> str: ...
+    def dtype(self) -> str:
+        """The tensor's dtype name (torch's: "float32", "bfloat16", ...)."""
     @property
-    def shape(self) -> tuple[int, ...]: ...
-    def abort(self) -> None: ...
-    def __len__(self) -> int: ...
-    def __buffer__(self, flags: int) -> memoryview: ...
-    def __release_buffer__(self, view: memoryview) -> None: ...
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+    def abort(self) -> None:
+        """Gives the slot back unpublished; again does nothing. The key is
+        free for another put at once; views still alive keep the slot
+        (their bytes seen by nobody) until they go, then it is reclaimed
+        in turn (`ObjectStore.abort` frees it at once)."""
+    def __len__(self) -> int:
+        """Bytes to write (0 once published or aborted)."""
+    def __buffer__(self, flags: int) -> memoryview:
+        """A writable export of the reserved bytes (no copy); nobody reads
+        them before `publish`, which raises BufferError while an export is
+        alive. BufferError once published or aborted."""
+    def __release_buffer__(self, view: memoryview) -> None:
+        """Ends an export."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -307,15 +518,24 @@ class PendingSave:
     completes, then published. Dropping it changes nothing."""
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        """The key saved."""
     @property
-    def state(self) -> Literal["pending", "published", "failed", "discarded"]: ...
+    def state(self) -> Literal["pending", "published", "failed", "discarded"]:
+        """One of "pending" (the copy may be in flight), "published",
+        "failed" (the copy failed or the store was cleared: nothing
+        published, key and slot free) or "discarded" (the store was closed
+        first)."""
     @property
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """Whether the save is over (published, failed or discarded)."""
     @property
-    def handle(self) -> Optional[ObjectHandle]: ...
+    def handle(self) -> Optional[ObjectHandle]:
+        """The handle, once published; None before, or if it failed or was
+        discarded."""
     @property
-    def error(self) -> Optional[str]: ...
+    def error(self) -> Optional[str]:
+        """Why it failed, if it did; else None."""
     def wait(self, timeout: Optional[float] = None) -> ObjectHandle:
         """Waits until the save is over (at most `timeout` seconds) and
         returns its handle: PinshmError if it failed or was discarded,
@@ -324,6 +544,12 @@ class PendingSave:
 # A PyO3 class: it cannot be subclassed.
 @final
 class StoreReader:
+    """One reader of a store, attached into a reader entry until closed.
+    Reads objects in place (`get`, `get_tensor`, `get_item`) or as copies
+    (`get_copy`); each read of an object acknowledges one read owed. Usable
+    from several threads (serialised); made before a fork(), its calls in
+    the child raise PinshmError."""
+
     @staticmethod
     def attach(
         store_handle: StoreHandle,
@@ -331,15 +557,30 @@ class StoreReader:
         *,
         pin: Literal["auto", "off", "require"] = "auto",
         read_only_views: bool = False,
-    ) -> StoreReader: ...
+    ) -> StoreReader:
+        """Attaches to the store of `store_handle` as reader `index`
+        (default: the first free entry). `pin`: "auto" (pin this process's
+        mapping of a reserved segment where CUDA is there), "off" or
+        "require". `read_only_views`: views come from a read-only mapping,
+        so a write through one (`torch.frombuffer` ignores the flag) faults
+        instead of changing what other readers read. InvalidArgumentError
+        for an index past `n_readers`; PinshmError if the segment is gone
+        or recreated (get a new handle) or the entry is taken."""
     @staticmethod
     def attach_by_name(
         name: str,
         *,
         pin: Literal["auto", "off", "require"] = "auto",
         read_only_views: bool = False,
-    ) -> StoreReader: ...
-    def get(self, handle: ObjectHandle) -> ReadGuard: ...
+    ) -> StoreReader:
+        """Attaches to the store segment `name` into the first free entry,
+        its geometry read from the segment's header (`pin` and
+        `read_only_views` as for `attach`). PinshmError if there is no such
+        store or no free entry."""
+    def get(self, handle: ObjectHandle) -> ReadGuard:
+        """A zero-copy read of the object: a `ReadGuard` exporting its bytes
+        through the buffer protocol, holding the slot until it and its
+        exports are released. StaleError if the object is gone (a miss)."""
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`'s object from the store's shared key index
         (`key_index=` at create), without the writer; None on a miss. Never
@@ -350,43 +591,74 @@ class StoreReader:
     def lease_key(self, key: str) -> Optional[Lease]:
         """Looks `key` up and leases its object in one step; None on a miss."""
     @property
-    def is_pinned(self) -> bool: ...
+    def is_pinned(self) -> bool:
+        """Whether this process's mapping of the store is page-locked (CUDA
+        host-registered): then a tensor over a slot is pinned memory, and
+        `.to(device, non_blocking=True)` from it is a DMA."""
     def get_tensor(self, handle: ObjectHandle) -> Any:
         """A read-only numpy array over the slot (no copy) that holds the read
         until it is garbage collected. `torch.from_dlpack(array)` shares the
         slot too (no copy) and holds the read as long as the tensor lives;
         torch has no read-only tensors, so never write to that tensor (it
-        would change the object every reader sees)."""
+        would change the object every reader sees). WrongKindError if the
+        object is not a tensor; TypeError for bfloat16 (numpy has none:
+        read it with `get()`); StaleError if it is gone."""
     def get_item(self, handle: ObjectHandle) -> tuple[dict[str, Any], dict[str, str]]:
         """An item (from `put_item`, here or in Rust) as `(fields, meta)`:
         `fields` maps each name, in the item's order, to a read-only numpy
         array over the slot (no copy); `meta` maps str to str. The arrays
         hold the read until the last of them is garbage collected.
         TypeError if the object is not an item, or a field is bfloat16."""
-    def get_copy(self, handle: ObjectHandle) -> bytes: ...
-    def get_copy_into(self, handle: ObjectHandle, buffer: Buffer) -> int: ...
+    def get_copy(self, handle: ObjectHandle) -> bytes:
+        """A copy of the object's bytes; the read is acknowledged on return
+        (never gated by `set_release_gate`). StaleError if it is gone."""
+    def get_copy_into(self, handle: ObjectHandle, buffer: Buffer) -> int:
+        """Copies the object's bytes into the start of `buffer` (any
+        writable contiguous buffer) and returns how many were written;
+        the read is acknowledged (never gated). ValueError if `buffer` is
+        smaller than the object (the read still counts); StaleError."""
     def acknowledge(self, handle: ObjectHandle) -> None:
         """Acknowledges one read of `handle` without reading it."""
-    def validate(self, handle: ObjectHandle) -> None: ...
-    def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool: ...
+    def validate(self, handle: ObjectHandle) -> None:
+        """Checks that `handle` names a live object of this store,
+        acknowledging nothing (vLLM's reader `touch`): StaleError if not."""
+    def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool:
+        """Whether `signature` signs `key` at `handle` with this store's
+        secret (`ObjectStore.signature`)."""
     @property
-    def epoch(self) -> int: ...
+    def epoch(self) -> int:
+        """The segment's current epoch, which every handle issued since the
+        last hard clear carries: rebuild a handle known only by address and
+        id (as vLLM sends them) with it."""
     @property
-    def index(self) -> int: ...
+    def index(self) -> int:
+        """This reader's index (its reader entry)."""
     @property
-    def name(self) -> str: ...
-    def close(self) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def name(self) -> str:
+        """The store's segment name."""
+    def close(self) -> None:
+        """Detaches. Guards still held keep the reader attached until the
+        last is released, and so do reads waiting for their release gate's
+        events (released by the release thread once they complete). Again
+        does nothing. Later calls raise ValueError."""
+    def __enter__(self: _T) -> _T:
+        """The reader itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
-    ) -> bool: ...
+    ) -> bool:
+        """Detaches (`close()`); never suppresses the exception."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
 class Broadcast:
+    """The writer of a broadcast channel: every message reaches every one
+    of `n_readers` readers (`BroadcastReader`), in order, through a ring of
+    `slots` slots in shared memory. A send waits while the slot it needs is
+    still held by a reader. Calls in a forked child raise PinshmError."""
+
     def __new__(
         cls,
         n_readers: int,
@@ -395,34 +667,68 @@ class Broadcast:
         name: Optional[str] = None,
         *,
         reserve: bool = False,
-    ) -> Broadcast: ...
-    def send(self, data: Buffer, timeout: Optional[float] = None) -> None: ...
+    ) -> Broadcast:
+        """Creates a channel for `n_readers` readers (1 to 64) with `slots`
+        slots of messages up to `slot_size` bytes (`name` in /dev/shm,
+        default unique). Sparse unless `reserve`: a full /dev/shm raises
+        NoSpaceError from the send that needs the page, never SIGBUS.
+        InvalidArgumentError for a bad configuration or name; PinshmError
+        if the name is taken."""
+    def send(self, data: Buffer, timeout: Optional[float] = None) -> None:
+        """Sends the bytes of `data` (any contiguous buffer) to every
+        reader, waiting (GIL released) while the slot it needs is held;
+        `timeout` in seconds (None: no limit). WaitTimeoutError past it,
+        CancelledError after `cancel()`, InvalidArgumentError for a
+        message larger than `slot_size`, NoSpaceError (sparse channel,
+        /dev/shm full)."""
     def unlink(self) -> None:
         """Removes the channel's name from /dev/shm now; the channel keeps
         working for the readers already attached (no new reader can attach).
         Call it once every reader has attached, and a crash of any process
         leaves nothing behind. Idempotent."""
-    def try_send(self, data: Buffer) -> bool: ...
+    def try_send(self, data: Buffer) -> bool:
+        """Sends `data` if its slot is free now and returns True; False
+        (nothing sent) if it would wait. Errors otherwise as `send`."""
     def send_parts(self, parts: Iterable[Buffer], timeout: Optional[float] = None) -> None:
-        """One message of the parts' bytes in order, gathered straight into the slot."""
+        """One message of the parts' bytes in order, gathered straight into the slot.
+
+        Each part is any contiguous buffer; no joined copy is made. Waits
+        and raises as `send` does."""
         ...
-    def cancel(self) -> None: ...
-    def blocking_readers(self) -> list[tuple[int, Optional[int]]]: ...
+    def cancel(self) -> None:
+        """Makes a `send` blocked in another thread, and every later send
+        (`try_send` too), raise CancelledError at once. For a shutdown; it
+        cannot be undone. Readers still receive what was sent."""
+    def blocking_readers(self) -> list[tuple[int, Optional[int]]]:
+        """The readers holding up the next send, as `(index, pid)` (pid
+        None: that index never attached); empty when a send would not
+        wait. For a log line; the answer may be stale at once."""
     @property
-    def attached_readers(self) -> int: ...
-    def handle(self) -> BroadcastHandle: ...
+    def attached_readers(self) -> int:
+        """How many reader indices have attached since the channel was
+        made, each counted once (attached still, left or dead): wait for
+        `n_readers` before `unlink()`."""
+    def handle(self) -> BroadcastHandle:
+        """What a reader process needs to attach (picklable: send it)."""
     @property
-    def sent(self) -> int: ...
+    def sent(self) -> int:
+        """Messages sent so far."""
     @property
-    def name(self) -> str: ...
-    def close(self) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def name(self) -> str:
+        """The channel's segment name."""
+    def close(self) -> None:
+        """Closes the channel: readers receive what was sent, then
+        WriterGoneError. Again, or in a forked child, does nothing. Later
+        calls raise ValueError."""
+    def __enter__(self: _T) -> _T:
+        """The channel itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
-    ) -> bool: ...
+    ) -> bool:
+        """Closes the channel (`close()`); never suppresses the exception."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -434,53 +740,102 @@ class MessageView:
     child reading it raises PinshmError."""
 
     @property
-    def seq(self) -> int: ...
+    def seq(self) -> int:
+        """The message's sequence number (0 for the channel's first)."""
     @property
-    def released(self) -> bool: ...
-    def release(self) -> None: ...
-    def __bytes__(self) -> bytes: ...
-    def __len__(self) -> int: ...
-    def __buffer__(self, flags: int) -> memoryview: ...
-    def __release_buffer__(self, view: memoryview) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def released(self) -> bool:
+        """Whether the view's own hold is released (exports of it may still
+        hold the message)."""
+    def release(self) -> None:
+        """Releases the message, so the writer may reuse its slot.
+        BufferError while exports of the view are alive; again does
+        nothing."""
+    def __bytes__(self) -> bytes:
+        """A copy of the message's bytes. ValueError once released."""
+    def __len__(self) -> int:
+        """The message's size in bytes."""
+    def __buffer__(self, flags: int) -> memoryview:
+        """A read-only export of the message's bytes (no copy) that holds
+        the message while it lives. BufferError once released."""
+    def __release_buffer__(self, view: memoryview) -> None:
+        """Ends an export (the message is released with the last one and
+        the view)."""
+    def __enter__(self: _T) -> _T:
+        """The view itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]] = None,
         exc: Optional[BaseException] = None,
         tb: Optional[TracebackType] = None,
-    ) -> bool: ...
+    ) -> bool:
+        """Releases the message (`release()`); left by an exception, drops
+        the view's hold instead, never raising BufferError. Never
+        suppresses."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
 class BroadcastReader:
+    """One reader of a broadcast channel: receives every message sent after
+    the channel was made, in order, in place (`recv`) or as bytes
+    (`recv_bytes`). Made before a fork(), its calls in the child raise
+    PinshmError."""
+
     @staticmethod
-    def attach(handle: BroadcastHandle, index: Optional[int] = None) -> BroadcastReader: ...
+    def attach(handle: BroadcastHandle, index: Optional[int] = None) -> BroadcastReader:
+        """Attaches to the channel of `handle` as reader `index` (default:
+        the first free one). InvalidArgumentError for an index past
+        `n_readers`; PinshmError if the channel is gone or recreated, or
+        no index is free (or the one asked for is taken)."""
     def recv(self, timeout: Optional[float] = None) -> MessageView:
-        """The next message in place (no copy), held until released."""
+        """The next message in place (no copy), held until released.
+
+        A `MessageView`: while it or an export of it lives, the writer
+        cannot reuse its slot (a channel has few: release it soon). Waits
+        (GIL released) at most `timeout` seconds (None: no limit):
+        WaitTimeoutError past it, CancelledError after `cancel()`,
+        WriterGoneError once the writer is gone and all it sent was
+        received; PinshmError if this reader holds a view in every slot."""
         ...
     def recv_bytes(self, timeout: Optional[float] = None) -> bytes:
-        """The next message as a copy."""
+        """The next message as a copy.
+
+        The slot is released before it returns. Waits and raises as `recv`
+        does."""
         ...
-    def try_recv(self) -> Optional[MessageView]: ...
-    def try_recv_bytes(self) -> Optional[bytes]: ...
+    def try_recv(self) -> Optional[MessageView]:
+        """The next message in place (as `recv`) if one is there, else None."""
+    def try_recv_bytes(self) -> Optional[bytes]:
+        """The next message as a copy if one is there, else None."""
     def cancel(self) -> None:
         """Ends a blocked recv (another thread) at once, and every later one, with CancelledError."""
         ...
     @property
-    def index(self) -> int: ...
+    def index(self) -> int:
+        """This reader's index."""
     @property
-    def name(self) -> str: ...
-    def close(self) -> None: ...
-    def __enter__(self: _T) -> _T: ...
+    def name(self) -> str:
+        """The channel's segment name."""
+    def close(self) -> None:
+        """Detaches, once every `MessageView` of it is released too. Again,
+        or in a forked child, does nothing. Later calls raise ValueError."""
+    def __enter__(self: _T) -> _T:
+        """The reader itself."""
     def __exit__(
         self,
         exc_type: Optional[type[BaseException]],
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
-    ) -> bool: ...
+    ) -> bool:
+        """Detaches (`close()`); never suppresses the exception."""
 
 class _Event(Protocol):
-    def query(self) -> bool: ...
+    """What pinshm polls for a device copy's end: a `torch.cuda.Event`, or
+    anything with `query()`."""
+
+    def query(self) -> bool:
+        """Whether the copy has completed. For a save, raising means the
+        copy failed (the save is aborted); for a gated read, the error is
+        reported and the read released."""
 
 def set_release_gate(gate: Optional[Callable[[], Optional[_Event]]]) -> None:
     """Sets (None: clears) the release gate: called when a read's last view

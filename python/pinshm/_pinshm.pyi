@@ -292,7 +292,8 @@ class StoreReader:
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`'s object from the store's shared key index
         (`key_index=` at create), without the writer; None on a miss. Never
-        another key's object. PinshmError if the store has no key index."""
+        another key's object. A hit gives the object a second chance, as
+        `get_key` does. PinshmError if the store has no key index."""
     def lease(self, handle: ObjectHandle) -> Lease:
         """Keeps the object from being reclaimed, unread, until the lease
         is released. StaleError if it is gone."""

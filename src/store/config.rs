@@ -39,7 +39,8 @@ pub enum Eviction {
     /// its handles stay valid). On a Zipf trace of multimodal-sized objects
     /// it beat FIFO at equal capacity in every cell measured, by 1.3 to 6.2
     /// points of hit rate (docs/hit_rate.md). A reader's hit by key
-    /// ([`StoreReader::get_key`](crate::StoreReader::get_key),
+    /// ([`StoreReader::lookup`](crate::StoreReader::lookup),
+    /// [`get_key`](crate::StoreReader::get_key),
     /// [`lease_key`](crate::StoreReader::lease_key)) counts as one. Without
     /// hits it is FIFO.
     #[default]
@@ -162,7 +163,10 @@ impl StoreConfig {
     /// counter per object, and an object referenced k times is done after
     /// k × n_readers reads from any readers (readers that left are not
     /// counted). The default, one counter per reader, is stricter: each
-    /// reader must read the object as often as it was referenced.
+    /// reader must read the object as often as it was referenced. Not with
+    /// [`StoreConfig::key_index`] or [`StoreConfig::cache`]
+    /// ([`ObjectStore::create`](crate::ObjectStore::create) refuses them
+    /// with [`Error::InvalidConfig`]).
     pub fn aggregate_reads(mut self, yes: bool) -> Self {
         self.aggregate_reads = yes;
         self
@@ -187,7 +191,10 @@ impl StoreConfig {
     /// most three quarters full), after the data region, backed at
     /// create. Keys past `max_keys` stay stored but readers miss them
     /// (`StoreStats::unindexed` counts them); size it by the objects the
-    /// ring holds (capacity / the smallest object).
+    /// ring holds (capacity / the smallest object). Not with
+    /// [`StoreConfig::aggregate_reads`]: there a reader's hit by key would
+    /// count as a read any reader owes (use [`StoreConfig::cache`] or
+    /// per-reader accounting).
     pub fn key_index(mut self, max_keys: usize) -> Self {
         self.key_index = max_keys;
         self
@@ -211,6 +218,19 @@ impl StoreConfig {
         if self.cache && self.aggregate_reads {
             return bad(
                 "a cache owes no reads: cache and aggregate_reads exclude each other".into(),
+            );
+        }
+        if self.key_index > 0 && self.aggregate_reads {
+            // A hit by key (`get_key`) acknowledges a read, and in aggregate
+            // mode any reader's read counts towards every reader's: one
+            // reader's repeated hits would free an object the others still
+            // owe reads of, and their `get` would be `Stale`.
+            return bad(
+                "key_index with aggregate_reads: a reader's hits by key would count as reads \
+                 owed by other readers and free objects they have not read; for lookups by \
+                 key use key_index with cache(true) (objects owe no reads), or per-reader \
+                 accounting (aggregate_reads off)"
+                    .into(),
             );
         }
         if self.index_entries() > layout::MAX_INDEX_ENTRIES {

@@ -15,6 +15,7 @@ pub struct StoreConfig {
     pub(crate) prefault: bool,
     pub(crate) reserve: bool,
     pub(crate) shm_headroom: u64,
+    pub(crate) back_ahead: u64,
     pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
@@ -52,6 +53,8 @@ impl StoreConfig {
     pub const SLOT_ALIGN: usize = layout::SLOT_ALIGN;
     /// The most readers a store takes.
     pub const MAX_READERS: u32 = layout::MAX_READERS;
+    /// [`StoreConfig::back_ahead`]'s default: 16 MiB.
+    pub const DEFAULT_BACK_AHEAD: u64 = 16 << 20;
 
     /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
     /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).
@@ -64,6 +67,7 @@ impl StoreConfig {
             prefault: true,
             reserve: true,
             shm_headroom: 0,
+            back_ahead: Self::DEFAULT_BACK_AHEAD,
             pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
@@ -126,9 +130,10 @@ impl StoreConfig {
 
     /// Whether to reserve every page of /dev/shm at create (default true),
     /// so a too-small /dev/shm fails at create. Off: a sparse segment that
-    /// costs the pages its objects touch; the writer backs pages
-    /// (`fallocate`) just before it first writes them, so a full /dev/shm is
-    /// an [`Error::NoSpace`] from that put, never a SIGBUS, and readers never
+    /// costs the pages its objects touch, plus one step ahead
+    /// ([`StoreConfig::back_ahead`]); no page is written before it is
+    /// backed (`fallocate`), so a full /dev/shm is an [`Error::NoSpace`]
+    /// from the put that needs the page, never a SIGBUS, and readers never
     /// fault on unbacked pages. `PinMode::Auto` does not pin a sparse
     /// segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
@@ -147,6 +152,27 @@ impl StoreConfig {
     /// is the elastic user, the queue keeps what it needs.
     pub fn shm_headroom(mut self, bytes: u64) -> Self {
         self.shm_headroom = bytes;
+        self
+    }
+
+    /// For a sparse store ([`StoreConfig::reserve`] off): how many bytes
+    /// of pages a background thread keeps backed (`fallocate`) and mapped
+    /// into the writer's page tables (`MADV_POPULATE_WRITE`) past the end
+    /// of the writer's last put, during the ring's first lap (default
+    /// [`StoreConfig::DEFAULT_BACK_AHEAD`]; rounded up to 64 KiB). A put
+    /// into pages never written before then costs what a put into backed
+    /// ones does, as long as the thread keeps up (it backs about a GB/s on
+    /// a small VM: a put per engine step, not a burst of puts back to
+    /// back); a put that outruns it backs the rest of its pages itself, as
+    /// with 0 (off: each put backs the pages it needs, and pays their
+    /// allocation and first-touch faults). The thread starts at create
+    /// (the first put finds its pages ready), stops once the whole ring is
+    /// backed, and obeys [`StoreConfig::shm_headroom`]: it never backs
+    /// what the headroom leaves to others, and a full /dev/shm stops it
+    /// (the put that needs the pages gets [`Error::NoSpace`]). Memory: what
+    /// the data touches plus at most this many bytes.
+    pub fn back_ahead(mut self, bytes: u64) -> Self {
+        self.back_ahead = bytes;
         self
     }
 

@@ -14,11 +14,13 @@
 //! - `stream`: the same with no sleep, puts back to back (what a burst of
 //!   saves costs once it outruns anything done between them).
 //!
-//! Prints a markdown table (medians, ns; ratios); `--json FILE` also writes
-//! one JSON object per (size, mode), stamped with the layout version and
-//! the commit. Uses only API that every version of the store has, so that
-//! the same file measures the code before a change (built from its own
-//! tree) and after it.
+//! Prints a markdown table (medians, µs; ratios); `--json FILE` also
+//! appends one JSON object per (size, mode) to FILE, stamped with the
+//! layout version, the commit and `--label` (default "this"), for
+//! `examples/bench_first_lap_table.py`. Uses only API that every version of
+//! the store has, so that the same file measures the code before a change
+//! (built from its own tree, with `--label before --commit HASH`) and
+//! after it.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -29,6 +31,16 @@ const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
 /// 98 KiB: a small encoder output (a 224-px image's tokens in bf16, say).
 const SIZES: [usize; 3] = [98 * KIB, MIB, 8 * MIB];
+
+/// The six orders of the three ops (0 memcpy, 1 sparse put, 2 backed put).
+const ORDERS: [[usize; 3]; 6] = [
+    [0, 1, 2],
+    [0, 2, 1],
+    [1, 0, 2],
+    [1, 2, 0],
+    [2, 0, 1],
+    [2, 1, 0],
+];
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -82,16 +94,19 @@ struct Row {
 fn run(size: usize, repeats: usize, gap: Duration) -> Row {
     let src: Vec<u8> = (0..size).map(|i| i as u8).collect();
     let mut arena = vec![1u8; size * repeats]; // written: faulted in
-    let mut sparse = store(size, repeats, true);
+                                               // The sparse store last: nothing else gives its pages time to be
+                                               // backed ahead but the first step's wait (none in `stream` mode).
     let mut backed = store(size, repeats, false);
+    let mut sparse = store(size, repeats, true);
     let (mut t_copy, mut t_sparse, mut t_backed) = (Vec::new(), Vec::new(), Vec::new());
     // As an engine: the store is made at start-up, the first save comes
     // a step later.
     step(gap);
     for i in 0..repeats {
-        // Rotated, so that no op always follows the same one.
-        for op in 0..3 {
-            match (op + i) % 3 {
+        // Every order in turn: each op follows each other op (and comes
+        // first) equally often (an op right after the memcpy runs slower).
+        for op in ORDERS[i % 6] {
+            match op {
                 0 => {
                     let at = i * size;
                     let t0 = Instant::now();
@@ -124,19 +139,33 @@ fn run(size: usize, repeats: usize, gap: Duration) -> Row {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let repeats: usize = arg(&args, "--repeats", 31);
+    let repeats: usize = arg(&args, "--repeats", 36);
     let gap_ms: u64 = arg(&args, "--gap-ms", 20);
     let json = args
         .iter()
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1))
         .cloned();
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_owned())
+    let label = args
+        .iter()
+        .position(|a| a == "--label")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| "this".into());
+    let commit_arg = args
+        .iter()
+        .position(|a| a == "--commit")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let commit = commit_arg
+        .or_else(|| {
+            std::process::Command::new("git")
+                .args(["rev-parse", "--short", "HEAD"])
+                .output()
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .map(|s| s.trim().to_owned())
+        })
         .unwrap_or_default();
     let layout = pinshm::testing::LAYOUT_VERSION;
     let mut rows = Vec::new();
@@ -146,7 +175,7 @@ fn main() {
         }
     }
     println!(
-        "layout {layout}, commit {commit}, {repeats} interleaved repeats, gap {gap_ms} ms; medians, µs"
+        "{label}: layout {layout}, commit {commit}, {repeats} interleaved repeats, gap {gap_ms} ms; medians, µs"
     );
     println!();
     println!("| size | mode | memcpy | put, fresh sparse | put, backed | sparse / backed | sparse / memcpy | backed / memcpy |");
@@ -169,7 +198,7 @@ fn main() {
             r.backed / r.memcpy
         );
         out += &format!(
-            "{{\"bench\":\"first_lap\",\"layout\":{layout},\"commit\":\"{commit}\",\"size\":{},\"mode\":\"{}\",\"repeats\":{repeats},\"gap_ms\":{},\"memcpy_ns\":{:.0},\"sparse_put_ns\":{:.0},\"backed_put_ns\":{:.0}}}\n",
+            "{{\"bench\":\"first_lap\",\"label\":\"{label}\",\"layout\":{layout},\"commit\":\"{commit}\",\"size\":{},\"mode\":\"{}\",\"repeats\":{repeats},\"gap_ms\":{},\"memcpy_ns\":{:.0},\"sparse_put_ns\":{:.0},\"backed_put_ns\":{:.0}}}\n",
             r.size,
             r.mode,
             if r.mode == "gap" { gap_ms } else { 0 },
@@ -179,7 +208,13 @@ fn main() {
         );
     }
     if let Some(path) = json {
-        std::fs::write(&path, out).expect("write the JSON file");
-        println!("\nwritten: {path}");
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(out.as_bytes()))
+            .expect("append to the JSON file");
+        println!("\nappended to {path}");
     }
 }

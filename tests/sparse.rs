@@ -55,6 +55,21 @@ fn a_sparse_store_costs_the_pages_its_objects_touch_plus_one_step() {
                 i + 1
             );
         }
+        if ahead > 0 {
+            // Once the backer has its step (it gets there: a hang guard,
+            // not a timing assertion), it stops: given time to take more
+            // (a backer that took everything would have taken it by then),
+            // it has not.
+            let want = 16 * MIB as u64 + ahead;
+            let t0 = std::time::Instant::now();
+            while allocated(&name) < want {
+                assert!(t0.elapsed() < std::time::Duration::from_secs(60));
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let used = allocated(&name);
+            assert!(used < 16 * MIB as u64 + slack, "{ahead}: {used} bytes");
+        }
     }
 }
 

@@ -11,66 +11,83 @@
 //! puts, that work leaves the put.
 //!
 //! The protocol (all of it in this process's memory; nothing here is in
-//! the segment):
-//! - What is backed is a prefix of the segment, `0..backed` (the writer's
-//!   [`Backing`] is a prefix one). Whoever extends it, the backer or the
-//!   writer, holds `io` across the headroom check and the `fallocate`, and
-//!   publishes the new end in `backed` (Release) after the pages exist. So
-//!   the two never both take the same free space, and never go below
-//!   [`StoreConfig::shm_headroom`](crate::StoreConfig::shm_headroom)
-//!   together.
-//! - The writer, before it writes a span, loads `backed` (Acquire) and
-//!   records it in its `Backing`: a span below it costs no system call.
-//!   A span past it (the backer is behind, blocked, or off) is backed by
-//!   the writer itself, under `io` (after the backer's current unit, at
-//!   most [`UNIT`] bytes), exactly as without a backer: a full /dev/shm is
-//!   `NoSpace` from that put, never SIGBUS.
-//! - Then the writer asks for `step` bytes past the end of the span
-//!   (`ctl.want`, under `ctl`, with a notify). The backer works towards it
-//!   in units, each backed and mapped writable into the writer's page
-//!   tables under `io`, then published: pages the writer finds published
-//!   take no fault, and the writer and the backer never fault the same
-//!   pages at once (a writer that needs the unit in progress waits for
-//!   it, then backs whatever else it needs itself, while the backer goes
-//!   on past it).
-//! - A unit the headroom or the kernel refuses is not retried until the
-//!   writer asks for more (`ctl.blocked_at`): a full /dev/shm costs the
-//!   backer one `statvfs` per unit of the writer's progress, and the put
+//! the segment). The writer never waits for the backer, and never takes a
+//! lock the backer holds:
+//! - What is allocated is a prefix of the segment, `0..claimed`. Whoever
+//!   allocates pages, the backer or the writer, allocates a run that
+//!   starts at or below `claimed` as it last loaded it, then raises
+//!   `claimed` to the run's end (`fetch_max`, Release): the prefix stays a
+//!   prefix, and the writer's [`Backing`] (a prefix one) records it.
+//! - The headroom ([`StoreConfig::shm_headroom`](crate::StoreConfig::shm_headroom))
+//!   with two parties checking /dev/shm and allocating at once: each adds
+//!   the bytes it is about to allocate to `inflight` before its check and
+//!   takes them off after its `fallocate`, and asks /dev/shm for the
+//!   headroom plus whatever `inflight` already held (the other party's run
+//!   in progress). The adds are RMWs of one word, so of two runs in
+//!   flight at once the later one counts the earlier; and a run whose
+//!   `fallocate` ended before the other's add is in that one's `statvfs`.
+//!   Together they never go below the headroom.
+//! - The writer, before it writes a span, loads `claimed` (Acquire): a
+//!   span below it costs no system call. A span past it (the backer is
+//!   behind, starved, blocked, or off) is allocated by the writer itself,
+//!   exactly as without a backer: a full /dev/shm is `NoSpace` from that
+//!   put, never SIGBUS.
+//! - Once the put is published (at once, if the writer had to allocate
+//!   pages itself), the writer asks for `step` bytes past the end of the
+//!   span (`want`, then an unpark): the backer works between puts, not
+//!   under their copy. It runs at the lowest priority (nice 19), so that
+//!   waking it never preempts the writer's thread and it takes only CPU
+//!   that nothing else wants much; on a busy machine it falls behind, and
+//!   puts allocate their own pages.
+//! - The backer works in units of [`UNIT`] bytes: allocate, publish, then
+//!   map them into the writer's page tables (mapping changes no byte).
+//!   A unit the headroom or the kernel refuses is not tried again until
+//!   the writer asks for more: a full /dev/shm costs the backer one
+//!   `statvfs` per [`ASK_EVERY`] of the writer's progress, and the put
 //!   that needs those pages reports the error.
 //! - Memory: at most `step` (rounded up to a chunk) past the end of what
 //!   the writer has used. The thread ends once the whole data region is
-//!   backed (the first lap), or when the store goes (joined in its drop;
-//!   in a forked child, which has no such thread, nothing is joined).
+//!   allocated (the first lap), or after its unit in progress once the
+//!   store goes (it keeps the mapping alive until then; the store's drop
+//!   does not wait for it). A forked child has no such thread, and its
+//!   copy of the store touches nothing of it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::Thread;
 
 use super::mapping::Mapping;
 use crate::error::Result;
 use crate::sys::fork;
 use crate::sys::segment::{self, Backing, Segment};
 
-/// The most bytes the backer backs and maps under one hold of `io`: what a
-/// writer that needs pages the backer is working on waits for, at most
-/// (about 0.3 ms of kernel work on the VM measured).
+/// Bytes the backer allocates and maps per unit: what it may have in
+/// flight when the store goes (about 0.3 ms of kernel work on the VM
+/// measured).
 pub(super) const UNIT: u64 = 256 << 10;
 
 /// How far the writer's target must move before the writer wakes the
 /// backer again (a wake is a system call; a step ahead is many of these).
 const ASK_EVERY: u64 = 1 << 20;
 
+/// The backer's nice value: the lowest priority, so that it never
+/// preempts the writer's thread when it is woken.
+const NICE: i32 = 19;
+
 /// The writer's handle on its backer thread.
 #[derive(Debug)]
 pub(super) struct Ahead {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Thread,
     /// The fork generation the thread was started in.
     fork_gen: u64,
-    /// Bytes to keep backed past the end of the writer's last span.
+    /// Bytes to keep allocated past the end of the writer's last span.
     step: u64,
     /// The last `want` the writer asked for.
     asked: u64,
+    /// The end of the last span the writer made ready for a put, to ask
+    /// for once that put is published ([`Ahead::kick`]).
+    last_end: u64,
 }
 
 #[derive(Debug)]
@@ -80,40 +97,28 @@ struct Shared {
     /// Where backing ahead stops: the end of the data region.
     end: u64,
     headroom: u64,
-    /// The end of the backed prefix (a chunk multiple, or the segment's
-    /// end), changed only under this lock, by whoever backs pages.
-    io: Mutex<u64>,
-    /// `io`'s value, for the writer's check without the lock: stored
-    /// (Release) after the pages exist, loaded (Acquire) by the writer.
-    backed: AtomicU64,
-    ctl: Mutex<Ctl>,
-    wake: Condvar,
-}
-
-#[derive(Debug)]
-struct Ctl {
-    /// Back up to here.
-    want: u64,
-    /// A `want` the backer could not reach (headroom, full /dev/shm, no
-    /// `fallocate`): not tried again until `want` grows past it.
-    blocked_at: u64,
-    stop: bool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing under these locks can panic midway; a poisoned one holds a
-    // consistent value.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+    /// `0..claimed` of the segment is allocated (a chunk multiple, or the
+    /// segment's end). Raised with `fetch_max` (Release) after each run is
+    /// allocated, by either party; loaded with Acquire.
+    claimed: AtomicU64,
+    /// Bytes being allocated now, by either party, between its headroom
+    /// check and the end of its `fallocate` (AcqRel RMWs).
+    inflight: AtomicU64,
+    /// Allocate up to here (the writer's store, Release; the backer's
+    /// load, Acquire, after an unpark).
+    want: AtomicU64,
+    /// The store is gone: stop after the unit in progress.
+    stop: AtomicBool,
 }
 
 impl Ahead {
     /// Starts a backer for the sparse segment of `map`, whose prefix
-    /// `0..backed` is backed, to keep `step` bytes backed ahead of the
-    /// writer up to `end` (the data region's end), leaving `headroom`
-    /// bytes of /dev/shm free. It starts at once, with `start + step`
+    /// `0..backed` is allocated, to keep `step` bytes allocated ahead of
+    /// the writer up to `end` (the data region's end), leaving `headroom`
+    /// bytes of /dev/shm free. It starts at once, towards `start + step`
     /// (`start`: the data region's start): the first put of a new store
     /// finds its pages ready. `None` if no thread can be started (pages
-    /// are then backed inside the puts, as without a backer).
+    /// are then allocated inside the puts, as without a backer).
     pub(super) fn start(
         map: &Arc<Mapping>,
         backed: u64,
@@ -128,28 +133,26 @@ impl Ahead {
             map: Arc::clone(map),
             end,
             headroom,
-            io: Mutex::new(backed),
-            backed: AtomicU64::new(backed),
-            ctl: Mutex::new(Ctl {
-                want,
-                blocked_at: 0,
-                stop: false,
-            }),
-            wake: Condvar::new(),
+            claimed: AtomicU64::new(backed),
+            inflight: AtomicU64::new(0),
+            want: AtomicU64::new(want),
+            stop: AtomicBool::new(false),
         });
-        let thread = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("pinshm-backer".into())
             .spawn({
                 let shared = Arc::clone(&shared);
                 move || shared.run()
             });
-        match thread {
+        match spawned {
+            // Not joined: it ends by itself (see the module's doc).
             Ok(t) => Some(Ahead {
                 shared,
-                thread: Some(t),
+                thread: t.thread().clone(),
                 fork_gen: fork::current(),
                 step,
                 asked: want,
+                last_end: 0,
             }),
             Err(e) => {
                 tracing::debug!(%e, "no backer thread: pages are backed inside the puts");
@@ -158,9 +161,14 @@ impl Ahead {
         }
     }
 
-    /// Makes `offset..offset + len` backed before the writer writes it (as
-    /// [`Backing::ensure`]), taking what the backer has done, then asks the
-    /// backer for a step more. Returns the bytes the writer backed itself.
+    /// Makes `offset..offset + len` allocated before the writer writes it
+    /// (as [`Backing::ensure`]), taking what the backer has done. Returns
+    /// the bytes the writer allocated itself. A writer that had to asks the
+    /// backer for a step more at once (it works on past the span while the
+    /// writer fills it); one that did not asks once the put is published
+    /// ([`Ahead::kick`]), so that the backer's page work, which costs
+    /// memory bandwidth (zeroing) and a core, runs between puts rather than
+    /// under their copy.
     pub(super) fn ensure(
         &mut self,
         backing: &mut Backing,
@@ -169,22 +177,24 @@ impl Ahead {
         len: u64,
     ) -> Result<u64> {
         let end = offset.saturating_add(len);
-        backing.mark_prefix(self.shared.backed.load(Ordering::Acquire));
-        let mut own = 0;
-        if end > backing.backed() {
-            // Behind: wait for its unit in progress, then do the rest here.
-            let mut io = lock(&self.shared.io);
-            backing.mark_prefix(*io);
-            let before = backing.backed();
-            if end > before {
-                backing.ensure(seg, offset, len)?;
-                own = backing.backed() - before;
-                *io = (*io).max(backing.backed());
-                self.shared.backed.store(*io, Ordering::Release);
-            }
+        backing.mark_prefix(self.shared.claimed.load(Ordering::Acquire));
+        self.last_end = self.last_end.max(end);
+        if end <= backing.backed() {
+            return Ok(0);
         }
+        let from = backing.backed();
+        let to = end.next_multiple_of(Backing::CHUNK).min(seg.len() as u64);
+        self.shared.allocate(seg, from, to)?;
+        backing.mark_prefix(to);
+        self.shared.claimed.fetch_max(to, Ordering::Release);
         self.ask(end);
-        Ok(own)
+        Ok(to - from)
+    }
+
+    /// A put is published: asks the backer for a step past the end of
+    /// what the writer has used.
+    pub(super) fn kick(&mut self) {
+        self.ask(self.last_end);
     }
 
     /// Whether `backing` covers the whole data region: nothing is left
@@ -193,7 +203,7 @@ impl Ahead {
         backing.backed() >= self.shared.end
     }
 
-    /// Asks the backer to back up to `step` bytes past `end`. Wakes it
+    /// Asks the backer to allocate up to `step` bytes past `end`. Wakes it
     /// only when that moves the target by [`ASK_EVERY`] or more, and not
     /// when it is there already.
     fn ask(&mut self, end: u64) {
@@ -204,72 +214,89 @@ impl Ahead {
             return;
         }
         self.asked = target;
-        lock(&self.shared.ctl).want = target;
-        if self.shared.backed.load(Ordering::Relaxed) < target {
-            self.shared.wake.notify_one();
+        self.shared.want.store(target, Ordering::Release);
+        if self.shared.claimed.load(Ordering::Relaxed) < target {
+            self.thread.unpark();
         }
     }
 }
 
 impl Shared {
     /// The backer's loop: a unit at a time towards `want`, until the data
-    /// region is backed or the store stops it.
+    /// region is allocated or the store stops it.
     fn run(&self) {
+        lower_priority();
+        let seg = self.map.seg();
+        // A `want` that could not be reached; tried again only past it.
+        let mut blocked_at = 0;
         loop {
-            let want = {
-                let mut c = lock(&self.ctl);
-                loop {
-                    if c.stop || self.backed.load(Ordering::Relaxed) >= self.end {
-                        return;
-                    }
-                    if c.want > self.backed.load(Ordering::Relaxed) && c.want > c.blocked_at {
-                        break c.want;
-                    }
-                    c = self.wake.wait(c).unwrap_or_else(PoisonError::into_inner);
-                }
-            };
-            let seg = self.map.seg();
-            let mut io = lock(&self.io);
-            let from = *io;
-            if from >= want {
-                continue; // the writer backed it meanwhile
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let from = self.claimed.load(Ordering::Acquire);
+            if from >= self.end {
+                return;
+            }
+            let want = self.want.load(Ordering::Acquire);
+            if want <= from || want <= blocked_at {
+                // Woken by the writer's unpark (or spuriously): look again.
+                std::thread::park();
+                continue;
             }
             let to = want
                 .min(from.saturating_add(UNIT))
                 .next_multiple_of(Backing::CHUNK)
                 .min(self.end.next_multiple_of(Backing::CHUNK))
                 .min(seg.len() as u64);
-            let backed = segment::check_headroom(seg, to - from, self.headroom).is_ok()
-                && matches!(seg.allocate_pages(from, to - from), Ok(true));
-            if !backed {
-                drop(io);
-                lock(&self.ctl).blocked_at = want;
+            if !matches!(self.allocate(seg, from, to), Ok(true)) {
+                // The headroom, a full /dev/shm, or no `fallocate` here.
+                blocked_at = want;
                 continue;
             }
-            // Mapped before they are published: a put that then writes
-            // them takes no fault, and none races this on the same pages.
+            self.claimed.fetch_max(to, Ordering::Release);
             seg.map_pages(from, to - from);
-            *io = to;
-            self.backed.store(to, Ordering::Release);
         }
+    }
+
+    /// Allocates `from..to` of `seg` (`Ok(false)`: no `fallocate` here),
+    /// leaving the headroom free of what either party allocates (the
+    /// `inflight` protocol of the module's doc).
+    fn allocate(&self, seg: &Segment, from: u64, to: u64) -> Result<bool> {
+        let len = to - from;
+        let others = self.inflight.fetch_add(len, Ordering::AcqRel);
+        let r = if self.headroom > 0 {
+            segment::check_headroom(seg, len, self.headroom.saturating_add(others))
+                .and_then(|()| seg.allocate_pages(from, len))
+        } else {
+            seg.allocate_pages(from, len)
+        };
+        self.inflight.fetch_sub(len, Ordering::AcqRel);
+        r
+    }
+}
+
+/// Makes the calling thread the lowest priority it may be (nice 19): best
+/// effort, a thread left at its priority still works.
+fn lower_priority() {
+    // SAFETY: plain system calls about the calling thread (Linux keeps a
+    // nice value per thread; `who` is its id); they touch no memory of ours.
+    let r = unsafe {
+        let tid = nix::libc::gettid();
+        nix::libc::setpriority(nix::libc::PRIO_PROCESS, tid as nix::libc::id_t, NICE)
+    };
+    if r != 0 {
+        tracing::debug!("backer thread keeps its priority (setpriority failed)");
     }
 }
 
 impl Drop for Ahead {
     fn drop(&mut self) {
-        let Some(thread) = self.thread.take() else {
-            return;
-        };
         if fork::current() != self.fork_gen {
             // A forked child's copy: the thread is the parent's (a child
-            // has only the thread that forked), and its locks are the
-            // parent's state: touch neither.
-            std::mem::forget(thread);
+            // has only the thread that forked). Nothing to tell it.
             return;
         }
-        lock(&self.shared.ctl).stop = true;
-        self.shared.wake.notify_one();
-        // At most one unit (UNIT bytes backed and mapped) away.
-        let _ = thread.join();
+        self.shared.stop.store(true, Ordering::Release);
+        self.thread.unpark();
     }
 }

@@ -161,16 +161,19 @@ impl StoreConfig {
     /// of the writer's last put, during the ring's first lap (default
     /// [`StoreConfig::DEFAULT_BACK_AHEAD`]; rounded up to 64 KiB). A put
     /// into pages never written before then costs what a put into backed
-    /// ones does, as long as the thread keeps up (it backs about a GB/s on
-    /// a small VM: a put per engine step, not a burst of puts back to
-    /// back); a put that outruns it backs the rest of its pages itself, as
-    /// with 0 (off: each put backs the pages it needs, and pays their
-    /// allocation and first-touch faults). The thread starts at create
-    /// (the first put finds its pages ready), stops once the whole ring is
-    /// backed, and obeys [`StoreConfig::shm_headroom`]: it never backs
-    /// what the headroom leaves to others, and a full /dev/shm stops it
-    /// (the put that needs the pages gets [`Error::NoSpace`]). Memory: what
-    /// the data touches plus at most this many bytes.
+    /// ones does, as long as the thread keeps up: it backs about a GB/s on
+    /// a small VM, between puts (a put per engine step), at the lowest
+    /// priority (nice 19: it never preempts the writer, and on a busy
+    /// machine it falls behind). A put that outruns it backs the rest of
+    /// its pages itself, as with 0 (off: each put backs the pages it
+    /// needs, and pays their allocation and first-touch faults); the
+    /// writer never waits for it. The thread starts at create (the first
+    /// put finds its pages ready), ends once the whole ring is backed, and
+    /// obeys [`StoreConfig::shm_headroom`] together with the writer: it
+    /// never backs what the headroom leaves to others, and a full /dev/shm
+    /// stops it (the put that needs the pages gets [`Error::NoSpace`],
+    /// never SIGBUS). Memory: what the data touches plus at most this many
+    /// bytes.
     pub fn back_ahead(mut self, bytes: u64) -> Self {
         self.back_ahead = bytes;
         self

@@ -405,6 +405,13 @@ impl Space {
         Ok(())
     }
 
+    /// An object was published: the backer, if any, may go on ahead.
+    pub(super) fn published(&mut self) {
+        if let Some(a) = &mut self.ahead {
+            a.kick();
+        }
+    }
+
     /// Frees `victims` in order; `Err` names the first that had to stay
     /// (those before it are freed, those after it untouched).
     fn free_all(

@@ -528,6 +528,7 @@ impl ObjectStore {
         };
         self.keys.index.insert(key, handle);
         self.stats.puts += 1;
+        self.space.published();
         Some(handle)
     }
 

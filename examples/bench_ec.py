@@ -14,7 +14,7 @@ included: `<storage>/<mm_hash>/encoder_cache.safetensors`, the folder made
 `{"ec_cache": t.detach().cpu()}` with `safetensors.torch.save_file`, a
 load with `safetensors.torch.load_file(filename, device="cpu")["ec_cache"]`.
 The storage folder is a fresh temporary folder (the connector's default
-is /tmp).
+is the system's temporary folder).
 
 For each output size (98 KiB, 1 MiB, 8 MiB) and dtype (float32, bfloat16)
 a tensor of rows of 2 KiB (an encoder output: tokens x hidden) is saved

@@ -302,8 +302,8 @@ fn a_forked_childs_inherited_handles_answer_without_touching_shared_memory() {
 /// A sparse store's backer thread is the parent's: a forked child has
 /// none. Forked while the backer is backing pages, the child's inherited
 /// store refuses puts and drops without waiting for a thread it does not
-/// have (a hang here), and without unlinking the parent's segment; the
-/// parent's store goes on, its backer with it.
+/// have (a hang here) or telling it anything, and without unlinking the
+/// parent's segment; the parent's store goes on, its backer with it.
 #[test]
 fn a_forked_child_drops_a_sparse_store_without_waiting_for_the_parents_backer() {
     let name = Name::new("fork-backer");
@@ -319,8 +319,7 @@ fn a_forked_child_drops_a_sparse_store_without_waiting_for_the_parents_backer() 
     .unwrap();
     w.put("a", &pattern(1, 4 * mib)).unwrap();
     // SAFETY: the child uses the inherited store and _exits. The backer
-    // thread takes only its own locks, which the child never touches, and
-    // allocates nothing.
+    // thread takes no lock and allocates nothing.
     let child = match unsafe { fork() }.unwrap() {
         ForkResult::Child => {
             let refused = matches!(w.put("b", b"x"), Err(Error::Forked { .. }));

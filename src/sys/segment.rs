@@ -231,14 +231,12 @@ impl Segment {
         }
     }
 
-    /// Maps the pages of `offset..offset + len` into this process's page
-    /// tables now, writable, so that the first write to each costs no page
-    /// fault: `MADV_POPULATE_WRITE` (Linux 5.14), else read faults (shared
-    /// tmpfs pages are mapped writable by a read fault too). Only whole
-    /// pages inside the mapping; changes no byte. For pages already
-    /// allocated ([`Segment::allocate_pages`]): on a hole the kernel would
-    /// allocate the page (an error from the advice on a full /dev/shm, but
-    /// SIGBUS from the fallback's loads).
+    /// Maps the whole pages of `offset..offset + len` into this process's
+    /// page tables, writable, so that a first write costs no fault:
+    /// `MADV_POPULATE_WRITE` (Linux 5.14), else read faults (a read fault
+    /// maps a shared tmpfs page writable too). Changes no byte. Only for
+    /// pages already allocated ([`Segment::allocate_pages`]): the
+    /// fallback's loads on a hole of a full /dev/shm would raise SIGBUS.
     pub fn map_pages(&self, offset: u64, len: u64) {
         let page = page_size() as u64;
         let start = offset.next_multiple_of(page);

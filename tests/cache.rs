@@ -237,6 +237,80 @@ fn a_readers_hit_by_key_keeps_an_object_one_more_lap() {
     }
 }
 
+/// vLLM-style code looks a key up, then reads the object by its handle
+/// (`lookup`, then `get`). That hit earns the second chance a `get_key`
+/// earns: the reader, another process, finds `a` that way; the sweep the
+/// next put makes keeps `a` for a lap and evicts `b`, the untouched
+/// object after it. Without the lookup, `a` goes first.
+#[test]
+fn an_object_found_by_lookup_then_read_by_handle_survives_a_sweep_that_evicts_an_untouched_one() {
+    let len = 4 * KIB;
+    let slots = 8;
+    for looked_up in [true, false] {
+        let name = Name::new("lookuptouch");
+        let mut w = cache(&name, slots, len, 1);
+        let mut peer = Peer::spawn("lookupget", &w.handle());
+        w.put("a", &bytes_of(0, len)).unwrap();
+        w.put("b", &bytes_of(1, len)).unwrap();
+        for i in 2..slots as u64 {
+            w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+        }
+        if looked_up {
+            let want = format!("read {}", checksum(&bytes_of(0, len)));
+            assert_eq!(peer.ask("a"), want);
+        }
+        // The ring is full: the next put needs the oldest slot, a's.
+        w.put("next", &bytes_of(99, len)).unwrap();
+        assert_eq!(w.is_cached("a"), looked_up, "found by lookup: {looked_up}");
+        assert_eq!(
+            w.is_cached("b"),
+            !looked_up,
+            "untouched: evicted in a's stead"
+        );
+        assert!(w.is_cached("k2"));
+        peer.finish();
+    }
+}
+
+/// The index entry of a key that names a slot holding another object
+/// (what an entry read just before the writer reused the slot names): the
+/// lookup is a miss, and the object it found gets no second chance. Here
+/// a's entry is rewritten to name b's slot, id and address (b's tag then
+/// checks out; only b's key fingerprint tells it is not a's).
+#[test]
+fn a_lookup_that_meets_another_keys_object_is_a_miss_and_keeps_nothing() {
+    let len = 4 * KIB;
+    let slots = 8;
+    let name = Name::new("lookupother");
+    let mut w = cache(&name, slots, len, 1);
+    let mut peer = Peer::spawn("lookupget", &w.handle());
+    let a = w.put("a", &bytes_of(0, len)).unwrap();
+    let b = w.put("b", &bytes_of(1, len)).unwrap();
+    for i in 2..slots as u64 {
+        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+    }
+    let u64_at = |off: u64| u64::from_le_bytes(common::peek(&name, off, 8).try_into().unwrap());
+    let entries = u64_at(160); // SegmentHeader::index_entries
+    let table = pinshm::testing::index_offset(1, (slots * StoreConfig::slot_len(1, len)) as u64);
+    let entry = (0..entries)
+        .map(|i| table + 32 * i)
+        .find(|&e| u64_at(e + 16) == a.monotonic_id)
+        .expect("a is indexed");
+    let mut forged = b.monotonic_id.to_le_bytes().to_vec();
+    forged.extend_from_slice(&b.address.to_le_bytes());
+    common::scribble(&name, entry + 16, &forged);
+    assert_eq!(peer.ask("a"), "miss", "a's key never gives b's object");
+    // The ring is full: a's slot goes, then b's, untouched.
+    w.put("next", &bytes_of(98, len)).unwrap();
+    w.put("next2", &bytes_of(99, len)).unwrap();
+    assert!(
+        !w.is_cached("b"),
+        "b got a second chance from a lookup of a"
+    );
+    assert!(w.is_cached("k2"));
+    peer.finish();
+}
+
 #[test]
 fn a_lookup_in_a_store_without_a_key_index_says_so() {
     let name = Name::new("noindex");
@@ -258,6 +332,35 @@ fn a_cache_with_aggregate_reads_is_refused() {
         ObjectStore::create(cfg),
         Err(Error::InvalidConfig(_))
     ));
+}
+
+/// In aggregate mode a reader's `get_key` acknowledges a read that any
+/// reader's read covers: reader 0's two hits would free an object that
+/// reader 1 still owes a read of. Refused at create, saying what to use.
+#[test]
+fn a_key_index_with_aggregate_reads_is_refused_and_says_what_to_use() {
+    let name = Name::new("aggindex");
+    let cfg = StoreConfig::new(1 << 20, 1 << 16, 2)
+        .name(&*name)
+        .key_index(64)
+        .aggregate_reads(true);
+    match ObjectStore::create(cfg) {
+        Err(e @ Error::InvalidConfig(_)) => {
+            let msg = e.to_string();
+            assert!(msg.contains("key_index with aggregate_reads"), "{msg}");
+            assert!(msg.contains("cache(true)"), "says what to use: {msg}");
+        }
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("a key index with aggregate reads was created"),
+    }
+    assert!(!name.exists(), "nothing left in /dev/shm");
+    // Each alone is fine.
+    for cfg in [
+        StoreConfig::new(1 << 20, 1 << 16, 2).key_index(64),
+        StoreConfig::new(1 << 20, 1 << 16, 2).aggregate_reads(true),
+    ] {
+        ObjectStore::create(cfg.name(&*name)).unwrap();
+    }
 }
 
 #[test]
@@ -406,6 +509,16 @@ fn child_body(role: &str, sh: &StoreHandle) {
                         answer("released");
                     }
                     (other, _) => panic!("unknown command {other}"),
+                }
+            }
+            answer("done");
+        }
+        "lookupget" => {
+            // vLLM-style: key to handle, then a read by handle.
+            for key in lines.by_ref() {
+                match r.lookup(&key).unwrap() {
+                    Some(h) => answer(&format!("read {}", checksum(&r.get(h).unwrap()))),
+                    None => answer("miss"),
                 }
             }
             answer("done");

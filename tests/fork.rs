@@ -298,3 +298,59 @@ fn a_forked_childs_inherited_handles_answer_without_touching_shared_memory() {
     assert_eq!(r.epoch(), h.epoch);
     assert!(r.writer_alive());
 }
+
+/// A sparse store's backer thread is the parent's: a forked child has
+/// none. Forked while the backer is backing pages, the child's inherited
+/// store refuses puts and drops without waiting for a thread it does not
+/// have (a hang here) or telling it anything, and without unlinking the
+/// parent's segment; the parent's store goes on, its backer with it.
+#[test]
+fn a_forked_child_drops_a_sparse_store_without_waiting_for_the_parents_backer() {
+    let name = Name::new("fork-backer");
+    let mib = 1 << 20;
+    let mut w = ObjectStore::create(
+        StoreConfig::new(512 * mib, 4 * mib, 1)
+            .name(&*name)
+            .cache(true)
+            .reserve(false)
+            .prefault(false)
+            .back_ahead(256 * mib as u64),
+    )
+    .unwrap();
+    w.put("a", &pattern(1, 4 * mib)).unwrap();
+    // SAFETY: the child uses the inherited store and _exits. The backer
+    // thread takes no lock and allocates nothing.
+    let child = match unsafe { fork() }.unwrap() {
+        ForkResult::Child => {
+            let refused = matches!(w.put("b", b"x"), Err(Error::Forked { .. }));
+            drop(w);
+            // SAFETY: _exit ends the child at once.
+            unsafe { nix::libc::_exit(if refused { 0 } else { 1 }) }
+        }
+        ForkResult::Parent { child } => child,
+    };
+    let t0 = Instant::now();
+    let status = loop {
+        match waitpid(child, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).unwrap() {
+            WaitStatus::StillAlive if t0.elapsed() < GONE_WITHIN => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            WaitStatus::StillAlive => {
+                let _ = kill(child, Signal::SIGKILL);
+                panic!("the child hung dropping its inherited store");
+            }
+            s => break s,
+        }
+    };
+    assert_eq!(
+        status,
+        WaitStatus::Exited(child, 0),
+        "1: a put was not refused; a signal: the drop touched the parent's thread"
+    );
+    assert!(name.exists(), "the child unlinked the parent's segment");
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    for i in 0..8u64 {
+        let h = w.put(&format!("k{i}"), &pattern(i, 4 * mib)).unwrap();
+        assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * mib));
+    }
+}

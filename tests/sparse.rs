@@ -25,26 +25,108 @@ fn allocated(name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// What a sparse store allocates: the pages its objects touch, plus at
+/// most one step ahead of them (`back_ahead`; 0: none), whenever it is
+/// looked at (the backer thread may be anywhere in its step).
 #[test]
-fn a_sparse_store_costs_the_pages_its_objects_touch() {
-    let name = Name::new("sparsecost");
+fn a_sparse_store_costs_the_pages_its_objects_touch_plus_one_step() {
+    for ahead in [0, 8 * MIB as u64] {
+        let name = Name::new("sparsecost");
+        let mut w = ObjectStore::create(
+            StoreConfig::new(256 * MIB, 4 * MIB, 1)
+                .name(&*name)
+                .reserve(false)
+                .prefault(false)
+                .back_ahead(ahead),
+        )
+        .unwrap();
+        let r = StoreReader::attach(&w.handle()).unwrap();
+        // The header page and the backer's rounding (a 64 KiB chunk).
+        let slack = MIB as u64 + ahead;
+        assert!(allocated(&name) < slack, "{ahead}: {}", allocated(&name));
+        for i in 0..4 {
+            let h = w.put(&format!("k{i}"), &pattern(i, 4 * MIB)).unwrap();
+            assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB));
+            let used = allocated(&name);
+            let touched = (i + 1) * 4 * MIB as u64;
+            assert!(
+                (touched..touched + slack).contains(&used),
+                "{ahead}: {} puts of 4 MiB allocated {used} bytes",
+                i + 1
+            );
+        }
+        if ahead > 0 {
+            // Once the backer has its step (it gets there: a hang guard,
+            // not a timing assertion), it stops: given time to take more
+            // (a backer that took everything would have taken it by then),
+            // it has not.
+            let want = 16 * MIB as u64 + ahead;
+            let t0 = std::time::Instant::now();
+            while allocated(&name) < want {
+                assert!(t0.elapsed() < std::time::Duration::from_secs(60));
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let used = allocated(&name);
+            assert!(used < 16 * MIB as u64 + slack, "{ahead}: {used} bytes");
+        }
+    }
+}
+
+/// With a backer, a put into pages never written before finds them backed
+/// (and mapped): it backs nothing itself. The backer is given time to get
+/// its step ahead first (a put that outruns it backs its own pages, as
+/// without one).
+#[test]
+fn puts_into_a_sparse_store_find_their_pages_backed_ahead() {
+    let name = Name::new("ahead");
+    let step = 8 * MIB as u64;
     let mut w = ObjectStore::create(
-        StoreConfig::new(256 * MIB, 4 * MIB, 1)
+        StoreConfig::new(64 * MIB, 4 * MIB, 1)
             .name(&*name)
             .reserve(false)
-            .prefault(false),
+            .prefault(false)
+            .back_ahead(step),
     )
     .unwrap();
     let r = StoreReader::attach(&w.handle()).unwrap();
-    assert!(allocated(&name) < MIB as u64, "{}", allocated(&name));
-    for i in 0..4 {
+    let wait_for = |bytes: u64| {
+        let t0 = std::time::Instant::now();
+        while allocated(&name) < bytes {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "the backer never got to {bytes} bytes: {}",
+                allocated(&name)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    // 15 objects fill the ring: the first lap, then two more.
+    for i in 0..45u64 {
+        if i < 15 {
+            // Each put of 4 MiB moves the backer's target 4 MiB further,
+            // up to the end of the ring.
+            wait_for((i * 4 * MIB as u64 + step).min(64 * MIB as u64));
+        }
         let h = w.put(&format!("k{i}"), &pattern(i, 4 * MIB)).unwrap();
         assert_eq!(r.get_copy(h).unwrap(), pattern(i, 4 * MIB));
+        assert_eq!(w.stats().backed_in_put, 0, "put {i} backed its own pages");
     }
-    let used = allocated(&name);
+    // Without a backer, the same puts back every page themselves.
+    let name0 = Name::new("ahead0");
+    let mut w0 = ObjectStore::create(
+        StoreConfig::new(64 * MIB, 4 * MIB, 1)
+            .name(&*name0)
+            .reserve(false)
+            .prefault(false)
+            .back_ahead(0),
+    )
+    .unwrap();
+    w0.put("k", &pattern(0, 4 * MIB)).unwrap();
     assert!(
-        (16 * MIB as u64..20 * MIB as u64).contains(&used),
-        "4 puts of 4 MiB allocated {used} bytes"
+        w0.stats().backed_in_put >= 4 * MIB as u64,
+        "{:?}",
+        w0.stats()
     );
 }
 
@@ -185,12 +267,15 @@ fn fill_dev_shm(name: &str) {
 #[ignore = "child process entry point: its parent test runs it with --ignored"]
 fn child_nospace_keeps_the_cache() {
     if std::env::var("PINSHM_CHILD").as_deref() == Ok("child_nospace_keeps_the_cache") {
-        // A 256 MiB sparse store on a 32 MiB /dev/shm.
+        // A 256 MiB sparse store on a 32 MiB /dev/shm, with no backer: the
+        // scenario needs the pages past the high-water mark missing (a
+        // backer would have taken them ahead of the writer).
         let mut w = ObjectStore::create(
             StoreConfig::new(256 * MIB, 24 * MIB, 1)
                 .name("pinshm-test-nospace-cache")
                 .reserve(false)
-                .prefault(false),
+                .prefault(false)
+                .back_ahead(0),
         )
         .unwrap();
         let r = StoreReader::attach(&w.handle()).unwrap();
@@ -305,11 +390,13 @@ fn refuse_all(r: &StoreReader, forged: &[pinshm::ObjectHandle]) {
 fn handles_past_what_the_writer_wrote_allocate_no_page() {
     let name = Name::new("pastwritten");
     let capacity = 64 * MIB;
+    // No backer: its pages ahead would change the count below meanwhile.
     let mut w = ObjectStore::create(
         StoreConfig::new(capacity, MIB, 1)
             .name(&*name)
             .reserve(false)
-            .prefault(false),
+            .prefault(false)
+            .back_ahead(0),
     )
     .unwrap();
     let r = StoreReader::attach(&w.handle()).unwrap();
@@ -337,11 +424,13 @@ fn child_reads_past_written_on_full_shm() {
         // A 256 MiB sparse store on a 32 MiB /dev/shm, then /dev/shm full: a
         // read fault on a hole would be SIGBUS (the child would end with 135).
         let capacity = 256 * MIB;
+        // No backer: its pages ahead could race the filler below.
         let mut w = ObjectStore::create(
             StoreConfig::new(capacity, MIB, 1)
                 .name("pinshm-test-past-written")
                 .reserve(false)
-                .prefault(false),
+                .prefault(false)
+                .back_ahead(0),
         )
         .unwrap();
         let r = StoreReader::attach(&w.handle()).unwrap();

@@ -237,6 +237,7 @@ fn a_reader_leaves_a_sparse_segment_sparse() {
             .name(&*name)
             .reserve(false)
             .prefault(false)
+            .back_ahead(0)
             .aggregate_reads(true),
     )
     .unwrap();

@@ -239,6 +239,7 @@ class ObjectStore:
         shm_headroom: int = 0,
         cache: bool = False,
         key_index: int = 0,
+        back_ahead: Optional[int] = None,
     ) -> ObjectStore:
         """Creates the segment (`capacity` bytes of ring, objects up to
         `max_object_size` bytes, `n_readers` readers, 1 to 64; `name` in
@@ -254,7 +255,10 @@ class ObjectStore:
         `pin`: "auto" (pin a reserved segment where CUDA is there), "off",
         "require" (pin or raise). `cache=True`: objects owe no reads (not
         with `aggregate_reads`); `key_index=N`: room for N keys readers
-        look up themselves (`StoreReader.lookup`).
+        look up themselves (`StoreReader.lookup`). `back_ahead`: bytes a
+        sparse store's background thread keeps backed past the last put,
+        so a put into fresh pages needs no page allocation (None: the
+        default, `DEFAULT_BACK_AHEAD`; 0: off).
 
         InvalidArgumentError for a bad configuration or name, ValueError
         for an unknown `eviction` or `pin`, NoSpaceError where /dev/shm
@@ -371,6 +375,9 @@ class ObjectStore:
     SLOT_ALIGN: ClassVar[int]
     """Slots start at, and a ring's capacity is a multiple of, this many
     bytes."""
+    DEFAULT_BACK_AHEAD: ClassVar[int]
+    """Bytes a sparse store's background thread keeps backed past the
+    writer's last put by default (`back_ahead=None`; 0 turns it off)."""
     @staticmethod
     def slot_len(n_readers: int, payload: int) -> int:
         """Ring bytes one object of `payload` bytes takes with `n_readers`
@@ -584,7 +591,8 @@ class StoreReader:
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`'s object from the store's shared key index
         (`key_index=` at create), without the writer; None on a miss. Never
-        another key's object. PinshmError if the store has no key index."""
+        another key's object. A hit gives the object a second chance, as
+        `get_key` does. PinshmError if the store has no key index."""
     def lease(self, handle: ObjectHandle) -> Lease:
         """Keeps the object from being reclaimed, unread, until the lease
         is released. StaleError if it is gone."""

@@ -105,6 +105,13 @@ impl ObjectStore {
     /// it the store reuses what it has (a cache beside a queue that must
     /// not run out).
     ///
+    /// `back_ahead` (bytes, default `ObjectStore.DEFAULT_BACK_AHEAD`, 16
+    /// MiB; sparse stores): a background thread keeps that much past the
+    /// last put backed and mapped during the ring's first lap, so a put
+    /// into fresh pages costs what a put into backed ones does (while the
+    /// thread keeps up); within `shm_headroom`. 0: each put backs its own
+    /// pages.
+    ///
     /// `pin` is `"auto"` (default: a `cuda` build with a driver pins a
     /// reserved segment in this process), `"off"` (never: a process that
     /// must stay CUDA-free, such as vLLM's API server, which forks the
@@ -117,7 +124,7 @@ impl ObjectStore {
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
         *, reserve=true, prefault=None, eviction="second_chance", pin="auto", shm_headroom=0,
-        cache=false, key_index=0
+        cache=false, key_index=0, back_ahead=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -134,6 +141,7 @@ impl ObjectStore {
         shm_headroom: u64,
         cache: bool,
         key_index: usize,
+        back_ahead: Option<u64>,
     ) -> PyResult<Self> {
         let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
@@ -153,7 +161,8 @@ impl ObjectStore {
             .pin(pin)
             .shm_headroom(shm_headroom)
             .cache(cache)
-            .key_index(key_index);
+            .key_index(key_index)
+            .back_ahead(back_ahead.unwrap_or(pinshm::StoreConfig::DEFAULT_BACK_AHEAD));
         if let Some(name) = name {
             cfg = cfg.name(name);
         }
@@ -552,6 +561,7 @@ impl ObjectStore {
         d.set_item("dead_readers_reaped", st.dead_readers_reaped)?;
         d.set_item("stale_reads", st.stale_reads)?;
         d.set_item("nospace_fallbacks", st.nospace_fallbacks)?;
+        d.set_item("backed_in_put", st.backed_in_put)?;
         d.set_item("indexed", st.indexed)?;
         d.set_item("unindexed", st.unindexed)?;
         d.set_item("oldest_unread", st.oldest_unread.map(|b| b.to_string()))?;
@@ -561,6 +571,11 @@ impl ObjectStore {
     /// Slots start, and a ring's capacity is a multiple of, this many bytes.
     #[classattr]
     const SLOT_ALIGN: usize = pinshm::StoreConfig::SLOT_ALIGN;
+
+    /// `back_ahead`'s default (bytes): how far a sparse store's background
+    /// thread backs pages ahead of the writer.
+    #[classattr]
+    const DEFAULT_BACK_AHEAD: u64 = pinshm::StoreConfig::DEFAULT_BACK_AHEAD;
 
     /// Ring bytes one object of `payload` bytes takes with `n_readers`
     /// readers (slot header, read counters and 64-byte alignment

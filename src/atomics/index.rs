@@ -6,13 +6,15 @@
 //! | field | written by | read by | protocol |
 //! |---|---|---|---|
 //! | `SegmentHeader::index_seq` | writer: odd (Relaxed) then a Release fence before it changes entries, the next even value (Release) after | readers: Acquire before a probe; an Acquire fence then Relaxed after it | seqlock: a probe between two equal even loads saw no change |
-//! | `IndexEntry::{fp, id, address}` | writer only (Relaxed), between the two stores of `index_seq` | readers (Relaxed), between the two loads of `index_seq` | a reader takes an entry, or the absence of one, only when the sequence word did not move across its probe; and a hit only after checking the slot it names (id, tag and key fingerprint, under its hold), since the writer may change the table right after |
+//! | `IndexEntry::{fp, id, address}` | writer only (Relaxed), between the two stores of `index_seq` | readers (Relaxed), between the two loads of `index_seq` | a reader takes an entry, or the absence of one, only when the sequence word did not move across its probe; and a hit only after checking the slot it names (id, tag and key fingerprint, under its hold or its validated hazard), since the writer may change the table right after |
 //!
 //! Why a torn hit is harmless: the slot, not the entry, decides. A reader
-//! that follows an entry takes its hold (the hold protocol of
-//! `crate::atomics`), then compares the slot's id and key fingerprint with
-//! what it looked up; the writer writes both before the id's Release
-//! publish and never while the slot is held. A mixed entry names a slot
+//! that follows an entry publishes its hazard on the entry's id (the hold
+//! protocol of `crate::atomics`; `get_key` then takes the hold, `lookup`
+//! only marks the slot touched), then compares the slot's id and key
+//! fingerprint with what it looked up; the writer writes both before the
+//! id's Release publish and never while the slot is held or under a
+//! validated hazard. A mixed entry names a slot
 //! whose id or fingerprint differs, and the lookup reports a miss.
 //!
 //! Why a miss needs the sequence word: the writer moves entries when it

@@ -231,7 +231,10 @@ impl SlotPtr {
     }
 
     /// A reader's hit by key (Relaxed: a hint for eviction, ordering
-    /// nothing). Called only while the reader holds the slot.
+    /// nothing). Called only while the reader holds the slot or its
+    /// validated hazard keeps the slot from reuse (a `lookup`), so the
+    /// mark is never written into a slot that has become another object's
+    /// (the writer zeroes the word at each publish).
     pub fn touch(&self) {
         if self.touched().load(Ordering::Relaxed) == 0 {
             self.touched().store(1, Ordering::Relaxed);

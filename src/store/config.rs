@@ -15,6 +15,7 @@ pub struct StoreConfig {
     pub(crate) prefault: bool,
     pub(crate) reserve: bool,
     pub(crate) shm_headroom: u64,
+    pub(crate) back_ahead: u64,
     pub(crate) pin: PinSpec,
     pub(crate) reader_timeout: Option<std::time::Duration>,
     pub(crate) aggregate_reads: bool,
@@ -39,7 +40,8 @@ pub enum Eviction {
     /// its handles stay valid). On a Zipf trace of multimodal-sized objects
     /// it beat FIFO at equal capacity in every cell measured, by 1.3 to 6.2
     /// points of hit rate (docs/hit_rate.md). A reader's hit by key
-    /// ([`StoreReader::get_key`](crate::StoreReader::get_key),
+    /// ([`StoreReader::lookup`](crate::StoreReader::lookup),
+    /// [`get_key`](crate::StoreReader::get_key),
     /// [`lease_key`](crate::StoreReader::lease_key)) counts as one. Without
     /// hits it is FIFO.
     #[default]
@@ -51,6 +53,8 @@ impl StoreConfig {
     pub const SLOT_ALIGN: usize = layout::SLOT_ALIGN;
     /// The most readers a store takes.
     pub const MAX_READERS: u32 = layout::MAX_READERS;
+    /// [`StoreConfig::back_ahead`]'s default: 16 MiB.
+    pub const DEFAULT_BACK_AHEAD: u64 = 16 << 20;
 
     /// A ring of `capacity` bytes for objects up to `max_object_size` bytes,
     /// read by `n_readers` readers (1 to [`layout::MAX_READERS`]).
@@ -63,6 +67,7 @@ impl StoreConfig {
             prefault: true,
             reserve: true,
             shm_headroom: 0,
+            back_ahead: Self::DEFAULT_BACK_AHEAD,
             pin: PinSpec::default(),
             reader_timeout: None,
             aggregate_reads: false,
@@ -125,9 +130,10 @@ impl StoreConfig {
 
     /// Whether to reserve every page of /dev/shm at create (default true),
     /// so a too-small /dev/shm fails at create. Off: a sparse segment that
-    /// costs the pages its objects touch; the writer backs pages
-    /// (`fallocate`) just before it first writes them, so a full /dev/shm is
-    /// an [`Error::NoSpace`] from that put, never a SIGBUS, and readers never
+    /// costs the pages its objects touch, plus one step ahead
+    /// ([`StoreConfig::back_ahead`]); no page is written before it is
+    /// backed (`fallocate`), so a full /dev/shm is an [`Error::NoSpace`]
+    /// from the put that needs the page, never a SIGBUS, and readers never
     /// fault on unbacked pages. `PinMode::Auto` does not pin a sparse
     /// segment (pinning would allocate every page).
     pub fn reserve(mut self, yes: bool) -> Self {
@@ -149,6 +155,30 @@ impl StoreConfig {
         self
     }
 
+    /// For a sparse store ([`StoreConfig::reserve`] off): how many bytes
+    /// of pages a background thread keeps backed (`fallocate`) and mapped
+    /// into the writer's page tables (`MADV_POPULATE_WRITE`) past the end
+    /// of the writer's last put, during the ring's first lap (default
+    /// [`StoreConfig::DEFAULT_BACK_AHEAD`]; rounded up to 64 KiB). A put
+    /// into pages never written before then costs what a put into backed
+    /// ones does, as long as the thread keeps up: it backs about a GB/s on
+    /// a small VM, between puts (a put per engine step), at the lowest
+    /// priority (nice 19: it never preempts the writer, and on a busy
+    /// machine it falls behind). A put that outruns it backs the rest of
+    /// its pages itself, as with 0 (off: each put backs the pages it
+    /// needs, and pays their allocation and first-touch faults); the
+    /// writer never waits for it. The thread starts at create (the first
+    /// put finds its pages ready), ends once the whole ring is backed, and
+    /// obeys [`StoreConfig::shm_headroom`] together with the writer: it
+    /// never backs what the headroom leaves to others, and a full /dev/shm
+    /// stops it (the put that needs the pages gets [`Error::NoSpace`],
+    /// never SIGBUS). Memory: what the data touches plus at most this many
+    /// bytes.
+    pub fn back_ahead(mut self, bytes: u64) -> Self {
+        self.back_ahead = bytes;
+        self
+    }
+
     /// Stuck-reader policy (off by default): a reader that owes a read of
     /// the oldest object and has acknowledged nothing for longer than
     /// `timeout` is no longer waited for. Its live guards are still
@@ -162,7 +192,10 @@ impl StoreConfig {
     /// counter per object, and an object referenced k times is done after
     /// k × n_readers reads from any readers (readers that left are not
     /// counted). The default, one counter per reader, is stricter: each
-    /// reader must read the object as often as it was referenced.
+    /// reader must read the object as often as it was referenced. Not with
+    /// [`StoreConfig::key_index`] or [`StoreConfig::cache`]
+    /// ([`ObjectStore::create`](crate::ObjectStore::create) refuses them
+    /// with [`Error::InvalidConfig`]).
     pub fn aggregate_reads(mut self, yes: bool) -> Self {
         self.aggregate_reads = yes;
         self
@@ -187,7 +220,10 @@ impl StoreConfig {
     /// most three quarters full), after the data region, backed at
     /// create. Keys past `max_keys` stay stored but readers miss them
     /// (`StoreStats::unindexed` counts them); size it by the objects the
-    /// ring holds (capacity / the smallest object).
+    /// ring holds (capacity / the smallest object). Not with
+    /// [`StoreConfig::aggregate_reads`]: there a reader's hit by key would
+    /// count as a read any reader owes (use [`StoreConfig::cache`] or
+    /// per-reader accounting).
     pub fn key_index(mut self, max_keys: usize) -> Self {
         self.key_index = max_keys;
         self
@@ -211,6 +247,19 @@ impl StoreConfig {
         if self.cache && self.aggregate_reads {
             return bad(
                 "a cache owes no reads: cache and aggregate_reads exclude each other".into(),
+            );
+        }
+        if self.key_index > 0 && self.aggregate_reads {
+            // A hit by key (`get_key`) acknowledges a read, and in aggregate
+            // mode any reader's read counts towards every reader's: one
+            // reader's repeated hits would free an object the others still
+            // owe reads of, and their `get` would be `Stale`.
+            return bad(
+                "key_index with aggregate_reads: a reader's hits by key would count as reads \
+                 owed by other readers and free objects they have not read; for lookups by \
+                 key use key_index with cache(true) (objects owe no reads), or per-reader \
+                 accounting (aggregate_reads off)"
+                    .into(),
             );
         }
         if self.index_entries() > layout::MAX_INDEX_ENTRIES {

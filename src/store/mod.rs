@@ -2,6 +2,7 @@
 //! ([`StoreReader`]) with their zero-copy [`ReadGuard`]s, and the glue that
 //! joins the store to the codec (`typed`) and to copy engines (`device`).
 
+mod ahead;
 mod clear;
 mod config;
 mod device;

@@ -245,24 +245,36 @@ impl StoreReader {
     /// handle is as good as one sent by the writer: a later `get` of it is
     /// `Stale` if the object goes meanwhile; [`StoreReader::get_key`] and
     /// [`StoreReader::lease_key`] look up and hold in one step.
+    ///
+    /// A hit counts as a hit by key, as `get_key`'s does: under
+    /// [`Eviction::SecondChance`](crate::Eviction::SecondChance) the object
+    /// stays one more lap of the writer's sweep (a lookup, then a `get` of
+    /// the handle, as vLLM-style code does, keeps what it found).
     pub fn lookup(&self, key: &str) -> Result<Option<ObjectHandle>> {
-        self.at.check_attached()?;
+        // Before the hazard word is written: in a forked child it is the
+        // parent's.
+        self.at.check_owner()?;
         let Some((h, fp)) = self.probe(key)? else {
             return Ok(None);
         };
         let Ok(slot) = self.find_slot(h) else {
             return Ok(None);
         };
-        let Ok(valid) = self.check_slot(h, &slot, slot.id_acquire()) else {
-            return Ok(None);
-        };
-        let key_fp = slot.key_fp();
-        // As `validate`: what was read after the id load is the handle's only
-        // if the id and tag are still the ones checked.
-        if key_fp != fp || slot.identity_recheck() != (h.monotonic_id, valid.tag) {
-            return Ok(None);
+        // Checked under the hazard, as a hold is taken (the hold protocol
+        // of crate::atomics), so that the touch below lands on this
+        // object: once the hazard validates, the slot cannot be reused
+        // until it is cleared, and the key fingerprint read after the id
+        // is the object's own. A hit from before a reuse fails the check
+        // and gives the newer object nothing.
+        self.at.me.set_hazard(h.monotonic_id);
+        let hit = self.check_slot(h, &slot, slot.id_acquire()).is_ok() && slot.key_fp() == fp;
+        let entry = self.at.check_entry();
+        if hit && entry.is_ok() {
+            slot.touch();
         }
-        Ok(Some(h))
+        self.at.me.clear_hazard();
+        entry?;
+        Ok(hit.then_some(h))
     }
 
     /// A zero-copy view of `key`'s object, found through the shared key

@@ -14,6 +14,8 @@ use crate::sys::clock;
 use crate::sys::liveness;
 use crate::sys::segment::{Backing, Segment};
 
+use super::ahead::Ahead;
+
 /// How many times a put plans again after a reader took a hold on an
 /// object between the plan and its reclaim (a race, not a loop).
 const REPLANS: usize = 8;
@@ -228,6 +230,9 @@ pub(super) struct Space {
     pub(super) ring: Ring<Entry>,
     /// Which pages of a sparse segment are backed (all, if reserved).
     pub(super) backing: Backing,
+    /// A sparse segment's background backer, until its first lap is
+    /// backed ([`StoreConfig::back_ahead`](crate::StoreConfig::back_ahead)).
+    pub(super) ahead: Option<Ahead>,
     /// What the allocator does with an object hit since it last passed.
     eviction: Eviction,
     reader_timeout_ns: Option<u64>,
@@ -245,6 +250,7 @@ impl Space {
             geo,
             ring,
             backing,
+            ahead: None,
             eviction,
             reader_timeout_ns,
         }
@@ -331,7 +337,7 @@ impl Space {
                     // first, they would be forgotten, and the caller's
                     // fallback into the backed part evict others besides.
                     let before = self.backing.backed();
-                    if let Err(e) = self.backing.ensure(seg, data_at + plan.pos, slot_len) {
+                    if let Err(e) = self.back(seg, data_at + plan.pos, slot_len, stats) {
                         return Err(NoRoom::Unbacked(e));
                     }
                     if self.backing.backed() != before {
@@ -371,6 +377,38 @@ impl Space {
                 None => {}
             }
             return Err(NoRoom::Full(self.full(slot_len, stats)));
+        }
+    }
+
+    /// Backs `offset..offset + len` of the segment before it is written:
+    /// through the backer while there is one (what it has backed ahead
+    /// costs nothing here), else in this call. Counts the bytes backed
+    /// here in `stats.backed_in_put`.
+    fn back(&mut self, seg: &Segment, offset: u64, len: u64, stats: &mut StoreStats) -> Result<()> {
+        let own = match &mut self.ahead {
+            Some(a) => a.ensure(&mut self.backing, seg, offset, len)?,
+            None => {
+                let before = self.backing.backed();
+                self.backing.ensure(seg, offset, len)?;
+                self.backing.backed() - before
+            }
+        };
+        stats.backed_in_put += own;
+        if self
+            .ahead
+            .as_ref()
+            .is_some_and(|a| a.finished(&self.backing))
+        {
+            // The first lap is backed: the backer has nothing left to do.
+            self.ahead = None;
+        }
+        Ok(())
+    }
+
+    /// An object was published: the backer, if any, may go on ahead.
+    pub(super) fn published(&mut self) {
+        if let Some(a) = &mut self.ahead {
+            a.kick();
         }
     }
 

@@ -26,6 +26,11 @@ pub struct StoreStats {
     /// Puts placed in the part of a sparse ring already backed because
     /// /dev/shm had no room for new pages.
     pub nospace_fallbacks: u64,
+    /// Bytes of new pages that puts backed themselves, inside the put (a
+    /// sparse store whose background backer was behind, blocked or off:
+    /// [`StoreConfig::back_ahead`](crate::StoreConfig::back_ahead)); what
+    /// the backer backed ahead of them is not counted.
+    pub backed_in_put: u64,
     /// Keys in the shared key index now (0 without one).
     pub indexed: u64,
     /// Puts whose key the shared key index had no room for (readers miss

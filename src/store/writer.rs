@@ -11,6 +11,7 @@ use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::ring::{Plan, Ring};
 
+use super::ahead::Ahead;
 use super::key_index::SharedIndex;
 use super::reclaim::{NoRoom, Space};
 use crate::atomics::{SlotMeta, SlotPtr};
@@ -254,14 +255,25 @@ impl ObjectStore {
         let reserved = cfg.reserve;
         let map = Mapping::new(seg, cfg.pin, reserved, want_prefault && !prefault, false)?;
         tracing::debug!(name = %name, capacity = cfg.capacity, n_readers = cfg.n_readers, "store created");
+        let mut space = Space::new(
+            geo,
+            Ring::new(cfg.capacity as u64),
+            backing,
+            cfg.eviction,
+            cfg.reader_timeout.map(|d| d.as_nanos() as u64),
+        );
+        if !cfg.reserve && cfg.back_ahead > 0 {
+            space.ahead = Ahead::start(
+                &map,
+                space.backing.backed(),
+                header_len as u64,
+                (header_len + cfg.capacity) as u64,
+                cfg.back_ahead,
+                cfg.shm_headroom,
+            );
+        }
         Ok(ObjectStore {
-            space: Space::new(
-                geo,
-                Ring::new(cfg.capacity as u64),
-                backing,
-                cfg.eviction,
-                cfg.reader_timeout.map(|d| d.as_nanos() as u64),
-            ),
+            space,
             keys: Keys {
                 shared: geo.index().map(SharedIndex::new),
                 ..Keys::default()
@@ -532,6 +544,7 @@ impl ObjectStore {
         };
         self.keys.index.insert(key, handle);
         self.stats.puts += 1;
+        self.space.published();
         Some(handle)
     }
 

@@ -195,8 +195,14 @@ impl Segment {
     /// now, or fails with `ENOSPC`), so writing them later can never raise
     /// SIGBUS. Pages already allocated are left as they are.
     pub fn back(&self, offset: u64, len: u64) -> Result<()> {
+        self.allocate_pages(offset, len).map(|_| ())
+    }
+
+    /// As [`Segment::back`]; `Ok(false)` where the filesystem has no
+    /// `fallocate` (nothing was allocated: writes fault pages in).
+    pub fn allocate_pages(&self, offset: u64, len: u64) -> Result<bool> {
         if len == 0 {
-            return Ok(());
+            return Ok(true);
         }
         let fd = self.file.as_raw_fd();
         loop {
@@ -204,7 +210,7 @@ impl Segment {
             // reads no memory of ours.
             let r = unsafe { nix::libc::fallocate(fd, 0, offset as i64, len as i64) };
             if r == 0 {
-                return Ok(());
+                return Ok(true);
             }
             match Errno::last() {
                 Errno::EINTR => continue,
@@ -219,9 +225,36 @@ impl Segment {
                 }
                 // Filesystems without fallocate: writes fault pages in as
                 // before (only the early failure is lost).
-                Errno::EOPNOTSUPP | Errno::ENOSYS => return Ok(()),
+                Errno::EOPNOTSUPP | Errno::ENOSYS => return Ok(false),
                 e => return Err(sys_err("fallocate", self.name(), e)),
             }
+        }
+    }
+
+    /// Maps the whole pages of `offset..offset + len` into this process's
+    /// page tables, writable, so that a first write costs no fault:
+    /// `MADV_POPULATE_WRITE` (Linux 5.14), else read faults (a read fault
+    /// maps a shared tmpfs page writable too). Changes no byte. Only for
+    /// pages already allocated ([`Segment::allocate_pages`]): the
+    /// fallback's loads on a hole of a full /dev/shm would raise SIGBUS.
+    pub fn map_pages(&self, offset: u64, len: u64) {
+        let page = page_size() as u64;
+        let start = offset.next_multiple_of(page);
+        let end = offset.saturating_add(len).min(self.len() as u64) / page * page;
+        if end <= start {
+            return;
+        }
+        // SAFETY: start..end lies inside our live mapping (clamped to its
+        // length, page aligned); the advice only fills page tables for
+        // pages that exist and changes no byte.
+        let p = unsafe { self.as_ptr().add(start as usize) };
+        let n = (end - start) as usize;
+        // SAFETY: as above.
+        let r = unsafe { nix::libc::madvise(p.cast(), n, nix::libc::MADV_POPULATE_WRITE) };
+        if r != 0 && Errno::last() == Errno::EINVAL {
+            // Before Linux 5.14: read faults.
+            // SAFETY: p..p+n is inside our live mapping.
+            unsafe { populate(p, n) };
         }
     }
 
@@ -521,6 +554,26 @@ impl Backing {
         (self.leading * Self::CHUNK).min(self.len)
     }
 
+    /// Records that `0..upto` is backed (by someone else: a background
+    /// backer that allocated those pages itself). For a prefix backing;
+    /// only whole chunks count, and the last, partial one once `upto`
+    /// reaches the end.
+    pub fn mark_prefix(&mut self, upto: u64) {
+        let chunks = self.len.div_ceil(Self::CHUNK);
+        let whole = if upto >= self.len {
+            chunks
+        } else {
+            upto / Self::CHUNK
+        };
+        while self.leading < whole {
+            if !self.is_backed(self.leading) {
+                self.bits[(self.leading / 64) as usize] |= 1 << (self.leading % 64);
+                self.unbacked -= 1;
+            }
+            self.leading += 1;
+        }
+    }
+
     fn is_backed(&self, chunk: u64) -> bool {
         self.bits[(chunk / 64) as usize] & (1 << (chunk % 64)) != 0
     }
@@ -556,18 +609,7 @@ impl Backing {
             }
             let from = run_start * Self::CHUNK;
             let to = (c * Self::CHUNK).min(self.len);
-            if self.headroom > 0 {
-                let free = shm_free_bytes();
-                if free < (to - from).saturating_add(self.headroom) {
-                    let err = Error::NoSpace {
-                        name: seg.name().to_owned(),
-                        requested: to - from,
-                        available: free.saturating_sub(self.headroom),
-                    };
-                    tracing::debug!(%err, headroom = self.headroom, "not backing: /dev/shm is under the headroom");
-                    return Err(err);
-                }
-            }
+            check_headroom(seg, to - from, self.headroom)?;
             seg.back(from, to - from)?;
             for k in run_start..c {
                 self.bits[(k / 64) as usize] |= 1 << (k % 64);
@@ -579,6 +621,27 @@ impl Backing {
         }
         Ok(())
     }
+}
+
+/// `Ok` if backing `bytes` more of `seg` leaves /dev/shm at least
+/// `headroom` bytes free (always, for a headroom of 0: the kernel's
+/// `ENOSPC` decides then); else the `NoSpace` error to report. One
+/// `statvfs`.
+pub fn check_headroom(seg: &Segment, bytes: u64, headroom: u64) -> Result<()> {
+    if headroom == 0 {
+        return Ok(());
+    }
+    let free = shm_free_bytes();
+    if free < bytes.saturating_add(headroom) {
+        let err = Error::NoSpace {
+            name: seg.name().to_owned(),
+            requested: bytes,
+            available: free.saturating_sub(headroom),
+        };
+        tracing::debug!(%err, headroom, "not backing: /dev/shm is under the headroom");
+        return Err(err);
+    }
+    Ok(())
 }
 
 fn reserve(file: &File, len: usize, name: &str, reserve_pages: bool) -> Result<()> {
@@ -685,17 +748,21 @@ unsafe fn populate(ptr: *mut u8, len: usize) {
     if r == 0 {
         return;
     }
-    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .unwrap_or(4096) as usize;
-    for off in (0..len).step_by(page) {
+    for off in (0..len).step_by(page_size()) {
         // SAFETY: in bounds of the live mapping; other processes may
         // write these bytes, so the load is atomic (u8 needs no
         // alignment).
         let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
         b.load(Ordering::Relaxed);
     }
+}
+
+/// The system's page size (4096 if unknown).
+fn page_size() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .unwrap_or(4096) as usize
 }
 
 /// Free bytes in /dev/shm, for error messages (0 if unknown).

@@ -198,6 +198,14 @@ def test_aggregate_reads_count_reads_from_any_reader(unique_name, closing):
     assert store.free_unused() == 1
 
 
+def test_a_key_index_with_aggregate_reads_is_refused_and_says_what_to_use(unique_name):
+    # In aggregate mode one reader's hits by key would count as the reads
+    # other readers owe, and free objects they have not read.
+    with pytest.raises(pinshm.InvalidArgumentError, match="key_index with aggregate_reads") as e:
+        pinshm.ObjectStore(1 << 20, 1024, 2, name=unique_name(), aggregate_reads=True, key_index=64)
+    assert "cache" in str(e.value) and isinstance(e.value, ValueError)
+
+
 def test_stats_is_a_dict_of_counters(store):
     store.put("k", b"v")
     st = store.stats()

@@ -314,7 +314,9 @@ def test_sparse_as_vllm_by_default_reserved_on_request(make, monkeypatch, reserv
     if reserve:
         assert taken >= 64 * MIB
     else:
-        assert taken < 8 * MIB, f"{taken} bytes taken for a sparse 64 MiB ring"
+        # What the data touches, and at most one step backed ahead of it.
+        ahead = pinshm.ObjectStore.DEFAULT_BACK_AHEAD
+        assert taken < 8 * MIB + ahead, f"{taken} bytes taken for a sparse 64 MiB ring"
 
 
 @pytest.mark.parametrize(

@@ -100,9 +100,11 @@ class OverflowWriter:
         name = f"{self.prefix}-big{self.generation + 1}"
         # Sparse: a full /dev/shm is NoSpaceError from that put. Made
         # before the old one is retired: if this fails, the old one stays
-        # current, as it was.
+        # current, as it was. No pages backed ahead: the message that
+        # made it comes at once (no time for a backer to get ahead), and
+        # later ones reuse its first pages (it is rewound when read).
         limit = pinshm.ObjectStore.largest_object(capacity, self.n_readers)
-        new = pinshm.ObjectStore(capacity, limit, self.n_readers, name=name, reserve=False)
+        new = pinshm.ObjectStore(capacity, limit, self.n_readers, name=name, reserve=False, back_ahead=0)
         if store is not None:
             self._retired.append(store)
         self.generation += 1

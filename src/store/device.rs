@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use super::guard::ReadGuard;
 use super::handle::ObjectHandle;
+use super::keys::PendingCopy;
 use super::reader::StoreReader;
-use super::writer::{ObjectStore, PendingCopy};
+use super::writer::ObjectStore;
 use crate::codec::{self, ItemLayout, TENSOR_HEADER_LEN};
 use crate::copy::{check_pack, wait_all, CopyEngine, DeviceBuffer, KeepAlive, PackDesc, Ticket};
 use crate::dtype::DType;

@@ -9,6 +9,7 @@ mod device;
 mod guard;
 mod handle;
 mod key_index;
+mod keys;
 mod lease;
 mod mapping;
 mod reader;

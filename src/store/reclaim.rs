@@ -3,8 +3,8 @@
 //! around objects still in use, and what blocks when nothing fits.
 
 use super::config::Eviction;
+use super::keys::{Entry, Keys};
 use super::stats::StoreStats;
-use super::writer::{Entry, Keys};
 use crate::atomics::SlotPtr;
 use crate::error::{Blocker, Error, Result};
 use crate::geometry::StoreGeometry;

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::handle::ObjectHandle;
-use super::writer::{ObjectStore, PendingCopy};
+use super::keys::PendingCopy;
+use super::writer::ObjectStore;
 use crate::codec::{self, TENSOR_HEADER_LEN};
 use crate::copy::KeepAlive;
 use crate::dtype::DType;

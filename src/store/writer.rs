@@ -1,6 +1,5 @@
 //! The one writer of a store: [`ObjectStore`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::config::StoreConfig;
@@ -13,6 +12,7 @@ use crate::ring::{Plan, Ring};
 
 use super::ahead::Ahead;
 use super::key_index::SharedIndex;
+use super::keys::{Entry, Keys, PendingCopy};
 use super::reclaim::{NoRoom, Space};
 use crate::atomics::{SlotMeta, SlotPtr};
 use crate::sys::fork;
@@ -24,54 +24,6 @@ use super::signature::{self, Signature};
 
 pub(super) fn next_epoch(e: u64) -> u64 {
     layout::slot_tag(e, 0x5eed, e, 0, 0).max(1)
-}
-
-/// Keys are the producer's own (content hashes, request ids), hashed only
-/// in the writer's memory: a fast non-cryptographic hasher is enough, and
-/// SipHash was a third of a small put's instructions.
-type KeyHasher = foldhash::fast::RandomState;
-
-/// What the writer remembers about a live slot.
-#[derive(Debug)]
-pub(super) struct Entry {
-    pub(super) id: u64,
-    pub(super) refs: u32,
-    /// `None` once cleared: the slot waits only for guards to go.
-    pub(super) key: Option<Arc<str>>,
-    /// A copy into the slot still in flight: not published, not freeable.
-    pub(super) pending: Option<Arc<dyn PendingCopy>>,
-    pub(super) kind: ObjectKind,
-    pub(super) size: u64,
-    /// The key's fingerprint in the shared key index (zero without one).
-    pub(super) fp: [u64; 2],
-    /// Protected by `protect` until the next `get_cached` of its key or
-    /// `release_protections`: never reclaimed meanwhile.
-    pub(super) protected: bool,
-    /// The slot's id was already invalidated (a hard clear).
-    pub(super) invalid: bool,
-    /// Hit (`get_cached`) since the allocator's walk last passed it: under
-    /// [`Eviction::SecondChance`] it stays one more lap.
-    pub(super) hit: bool,
-    /// A reclaim found it held: the allocator's walk checks its holds
-    /// (see `Judge::may_go`) until it finds none.
-    pub(super) held_seen: std::cell::Cell<bool>,
-}
-
-/// A copy into a reserved slot (a device-to-host DMA, say), seen by the
-/// store. Implemented in `store/device.rs` over a copy engine's ticket.
-pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
-    /// Whether the copy has finished (successfully or not).
-    fn is_done(&self) -> bool;
-    /// Blocks until the copy has finished; its outcome.
-    fn wait(&self) -> Result<()>;
-    /// Whether the caller dropped its token without finishing the put.
-    fn abandoned(&self) -> bool;
-    /// Whether the put will never be published, so that its key may go at
-    /// once (its slot still waits for `is_done() && abandoned()`): the
-    /// caller gave it up, or its copy failed.
-    fn given_up(&self) -> bool {
-        self.abandoned()
-    }
 }
 
 /// A slot handed out by the ring, not yet published.
@@ -112,42 +64,6 @@ pub struct ObjectStore {
     /// The segment (its writer lock held through it), shared with copies
     /// in flight: unmapped when the last of them is done.
     map: Arc<Mapping>,
-}
-
-/// The writer's keys: what is stored, and what is being put.
-#[derive(Debug, Default)]
-pub(super) struct Keys {
-    pub(super) index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
-    /// Keys of puts whose copy is still in flight, with their ids.
-    pending: HashMap<Arc<str>, u64, KeyHasher>,
-    /// The shared key index readers look keys up in, if the store has one.
-    shared: Option<SharedIndex>,
-}
-
-impl Keys {
-    /// Forgets `key`, the key of object `id` whose fingerprint is `fp`
-    /// (its object was reclaimed).
-    pub(super) fn forget(&mut self, key: &str, id: u64, fp: [u64; 2]) {
-        // Only its own: a put given up leaves its key to the next put of it.
-        if self.index.get(key).is_some_and(|h| h.monotonic_id == id) {
-            self.index.remove(key);
-        }
-        if self.pending.get(key) == Some(&id) {
-            self.pending.remove(key);
-        }
-        if let Some(shared) = &mut self.shared {
-            shared.remove(fp, id);
-        }
-    }
-
-    /// Forgets every key.
-    pub(super) fn clear(&mut self) {
-        self.index.clear();
-        self.pending.clear();
-        if let Some(shared) = &mut self.shared {
-            shared.clear();
-        }
-    }
 }
 
 // SAFETY: the raw pointers in `geo` point into the mapping `map` keeps

@@ -267,8 +267,11 @@ def main():
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+            # One line per row: a diff of two runs reads row by row.
+            head = {k: v for k, v in res.items() if k != "rows"}
+            f.write(json.dumps(head)[:-1] + ', "rows": [\n')
+            f.write(",\n".join(json.dumps(r) for r in res["rows"]))
+            f.write("\n]}\n")
         print(f"\nwritten: {args.json}")
 
 

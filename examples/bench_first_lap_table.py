@@ -6,6 +6,7 @@
 
 Each (label, size, mode) cell is the median, over the runs in the file, of
 the run's medians; ratios are taken per run, then their median."""
+
 import json
 import statistics
 import sys
@@ -34,7 +35,10 @@ def main(path):
         print(f"- {lab}: layout {layouts}, commit {commits}, {n} runs of {reps} interleaved repeats, gap {gaps} ms")
     print()
     med = statistics.median
-    head = "| size | mode | code | memcpy µs | put, fresh sparse µs | put, backed µs | sparse / backed | sparse / memcpy | backed / memcpy |"
+    head = (
+        "| size | mode | code | memcpy µs | put, fresh sparse µs | put, backed µs "
+        "| sparse / backed | sparse / memcpy | backed / memcpy |"
+    )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     keys = sorted({(k[1], k[2]) for k in runs}, key=lambda k: (k[1] != "gap", k[0]))
@@ -43,7 +47,10 @@ def main(path):
             rs = runs.get((lab, size, mode))
             if not rs:
                 continue
-            m = lambda f: med(f(r) for r in rs)  # noqa: E731
+
+            def m(f, rs=rs):
+                return med(f(r) for r in rs)
+
             print(
                 f"| {size_name(size)} | {mode} | {lab} | {m(lambda r: r['memcpy_ns']) / 1e3:.1f} "
                 f"| {m(lambda r: r['sparse_put_ns']) / 1e3:.1f} | {m(lambda r: r['backed_put_ns']) / 1e3:.1f} "

@@ -12,6 +12,7 @@ mod key_index;
 mod keys;
 mod lease;
 mod mapping;
+mod pending;
 mod reader;
 mod reclaim;
 mod reservation;

@@ -5,7 +5,8 @@
 # that installed copy (from target/, so the source tree's python/ is never
 # imported). Needs the Rust toolchain and python3 (3.9 or newer, with venv);
 # fetches maturin, ziglang (the linker that gives the manylinux glibc
-# floor), pytest, msgpack and numpy from PyPI into target/pyenv. Arguments
+# floor), pytest, msgpack, pyzmq (the queue's remote readers) and numpy
+# from PyPI into target/pyenv. Arguments
 # go to pytest (e.g. ./test.sh -k channel).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,6 +26,7 @@ python -m pip install --quiet --disable-pip-version-check \
   "ziglang==0.14.1" \
   "pytest==8.4.2" \
   "msgpack>=1.0,<2" \
+  "pyzmq==27.1.0" \
   "numpy==2.0.2; python_version < '3.10'" \
   "numpy==2.2.6; python_version == '3.10'" \
   "numpy==2.3.5; python_version >= '3.11'"

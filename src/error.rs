@@ -69,11 +69,22 @@ pub enum Error {
     },
 
     /// [`ObjectStore::put`](crate::ObjectStore::put) with a key that is
-    /// stored already; use `get_cached` to re-reference it.
-    #[error("key '{key}' already exists in the store; use get_cached to reference it again")]
+    /// stored already (use `get_cached` to re-reference it), or whose put
+    /// is still in flight (`pending`: see
+    /// [`ObjectStore::is_pending`](crate::ObjectStore::is_pending)).
+    #[error(
+        "key '{key}' {}",
+        if *pending {
+            "is being put (its copy is in flight: is_pending is true until it is published or given up)"
+        } else {
+            "already exists in the store; use get_cached to reference it again"
+        }
+    )]
     DuplicateKey {
         /// The key.
         key: String,
+        /// Whether the key's put is in flight rather than published.
+        pending: bool,
     },
 
     /// The object is larger than the store's `max_object_size`.

@@ -205,6 +205,14 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
 }
 
 impl Snapshot {
+    /// Reader entries held by a live process, and entries free for the
+    /// next attach (vacant, left, or held by a process that died: the
+    /// kernel released its lock).
+    pub fn reader_entries(&self) -> (usize, usize) {
+        let used = self.readers.iter().filter(|r| r.alive).count();
+        (used, self.readers.len() - used)
+    }
+
     /// The oldest live object that a live reader still holds or owes
     /// reads of, and why: the first object the writer's sweep must
     /// allocate around. A reader that is not attached and alive blocks
@@ -338,6 +346,12 @@ impl fmt::Display for Snapshot {
             )?,
             None => writeln!(f, "blocker   none: every live object may be reclaimed")?,
         }
+        let (used, free) = self.reader_entries();
+        writeln!(
+            f,
+            "entries   {used} of {} reader entries held by live readers, {free} free",
+            self.readers.len()
+        )?;
         writeln!(f, "\nreaders")?;
         writeln!(
             f,

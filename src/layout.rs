@@ -1,4 +1,4 @@
-//! The segment layout, version 7, written down once.
+//! The segment layout, written down once; its version is [`LAYOUT_VERSION`].
 //!
 //! Version 2 added `SegmentHeader::cleared_below` and the reader entry's
 //! `stale_reads` and `attached_ns` (for the inspector and stuck readers).

@@ -10,7 +10,7 @@ compile_error!(
 // Layers, lowest first (a module imports only modules before it here;
 // tools/import_graph.py checks it): dtype, layout, error, sys, atomics, ring,
 // geometry, codec, cuda (the driver wrapper), pin, copy, store, channel,
-// inspect. The modules are private; the public API is the flat
+// inspect, gc. The modules are private; the public API is the flat
 // page below.
 mod atomics;
 mod channel;
@@ -20,6 +20,7 @@ mod copy;
 mod cuda;
 mod dtype;
 mod error;
+mod gc;
 mod geometry;
 mod inspect;
 mod layout;
@@ -43,6 +44,7 @@ pub use copy::{
 };
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};
+pub use gc::{gc, Abandoned};
 pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
 pub use layout::ObjectKind;
 pub use pin::PinMode;

@@ -354,6 +354,11 @@ impl<T> Ring<T> {
         Some(&self.node(*self.ids.get(&id)?).span)
     }
 
+    /// The span of object `id`, to free it by.
+    pub fn span_of(&self, id: u64) -> Option<SpanId> {
+        self.ids.get(&id).map(|&n| SpanId(n))
+    }
+
     /// As [`Ring::find`], mutable.
     pub fn find_mut(&mut self, id: u64) -> Option<&mut Span<T>> {
         let n = *self.ids.get(&id)?;

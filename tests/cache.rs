@@ -388,6 +388,44 @@ fn a_reservation_is_read_once_published_and_reclaimed_if_dropped() {
 }
 
 #[test]
+fn an_aborted_reservation_frees_its_key_at_once() {
+    let name = Name::new("abortkey");
+    let len = 4 * KIB;
+    let mut w = cache(&name, 4, len + 256, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    // Dropped unpublished: the key is free at once, the slot in turn.
+    let res = w.reserve_tensor("t", DType::U8, &[len as u64]).unwrap();
+    assert!(w.is_pending("t") && !w.is_cached("t"));
+    assert!(matches!(
+        w.put("t", b"x"),
+        Err(Error::DuplicateKey { pending: true, .. })
+    ));
+    drop(res);
+    assert!(!w.is_pending("t"));
+    let h = w.put("t", b"saved again").unwrap();
+    assert_eq!(r.get_copy(h).unwrap(), b"saved again");
+    assert_eq!(r.lookup("t").unwrap(), Some(h));
+    // Aborted: the key and the slot are free at once.
+    let objects = w.stats().objects;
+    let res = w.reserve_tensor("u", DType::U8, &[len as u64]).unwrap();
+    assert_eq!(w.stats().objects, objects + 1);
+    w.abort(res);
+    assert_eq!(w.stats().objects, objects, "the aborted slot went at once");
+    assert!(!w.is_pending("u"));
+    w.put("u", b"u again").unwrap();
+    // Abandoned while still open (a binding's view outlives the abort): the
+    // key is free at once; the bytes stay the caller's, seen by nobody.
+    let mut res = w.reserve_tensor("v", DType::U8, &[len as u64]).unwrap();
+    res.abandon();
+    assert!(!w.is_pending("v"));
+    let hv = w.put("v", b"v again").unwrap();
+    res.bytes_mut().fill(7);
+    assert!(matches!(w.publish(res), Err(Error::PutNotPending { .. })));
+    assert_eq!(r.lookup("v").unwrap(), Some(hv));
+    assert_eq!(r.get_copy(hv).unwrap(), b"v again");
+}
+
+#[test]
 fn an_index_size_the_segment_cannot_hold_is_refused_at_attach() {
     let name = Name::new("badindex");
     let w = cache(&name, 4, 4 * KIB, 1);

@@ -29,6 +29,42 @@ fn a_device_put_is_published_only_when_its_copy_completes() {
 }
 
 #[test]
+fn a_dropped_device_put_frees_its_key_at_once_and_its_slot_after_its_copy() {
+    let name = Name::new("devdropkey");
+    let mut w = store(&name, 4 * MIB, MIB);
+    let eng = CpuEngine::new();
+    let len = 64 * KIB;
+    let src = eng.alloc(len).unwrap();
+    eng.upload(&pattern(1, len), &src).unwrap();
+    let pause = eng.pause().unwrap();
+    let p = w.put_from_device("k", &src, &eng).unwrap();
+    assert!(w.is_pending("k") && !w.is_cached("k"));
+    assert!(matches!(
+        w.put("k", b"x"),
+        Err(Error::DuplicateKey { pending: true, .. })
+    ));
+    drop(p);
+    // The copy is stopped, its put given up: the key is free at once.
+    assert!(!w.is_pending("k"));
+    let h = w.put("k", &pattern(2, len)).unwrap();
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    assert_eq!(r.get_copy(h).unwrap(), pattern(2, len));
+    assert_eq!(
+        w.stats().objects,
+        2,
+        "the abandoned slot stays while its copy may run"
+    );
+    drop(pause);
+    engine::TestEngine::drain(&eng);
+    drop(r.get(h).unwrap());
+    assert_eq!(
+        w.free_unused(),
+        2,
+        "the abandoned slot goes once its copy stopped"
+    );
+}
+
+#[test]
 fn several_device_puts_can_be_in_flight() {
     let name = Name::new("devmany");
     let mut w = store(&name, 8 * MIB, MIB);

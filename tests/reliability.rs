@@ -590,8 +590,13 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     let (blocker, why) = snap.oldest_blocker().unwrap();
     assert_eq!(blocker.monotonic_id, b.monotonic_id);
     assert!(why.contains("reader 0 holds 1 guard"), "{why}");
+    assert_eq!(snap.reader_entries(), (1, 0), "the one entry is held");
     let text = snap.to_string();
     assert!(text.contains("blocker   oldest in use: id"), "{text}");
+    assert!(
+        text.contains("entries   1 of 1 reader entries held by live readers, 0 free"),
+        "{text}"
+    );
     assert!(
         text.contains("attached") && text.contains("reads owed"),
         "{text}"
@@ -603,8 +608,14 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     assert!(snap.explain(b.address, b.monotonic_id).starts_with("live"));
     drop(g);
     w.clear_hard();
+    drop(r);
     let snap = pinshm::inspect(&name).unwrap();
     assert!(snap.explain(c.address, c.monotonic_id).contains("clear"));
+    assert_eq!(
+        snap.reader_entries(),
+        (0, 1),
+        "a closed reader's entry is free"
+    );
     // The binary prints the same.
     let out = Command::new(env!("CARGO_BIN_EXE_pinshm-inspect"))
         .args([&*name, &format!("{}:{}", a.address, a.monotonic_id)])

@@ -125,7 +125,8 @@ class Engine:
         )
         if self.result.exists():
             r = json.loads(self.result.read_text())
-            res.update({k: r[k] for k in ("init_s", "pass_s", "pass_t", "single_s", "tokens", "single_tokens")})
+            keys = ("init_s", "pass_s", "pass_t", "single_s", "tokens", "single_tokens", "finish")
+            res.update({k: r[k] for k in keys if k in r})
         res.update(encoder_counts(self.probe, res.get("pass_t", [])))
         res["store_peak_mib"] = round(self.sampler.peak_by_name.get(self.store or "", 0) / 2**20, 3)
         return res

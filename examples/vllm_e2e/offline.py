@@ -77,7 +77,7 @@ def main() -> None:
     res["init_s"] = time.monotonic() - t0
     event("ready")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    tokens, pass_s, pass_t = [], [], []
+    tokens, pass_s, pass_t, finish = [], [], [], []
     for _ in range(args.passes):
         reqs = workload.pass_requests()
         t, wall = time.monotonic(), time.time()
@@ -85,6 +85,7 @@ def main() -> None:
         pass_s.append(time.monotonic() - t)
         pass_t.append([wall, time.time()])
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        finish.append([o.outputs[0].finish_reason for o in outs])
     single_s, single_tokens = [], []
     for i in range(args.singles):
         req = workload.single_request(i)
@@ -93,7 +94,9 @@ def main() -> None:
         single_s.append(time.monotonic() - t)
         single_tokens.append(list(out[0].outputs[0].token_ids))
     event("done")
-    res.update(pass_s=pass_s, pass_t=pass_t, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
+    res.update(
+        pass_s=pass_s, pass_t=pass_t, single_s=single_s, tokens=tokens, single_tokens=single_tokens, finish=finish
+    )
     with open(args.result + ".part", "w") as f:
         json.dump(res, f)
     os.replace(args.result + ".part", args.result)  # whole, for a reader polling for it

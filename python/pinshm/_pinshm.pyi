@@ -38,6 +38,7 @@ __all__ = [
     "ReadGuard",
     "Lease",
     "TensorReservation",
+    "PendingSave",
     "Broadcast",
     "BroadcastReader",
     "MessageView",
@@ -167,6 +168,31 @@ class ObjectStore:
     def publish(self, reservation: TensorReservation) -> ObjectHandle:
         """Publishes a reservation whose bytes are written. BufferError while
         an export of it is alive; ValueError if published or aborted."""
+    def publish_after(
+        self, reservation: TensorReservation, event: Optional[_Event], staged: Optional[Buffer] = None
+    ) -> PendingSave:
+        """Publishes a reservation once `event.query()` returns true (a
+        device-to-host copy queued into it, not waited for): pinshm's
+        poller thread, and every flush, queries the event; never published
+        before. Until then the key is pending (`is_pending`): `is_cached`,
+        `get_cached` and readers miss it, and a put of it raises. If
+        `query()` raises, the reservation is aborted: key and slot free at
+        once. `event=None` publishes now. `staged`: a buffer of the
+        reservation's length that the copy writes instead of the slot
+        (pinned staging, for a slot that is not pinned), copied into the
+        slot once the event has completed. Errors as `publish`. `close()`
+        discards saves still pending; `flush_pending()` publishes them."""
+    def abort(self, reservation: TensorReservation) -> None:
+        """Gives a reservation back unpublished: its key and its slot are
+        free at once (the slot when its last view goes, if one is alive).
+        Again, or after `publish`, does nothing."""
+    def is_pending(self, key: str) -> bool:
+        """Whether a save of `key` is in flight: reserved (or queued by
+        `publish_after`), not yet published, nor aborted or failed."""
+    def flush_pending(self, timeout: Optional[float] = None) -> int:
+        """Waits until every save queued by `publish_after` is over (at most
+        `timeout` seconds; None: no limit); returns how many are still
+        pending."""
     def is_cached(self, key: str) -> bool: ...
     def get_cached(self, key: str) -> Optional[ObjectHandle]: ...
     def add_reference(self, key: str) -> None:
@@ -259,10 +285,13 @@ class Lease:
 @final
 class TensorReservation:
     """A reserved slot (`ObjectStore.reserve_tensor`): write the tensor's
-    bytes through the (writable) buffer protocol, then `ObjectStore.publish`.
-    Dropped unpublished (`abort()` or garbage collection), the slot is
-    reclaimed in turn."""
+    bytes through the (writable) buffer protocol, then `ObjectStore.publish`
+    (or `publish_after`). Given back unpublished (`abort()`,
+    `ObjectStore.abort`, or garbage collection), its key is free at once;
+    its slot is reclaimed (at once by `ObjectStore.abort`, else in turn)."""
 
+    @property
+    def key(self) -> str: ...
     @property
     def dtype(self) -> str: ...
     @property
@@ -271,6 +300,28 @@ class TensorReservation:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
     def __release_buffer__(self, view: memoryview) -> None: ...
+
+# A PyO3 class: it cannot be subclassed.
+@final
+class PendingSave:
+    """A save whose copy may still be in flight (`ObjectStore.publish_after`,
+    `pinshm.device.put_tensor(..., wait=False)`): pending until its event
+    completes, then published. Dropping it changes nothing."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def state(self) -> Literal["pending", "published", "failed", "discarded"]: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def handle(self) -> Optional[ObjectHandle]: ...
+    @property
+    def error(self) -> Optional[str]: ...
+    def wait(self, timeout: Optional[float] = None) -> ObjectHandle:
+        """Waits until the save is over (at most `timeout` seconds) and
+        returns its handle: PinshmError if it failed or was discarded,
+        WaitTimeoutError if still pending."""
 
 # A PyO3 class: it cannot be subclassed.
 @final
@@ -450,9 +501,10 @@ def has_release_gate() -> bool:
     """Whether a release gate is set (`set_release_gate`)."""
 
 def flush_releases() -> int:
-    """Ends every pending gated read whose event has completed; returns how
-    many are still pending. Waits for a poll under way (the release
-    thread's), never for an event."""
+    """Ends every pending gated read whose event has completed (and
+    publishes every save, `ObjectStore.publish_after`, whose event has);
+    returns how many of both are still pending. Waits for a poll under
+    way (the release thread's), never for an event."""
 
 def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
     """Segment `name` (as in /dev/shm/NAME), read-only, through the crate's
@@ -464,3 +516,10 @@ def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = No
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and
     `driver_version` (`major * 1000 + minor * 10`, or None)."""
+
+def gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
+    """The segments in /dev/shm whose name starts with `prefix` and whose
+    writer is gone: each a dict of `name`, `kind` ("store" or "channel"),
+    `bytes` (of /dev/shm it holds), `writer_pid` (None where unknown) and
+    `removed`. With `dry_run` (the default) nothing is removed; else each
+    is removed under the dead writer's liveness lock (`python -m pinshm gc`)."""

@@ -5,7 +5,14 @@
   binding): readers and their state, holds, occupancy, the oldest blocker,
   and what happened to each ``ADDRESS:ID`` of a Stale error. ``--json``
   prints the structured snapshot instead.
-- ``doctor``: checks a machine before vLLM starts (:mod:`pinshm.doctor`).
+- ``gc [--prefix P] [--dry-run] [--json]``: removes the segments whose
+  writer is gone (it died, or exited without removing the name), each
+  checked against the dead writer's liveness lock; ``--dry-run`` lists
+  them only. Live writers' segments and other programs' files are never
+  touched.
+- ``doctor``: checks a machine before vLLM starts (:mod:`pinshm.doctor`);
+  ``--gpu`` adds the GPU kit's checks on this machine's GPU
+  (:mod:`pinshm._gpu_check`).
 """
 
 from __future__ import annotations
@@ -32,12 +39,19 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("name", help="the segment's name, as in /dev/shm/NAME")
     i.add_argument("handles", nargs="*", type=_handle, metavar="ADDRESS:ID", help="explain a Stale error's handle")
     i.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    g = sub.add_parser("gc", help="remove the segments in /dev/shm whose writer is gone")
+    g.add_argument("--prefix", default="", help="only names that start with this")
+    g.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    g.add_argument("--json", action="store_true", help="print what was found as JSON")
     d = sub.add_parser("doctor", help="check /dev/shm, CUDA, vLLM and the start method before vLLM starts")
     d.add_argument("--cache-gib", type=float, default=4.0, help="planned --mm-processor-cache-gb (vLLM's default: 4)")
     d.add_argument("--tp", type=int, default=1, help="planned --tensor-parallel-size (workers on this node)")
     d.add_argument("--mq-chunk-mib", type=int, default=16, help="VLLM_MQ_MAX_CHUNK_BYTES_MB (vLLM's default: 16)")
     d.add_argument("--tensor-arena", action="store_true", help="planned --enable-shm-tensor-arena")
     d.add_argument("--json", action="store_true", help="print the checks as JSON")
+    d.add_argument(
+        "--gpu", action="store_true", help="also pin, copy and time on this machine's GPU (needs torch and a GPU)"
+    )
     return p
 
 
@@ -59,14 +73,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for (address, ident), why in zip(args.handles, snap["explanations"]):
             print(f"\n{address}:{ident}: {why}")
         return 0
+    if args.command == "gc":
+        return _gc(args.prefix, args.dry_run, args.json)
     from . import doctor
 
     plan = doctor.Plan(
         cache_gib=args.cache_gib, tp=args.tp, mq_chunk_mib=args.mq_chunk_mib, tensor_arena=args.tensor_arena
     )
     checks = doctor.run(plan)
+    if args.gpu:
+        from . import _gpu_check
+
+        checks += _gpu_check.run()
     if args.json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=2))
     else:
         print(doctor.format_report(checks))
     return 1 if any(c.status == doctor.FAIL for c in checks) else 0
+
+
+def _gc(prefix: str, dry_run: bool, as_json: bool) -> int:
+    from . import PinshmError, _pinshm
+
+    try:
+        found = _pinshm.gc_segments(prefix, dry_run)
+    except (PinshmError, OSError) as e:
+        print(f"pinshm gc: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return 0
+    for a in found:
+        what = "would remove" if dry_run else "removed" if a["removed"] else "gone meanwhile:"
+        pid = f", writer pid {a['writer_pid']} gone" if a["writer_pid"] else ", writer gone"
+        print(f"{what} /dev/shm/{a['name']} ({a['kind']}, {a['bytes'] / 2**20:.1f} MiB{pid})")
+    if not found:
+        print("pinshm gc: no segment of a dead writer" + (f" under {prefix!r}" if prefix else ""))
+    return 0

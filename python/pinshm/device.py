@@ -11,6 +11,17 @@ reserved store in a process with a CUDA driver), that copy is meant to be
 a DMA into the slot with no staging buffer (no GPU has run it yet: the
 GPU kit's py_encoder_cache.py measures it where one is lent).
 
+`put_tensor(..., wait=False)` is the save that never stalls a step: the
+copy is queued, the call returns a `PendingSave`, and pinshm's poller
+thread publishes the slot once the copy's event has completed
+(`ObjectStore.publish_after`). Until then the key is pending
+(`ObjectStore.is_pending`): lookups miss it, and a second save of it is a
+no-op that returns None. `ObjectStore.flush_pending()` waits for them all.
+Where the slot is not pinned memory (a sparse store), the copy goes to a
+pinned staging tensor instead (CUDA copies into pageable memory
+synchronously), which pinshm copies into the slot once the event has
+completed.
+
 `get_tensor` copies an object out to a device: a host-to-device copy
 queued from the slot itself (pinned where the reader's mapping is), the
 read released once the copy has completed. With a release gate installed
@@ -25,11 +36,12 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union, overload
 
 from ._pinshm import (
     ObjectHandle,
     ObjectStore,
+    PendingSave,
     StoreReader,
     TensorReservation,
     has_release_gate,
@@ -62,26 +74,54 @@ def _torch_view(torch: Any, buffer: Any, dtype: Any, shape: tuple[int, ...]) -> 
         return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
-def put_tensor(store: ObjectStore, key: str, tensor: Any) -> ObjectHandle:
+@overload
+def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: Literal[True] = ...) -> ObjectHandle: ...
+@overload
+def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: Literal[False]) -> Optional[PendingSave]: ...
+@overload
+def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: bool) -> Union[ObjectHandle, PendingSave, None]: ...
+
+
+def put_tensor(
+    store: ObjectStore, key: str, tensor: Any, *, wait: bool = True
+) -> Union[ObjectHandle, PendingSave, None]:
     """Stores `tensor` under `key`, copied once, straight into the slot.
 
     A torch tensor on any device (any strides), or a numpy array (anything
     `numpy.asarray` takes). Errors as `ObjectStore.put`: InvalidArgumentError
     for a duplicate key or an object too large, FullError or NoSpaceError
     (MemoryErrors) when there is no room. Nothing is published on error,
-    and the key is free again once the slot is reclaimed.
+    and the key and slot are free again at once.
+
+    `wait=True` (default) returns the handle once the object is published
+    (for a CUDA tensor, after waiting for the copy). `wait=False` never
+    waits for a device copy: it returns a `PendingSave`, published by
+    pinshm's poller once the copy's CUDA event has completed (a host
+    tensor's copy is done in the call: its save is published already), or
+    None, copying nothing, if a save of `key` is pending already. A CUDA
+    tensor saved so is kept alive until its copy completes; it must not be
+    written meanwhile from another stream than the current one.
     """
+    if not wait and store.is_pending(key):
+        return None
     if _is_torch(tensor):
         torch = _torch()
         name = str(tensor.dtype).removeprefix("torch.")
         shape = tuple(int(n) for n in tensor.shape)
         r = store.reserve_tensor(key, name, list(shape))
+        if not wait and tensor.is_cuda:
+            try:
+                done, staged = _queue_d2h(torch, r, tensor, shape)
+            except BaseException:
+                store.abort(r)
+                raise
+            return store.publish_after(r, done, staged)
         try:
             _fill_torch(torch, r, tensor, shape)
         except BaseException:
-            r.abort()
+            store.abort(r)
             raise
-        return store.publish(r)
+        return store.publish(r) if wait else store.publish_after(r, None)
     import numpy as np
 
     array = np.asarray(tensor)
@@ -89,9 +129,67 @@ def put_tensor(store: ObjectStore, key: str, tensor: Any) -> ObjectHandle:
     try:
         _fill_numpy(np, r, array)
     except BaseException:
-        r.abort()
+        store.abort(r)
         raise
-    return store.publish(r)
+    return store.publish(r) if wait else store.publish_after(r, None)
+
+
+class _CopyDone:
+    """A queued copy's event, and its source kept alive until the event
+    has completed (pinshm drops this once `query()` is true)."""
+
+    def __init__(self, event: Any, source: Any) -> None:
+        self._event = event
+        self._source = source
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def _queue_d2h(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> tuple[_CopyDone, Any]:
+    """Queues the copy of CUDA `tensor` on the current stream of its
+    device and returns the event recorded after it (not waited for), and
+    what the copy writes if not the slot: where the slot is not pinned
+    memory (a sparse store, or no registration), a copy into it would not
+    be asynchronous (CUDA waits for a copy into pageable memory), so the
+    copy goes to a pinned staging tensor, which pinshm copies into the
+    slot once the event has completed. If queueing raises, waits for
+    whatever was queued, then raises (the slot is given back only once
+    nothing can write it)."""
+    dst = _torch_view(torch, r, tensor.dtype, shape)
+    try:
+        with torch.cuda.device(tensor.device):
+            src = tensor.detach()
+            staging = None if _is_pinned(dst) else _pinned_empty(torch, shape, tensor.dtype)
+            try:
+                (dst if staging is None else staging).copy_(src, non_blocking=True)
+            except BaseException:
+                failed = torch.cuda.Event()
+                failed.record()
+                failed.synchronize()
+                raise
+            done = torch.cuda.Event()
+            done.record()
+            staged = None if staging is None else staging.reshape(-1).view(torch.uint8).numpy()
+            return _CopyDone(done, src), staged
+    finally:
+        # The view goes before the reservation is handed on.
+        del dst
+
+
+def _is_pinned(t: Any) -> bool:
+    """Whether host tensor `t` is page-locked memory a CUDA copy can write
+    asynchronously (an empty one needs no copy)."""
+    return t.numel() == 0 or bool(t.is_pinned())
+
+
+def _pinned_empty(torch: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A pinned host tensor from torch's caching host allocator (which
+    reuses the block only once the copies recorded on it are done)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def _fill_numpy(np: Any, r: TensorReservation, array: Any) -> None:

@@ -97,22 +97,31 @@ pub(crate) struct ReservationExport {
 /// A slot reserved by `ObjectStore.reserve_tensor`: write the tensor's
 /// bytes through the buffer protocol (writable: `memoryview(r)`,
 /// `numpy.frombuffer(r, ...)`, `torch.frombuffer(r, ...)`), then
-/// `ObjectStore.publish(r)`. Readers see nothing until then. Publishing
-/// raises BufferError while an export of it is alive. Dropped
-/// unpublished (`abort()`, or garbage collection), the slot is reclaimed
-/// in turn.
+/// `ObjectStore.publish(r)` (or `publish_after(r, event)`). Readers see
+/// nothing until then. Publishing raises BufferError while an export of
+/// it is alive. Given back unpublished (`abort()`, `ObjectStore.abort(r)`,
+/// or garbage collection), its key is free at once and the slot is
+/// reclaimed (at once by `ObjectStore.abort`, else in turn).
 #[pyclass(module = "pinshm", frozen)]
 pub(crate) struct TensorReservation {
     /// `None` once published or aborted.
     pub(crate) held: Mutex<Option<Arc<Reserved>>>,
+    /// The key it is reserved under.
+    pub(crate) key: String,
     dtype: &'static str,
     shape: Vec<u64>,
     home: Home,
 }
 
 impl TensorReservation {
+    /// Bytes to write (0 once published or aborted).
+    pub(crate) fn byte_len(&self) -> usize {
+        lock(&self.held).as_ref().map_or(0, |r| r.len)
+    }
+
     pub(crate) fn new(
         mut res: pinshm::Reservation,
+        key: String,
         dtype: &'static str,
         shape: Vec<u64>,
         name: &str,
@@ -124,6 +133,7 @@ impl TensorReservation {
                 data,
                 len,
             }))),
+            key,
             dtype,
             shape,
             home: Home::new(name),
@@ -133,6 +143,12 @@ impl TensorReservation {
 
 #[pymethods]
 impl TensorReservation {
+    /// The key it is reserved under.
+    #[getter]
+    fn key(&self) -> &str {
+        &self.key
+    }
+
     /// The tensor's dtype name (torch's: "float32", "bfloat16", ...).
     #[getter]
     fn dtype(&self) -> &'static str {
@@ -147,14 +163,18 @@ impl TensorReservation {
 
     /// Bytes to write.
     fn __len__(&self) -> usize {
-        lock(&self.held).as_ref().map_or(0, |r| r.len)
+        self.byte_len()
     }
 
-    /// Gives the slot back unpublished; again does nothing. Views of it
-    /// still alive keep it open (and their bytes writable, seen by nobody)
-    /// until they go; then the slot is reclaimed in turn.
+    /// Gives the slot back unpublished; again does nothing. Its key is
+    /// free for another put at once. Views of it still alive keep the
+    /// slot (and their bytes writable, seen by nobody) until they go; then
+    /// the slot is reclaimed in turn (`ObjectStore.abort(r)` frees it at
+    /// once).
     fn abort(&self) {
-        drop(lock(&self.held).take());
+        if let Some(held) = lock(&self.held).take() {
+            lock(&held.res).abandon();
+        }
     }
 
     /// # Safety

@@ -26,6 +26,7 @@ mod message;
 mod per_fork;
 mod reader;
 mod release;
+mod save;
 mod store;
 mod tensor;
 mod tools;
@@ -142,6 +143,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reader::ReadGuard>()?;
     m.add_class::<cache::Lease>()?;
     m.add_class::<cache::TensorReservation>()?;
+    m.add_class::<save::PendingSave>()?;
     m.add_class::<channel::Broadcast>()?;
     m.add_class::<channel::BroadcastReader>()?;
     m.add_class::<message::MessageView>()?;
@@ -151,6 +153,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release::has_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::gc_segments, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;
     Ok(())

@@ -11,6 +11,12 @@
 //! while no gate is set. Copies out (`get_copy`, `get_copy_into`) are never
 //! gated: the copy is done, by the CPU, before they return.
 //!
+//! The same poller serves saves waiting for their copy's event
+//! (`ObjectStore.publish_after`, `crate::save`): every entry is a `Gated`,
+//! which a read ends by being dropped, and a save by publishing its
+//! reservation (or, if the event's query raised, aborting it). Below,
+//! "read" stands for either.
+//!
 //! Pending reads are polled, never waited for, by:
 //! - the poller: one thread per process (started when a read goes
 //!   pending and none runs, in a forked child too), which polls every
@@ -153,27 +159,44 @@ pub(crate) fn event_for_release() -> Option<Py<PyAny>> {
     })
 }
 
-/// Whether `event` has completed (`query()` true). An event whose query
-/// raises counts as completed (reported as unraisable): a broken event
-/// must not hold a slot for the life of the process. An exception already
-/// pending is set aside meanwhile (so it is never taken for the query's).
-fn completed(py: Python<'_>, event: &Py<PyAny>) -> bool {
+/// Whether `event` has completed (`query()` true), or the error its query
+/// raised. An exception already pending is set aside meanwhile (so it is
+/// never taken for the query's).
+fn completed(py: Python<'_>, event: &Py<PyAny>) -> PyResult<bool> {
     keeping_exception(py, || {
-        match event
+        event
             .call_method0(py, "query")
             .and_then(|r| r.is_truthy(py))
-        {
-            Ok(done) => done,
-            Err(e) => {
-                e.write_unraisable(py, Some(event.bind(py)));
-                true
-            }
-        }
     })
 }
 
-/// A read waiting for its event: dropping it ends the read.
-pub(crate) trait Gated: Send {}
+/// Something waiting for an event: a read to acknowledge (dropping it
+/// ends the read), a save to publish (`crate::save`).
+pub(crate) trait Gated: Send {
+    /// The event's query raised `e` (the GIL held, an exception pending
+    /// set aside). A read reports it as unraisable and then ends all the
+    /// same: a broken event must not hold a slot for the life of the
+    /// process. A save keeps it as its error.
+    fn failed(&mut self, py: Python<'_>, e: PyErr, event: &Py<PyAny>) {
+        e.write_unraisable(py, Some(event.bind(py)));
+    }
+    /// The event's query returned true (the GIL held, an exception
+    /// pending set aside): a save copies what was staged, if anything.
+    fn completed(&mut self, _py: Python<'_>) {}
+    /// Called once, when the event has completed (`ok`) or its query
+    /// raised (`!ok`), holding no lock of ours: with the GIL (`py`) in a
+    /// flush, without it in the poller. A read ends when dropped.
+    fn end(self: Box<Self>, _py: Option<Python<'_>>, _ok: bool) {}
+}
+
+/// Ends what a pass found complete; whether there was any.
+fn end_all(py: Option<Python<'_>>, done: Vec<(Box<dyn Gated>, bool)>) -> bool {
+    let any = !done.is_empty();
+    for (gated, ok) in done {
+        gated.end(py, ok);
+    }
+    any
+}
 
 type Entry = (Py<PyAny>, Box<dyn Gated>);
 
@@ -284,20 +307,32 @@ impl Drop for Pass {
     }
 }
 
-/// Queries the reads of `pass`: those completed come out, to be ended
-/// (their events dropped here, with the GIL); the rest stay in the pass.
-fn query_all(py: Python<'_>, pass: &mut Pass) -> Vec<Box<dyn Gated>> {
+/// Queries the reads of `pass`: those completed (or whose query raised:
+/// `false`) come out, to be ended (their events dropped here, with the
+/// GIL); the rest stay in the pass.
+fn query_all(py: Python<'_>, pass: &mut Pass) -> Vec<(Box<dyn Gated>, bool)> {
     let mut done = Vec::new();
     let mut i = 0;
     while i < pass.batch.len() {
         // Taken out only once seen complete: a panic here leaves every
         // other read in the pass, to be put back.
-        if completed(py, &pass.batch[i].0) {
-            let (event, read) = pass.batch.swap_remove(i);
-            drop(event);
-            done.push(read);
-        } else {
-            i += 1;
+        match completed(py, &pass.batch[i].0) {
+            Ok(false) => i += 1,
+            outcome => {
+                let (event, mut gated) = pass.batch.swap_remove(i);
+                let ok = match outcome {
+                    Ok(_) => {
+                        keeping_exception(py, || gated.completed(py));
+                        true
+                    }
+                    Err(e) => {
+                        keeping_exception(py, || gated.failed(py, e, &event));
+                        false
+                    }
+                };
+                drop(event);
+                done.push((gated, ok));
+            }
         }
     }
     done
@@ -381,11 +416,7 @@ fn poll(g: &'static Gen) {
         // GIL; ending one takes no lock).
         let polled = crate::gil::with_gil_unless_exiting_then(
             |py| query_all(py, &mut pass),
-            |done| {
-                let progressed = !done.is_empty();
-                drop(done);
-                progressed
-            },
+            |done| end_all(None, done),
         );
         // The pass ends here, exiting or not: the batch goes back (nothing
         // is ended unasked), and nobody waits for the pass.
@@ -402,8 +433,8 @@ fn poll(g: &'static Gen) {
     }
 }
 
-/// Ends every pending read whose event has completed; returns how many
-/// are still pending. Waits (GIL released) for a pass under way, then
+/// Ends every pending read whose event has completed (publishes every
+/// save whose event has); returns how many are still pending. Waits (GIL released) for a pass under way, then
 /// makes its own, unless called from within a pass (a `query()` or a
 /// gate that calls it): then it only counts. Never waits for an event.
 /// Once the interpreter is exiting it only counts.
@@ -436,8 +467,9 @@ pub(crate) fn flush_releases(py: Python<'_>) -> usize {
         }
     };
     let done = query_all(py, &mut pass);
-    // Ends the reads with the GIL held (ending one takes no lock).
-    drop(done);
+    // Ends them with the GIL held (ending a read takes no lock; a save
+    // takes its store's the way every call of the store does).
+    end_all(Some(py), done);
     drop(pass);
     g.count()
 }

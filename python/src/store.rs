@@ -1,6 +1,7 @@
 //! `pinshm.ObjectStore`: the writer.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -8,7 +9,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::{ObjectHandle, StoreHandle};
-use crate::{closed, locked, to_py, Home};
+use crate::{closed, lock, locked, to_py, Home};
 
 /// From this size on, a copy runs with the GIL released: below it, the
 /// release and re-acquire would cost more than the copy.
@@ -17,7 +18,10 @@ pub(crate) const RELEASE_GIL_AT: usize = 64 << 10;
 /// The writer of a store: one per segment, in one process.
 #[pyclass(module = "pinshm")]
 pub(crate) struct ObjectStore {
-    inner: Mutex<Option<pinshm::ObjectStore>>,
+    /// Shared (weakly) with the saves waiting to publish into it.
+    inner: crate::save::Shared,
+    /// How many of its saves are pending (`publish_after`).
+    saves: Arc<AtomicUsize>,
     home: Home,
 }
 
@@ -34,6 +38,47 @@ impl ObjectStore {
                 None => Err(closed("ObjectStore")),
             }
         })?
+    }
+
+    /// ValueError if `reservation` (still open) is another store's: it
+    /// stays open in its own.
+    fn check_ours(
+        &self,
+        py: Python<'_>,
+        reservation: &crate::cache::TensorReservation,
+    ) -> PyResult<()> {
+        let theirs = crate::lock(&reservation.held).clone();
+        if let Some(r) = theirs {
+            let ours = self.with(py, false, move |s| crate::lock(&r.res).belongs_to(s))?;
+            if !ours {
+                return Err(PyValueError::new_err(
+                    "the TensorReservation belongs to another store",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The core reservation of `reservation`, taken out to be published:
+    /// BufferError while an export of it is alive, ValueError if it was
+    /// published or aborted already or is another store's.
+    fn take_reservation(
+        &self,
+        py: Python<'_>,
+        reservation: &crate::cache::TensorReservation,
+    ) -> PyResult<pinshm::Reservation> {
+        self.check_ours(py, reservation)?;
+        let held = crate::buffer::take_unshared(&reservation.held, "TensorReservation")?
+            .ok_or_else(|| {
+                PyValueError::new_err("the TensorReservation was published or aborted")
+            })?;
+        Ok(match Arc::try_unwrap(held) {
+            Ok(r) => r
+                .res
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            Err(_) => unreachable!("take_unshared leaves no other owner"),
+        })
     }
 }
 
@@ -125,7 +170,8 @@ impl ObjectStore {
         let store = crate::gil::released(py, || pinshm::ObjectStore::create(cfg)).map_err(to_py)?;
         Ok(ObjectStore {
             home: Home::new(store.name()),
-            inner: Mutex::new(Some(store)),
+            inner: Arc::new(Mutex::new(Some(store))),
+            saves: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -269,6 +315,7 @@ impl ObjectStore {
         shape: Vec<u64>,
     ) -> PyResult<crate::cache::TensorReservation> {
         let d = crate::tensor::from_name(dtype)?;
+        let key_name = key.to_owned();
         let key = key.to_owned();
         let sh = shape.clone();
         let res = self
@@ -276,6 +323,7 @@ impl ObjectStore {
             .map_err(to_py)?;
         Ok(crate::cache::TensorReservation::new(
             res,
+            key_name,
             crate::tensor::dtype_name(d),
             shape,
             &self.home.name,
@@ -290,30 +338,120 @@ impl ObjectStore {
         py: Python<'_>,
         reservation: &crate::cache::TensorReservation,
     ) -> PyResult<ObjectHandle> {
-        // Another store's reservation stays open in its own store.
-        let theirs = crate::lock(&reservation.held).clone();
-        if let Some(r) = theirs {
-            let ours = self.with(py, false, move |s| crate::lock(&r.res).belongs_to(s))?;
-            if !ours {
-                return Err(PyValueError::new_err(
-                    "the TensorReservation belongs to another store",
-                ));
-            }
-        }
-        let held = crate::buffer::take_unshared(&reservation.held, "TensorReservation")?
-            .ok_or_else(|| {
-                PyValueError::new_err("the TensorReservation was published or aborted")
-            })?;
-        let res = match std::sync::Arc::try_unwrap(held) {
-            Ok(r) => r
-                .res
-                .into_inner()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-            Err(_) => unreachable!("take_unshared leaves no other owner"),
-        };
+        let res = self.take_reservation(py, reservation)?;
         self.with(py, false, move |s| s.publish(res))?
             .map(ObjectHandle)
             .map_err(to_py)
+    }
+
+    /// Publishes a reservation once `event` has completed: the save of a
+    /// device-to-host copy queued into it, which the caller does not wait
+    /// for. `event` is anything with `query() -> bool` (a
+    /// `torch.cuda.Event` recorded after the copy); pinshm's poller thread
+    /// (and every flush: `flush_pending()`, `PendingSave.wait()`, a get)
+    /// queries it, and publishes the reservation only once `query()`
+    /// returns true. Until then the key is pending: `is_pending(key)` is
+    /// true, `is_cached`, `get_cached` and readers miss it, and a put of
+    /// it raises. If `query()` raises, the copy has failed: the
+    /// reservation is aborted, its key and slot free at once. With
+    /// `event=None` it is published now. `staged`: a buffer of exactly
+    /// the reservation's length that the copy writes instead of the slot
+    /// (pinned staging memory, where the store's mapping is not pinned and
+    /// a copy straight into it would not be asynchronous): its bytes are
+    /// copied into the slot, by the poller, once the event has completed,
+    /// then published (with `event=None`, at once). Returns the
+    /// `PendingSave`. Errors as `publish`. Closing the store discards
+    /// saves still pending (none is published); `flush_pending()` first
+    /// publishes them.
+    #[pyo3(signature = (reservation, event, staged=None))]
+    fn publish_after(
+        &self,
+        py: Python<'_>,
+        reservation: &crate::cache::TensorReservation,
+        event: Option<Py<PyAny>>,
+        staged: Option<Py<PyAny>>,
+    ) -> PyResult<crate::save::PendingSave> {
+        let key = reservation.key.clone();
+        if let Some(st) = &staged {
+            let (got, want) = (Buffer::readable(st.bind(py))?.len(), reservation.byte_len());
+            if got != want {
+                return Err(PyValueError::new_err(format!(
+                    "publish_after: the staged buffer is {got} bytes, the reservation {want}"
+                )));
+            }
+        }
+        let mut res = self.take_reservation(py, reservation)?;
+        let (event, staged) = match (event, staged) {
+            (None, Some(st)) => {
+                // Nothing to wait for: the staged bytes go in now.
+                let buf = Buffer::readable(st.bind(py))?;
+                res.bytes_mut().copy_from_slice(buf.as_slice());
+                (None, None)
+            }
+            other => other,
+        };
+        match event {
+            None => {
+                let h = self
+                    .with(py, false, move |s| s.publish(res))?
+                    .map_err(to_py)?;
+                Ok(crate::save::PendingSave::published(
+                    &key,
+                    h,
+                    &self.home.name,
+                ))
+            }
+            Some(event) => Ok(crate::save::PendingSave::start(
+                &key,
+                res,
+                event,
+                staged,
+                &self.inner,
+                &self.saves,
+                &self.home.name,
+            )),
+        }
+    }
+
+    /// Gives a reservation back unpublished (the copy into it failed, say):
+    /// its key is free for another put at once, and so is its slot,
+    /// unless a view of it is alive (the slot then goes when the last view
+    /// does). Again, or after `publish`, does nothing; ValueError if it
+    /// belongs to another store.
+    fn abort(&self, py: Python<'_>, reservation: &crate::cache::TensorReservation) -> PyResult<()> {
+        self.check_ours(py, reservation)?;
+        let Some(held) = lock(&reservation.held).take() else {
+            return Ok(());
+        };
+        lock(&held.res).abandon();
+        if let Ok(r) = Arc::try_unwrap(held) {
+            let res = r
+                .res
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.with(py, false, move |s| s.abort(res))?;
+        }
+        Ok(())
+    }
+
+    /// Whether a save of `key` is in flight: reserved (or its copy queued,
+    /// `publish_after`) and not yet published, nor aborted or failed.
+    /// `is_cached` is false for a pending key, and a put of it raises.
+    fn is_pending(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        self.with(py, false, |s| s.is_pending(key))
+    }
+
+    /// Waits until every save of this store queued by `publish_after` is
+    /// over (published, or failed), polling their events, at most
+    /// `timeout` seconds (None: no limit); returns how many are still
+    /// pending (0 unless the timeout passed). For shutdown (before
+    /// `close()`, which discards what is pending) and tests.
+    #[pyo3(signature = (timeout=None))]
+    fn flush_pending(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
+        self.home.not_forked()?;
+        let saves = &self.saves;
+        crate::save::wait_until(py, timeout, || saves.load(Ordering::Acquire) == 0)?;
+        Ok(saves.load(Ordering::Acquire))
     }
 
     /// Whether `key` is stored.
@@ -480,8 +618,10 @@ impl ObjectStore {
     }
 
     /// Closes the store and unlinks its segment (readers already attached
-    /// keep their mapping). Closing twice does nothing, and so does closing
-    /// in a forked child (the store is the parent's).
+    /// keep their mapping). Saves still pending (`publish_after`) are
+    /// discarded, never published (call `flush_pending()` first to publish
+    /// them); closing does not wait for them. Closing twice does nothing,
+    /// and so does closing in a forked child (the store is the parent's).
     fn close(&self, py: Python<'_>) {
         crate::close_in(py, &self.home, &self.inner);
     }

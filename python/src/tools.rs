@@ -47,6 +47,9 @@ pub(crate) fn inspect_segment<'py>(
         readers.append(e)?;
     }
     d.set_item("readers", readers)?;
+    let (used, free) = snap.reader_entries();
+    d.set_item("entries_used", used)?;
+    d.set_item("entries_free", free)?;
     let slots = PyList::empty(py);
     for s in &snap.slots {
         let e = PyDict::new(py);
@@ -79,6 +82,30 @@ pub(crate) fn inspect_segment<'py>(
         .collect();
     d.set_item("explanations", explained)?;
     Ok(d)
+}
+
+/// The segments in /dev/shm whose name starts with `prefix` and whose
+/// writer is gone (`pinshm::gc`): listed with `dry_run`, else removed, each
+/// under the dead writer's liveness lock.
+#[pyfunction]
+#[pyo3(signature = (prefix = "", dry_run = true))]
+pub(crate) fn gc_segments<'py>(
+    py: Python<'py>,
+    prefix: &str,
+    dry_run: bool,
+) -> PyResult<Bound<'py, PyList>> {
+    let found = crate::gil::released(py, || pinshm::gc(prefix, dry_run)).map_err(to_py)?;
+    let out = PyList::empty(py);
+    for a in found {
+        let d = PyDict::new(py);
+        d.set_item("name", &a.name)?;
+        d.set_item("kind", a.kind)?;
+        d.set_item("bytes", a.bytes)?;
+        d.set_item("writer_pid", a.writer_pid)?;
+        d.set_item("removed", a.removed)?;
+        out.append(d)?;
+    }
+    Ok(out)
 }
 
 /// Whether this build has the `cuda` feature, whether a CUDA driver

@@ -1,5 +1,5 @@
 //! Loom models of the slot protocol, run over the shipped `SlotPtr` and
-//! `ReaderPtr` code (their atomics are loom's under `--cfg loom`, see
+//! `ReaderPtr` code (their atomics are loom's under `--cfg pinshm_loom`, see
 //! `atomic`): every interleaving, and every weak-memory outcome loom
 //! explores, of a writer reclaiming a slot against a reader taking a guard
 //! on it (a hazard for an instant, then a hold in the slot). The writer's
@@ -7,7 +7,7 @@
 //! reader's those of `StoreReader::get` and `ReadGuard::drop`. The payload is a loom cell, so loom also reports any
 //! unsynchronised access to it.
 //!
-//! `RUSTFLAGS="--cfg loom" cargo test --release --lib atomics::loom_tests`
+//! `RUSTFLAGS="--cfg pinshm_loom" cargo test --release --lib atomics::loom_tests`
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;

@@ -3,7 +3,7 @@
 //! segment; **every memory ordering of the store is chosen here**, next to
 //! the field it guards. Below both protocols: [`word`], the atomics and
 //! futex that the store and the channel (`crate::channel::atomics`) are
-//! written against, loom's under `--cfg loom`; [`field`], the one place a
+//! written against, loom's under `--cfg pinshm_loom`; [`field`], the one place a
 //! mapping's bytes become an atomic; and the header functions every segment
 //! is written, stamped and read back with.
 //!
@@ -62,7 +62,7 @@
 
 mod header;
 mod index;
-#[cfg(all(test, loom))]
+#[cfg(all(test, pinshm_loom))]
 mod loom_tests;
 mod reader;
 mod slot;

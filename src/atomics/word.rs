@@ -1,6 +1,6 @@
 //! The atomics and the futex that the shared-memory code of the store and
 //! of the channel is written against: std's and the kernel's, or, when
-//! built with `--cfg loom`, loom's. This is the one way loom runs the
+//! built with `--cfg pinshm_loom`, loom's. This is the one way loom runs the
 //! shipped code of both protocols. Loom's atomics cannot be laid over
 //! mapped bytes, so under loom each word of the memory is given a loom
 //! atomic from a side table, keyed by address and made on first use from
@@ -11,29 +11,29 @@
 
 use std::time::Duration;
 
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-#[cfg(not(loom))]
+#[cfg(not(pinshm_loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-/// Gives the CPU to another thread (loom's scheduler under `--cfg loom`):
+/// Gives the CPU to another thread (loom's scheduler under `--cfg pinshm_loom`):
 /// what a reader does while the writer is in the middle of a change.
 pub(crate) fn yield_now() {
-    #[cfg(loom)]
+    #[cfg(pinshm_loom)]
     loom::thread::yield_now();
-    #[cfg(not(loom))]
+    #[cfg(not(pinshm_loom))]
     std::thread::yield_now();
 }
 
 /// FUTEX_WAIT: sleeps while `word` holds `expected`, at most `timeout`
 /// (the kernel compares and queues atomically with respect to wakes).
-#[cfg(not(loom))]
+#[cfg(not(pinshm_loom))]
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
     crate::sys::futex::wait(word, expected, timeout);
 }
 
 /// FUTEX_WAKE: wakes up to `n` sleepers on `word`.
-#[cfg(not(loom))]
+#[cfg(not(pinshm_loom))]
 pub(crate) fn futex_wake(word: &AtomicU32, n: i32) {
     crate::sys::futex::wake(word, n);
 }
@@ -41,7 +41,7 @@ pub(crate) fn futex_wake(word: &AtomicU32, n: i32) {
 /// FUTEX_WAIT under loom: compare and queue atomically (under the word's
 /// mutex, as under the kernel's bucket lock); timeouts are ignored, so a
 /// lost wake-up is a deadlock loom reports.
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, _timeout: Option<Duration>) {
     let k = table::futex(word);
     let g = k.lock.lock().unwrap();
@@ -52,7 +52,7 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, _timeout: Option<Durat
 
 /// FUTEX_WAKE under loom: every sleeper (a superset of `n`; a woken
 /// sleeper re-checks).
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 pub(crate) fn futex_wake(word: &AtomicU32, _n: i32) {
     let k = table::futex(word);
     let _g = k.lock.lock().unwrap();
@@ -69,7 +69,7 @@ pub(crate) trait Word: Sized {
     unsafe fn at<'a>(ptr: *mut u8) -> &'a Self;
 }
 
-#[cfg(not(loom))]
+#[cfg(not(pinshm_loom))]
 macro_rules! word {
     ($($t:ty),*) => {$(
         impl Word for $t {
@@ -81,10 +81,10 @@ macro_rules! word {
         }
     )*};
 }
-#[cfg(not(loom))]
+#[cfg(not(pinshm_loom))]
 word!(AtomicU32, AtomicU64);
 
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 pub(crate) mod table {
     //! Loom objects standing in for the words, cells and futexes of a
     //! mapping, and heap memory standing in for the mapping itself.
@@ -171,7 +171,7 @@ pub(crate) mod table {
     }
 }
 
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 impl Word for AtomicU64 {
     unsafe fn at<'a>(ptr: *mut u8) -> &'a Self {
         // SAFETY: the caller's contract: 8 readable bytes at ptr.
@@ -180,7 +180,7 @@ impl Word for AtomicU64 {
     }
 }
 
-#[cfg(loom)]
+#[cfg(pinshm_loom)]
 impl Word for AtomicU32 {
     unsafe fn at<'a>(ptr: *mut u8) -> &'a Self {
         // SAFETY: the caller's contract: 4 readable bytes at ptr.

@@ -57,7 +57,7 @@
 //! liveness check sees the new holder or its CAS fails.
 //!
 //! Loom runs this code as it ships, exactly as it runs the store's: in
-//! `cfg(loom)` builds the atomics and the futex of [`crate::atomics`] are
+//! `cfg(pinshm_loom)` builds the atomics and the futex of [`crate::atomics`] are
 //! loom's (a side table keyed by address, a loom mutex and condvar per
 //! futex word), and the unit tests of `channel::loom_tests` drive the
 //! real writer and reader cores over heap memory laid out as a channel
@@ -208,7 +208,7 @@ impl ChannelPtr {
 /// The loom models' entry: a zeroed channel (as a fresh segment is) on heap
 /// memory of the table in [`crate::atomics::word`], and its payloads as
 /// loom cells, so that loom reports a slot rewritten under a reader.
-#[cfg(all(test, loom))]
+#[cfg(all(test, pinshm_loom))]
 impl ChannelPtr {
     /// A fresh channel of `geo` for this loom execution (call after the
     /// table's reset, before any model thread starts).

@@ -8,7 +8,7 @@
 //! slot rewritten while a reader reads it is a race on its payload cell,
 //! which loom reports too.
 //!
-//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --lib channel::loom_tests`
+//! `RUSTFLAGS="--cfg pinshm_loom" CARGO_TARGET_DIR=target/loom cargo test --release --lib channel::loom_tests`
 
 use std::time::{Duration, Instant};
 

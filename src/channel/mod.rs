@@ -31,7 +31,7 @@ pub mod spin;
 mod validate;
 pub mod writer;
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, pinshm_loom))]
 mod loom_tests;
 
 use std::time::Duration;

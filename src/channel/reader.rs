@@ -226,7 +226,7 @@ impl ReaderCore {
     /// [`LIVENESS_RECHECK`]. A set cancel flag ends it before it sleeps
     /// (the shell also refuses to start a wait once cancelled).
     // The loom models' entry; the shell plans its waits.
-    #[cfg_attr(not(all(test, loom)), allow(dead_code))]
+    #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
     pub fn wait(
         &mut self,
         deadline: Option<Instant>,
@@ -364,14 +364,14 @@ impl ReaderCore {
     /// Releases message `seq` (received, not yet released): see
     /// [`Releases::release`].
     // The loom models' entry; the shell's messages release directly.
-    #[cfg_attr(not(all(test, loom)), allow(dead_code))]
+    #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
     pub fn release(&mut self, seq: u64) {
         self.releases.release(seq);
     }
 
     /// Leaves the entry (not expected any more).
     // The loom models' entry; the shell leaves with its last message.
-    #[cfg_attr(not(all(test, loom)), allow(dead_code))]
+    #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
     pub fn leave(&self) {
         self.chan.leave(self.index, self.word);
     }

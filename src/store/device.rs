@@ -34,11 +34,17 @@ impl PendingCopy for PutInFlight {
     fn abandoned(&self) -> bool {
         !self.token_alive.load(Ordering::Acquire)
     }
+    fn given_up(&self) -> bool {
+        // A copy that failed is never published: its key may go before
+        // the caller finishes the put (`wait` does not block once done).
+        self.abandoned() || (self.is_done() && self.wait().is_err())
+    }
 }
 
 /// A put whose copy into its slot is in flight. Finish it with
 /// [`ObjectStore::finish_put`] (or poll with [`ObjectStore::try_finish_put`]);
-/// dropped unfinished, the slot is freed once the copy stops.
+/// dropped unfinished, its key is free at once and the slot is freed once
+/// the copy stops. A copy that fails frees the key at once too.
 #[derive(Debug)]
 #[must_use = "the object is published only by finish_put"]
 pub struct PendingPut {

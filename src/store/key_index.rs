@@ -253,10 +253,10 @@ mod tests {
 }
 
 /// loom runs the shipped index code (its atomics are loom's under
-/// `--cfg loom`): a reader probing for a key that is present before and
+/// `--cfg pinshm_loom`): a reader probing for a key that is present before and
 /// after a removal that moves it finds it, whatever the interleaving
-/// (`.ci/run`: `--cfg loom`, `store::key_index::loom_model`).
-#[cfg(all(test, loom))]
+/// (`.ci/run`: `--cfg pinshm_loom`, `store::key_index::loom_model`).
+#[cfg(all(test, pinshm_loom))]
 mod loom_model {
     use super::*;
     use crate::atomics::word::table;

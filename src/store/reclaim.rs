@@ -448,6 +448,15 @@ impl Space {
         true
     }
 
+    /// Frees object `id` now if it may go (and forgets its key); whether
+    /// it went.
+    pub(super) fn free_object(&mut self, id: u64, keys: &mut Keys, stats: &mut StoreStats) -> bool {
+        match self.ring.span_of(id) {
+            Some(s) => self.free_at(s, false, keys, stats),
+            None => false,
+        }
+    }
+
     /// Frees every object that may go, oldest first, around the ones that
     /// must stay; returns how many went.
     pub(super) fn reclaim_all(&mut self, keys: &mut Keys, stats: &mut StoreStats) -> usize {

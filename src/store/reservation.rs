@@ -16,9 +16,10 @@ use crate::layout::ObjectKind;
 /// A reserved, unpublished slot: no reader can see it and the writer does
 /// not reuse it while the reservation lives. Write its bytes through
 /// [`Reservation::bytes_mut`] (or the pointer, from a copy engine of your
-/// own), then publish it with [`ObjectStore::publish`]. Dropped
-/// unpublished, the slot is reclaimed in turn (its key stays taken until
-/// then).
+/// own), then publish it with [`ObjectStore::publish`]. Given back
+/// unpublished ([`ObjectStore::abort`], or dropped), its key is free at
+/// once for another put; its slot is freed by `abort` at once, after a
+/// drop in turn.
 ///
 /// ```
 /// use pinshm::{DType, ObjectStore, StoreConfig, StoreReader};
@@ -53,6 +54,9 @@ unsafe impl Send for Reservation {}
 struct Writing {
     /// The caller may still be writing the bytes.
     open: AtomicBool,
+    /// Given up while still open ([`Reservation::abandon`]): never
+    /// published, its key free at once.
+    abandoned: AtomicBool,
 }
 
 impl PendingCopy for Writing {
@@ -66,6 +70,9 @@ impl PendingCopy for Writing {
         // Published reservations are not pending any more; a closed one
         // still pending was dropped.
         self.is_done()
+    }
+    fn given_up(&self) -> bool {
+        self.is_done() || self.abandoned.load(Ordering::Acquire)
     }
 }
 
@@ -104,6 +111,20 @@ impl Reservation {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Gives the put up without dropping the reservation (for a binding
+    /// whose views of the bytes may outlive the abort): its key is free
+    /// for another put at once, and [`ObjectStore::publish`] refuses it.
+    /// The bytes stay writable, seen by nobody, until the reservation
+    /// drops; its slot is reclaimed only after that.
+    pub fn abandon(&mut self) {
+        self.state.abandoned.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Reservation::abandon`] was called.
+    pub fn is_abandoned(&self) -> bool {
+        self.state.abandoned.load(Ordering::Acquire)
+    }
 }
 
 impl Drop for Reservation {
@@ -128,6 +149,7 @@ impl ObjectStore {
             .ok_or_else(|| Error::InvalidTensor("tensor size overflows".into()))?;
         let state = Arc::new(Writing {
             open: AtomicBool::new(true),
+            abandoned: AtomicBool::new(false),
         });
         let mut data = std::ptr::null_mut();
         let pending = Arc::clone(&state) as Arc<dyn PendingCopy>;
@@ -162,8 +184,41 @@ impl ObjectStore {
             });
         }
         let id = r.id;
+        if r.is_abandoned() {
+            drop(r);
+            // Its key was free already; its slot goes now.
+            self.free_given_up(id);
+            return Err(Error::PutNotPending {
+                id,
+                reason: "it was abandoned",
+            });
+        }
         // Dropping it closes it: the pending copy is done, and published here.
         drop(r);
         self.finish_pending(id)
+    }
+
+    /// Gives a reservation back unpublished: its key is free for another
+    /// put, and its slot is reclaimed, at once (dropping it frees the key
+    /// at once too, the slot in turn). Nothing may still be writing its
+    /// bytes (a copy into them must have completed or failed). Another
+    /// store's reservation is dropped (so given back to its own store).
+    ///
+    /// ```
+    /// use pinshm::{DType, ObjectStore, StoreConfig};
+    /// # let name = format!("pinshm-doc-abort-{}", std::process::id());
+    /// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name))?;
+    /// let r = store.reserve_tensor("t", DType::F32, &[2])?;
+    /// store.abort(r); // the copy into it failed, say
+    /// assert!(!store.is_pending("t"));
+    /// store.put("t", b"saved again")?;
+    /// # Ok::<(), pinshm::Error>(())
+    /// ```
+    pub fn abort(&mut self, r: Reservation) {
+        let (id, ours) = (r.id, r.belongs_to(self));
+        drop(r);
+        if ours && self.is_owner() {
+            self.free_given_up(id);
+        }
     }
 }

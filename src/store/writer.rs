@@ -66,6 +66,12 @@ pub(crate) trait PendingCopy: Send + Sync + std::fmt::Debug {
     fn wait(&self) -> Result<()>;
     /// Whether the caller dropped its token without finishing the put.
     fn abandoned(&self) -> bool;
+    /// Whether the put will never be published, so that its key may go at
+    /// once (its slot still waits for `is_done() && abandoned()`): the
+    /// caller gave it up, or its copy failed.
+    fn given_up(&self) -> bool {
+        self.abandoned()
+    }
 }
 
 /// A slot handed out by the ring, not yet published.
@@ -112,8 +118,8 @@ pub struct ObjectStore {
 #[derive(Debug, Default)]
 pub(super) struct Keys {
     pub(super) index: HashMap<Arc<str>, ObjectHandle, KeyHasher>,
-    /// Keys of puts whose copy is still in flight.
-    pending: std::collections::HashSet<Arc<str>, KeyHasher>,
+    /// Keys of puts whose copy is still in flight, with their ids.
+    pending: HashMap<Arc<str>, u64, KeyHasher>,
     /// The shared key index readers look keys up in, if the store has one.
     shared: Option<SharedIndex>,
 }
@@ -122,8 +128,11 @@ impl Keys {
     /// Forgets `key`, the key of object `id` whose fingerprint is `fp`
     /// (its object was reclaimed).
     pub(super) fn forget(&mut self, key: &str, id: u64, fp: [u64; 2]) {
-        self.index.remove(key);
-        if !self.pending.is_empty() {
+        // Only its own: a put given up leaves its key to the next put of it.
+        if self.index.get(key).is_some_and(|h| h.monotonic_id == id) {
+            self.index.remove(key);
+        }
+        if self.pending.get(key) == Some(&id) {
             self.pending.remove(key);
         }
         if let Some(shared) = &mut self.shared {
@@ -372,6 +381,8 @@ impl ObjectStore {
                 tracing::error!(id, %e, "a device copy into a slot was lost; the slot is retired");
             } else {
                 tracing::debug!(id, %e, "pending put failed");
+                // The copy has stopped: the slot goes now.
+                self.free_given_up(id);
             }
             return Err(e);
         }
@@ -384,11 +395,16 @@ impl ObjectStore {
     /// Checks and hands out a slot for `len` bytes under `key`.
     fn reserve(&mut self, key: &str, len: usize) -> Result<Reserved> {
         self.check_owner()?;
-        if self.keys.index.contains_key(key)
-            || (!self.keys.pending.is_empty() && self.keys.pending.contains(key))
-        {
+        if self.keys.index.contains_key(key) {
             return Err(Error::DuplicateKey {
                 key: key.to_owned(),
+                pending: false,
+            });
+        }
+        if !self.keys.pending.is_empty() && !self.release_given_up(key) {
+            return Err(Error::DuplicateKey {
+                key: key.to_owned(),
+                pending: true,
             });
         }
         if len as u64 > self.space.geo.max_object_size {
@@ -465,7 +481,7 @@ impl ObjectStore {
         };
         let key: Arc<str> = Arc::from(key);
         if pending.is_some() {
-            self.keys.pending.insert(key.clone());
+            self.keys.pending.insert(key.clone(), id);
         }
         let run_end = self.space.ring.commit(
             &r.plan,
@@ -534,6 +550,19 @@ impl ObjectStore {
     /// Whether `key` is stored.
     pub fn is_cached(&self, key: &str) -> bool {
         self.keys.index.contains_key(key)
+    }
+
+    /// Whether a put of `key` is in flight: reserved (or its copy started)
+    /// and not yet published, nor given up (a [`Reservation`](crate::Reservation)
+    /// aborted or dropped, a [`PendingPut`](crate::PendingPut) dropped, a
+    /// copy that failed). A pending key is not cached (`is_cached`,
+    /// `get_cached` and readers miss it), and a put of it fails with
+    /// [`Error::DuplicateKey`] until it is published or given up.
+    pub fn is_pending(&self, key: &str) -> bool {
+        match self.keys.pending.get(key) {
+            Some(&id) => !self.given_up(id),
+            None => false,
+        }
     }
 
     /// The handle of `key`, counting nothing (vLLM's `key_index[key]`).
@@ -719,6 +748,54 @@ impl ObjectStore {
 
     // ---- internals ----
 
+    /// Whether the pending put `id` will never be published (see
+    /// [`PendingCopy::given_up`]).
+    fn given_up(&self, id: u64) -> bool {
+        self.space
+            .ring
+            .find(id)
+            .and_then(|s| s.value.pending.as_ref())
+            .is_none_or(|p| p.given_up())
+    }
+
+    /// Frees `key` from the pending put that has it if that put was given
+    /// up (its slot stays until nothing can write it); whether `key` is
+    /// free of pending puts now.
+    fn release_given_up(&mut self, key: &str) -> bool {
+        let Some(&id) = self.keys.pending.get(key) else {
+            return true;
+        };
+        if !self.given_up(id) {
+            return false;
+        }
+        self.forget_pending(id);
+        true
+    }
+
+    /// Forgets the key of the given-up put `id` and frees its slot now if
+    /// nothing can write it any more (else it goes in turn).
+    pub(super) fn free_given_up(&mut self, id: u64) {
+        self.forget_pending(id);
+        if self.space.free_object(id, &mut self.keys, &mut self.stats) {
+            self.publish_progress();
+        }
+    }
+
+    /// Forgets the key of the unpublished slot `id`: a new put of the key
+    /// may go ahead now, and the slot can never be published. The slot
+    /// itself is freed once its copy has stopped (see `Judge::may_go`).
+    pub(super) fn forget_pending(&mut self, id: u64) {
+        let Some(span) = self.space.ring.find_mut(id) else {
+            return;
+        };
+        if let Some(k) = span.value.key.take() {
+            if self.keys.pending.get(&*k) == Some(&id) {
+                self.keys.pending.remove(&*k);
+            }
+            tracing::debug!(id, key = %k, "pending put given up: its key is free");
+        }
+    }
+
     /// Whether this is the process that made the store (not a forked child
     /// of it, whose changes would corrupt its parent's ring).
     pub(super) fn is_owner(&self) -> bool {
@@ -777,5 +854,90 @@ impl Drop for ObjectStore {
         self.map.seg().unlock(liveness::WRITER_SLOT);
         // Copies still in flight into slots keep the mapping alive by
         // themselves (the engine holds it), so nothing here waits for them.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    use super::*;
+
+    /// Removes the segment when the test ends, by panic too.
+    struct Unlink(String);
+    impl Drop for Unlink {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
+        }
+    }
+
+    /// A copy whose outcome the test decides: 0 running, 1 done, 2 failed.
+    #[derive(Debug, Default)]
+    struct Staged(AtomicU8);
+
+    impl PendingCopy for Staged {
+        fn is_done(&self) -> bool {
+            self.0.load(Ordering::Acquire) != 0
+        }
+        fn wait(&self) -> Result<()> {
+            match self.0.load(Ordering::Acquire) {
+                1 => Ok(()),
+                2 => Err(Error::copy("the staged copy failed")),
+                _ => panic!("wait on a staged copy still running"),
+            }
+        }
+        fn abandoned(&self) -> bool {
+            false
+        }
+        fn given_up(&self) -> bool {
+            self.0.load(Ordering::Acquire) == 2
+        }
+    }
+
+    fn store(tag: &str) -> (ObjectStore, Unlink) {
+        let name = format!("pinshm-unit-{tag}-{}", std::process::id());
+        let w = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name)).unwrap();
+        (w, Unlink(name))
+    }
+
+    #[test]
+    fn a_failed_copy_frees_its_key_before_its_put_is_finished_and_its_slot_when_it_is() {
+        let (mut w, _unlink) = store("failedcopy");
+        let copy = Arc::new(Staged::default());
+        let c = Arc::clone(&copy) as Arc<dyn PendingCopy>;
+        let id = w
+            .begin_pending("k", 4096, ObjectKind::Raw, |_| Ok(c))
+            .unwrap();
+        assert!(w.is_pending("k") && !w.is_cached("k"));
+        assert!(matches!(
+            w.put("k", b"x"),
+            Err(Error::DuplicateKey { pending: true, .. })
+        ));
+        copy.0.store(2, Ordering::Release);
+        // Failed, not yet finished: the key is free at once.
+        assert!(!w.is_pending("k"));
+        let h = w.put("k", b"saved again").unwrap();
+        assert_eq!(w.stats().objects, 2);
+        // Finishing the failed put reports its error, frees its slot now
+        // and leaves the new object of the key alone.
+        assert!(w.finish_pending(id).is_err());
+        assert_eq!(w.stats().objects, 1, "the failed slot went at once");
+        assert_eq!(w.lookup("k"), Some(h));
+        assert_eq!(w.peek(h).unwrap(), b"saved again");
+    }
+
+    #[test]
+    fn a_failed_copy_finished_at_once_frees_its_slot_and_key() {
+        let (mut w, _unlink) = store("failedfinish");
+        let copy = Arc::new(Staged::default());
+        let c = Arc::clone(&copy) as Arc<dyn PendingCopy>;
+        let id = w
+            .begin_pending("k", 4096, ObjectKind::Raw, |_| Ok(c))
+            .unwrap();
+        copy.0.store(2, Ordering::Release);
+        assert!(w.finish_pending(id).is_err());
+        assert_eq!(w.stats().objects, 0);
+        assert!(!w.is_pending("k") && !w.is_cached("k"));
+        w.put("k", b"saved again").unwrap();
     }
 }

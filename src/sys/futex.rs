@@ -8,7 +8,7 @@
 //! count whose low bits count the sleepers), see `crate::channel::atomics`.
 
 // In loom builds the channel's futex is modelled, so this goes unused.
-#![cfg_attr(loom, allow(dead_code))]
+#![cfg_attr(pinshm_loom, allow(dead_code))]
 
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;

@@ -368,7 +368,7 @@ impl Segment {
 /// Removes segment `name` if `recognise` accepts it and nobody holds its
 /// writer lock; `Ok` also when it went (or was replaced) meanwhile, so the
 /// caller creates again.
-fn remove_if_abandoned(
+pub(crate) fn remove_if_abandoned(
     name: &str,
     recognise: &impl Fn(&Segment) -> std::result::Result<String, String>,
 ) -> Result<()> {

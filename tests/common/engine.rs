@@ -125,13 +125,20 @@ pub fn an_abandoned_pending_put_frees_its_slot_only_after_its_copy<E: TestEngine
         matches!(w.put("c", &pattern(3, len)), Err(Error::Full { .. })),
         "the pending slot is not freed"
     );
+    assert!(w.is_pending("a"));
     drop(p); // abandoned while the copy may still run
     drop(src); // the ticket keeps the device memory alive
-               // "b" is owed its reads, so "a"'s slot is the only one a put can get.
+    assert!(!w.is_pending("a"), "an abandoned put's key is free at once");
+    // "b" is owed its reads, so "a"'s slot is the only one a put can get.
     if gate.is_some() {
         assert!(
             matches!(w.put("c", &pattern(3, len)), Err(Error::Full { .. })),
             "an abandoned put's slot was freed while its copy ran"
+        );
+        // Its key is free (no DuplicateKey), its slot not yet.
+        assert!(
+            matches!(w.put("a", &pattern(5, len)), Err(Error::Full { .. })),
+            "an abandoned put's key was not free at once"
         );
     }
     drop(gate);

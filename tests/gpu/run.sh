@@ -10,7 +10,8 @@
 #      (a copy on the current stream, and one on a side stream);
 #      py_encoder_cache.py: an encoder output (bf16 [4096, 4096]) saved D2H
 #      straight into a slot against .cpu() plus a put, and loaded H2D from
-#      the slot against pageable memory.
+#      the slot against pageable memory; and a step timed alone, after a
+#      blocking save, and with a non-blocking save (wait=False) in flight.
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail
@@ -88,6 +89,8 @@ if [ "${#failed[@]}" -eq 0 ]; then
   if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
     step "python: encoder cache save (D2H into the slot) and load" 40 env PYTHONPATH="$here/py" python3 "$here/py_encoder_cache.py"
+    # What a user with a GPU runs from the wheel (python -m pinshm doctor --gpu).
+    step "python: doctor --gpu from the wheel" 40 env PYTHONPATH="$here/py" python3 -m pinshm doctor --gpu
   else
     echo "=== python: skipped (python3 has no torch or numpy)"
   fi

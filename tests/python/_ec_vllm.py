@@ -25,7 +25,37 @@ from functools import reduce
 import numpy as np
 
 STAND_IN = {
-    "vllm/__init__.py": "STAND_IN = True\n",
+    "vllm/__init__.py": '''
+STAND_IN = True
+
+
+class LLM:
+    """The docs' entry (test_docs_snippets.py): makes the encoder-cache
+    connector that `ec_transfer_config` names, for the scheduler and for a
+    worker, as vLLM would, and refuses a config the connector would not
+    take."""
+
+    def __init__(self, model, tensor_parallel_size=1, ec_transfer_config=None, **kwargs):
+        import importlib
+
+        from _ec_vllm import config
+        from pinshm.vllm.ec._config import ECSettings, unknown_keys
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+        import os
+
+        ec = dict(ec_transfer_config or {})
+        extra = ec.get("ec_connector_extra_config", {})
+        assert not unknown_keys(extra), unknown_keys(extra)
+        ECSettings.from_extra(extra)
+        # A name of this run's own: never a real deployment's store.
+        extra = dict(extra, store=f"pinshm-doc-{os.getpid()}-{extra.get('store', 'ec')}")
+        cls = getattr(importlib.import_module(ec["ec_connector_module_path"]), ec["ec_connector"])
+        cfg = config(ec.get("ec_role", "ec_both"), extra, model, tensor_parallel_size)
+        self.connectors = [cls(cfg, ECConnectorRole.SCHEDULER), cls(cfg, ECConnectorRole.WORKER)]
+        for c in reversed(self.connectors):
+            c.shutdown()
+''',
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/ec_transfer/__init__.py": "",
     "vllm/distributed/ec_transfer/ec_connector/__init__.py": "",
@@ -104,6 +134,9 @@ class ECConnectorBase(ABC):
     def take_unavailable_requests(self):
         return set()
 
+    def update_state_after_free(self, request, index):
+        return
+
     @abstractmethod
     def update_state_after_alloc(self, request, index): ...
 
@@ -147,7 +180,7 @@ def install(root):
         sys.path.insert(0, str(root))
 
 
-def config(role, extra, model=MODEL):
+def config(role, extra, model=MODEL, tp=1):
     """The parts of a VllmConfig the connector reads."""
     ec = types.SimpleNamespace(
         ec_connector="PinshmECConnector",
@@ -159,7 +192,8 @@ def config(role, extra, model=MODEL):
         mm_encoder_output_widths={},
     )
     model_config = types.SimpleNamespace(model=model, revision=None, dtype=None, get_inputs_embeds_size=lambda: WIDTH)
-    return types.SimpleNamespace(ec_transfer_config=ec, model_config=model_config)
+    parallel_config = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1)
+    return types.SimpleNamespace(ec_transfer_config=ec, model_config=model_config, parallel_config=parallel_config)
 
 
 def encode(mm_hash, rows=ROWS):
@@ -193,7 +227,7 @@ class Request:
 # ---- a worker process -------------------------------------------------
 
 
-def worker_main(conn, role, extra, rank, model=MODEL):
+def worker_main(conn, role, extra, rank, model=MODEL, tp=1):
     """A vLLM worker: its connector (WORKER role), its encoder cache, and
     the model runner's calls, one step per message."""
     os.environ["STAND_IN_TP_RANK"] = str(rank)
@@ -201,7 +235,7 @@ def worker_main(conn, role, extra, rank, model=MODEL):
 
     from pinshm.vllm.ec_connector import PinshmECConnector
 
-    c = PinshmECConnector(config(role, extra, model), ECConnectorRole.WORKER)
+    c = PinshmECConnector(config(role, extra, model, tp), ECConnectorRole.WORKER)
     cache = {}
     encoded = 0
     conn.send(("ready", c._worker.store is not None))
@@ -209,7 +243,10 @@ def worker_main(conn, role, extra, rank, model=MODEL):
         msg = conn.recv()
         op = msg[0]
         if op == "step":
-            _, meta_bytes, compute, wanted = msg
+            _, meta_bytes, compute, wanted, freed = msg
+            # vLLM's _update_states: the scheduler's evictions first.
+            for h in freed:
+                cache.pop(h, None)
             c.bind_connector_metadata(pickle.loads(meta_bytes))
             if c.is_consumer:
                 c.start_load_caches(cache)
@@ -242,10 +279,82 @@ def worker_main(conn, role, extra, rank, model=MODEL):
             return
 
 
+class EncoderCacheManager:
+    """vLLM's scheduler-side encoder cache bookkeeping
+    (vllm/v1/core/encoder_cache_manager.py), the parts the engine and the
+    connector's eviction use, with vLLM's attribute names: `cached` maps a
+    hash to the requests that reference it (empty: freeable, evicted when
+    room is needed), `freed` lists what the workers must drop."""
+
+    def __init__(self, cache_size=1 << 30):
+        self.cache_size = cache_size
+        self.num_free_slots = cache_size
+        self.num_freeable_slots = cache_size
+        self.cached = {}
+        self.num_embeds_by_hash = {}
+        self.request_cached_ids = {}
+        self.freeable = {}
+        self.freed = []
+
+    def check_and_update_cache(self, request, input_id):
+        h = request.mm_features[input_id].identifier
+        if h not in self.cached:
+            return False
+        if not self.cached[h]:
+            self.num_freeable_slots -= self.freeable.pop(h)
+        self.cached[h].add(request.request_id)
+        self.request_cached_ids.setdefault(request.request_id, set()).add(input_id)
+        return True
+
+    def allocate(self, request, input_id):
+        h = request.mm_features[input_id].identifier
+        n = request.get_num_encoder_embeds(input_id)
+        self.cached.setdefault(h, set()).add(request.request_id)
+        self.num_embeds_by_hash.setdefault(h, n)
+        self.request_cached_ids.setdefault(request.request_id, set()).add(input_id)
+        self.num_free_slots -= n
+        self.num_freeable_slots -= n
+        assert self.num_free_slots >= 0 and self.num_freeable_slots >= 0
+
+    def free(self, request):
+        for input_id in list(self.request_cached_ids.pop(request.request_id, ())):
+            h = request.mm_features[input_id].identifier
+            if not self.cached.get(h):
+                continue
+            self.cached[h].discard(request.request_id)
+            if not self.cached[h]:
+                n = self.num_embeds_by_hash[h]
+                self.freeable[h] = n
+                self.num_freeable_slots += n
+
+    def evict_all(self):
+        """What can_allocate does when it needs the room of every freeable entry."""
+        for h in list(self.freeable):
+            self.num_free_slots += self.freeable.pop(h)
+            del self.cached[h]
+            del self.num_embeds_by_hash[h]
+            self.freed.append(h)
+
+    def get_freed_mm_hashes(self):
+        freed = [h for h in self.freed if h not in self.cached]
+        self.freed = []
+        return freed
+
+
 class Engine:
     """One engine: worker processes (started first, as vLLM's executor
     starts them before the scheduler exists) and this process's scheduler
-    connector. `images` of a step: one request per image."""
+    connector, made in this constructor as vLLM's Scheduler makes it (and
+    held, like vLLM's, as `ec_connector` beside `encoder_cache_manager`).
+    `images` of a step: one request per image. As in vLLM, a request's
+    encoder inputs are freed once its prefill step has run (the connector
+    is told, `update_state_after_free`), and it finishes DECODE_STEPS steps
+    later, before the step's failed requests are taken: a request failed
+    after that has completed all the same (`wrong_answers` counts it). A
+    plan may be scheduled ahead of the step that runs it (`schedule`, then
+    `execute` later), as vLLM's async scheduling does."""
+
+    DECODE_STEPS = 2
 
     WAIT_S = 60
 
@@ -258,20 +367,27 @@ class Engine:
         try:
             for rank in range(tp):
                 a, b = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(b, role, extra, rank, model))
+                p = ctx.Process(target=worker_main, args=(b, role, extra, rank, model, tp))
                 p.start()
                 self.procs.append(p)
                 self.conns.append(a)
             self.writes = [self._recv(a)[1] for a in self.conns]
-            self.scheduler = PinshmECConnector(config(role, extra, model), ECConnectorRole.SCHEDULER)
+            self.ec_connector = PinshmECConnector(config(role, extra, model, tp), ECConnectorRole.SCHEDULER)
+            self.encoder_cache_manager = EncoderCacheManager()
         except BaseException:
             self.kill()
             raise
+        self.scheduler = self.ec_connector
         self.closed = False
-        self.cached = set()  # vLLM's encoder cache manager: what the workers hold
         self.failed = set()
+        self.running = {}  # request id -> (hash, rows, digests on every rank, the step it finishes in)
+        self.completed = {}  # request id -> (hash, rows, digests on every rank): finished, whatever came later
         self._n = 0
-        self._output = None
+        self._steps = 0
+
+    @property
+    def cached(self):
+        return self.encoder_cache_manager.cached
 
     def _recv(self, conn):
         if not conn.poll(self.WAIT_S):
@@ -285,31 +401,51 @@ class Engine:
 
     def schedule(self, images, rows=ROWS):
         """The scheduler's half of a step: the step's plan (metadata built)."""
-        s = self.scheduler
-        compute, wanted, loads = [], [], []
+        s, m = self.scheduler, self.encoder_cache_manager
+        compute, wanted, loads, requests = [], [], [], []
         for h in images:
             self._n += 1
             req = Request(f"req-{self._n}", [h], rows)
+            requests.append(req)
             wanted.append(h)
-            if h in self.cached:
+            if m.check_and_update_cache(req, 0):
                 continue
             if s.has_cache_item(h):
                 loads.append(h)
             else:
                 compute.append((h, rows))
+            m.allocate(req, 0)
             s.update_state_after_alloc(req, 0)
-            self.cached.add(h)
+        freed = m.get_freed_mm_hashes()
         meta = s.build_connector_meta(None)
-        return types.SimpleNamespace(meta=meta, compute=compute, wanted=wanted, loads=loads)
+        return types.SimpleNamespace(
+            meta=meta, compute=compute, wanted=wanted, loads=loads, requests=requests, freed=freed
+        )
 
     def execute(self, plan, meta=None):
         """The workers' half, then the scheduler's update from the output,
-        in vLLM's order. Returns the step's result."""
-        replies = self._all("step", pickle.dumps(meta if meta is not None else plan.meta), plan.compute, plan.wanted)
+        in vLLM's order: the step's requests finish (their encoder inputs
+        freed), take_unavailable_requests, then update_connector_output.
+        Returns the step's result."""
+        msg = ("step", pickle.dumps(meta if meta is not None else plan.meta), plan.compute, plan.wanted, plan.freed)
+        replies = self._all(*msg)
+        self._steps += 1
+        # vLLM's update_from_output: the requests first (prefill done: their
+        # encoder inputs freed; the finished ones out), then the failed
+        # requests taken, then the connector's output.
+        for req in plan.requests:
+            h = req.mm_features[0].identifier
+            rows = req.get_num_encoder_embeds(0)
+            self.running[req.request_id] = (h, rows, [r[2].get(h) for r in replies], self._steps + self.DECODE_STEPS)
+            self.encoder_cache_manager.free(req)
+            self.scheduler.update_state_after_free(req, 0)
+        for rid, (h, rows, digests, last) in list(self.running.items()):
+            if last <= self._steps:
+                self.completed[rid] = (h, rows, digests)
+                del self.running[rid]
         metas = [pickle.loads(r[1]) for r in replies]
         metas = [m for m in metas if m is not None]
-        # vLLM: take_unavailable_requests, then update_connector_output.
-        self.failed |= self.scheduler.take_unavailable_requests()
+        self._take_unavailable()
         if metas:
             agg = reduce(lambda x, y: x.aggregate(y), metas)
             self.scheduler.update_connector_output(types.SimpleNamespace(ec_connector_worker_meta=agg))
@@ -318,15 +454,35 @@ class Engine:
             computed=[h for h, _ in plan.compute],
             digests=[r[2] for r in replies],
             missing=[r[3] for r in replies],
+            requests=[req.request_id for req in plan.requests],
         )
+
+    def _take_unavailable(self):
+        failed = self.scheduler.take_unavailable_requests()
+        self.failed |= failed
+        for rid in failed:
+            self.running.pop(rid, None)  # a finished request stays finished
 
     def step(self, images, rows=ROWS):
         return self.execute(self.schedule(images, rows))
 
+    def wrong_answers(self):
+        """Requests that completed with an output other than the encoder's,
+        on any rank (the engine first runs until every request is done)."""
+        while self.running:
+            self.step([])
+        return {
+            rid: h
+            for rid, (h, rows, digests) in self.completed.items()
+            if any(d is not None and d != digest(encode(h, rows)) for d in digests)
+        }
+
     def forget(self):
-        """vLLM's own encoder cache evicts everything."""
-        self.cached.clear()
-        self._all("forget")
+        """vLLM's own encoder cache evicts everything it may, and a step
+        (with nothing to run) tells the workers to drop it, as vLLM's next
+        scheduler output does."""
+        self.encoder_cache_manager.evict_all()
+        self.step([])
 
     def save(self, images):
         """Rank 0's connector saves outputs no request scheduled (a lap of puts)."""
@@ -363,6 +519,7 @@ def consumer_engine_main(conn, extra, tp, images, start_method):
 
     e = Engine(mp.get_context(start_method), "ec_consumer", extra, tp=tp)
     try:
+        e.step([])  # the ranks report that they read the store
         r = e.step(images)
         conn.send(("result", r.loads, r.computed, r.digests, r.missing, e.stats()))
     finally:

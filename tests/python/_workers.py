@@ -3,6 +3,7 @@ children, which get the parent's sys.path)."""
 
 import hashlib
 import pickle
+import time
 
 import pinshm
 
@@ -62,3 +63,12 @@ def attach_hold_and_wait(store_handle, index, handle, ready):
     ready.put(len(guard))
     while True:
         time.sleep(60)
+
+
+def create_and_wait(name, ready):
+    """Creates store `name`, puts an object, says `created`, then waits to
+    be killed (the gc test's dead writer)."""
+    store = pinshm.ObjectStore(1 << 20, 4096, 1, name=name)
+    store.put("a", b"x" * 3000)
+    ready.put("created")
+    time.sleep(120)  # SIGKILLed long before

@@ -145,7 +145,7 @@ def test_a_reservation_is_invisible_until_published_and_refused_while_viewed(
         store.reserve_tensor("c", "complex64", [1])
 
 
-def test_an_aborted_reservation_frees_its_slot_and_then_its_key(unique_name, closing):
+def test_an_aborted_reservation_frees_its_slot_in_turn(unique_name, closing):
     store = closing(cache_store(unique_name(), slots=4, n_readers=1))
     r = store.reserve_tensor("gone", "uint8", [4 * KIB])
     r.abort()

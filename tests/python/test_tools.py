@@ -10,7 +10,7 @@ import sys
 import pinshm
 
 from _small_shm import run_in_small_dev_shm
-from _workers import attach_hold_and_wait
+from _workers import attach_hold_and_wait, create_and_wait
 
 STORE_SHAPE = (1 << 20, 64 << 10, 2)
 
@@ -61,8 +61,11 @@ def _inspect_held_and_dead(store, a, b, ctx):
     # the dead reader (and by reader 0, which has not read it).
     assert f"blocker   oldest in use: id {a.monotonic_id}" in text, text
     assert f"{a.address}:{a.monotonic_id}: live" in text, text
+    # The killed reader's entry is free again: the kernel released its lock.
+    assert "entries   1 of 2 reader entries held by live readers, 1 free" in text, text
 
     snap = json.loads(_pinshm_cli("inspect", store.name, "--json").stdout)
+    assert (snap["entries_used"], snap["entries_free"]) == (1, 1)
     readers = {r["index"]: r for r in snap["readers"]}
     assert readers[0]["alive"] and readers[0]["guards"] == 1
     assert not readers[1]["alive"] and readers[1]["pid"] == child.pid
@@ -150,3 +153,49 @@ def test_doctor_names_the_rebinding_targets_a_vllm_lacks(tmp_path):
     assert cache["status"] == "FAIL" and "SingleWriterShmObjectStorage, MsgpackSerde" in cache["text"], cache
     assert by_text["vllm.distributed.device_communicators.shm_broadcast"]["status"] == "ok"
     assert by_text["vllm.v1.executor.multiproc_executor"]["status"] == "info"  # optional, absent
+
+
+def test_gc_lists_then_removes_a_killed_writers_store_and_leaves_a_live_one(ctx, unique_name, closing):
+    prefix = unique_name("gc")
+    dead, live = prefix + "-dead", prefix + "-live"
+    ready = ctx.Queue()
+    child = ctx.Process(target=create_and_wait, args=(dead, ready))
+    child.start()
+    try:
+        assert ready.get(timeout=120) == "created"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(120)
+    try:
+        closing(pinshm.ObjectStore(1 << 20, 4096, 1, name=live))
+        out = _pinshm_cli("gc", "--prefix", prefix, "--dry-run")
+        assert out.returncode == 0, out.stderr
+        (line,) = out.stdout.splitlines()
+        assert line.startswith(f"would remove /dev/shm/{dead} (store, "), line
+        assert line.endswith(f"writer pid {child.pid} gone)"), line
+        assert os.path.exists(f"/dev/shm/{dead}"), "a dry run removes nothing"
+        found = json.loads(_pinshm_cli("gc", "--prefix", prefix, "--json").stdout)
+        assert [(a["name"], a["kind"], a["writer_pid"], a["removed"]) for a in found] == [
+            (dead, "store", child.pid, True)
+        ]
+        assert not os.path.exists(f"/dev/shm/{dead}") and os.path.exists(f"/dev/shm/{live}")
+        assert "no segment of a dead writer" in _pinshm_cli("gc", "--prefix", prefix).stdout
+    finally:
+        if os.path.exists(f"/dev/shm/{dead}"):
+            os.unlink(f"/dev/shm/{dead}")
+
+
+def test_doctor_gpu_says_what_it_checks_or_why_it_cannot():
+    out = _pinshm_cli("doctor", "--gpu")
+    assert out.returncode in (0, 1), out.stderr
+    gpu = [line for line in out.stdout.splitlines() if "] gpu " in line]
+    assert gpu, out.stdout
+    try:
+        import torch
+    except ImportError:
+        assert "torch is not installed" in gpu[0], gpu
+        return
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in gpu[0], gpu
+        return
+    assert any("[ ok ] h2d" in line for line in out.stdout.splitlines()), out.stdout

@@ -17,9 +17,13 @@ DEFAULT_STORE = "pinshm_ec"
 #: Bytes of the store when no size is given: a sparse segment, so this is
 #: what it may grow to, not what it takes at start.
 DEFAULT_SIZE = 1 << 30
-#: Reader entries: each engine takes one for its scheduler and one per
-#: worker (TP rank), so 16 serves, say, four TP=2 engines with room to spare.
-DEFAULT_READERS = 16
+#: Reader entries: each engine that reads takes one for its scheduler and
+#: one per worker of its first pipeline stage (TP rank), so two TP=8
+#: engines need 18. The default is the most a segment has: seven TP=8
+#: engines, or 32 TP=1 engines, each with its entries. An entry costs 12
+#: bytes in each slot's header (under 1 % of a 98 KiB output at 64).
+MAX_READERS = 64
+DEFAULT_READERS = MAX_READERS
 #: Average output size the default key index is sized for (an image of 64
 #: tokens of width 256 in bf16; real encoders' are larger): an index with
 #: room for ``size // this`` keys (within the bounds below).
@@ -121,6 +125,8 @@ class ECSettings:
             raise ValueError(f"store must be a name for /dev/shm (no '/'), not {extra.get('store')!r}")
         size = parse_size(extra.get("size", DEFAULT_SIZE), "size")
         n_readers = _count(extra.get("n_readers", DEFAULT_READERS), "n_readers")
+        if n_readers > MAX_READERS:
+            raise ValueError(f"n_readers must be at most {MAX_READERS} (a segment's reader table), not {n_readers}")
         if "key_index" in extra:
             key_index = _count(extra["key_index"], "key_index")
         else:

@@ -7,17 +7,27 @@ Leases are taken when the answer is given, not later: once
 ``has_cache_item`` says yes, vLLM's scheduler counts on the output (it
 schedules no encoder run for it), so the answer and the lease are one step.
 An output that is gone by then is a plain miss, and the encoder runs.
+
+It says yes only where no rank can fail the load for want of the store:
+every worker of the engine (each TP rank) reports the segment it reads,
+and a hit is an object of a segment that all of them read. An engine
+whose ranks cannot all attach (every reader entry taken) says so once and
+runs its encoder. A load that fails all the same (a rank's copy raising)
+makes its key a miss until it is saved again, and the placeholder that
+stood in for it is evicted from vLLM's own encoder cache (``evict``),
+with every request that used it failed: none completes from it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from collections import OrderedDict
+from typing import Callable, Optional
 
 from ..._pinshm import Lease, PinshmError
 from ._attach import NamedReader
-from ._config import ECSettings
-from ._meta import LoadReport, LoadSpec
+from ._config import MAX_READERS, ECSettings
+from ._meta import LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -26,6 +36,15 @@ logger = logging.getLogger("vllm.pinshm.ec")
 #: per stage); a report that never comes (a path of the model runner that
 #: skips the connector's output) must not keep an output forever.
 MAX_STEPS_IN_FLIGHT = 64
+#: Failed keys remembered (a key is a miss while it names the object whose
+#: load failed); the oldest are forgotten past this.
+MAX_FAILED_KEYS = 4096
+
+#: Evicts an mm_hash from vLLM's own encoder cache; returns the requests
+#: that referenced it (they read the placeholder, so they are failed).
+Evict = Callable[[str], set[str]]
+#: The requests that reference an mm_hash in vLLM's own encoder cache now.
+Refs = Callable[[str], set[str]]
 
 
 class SchedulerSide:
@@ -37,43 +56,118 @@ class SchedulerSide:
     probes that were not allocated (their requests were not scheduled);
     :meth:`reported` ends a step's leases when a worker report names it
     (every step before it has completed too, so theirs end as well).
+    `ranks` is the number of workers that load (the TP ranks of the first
+    pipeline stage).
     """
 
-    def __init__(self, settings: ECSettings, consumer: bool, reader: Optional[NamedReader] = None) -> None:
+    def __init__(
+        self,
+        settings: ECSettings,
+        consumer: bool,
+        reader: Optional[NamedReader] = None,
+        ranks: int = 1,
+        evict: Optional[Evict] = None,
+        refs: Optional[Refs] = None,
+    ) -> None:
         self.settings = settings
         self.consumer = consumer
+        self.ranks = max(1, ranks)
+        self.evict = evict
+        self.refs = refs
         self.reader = reader if reader is not None else NamedReader(settings.store, settings.retry_s, pin="off")
         self._probes: dict[str, Lease] = {}
         self._loads: list[tuple[LoadSpec, Lease]] = []
         self._in_flight: dict[int, list[Lease]] = {}
         self._unavailable: set[str] = set()
+        self._rank_states: dict[int, RankState] = {}
+        self._failed: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        # While a load is unreported: every request that used its output
+        # (the one that loaded it, and any that vLLM's own cache served it
+        # to meanwhile), and the steps that loaded each hash.
+        self._users: dict[str, set[str]] = {}
+        self._load_steps: dict[int, set[str]] = {}
+        self._steps_unheard = 0
+        self._said: set[str] = set()
         self._step = 0
         self.hits = 0
         self.misses = 0
+        self.not_ready = 0
         self.failed_loads = 0
+        if consumer:
+            self.reader.get()  # attach at start, as the workers do
+
+    # ---- whether every rank reads the segment --------------------------
+
+    def ready(self, epoch: int) -> bool:
+        """Whether every loading rank reported that it reads segment `epoch`."""
+        states = self._rank_states
+        return len(states) >= self.ranks and all(
+            states.get(r) is not None and states[r].epoch == epoch for r in range(self.ranks)
+        )
 
     def has(self, mm_hash: str) -> bool:
-        """Whether the output of `mm_hash` is in the store, leased if so."""
+        """Whether the output of `mm_hash` is in the store and every rank
+        can load it, leased if so."""
         if not self.consumer:
             return False
         if mm_hash in self._probes:
             return True
         reader = self.reader.get()
         if reader is None:
+            self._say_unattached()
             self.misses += 1
             return False
+        if "scheduler" in self._said:
+            self._said.discard("scheduler")
+            logger.info("pinshm encoder cache: this engine's scheduler reads store %r now", self.settings.store)
+        if not self.ready(reader.epoch):
+            self.not_ready += 1
+            self.misses += 1
+            return False
+        key = self.settings.key(mm_hash)
         try:
             # The lookup and the lease in one step: None if the key is not
             # there, or its object was reclaimed as it was found.
-            lease = reader.lease_key(self.settings.key(mm_hash))
+            lease = reader.lease_key(key)
         except PinshmError as e:
             logger.debug("pinshm encoder cache: %s: no lease (%s)", mm_hash, e)
             lease = None
+        if lease is not None and key in self._failed:
+            h = lease.handle
+            if self._failed[key] == (h.epoch, h.monotonic_id):
+                _release(lease)  # the object whose load failed: a miss
+                lease = None
+            else:
+                del self._failed[key]  # saved again
         if lease is None:
             self.misses += 1
             return False
         self._probes[mm_hash] = lease
         return True
+
+    def _say_unattached(self) -> None:
+        r = self.reader
+        if r.no_entry and "scheduler" not in self._said:
+            self._said.add("scheduler")
+            logger.warning(
+                "pinshm encoder cache: this engine's scheduler cannot read store %r: %s. %s",
+                self.settings.store,
+                r.last_error,
+                self._advice(),
+            )
+
+    def _advice(self) -> str:
+        need = 1 + self.ranks
+        free, total = entries(self.settings.store)
+        if total is not None and total >= MAX_READERS:
+            what = "Run fewer engines that read the store, or give them stores of their own"
+        else:
+            what = f"Raise n_readers in the producer's ec_connector_extra_config (at most {MAX_READERS})"
+        return (
+            f"This engine needs {need} reader entries (its scheduler and {self.ranks} worker(s)); "
+            f"{'unknown' if free is None else free} are free now. {what}. "
+            "Until then this engine runs its encoder for every input."
+        )
 
     def allocated(self, mm_hash: str, request_id: str, input_index: int, num_embeds: int, modality: str = "") -> None:
         """vLLM allocated encoder cache space for this input: if it was a
@@ -97,29 +191,113 @@ class SchedulerSide:
             logger.debug("pinshm encoder cache: step %d never reported: its leases end", step)
             for lease in self._in_flight.pop(step):
                 _release(lease)
+            self._forget_step(step)
         loads = [spec for spec, _ in self._loads]
         if self._loads:
             self._in_flight[self._step] = [lease for _, lease in self._loads]
             self._loads = []
+            hashes = self._load_steps.setdefault(self._step, set())
+            for spec in loads:
+                hashes.add(spec.mm_hash)
+                users = self._users.setdefault(spec.mm_hash, set())
+                users.add(spec.request_id)
+                # vLLM's cache serves the output to requests of this pass too.
+                users |= self._refs(spec.mm_hash)
+        self._say_if_unheard()
         return self._step, loads
 
+    def freed(self, mm_hash: str, request_id: str) -> None:
+        """vLLM's ``update_state_after_free``: a request is done with an
+        input (its tokens are computed). If that input's load is not
+        reported yet, the request read it: it is failed with the load."""
+        users = self._users.get(mm_hash)
+        if users is not None:
+            users.add(request_id)
+
+    def _refs(self, mm_hash: str) -> set[str]:
+        if self.refs is None:
+            return set()
+        try:
+            return set(self.refs(mm_hash))
+        except Exception as e:  # noqa: BLE001 - never into vLLM's engine core
+            logger.debug("pinshm encoder cache: references of %s: %r", mm_hash, e)
+            return set()
+
+    def _forget_step(self, step: int) -> None:
+        for h in self._load_steps.pop(step, set()):
+            if not any(h in hashes for hashes in self._load_steps.values()):
+                self._users.pop(h, None)
+
+    def _say_if_unheard(self) -> None:
+        if not self.consumer or self._rank_states:
+            return
+        self._steps_unheard += 1
+        if self._steps_unheard == MAX_STEPS_IN_FLIGHT:
+            logger.warning(
+                "pinshm encoder cache: no worker of this engine has said which store it reads after %d steps, "
+                "so every lookup is a miss. vLLM passes the connector's output on from the first pipeline "
+                "stage only where that stage is the last (vLLM's V1 model runner with pipeline parallel drops it)",
+                MAX_STEPS_IN_FLIGHT,
+            )
+
     def reported(self, report: LoadReport) -> None:
-        """A worker report: the leases of its steps (and of every earlier
-        one) end; its failed requests are to be failed by vLLM."""
+        """A worker report: the ranks' states; the leases of its steps (and
+        of every earlier one) end; its failed loads make their keys misses,
+        and every request that read their placeholders is to be failed."""
+        for state in report.ranks:
+            self._rank_state(state)
+        # Failures first: the users of a failed load are known until its
+        # step is forgotten below.
+        if report.failed:
+            self.failed_loads += len(report.failed)
+            failed = set(report.failed_requests)
+            for f in report.failed:
+                key = self.settings.key(f.mm_hash)
+                self._failed[key] = (f.epoch, f.monotonic_id)
+                self._failed.move_to_end(key)
+                while len(self._failed) > MAX_FAILED_KEYS:
+                    self._failed.popitem(last=False)
+                failed |= self._users.pop(f.mm_hash, set())
+                if self.evict is not None:
+                    try:
+                        failed |= self.evict(f.mm_hash)
+                    except Exception as e:  # noqa: BLE001 - never into vLLM's engine core
+                        logger.error("pinshm encoder cache: evicting %s from vLLM's encoder cache: %r", f.mm_hash, e)
+            logger.warning(
+                "pinshm encoder cache: %d encoder output(s) could not be loaded; vLLM fails the "
+                "request(s) that used them (sent again, they run the encoder): %s",
+                len(report.failed),
+                sorted(failed),
+            )
+            self._unavailable |= failed
         if report.steps:
             last = max(report.steps)
             for step in [s for s in self._in_flight if s <= last]:
                 for lease in self._in_flight.pop(step):
                     _release(lease)
-        if report.failed:
-            self.failed_loads += len(report.failed)
-            logger.warning(
-                "pinshm encoder cache: %d request(s) could not load their encoder output; "
-                "vLLM fails them (sent again, they run the encoder): %s",
-                len(report.failed),
-                sorted(report.failed),
+            for step in [s for s in self._load_steps if s <= last]:
+                self._forget_step(step)
+
+    def _rank_state(self, state: RankState) -> None:
+        before = self._rank_states.get(state.rank)
+        self._rank_states[state.rank] = state
+        if state == before:
+            return
+        if state.epoch is None and state.no_entry:
+            if f"rank{state.rank}" not in self._said:
+                self._said.add(f"rank{state.rank}")
+                logger.warning(
+                    "pinshm encoder cache: worker %d of this engine cannot read store %r: %s. %s",
+                    state.rank,
+                    self.settings.store,
+                    state.why,
+                    self._advice(),
+                )
+        elif state.epoch is not None and f"rank{state.rank}" in self._said:
+            self._said.discard(f"rank{state.rank}")
+            logger.info(
+                "pinshm encoder cache: worker %d of this engine reads store %r now", state.rank, self.settings.store
             )
-            self._unavailable |= report.failed
 
     def take_unavailable(self) -> set[str]:
         """Requests whose encoder output the workers could not load, once."""
@@ -141,6 +319,18 @@ class SchedulerSide:
         self._loads = []
         self._in_flight.clear()
         self.reader.close()
+
+
+def entries(store: str) -> tuple[Optional[int], Optional[int]]:
+    """Reader entries of `store`: free for an attach now, and in all (None:
+    unknown)."""
+    try:
+        from ..._pinshm import inspect_segment
+
+        snap = inspect_segment(store)
+        return int(snap["entries_free"]), len(snap["readers"])
+    except Exception:  # noqa: BLE001 - advice only
+        return None, None
 
 
 def _release(lease: Lease) -> None:

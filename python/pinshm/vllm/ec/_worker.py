@@ -17,19 +17,25 @@ import os
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
-from ..._pinshm import ObjectHandle, ObjectStore, PinshmError
+from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError
 from ...device import get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import ECSettings
-from ._meta import LoadReport, LoadSpec
+from ._meta import FailedLoad, LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
 #: Width of a placeholder for a request whose output could not be loaded,
 #: by modality ("" for any): None when it cannot be known.
 WidthOf = Callable[[str], Optional[int]]
+
+#: Steps after a move to a new segment that the reader of the old one is
+#: kept for loads leased there (the scheduler's leases end by then).
+KEEP_PREVIOUS_STEPS = 64
+#: Seconds a closing writer waits for saves still in flight.
+CLOSE_FLUSH_S = 5.0
 
 
 class WorkerSide:
@@ -45,8 +51,10 @@ class WorkerSide:
         device: Optional[str] = None,
         dtype: Any = None,
         width_of: Optional[WidthOf] = None,
+        rank: int = 0,
     ) -> None:
         self.settings = settings
+        self.rank = rank
         self.producer = producer
         self.consumer = consumer
         self.device = device
@@ -54,8 +62,14 @@ class WorkerSide:
         self.width_of = width_of
         self.store: Optional[ObjectStore] = None
         self._tracked = Tracked()
-        self.reader = NamedReader(settings.store, settings.retry_s, pin="auto")
+        self.reader = NamedReader(settings.store, settings.retry_s, pin="auto", keep_previous=True)
         self._report = LoadReport()
+        self._state: Optional[RankState] = None
+        self._state_told = False
+        self._step = 0
+        self._moved_at: dict[int, int] = {}
+        self._placeholders: dict[str, Any] = {}
+        self._pending: list[PendingSave] = []
         self._warned: set[str] = set()
         self.saved = 0
         self.already = 0
@@ -64,6 +78,10 @@ class WorkerSide:
         self.failed = 0
         if producer and writes:
             self.store = self._create()
+        if consumer:
+            # Every rank attaches at start (the scheduler says yes only once
+            # every rank reported that it reads the store).
+            self._check_rank()
 
     # ---- the writer -------------------------------------------------
 
@@ -108,11 +126,18 @@ class WorkerSide:
         if store is None or mm_hash not in encoder_cache:
             return
         key = self.settings.key(mm_hash)
+        self._settle()
         try:
-            if store.is_cached(key):
+            if store.is_cached(key) or store.is_pending(key):
                 self.already += 1
                 return
-            put_tensor(store, key, contiguous(encoder_cache[mm_hash]))
+            # Queued, never waited for: a CUDA output's device-to-host copy
+            # runs on the current stream, and pinshm's poller publishes the
+            # slot once the copy's event has completed (a lookup of the key
+            # is a miss until then; a failed copy gives slot and key back).
+            pending = put_tensor(store, key, contiguous(encoder_cache[mm_hash]), wait=False)
+            if pending is not None and not pending.done:
+                self._pending.append(pending)
             self.saved += 1
         except MemoryError as e:  # FullError, NoSpaceError: everything held
             self.unsaved += 1
@@ -121,27 +146,51 @@ class WorkerSide:
             self.unsaved += 1
             self._once(type(e).__name__, "pinshm encoder cache: output of %s not saved: %r", mm_hash, e)
 
+    def _settle(self) -> None:
+        """Forgets the saves that are over; counts those that failed."""
+        if not self._pending:
+            return
+        still = []
+        for p in self._pending:
+            state = p.state
+            if state == "pending":
+                still.append(p)
+            elif state != "published":
+                self.saved -= 1
+                self.unsaved += 1
+                self._once("save-" + state, "pinshm encoder cache: a save of %s %s: %s", p.key, state, p.error)
+        self._pending = still
+
     # ---- loads ------------------------------------------------------
 
     def load(self, step: int, loads: Sequence[LoadSpec], encoder_cache: MutableMapping[str, Any]) -> None:
         """Loads the step's outputs into `encoder_cache`. One that cannot be
         loaded is replaced by a placeholder of zeros (vLLM's model runner
         raises on a missing output) and its request is reported failed."""
+        self._step = max(self._step, step)
+        if self._placeholders:
+            # Gone: vLLM evicted them (free_encoder_mm_hashes), or the
+            # encoder wrote a real output over them.
+            self._placeholders = {h: p for h, p in self._placeholders.items() if encoder_cache.get(h, None) is p}
         if not loads:
             return
-        failed: set[str] = set()
+        failed: set[FailedLoad] = set()
         for spec in loads:
-            if spec.mm_hash in encoder_cache:
+            if spec.mm_hash in encoder_cache and spec.mm_hash not in self._placeholders:
                 continue
             value = self._load_one(spec)
             if value is None:
-                failed.add(spec.request_id)
+                failed.add(FailedLoad(spec.request_id, spec.mm_hash, spec.epoch, spec.monotonic_id))
                 self.failed += 1
                 value = self._placeholder(spec)
                 if value is None:
                     continue
+                # Stands in for this step only: the scheduler fails every
+                # request that uses it and has vLLM evict it.
+                self._placeholders[spec.mm_hash] = value
             else:
                 self.loaded += 1
+                self._placeholders.pop(spec.mm_hash, None)
             encoder_cache[spec.mm_hash] = value
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 
@@ -182,9 +231,40 @@ class WorkerSide:
             return None
         return zeros((spec.num_embeds, width), self.dtype, self.device)
 
+    def _check_rank(self) -> None:
+        """Attaches (at the reader's pace) and notes this rank's state for
+        the next report when it changed; lets go of readers of segments
+        moved from once no load can need them."""
+        reader = self.reader.get()
+        if reader is not None:
+            state = RankState(self.rank, reader.epoch)
+        else:
+            state = RankState(self.rank, None, self.reader.last_error or "no store yet", self.reader.no_entry)
+        if state != self._state:
+            if self._state is not None and self._state.epoch is not None:
+                self._moved_at.setdefault(self._state.epoch, self._step)
+            self._state, self._state_told = state, False
+        for epoch in self.reader.previous_epochs:
+            if self._step - self._moved_at.setdefault(epoch, self._step) > KEEP_PREVIOUS_STEPS:
+                self.reader.drop_previous(epoch)
+                del self._moved_at[epoch]
+
+    @property
+    def state(self) -> Optional[RankState]:
+        """This rank's state as last checked (None: not a consumer)."""
+        return self._state
+
     def take_report(self) -> LoadReport:
-        """What this worker loaded and failed since the last call."""
+        """What this worker loaded and failed since the last call, and its
+        rank's state if that changed since it was last told."""
+        if self.consumer:
+            self._check_rank()
         report, self._report = self._report, LoadReport()
+        # Told when it changes, and again with every report there is (a
+        # report that never arrives is made up for by the next one).
+        if self._state is not None and (report or not self._state_told):
+            self._state_told = True
+            report = report.merge(LoadReport(ranks=frozenset({self._state})))
         return report
 
     def _once(self, what: str, msg: str, *args: object) -> None:
@@ -200,6 +280,10 @@ class WorkerSide:
         store, self.store = self.store, None
         if store is not None:
             try:
+                # Saves still in flight get a moment; what is left is
+                # discarded by close, never published.
+                store.flush_pending(timeout=CLOSE_FLUSH_S)
+                self._settle()
                 store.close()
             except (PinshmError, OSError) as e:
                 if getattr(e, "errno", None) != errno.ENOENT:

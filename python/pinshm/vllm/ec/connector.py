@@ -29,11 +29,17 @@ What vLLM calls, and what happens:
   into the store (device to host into the slot), unless it is there.
 - ``build_connector_worker_meta`` → ``update_connector_output``: the step's
   report; the scheduler ends the step's leases.
-- A load that fails (the store was replaced between the lease and the
-  load) puts zeros in the output's place, since vLLM's model runner stops
-  on a missing output, and the report names the request;
-  ``take_unavailable_requests`` hands it to vLLM, which fails it (sent
-  again, it runs the encoder). See docs/vllm.md.
+- Every worker attaches at start and reports the segment it reads; the
+  scheduler says yes only for objects of a segment every rank reads. An
+  engine that cannot get its reader entries says so once and runs its
+  encoder.
+- A load that fails all the same puts zeros in the output's place, since
+  vLLM's model runner stops on a missing output, and the report names it:
+  the scheduler has vLLM's encoder cache manager evict the placeholder,
+  makes the key a miss until it is saved again, and
+  ``take_unavailable_requests`` hands vLLM every request that used the
+  placeholder, which it fails (sent again, they run the encoder). See
+  docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ._config import ECSettings, model_fingerprint, unknown_keys
+from ._evict import evict, manager_of, owner_candidates
 from ._meta import LoadReport, LoadSpec
 from ._scheduler import SchedulerSide
 from ._worker import WidthOf, WorkerSide
@@ -101,22 +108,51 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
         self._worker: Optional[WorkerSide] = None
         ec_role = getattr(ec, "ec_role", "?")
         if role == ECConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.settings, consumer=self.is_consumer)
+            # vLLM's Scheduler is making this connector: found later, when a
+            # failed load's placeholder must leave its encoder cache.
+            self._owners = owner_candidates(self)
+            self._said_no_manager = False
+            self._scheduler = SchedulerSide(
+                self.settings,
+                consumer=self.is_consumer,
+                ranks=_loading_ranks(vllm_config),
+                evict=self._evict,
+                refs=self._refs,
+            )
             where = "scheduler, reads" if self.is_consumer else "scheduler"
         else:
             self._worker = WorkerSide(
                 self.settings,
                 producer=self.is_producer,
-                consumer=self.is_consumer,
+                # Only the first pipeline stage runs the encoder's part of
+                # the model: the other stages never load (nor attach).
+                consumer=self.is_consumer and _first_stage(),
                 writes=_saving_rank(),
                 device=_device(),
                 dtype=getattr(model, "dtype", None),
                 width_of=_width_of(vllm_config),
+                rank=_tp_rank(),
             )
             where = "worker, writes the store" if self._worker.store is not None else "worker"
         logger.info("pinshm encoder cache connector in use (%s, %s): %s", ec_role, where, self.settings.describe())
 
     # ---- scheduler side -----------------------------------------------
+
+    def _refs(self, mm_hash: str) -> set[str]:
+        manager = manager_of(self, self._owners)
+        return set(manager.cached.get(mm_hash, ())) if manager is not None else set()
+
+    def _evict(self, mm_hash: str) -> set[str]:
+        manager = manager_of(self, self._owners)
+        if manager is None:
+            if not self._said_no_manager:
+                self._said_no_manager = True
+                logger.error(
+                    "pinshm encoder cache: vLLM's encoder cache manager was not found: a placeholder for a "
+                    "failed load stays in vLLM's encoder cache until vLLM evicts it"
+                )
+            return set()
+        return evict(manager, mm_hash)
 
     def has_cache_item(self, identifier: str) -> bool:
         return self._scheduler is not None and self._scheduler.has(identifier)
@@ -132,6 +168,10 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
         self._scheduler.allocated(
             feature.identifier, request.request_id, index, num_embeds, str(getattr(feature, "modality", ""))
         )
+
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.freed(request.mm_features[index].identifier, request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> PinshmECConnectorMetadata:
         if self._scheduler is None:
@@ -170,9 +210,11 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
         s, w = self._scheduler, self._worker
         if s is not None:
             logger.info(
-                "pinshm encoder cache: %d hits, %d misses, %d failed loads (store %r)",
+                "pinshm encoder cache: %d hits, %d misses (%d before every rank read the store), "
+                "%d failed loads (store %r)",
                 s.hits,
                 s.misses,
+                s.not_ready,
                 s.failed_loads,
                 self.settings.store,
             )
@@ -188,6 +230,51 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
                     w.failed,
                 )
             w.close()
+
+
+def _loading_ranks(vllm_config: Any) -> int:
+    """Workers that load encoder outputs: those of the first pipeline stage
+    (only it runs the encoder's part of the model), TP ranks times prefill
+    context parallel ranks."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    try:
+        tp = int(getattr(parallel, "tensor_parallel_size", 1))
+        pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+        return max(1, tp * max(1, pcp))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _tp_rank() -> int:
+    """This worker's place among the loading workers: its TP rank, and its
+    prefill context parallel rank above that (0 without parallel state:
+    one process)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    except Exception as e:  # noqa: BLE001 - no groups (one process)
+        logger.debug("pinshm encoder cache: no parallel state (%r): rank 0", e)
+        return 0
+    try:
+        from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
+
+        pcp = get_pcp_group()
+        return int(pcp.rank_in_group) * int(get_tp_group().world_size) + rank
+    except Exception:  # noqa: BLE001 - no prefill context parallel group
+        return rank
+
+
+def _first_stage() -> bool:
+    """Whether this worker is in the first pipeline stage (True without
+    parallel state: one process)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return bool(get_pp_group().is_first_rank)
+    except Exception as e:  # noqa: BLE001 - no groups (one process)
+        logger.debug("pinshm encoder cache: no parallel state (%r): first stage", e)
+        return True
 
 
 def _saving_rank() -> bool:

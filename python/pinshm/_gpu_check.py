@@ -1,0 +1,111 @@
+"""``python -m pinshm doctor --gpu``: the GPU kit's checks, from the
+installed wheel, on this machine's GPU, in about a minute.
+
+- register (pin) a reserved store's mapping, in the writer and in a reader
+  (``pin="require"``);
+- host to device from a slot through torch (the slot is the tensor: its
+  copy is a DMA from pinned memory), and device to host into a slot
+  (:func:`pinshm.device.put_tensor`), every byte checked on the other side;
+- each copy timed against the same copy from or into pageable memory
+  (medians; the ratio below 1 is the pinned path's gain).
+
+Where there is no torch, no CUDA device, or a build without the ``cuda``
+feature, it says so and checks nothing more. Pinning can be switched off
+for the vLLM drop-ins with ``PINSHM_VLLM_PIN=0`` if these checks fail.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+from . import _pinshm
+from .doctor import FAIL, INFO, OK, WARN, Check
+
+MIB = 1 << 20
+#: The size copied: a large image's pixel values (float32 [3, 1400, 1400]).
+SHAPE = (3, 1400, 1400)
+RUNS = 15
+SWITCH_OFF = "switch pinning off for vLLM with PINSHM_VLLM_PIN=0"
+
+
+def run() -> list[Check]:
+    status = _pinshm.cuda_status()
+    if not status["feature"]:
+        return [Check("gpu", WARN, "this build of pinshm has no cuda feature: nothing is pinned, nothing to check")]
+    try:
+        import torch
+    except ImportError:
+        return [Check("gpu", INFO, "torch is not installed: the GPU checks need it")]
+    if not torch.cuda.is_available():
+        return [Check("gpu", INFO, "no CUDA device is visible to torch: nothing to check")]
+    try:
+        return _checks(torch)
+    except Exception as e:  # noqa: BLE001 - a report, not a crash
+        return [Check("gpu", FAIL, f"{type(e).__name__}: {e}; {SWITCH_OFF}")]
+
+
+def _median_s(torch: Any, fn: Callable[[], Any]) -> float:
+    ts = []
+    for _ in range(RUNS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[2:])
+
+
+def _checks(torch: Any) -> list[Check]:
+    from . import ObjectStore, StoreReader
+    from .device import put_tensor
+
+    dev = torch.device("cuda")
+    out = [Check("gpu", INFO, f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")]
+    x = torch.rand(SHAPE, dtype=torch.float32)
+    nbytes = x.numel() * x.element_size()
+    # A cache: its objects owe no reads, so the timed puts reuse its room.
+    store = ObjectStore(8 * nbytes, 2 * nbytes, 1, reserve=True, pin="require", cache=True)
+    reader = StoreReader.attach(store.handle(), 0, pin="require")
+    try:
+        out.append(Check("pin", OK if reader.is_pinned else FAIL, f"the reader's mapping pinned: {reader.is_pinned}"))
+        h = store.put_tensor("x", x.numpy())
+        view = torch.from_dlpack(reader.get_tensor(h))
+        on_dev = view.to(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        same = bool(torch.equal(on_dev.cpu(), x))
+        out.append(Check("h2d", OK if same else FAIL, f"host to device from a slot: every byte right: {same}"))
+        slot_s = _median_s(torch, lambda: view.to(dev, non_blocking=True))
+        pageable_s = _median_s(torch, lambda: x.to(dev, non_blocking=True))
+        out.append(_timing("h2d", nbytes, slot_s, pageable_s))
+        y = torch.rand(SHAPE, dtype=torch.float32, device=dev)
+        hy = put_tensor(store, "y", y)
+        back = torch.from_dlpack(reader.get_tensor(hy)).clone()
+        same = bool(torch.equal(back, y.cpu()))
+        out.append(Check("d2h", OK if same else FAIL, f"device to host into a slot: every byte right: {same}"))
+        n = [0]
+
+        def d2h_slot() -> None:
+            n[0] += 1
+            put_tensor(store, f"y{n[0]}", y)
+
+        slot_s = _median_s(torch, d2h_slot)
+        pageable_s = _median_s(torch, lambda: y.cpu())
+        out.append(_timing("d2h", nbytes, slot_s, pageable_s))
+    finally:
+        reader.close()
+        store.close()
+    if any(c.status == FAIL for c in out):
+        out.append(Check("gpu", FAIL, SWITCH_OFF))
+    return out
+
+
+def _timing(what: str, nbytes: int, slot_s: float, pageable_s: float) -> Check:
+    gbs = nbytes / slot_s / 1e9
+    return Check(
+        what,
+        INFO,
+        f"{nbytes / MIB:.0f} MiB: {slot_s * 1e3:.2f} ms from the pinned slot ({gbs:.1f} GB/s), "
+        f"{pageable_s / slot_s:.2f}x faster than pageable memory ({pageable_s * 1e3:.2f} ms)",
+    )

@@ -10,6 +10,9 @@
 //! and 2 reader processes, 1 MiB objects, handles over pipes); and the
 //! broadcast channel: `bcast_latency`, `bcast_wake`, `bcast_throughput_*`,
 //! `bcast_idle_cpu`, each beside a baseline (`--bcast-only` runs just those).
+//! `--hot-only`: the read path's floor beside `get_guard`, puts with 1, 8
+//! and 32 readers, reads by key, and the key-fingerprint candidates, each
+//! beside its baseline, stamped with the commit and the layout version.
 
 use std::hint::black_box;
 use std::io::{BufRead, Write};
@@ -188,6 +191,182 @@ fn get_ns(size: usize, op: &str, quick: bool) -> f64 {
         t.push(t0.elapsed().as_nanos() as f64 / batch as f64);
     }
     median(&mut t)
+}
+
+/// The read protocol's floor ([`StoreReader::read_protocol_floor`]: hazard,
+/// fence, id, hold, clear, unhold) beside `get_guard` (get and drop a
+/// guard) over the same slot of the same segment, their batches
+/// alternated so that both see the same noise. Medians in ns.
+fn floor_ns(quick: bool) -> (f64, f64) {
+    let size = 4096;
+    let mut store = store_for(size, 1, true);
+    let reader = StoreReader::attach(&store.handle()).unwrap();
+    let h = store.put("k", &vec![5u8; size]).unwrap();
+    let held = reader.get(h).unwrap();
+    let batch = 1000;
+    let (mut floor, mut guard) = (Vec::new(), Vec::new());
+    for _ in 0..rounds_for(size, quick) {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            assert!(reader.read_protocol_floor(black_box(&held)));
+        }
+        floor.push(t0.elapsed().as_nanos() as f64 / batch as f64);
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            let g = reader.get(black_box(h)).unwrap();
+            black_box(g.as_ptr());
+        }
+        guard.push(t0.elapsed().as_nanos() as f64 / batch as f64);
+    }
+    (median(&mut floor), median(&mut guard))
+}
+
+fn floor_bench(json: bool, quick: bool) {
+    let (floor, guard) = floor_ns(quick);
+    for (op, ns) in [("read_floor", floor), ("get_guard", guard)] {
+        if json {
+            println!(
+                "{{\"op\": \"{op}\", \"size\": 4096, \"median_ns\": {ns:.1}, \"floor_ns\": {floor:.1}, \"ratio\": {:.3}}}",
+                ns / floor
+            );
+        } else {
+            println!(
+                "{op:<20} {:>10} {ns:>14.1} {floor:>14.1} {:>8.2}   (baseline: the read protocol's floor, same slot)",
+                4096,
+                ns / floor
+            );
+        }
+    }
+}
+
+/// Fingerprint candidates over the keys of `key_ns` (64 hex digits), each
+/// keyed with a 32-byte secret: today's (up to layout 8) SHA-256(secret ‖
+/// key) first, the baseline; SipHash-1-3 and 2-4 (128-bit output) and keyed
+/// BLAKE3 (first 128 bits); and the shipped `key_fingerprint` with its key
+/// kept ([`pinshm::testing::FingerprintKey`], as readers keep it).
+fn fingerprint_ns(quick: bool) -> Vec<(&'static str, f64)> {
+    use sha2::{Digest, Sha256};
+    use siphasher::sip128::{SipHasher13, SipHasher24};
+    let secret = [0x5au8; 32];
+    let keys: Vec<String> = (0..1000u64)
+        .map(|i| format!("{:064x}", i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect();
+    let k16: [u8; 16] = secret[..16].try_into().unwrap();
+    let shipped = pinshm::testing::FingerprintKey::new(&secret);
+    let rounds = if quick { 30 } else { 150 };
+    let ops: [&'static str; 5] = [
+        "fp_sha256",
+        "fp_siphash13_128",
+        "fp_siphash24_128",
+        "fp_blake3_keyed",
+        "fp_shipped",
+    ];
+    ops.iter()
+        .map(|&op| {
+            let mut t = Vec::new();
+            for _ in 0..rounds {
+                let t0 = Instant::now();
+                for k in &keys {
+                    let k = black_box(k.as_bytes());
+                    let fp: u128 = match op {
+                        "fp_sha256" => {
+                            let mut h = Sha256::new();
+                            h.update(secret);
+                            h.update(k);
+                            u128::from_le_bytes(h.finalize()[..16].try_into().unwrap())
+                        }
+                        "fp_siphash13_128" => SipHasher13::new_with_key(&k16).hash(k).into(),
+                        "fp_siphash24_128" => SipHasher24::new_with_key(&k16).hash(k).into(),
+                        "fp_blake3_keyed" => u128::from_le_bytes(
+                            blake3::keyed_hash(&secret, k).as_bytes()[..16]
+                                .try_into()
+                                .unwrap(),
+                        ),
+                        _ => {
+                            let [a, b] = shipped.fingerprint(std::str::from_utf8(k).unwrap());
+                            (a as u128) | ((b as u128) << 64)
+                        }
+                    };
+                    black_box(fp);
+                }
+                t.push(t0.elapsed().as_nanos() as f64 / keys.len() as f64);
+            }
+            (op, median(&mut t))
+        })
+        .collect()
+}
+
+fn fingerprint_bench(json: bool, quick: bool) {
+    let rows = fingerprint_ns(quick);
+    let base = rows[0].1;
+    for (op, ns) in rows {
+        if json {
+            println!(
+                "{{\"op\": \"{op}\", \"key_len\": 64, \"median_ns\": {ns:.1}, \"sha256_ns\": {base:.1}, \"ratio\": {:.3}}}",
+                ns / base
+            );
+        } else {
+            println!(
+                "{op:<20} {:>10} {ns:>14.1} {base:>14.1} {:>8.2}   (keys of 64 hex digits; baseline: keyed SHA-256, layout 8's)",
+                64,
+                ns / base
+            );
+        }
+    }
+}
+
+/// What the figures measured: the commit (with `+dirty` for uncommitted
+/// changes) and the layout version.
+fn stamp(json: bool) {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    let dirty =
+        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let commit = if dirty {
+        format!("{commit}+dirty")
+    } else {
+        commit
+    };
+    let layout = pinshm::testing::LAYOUT_VERSION;
+    if json {
+        println!("{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}}}");
+    } else {
+        println!("commit {commit}, layout version {layout}");
+    }
+}
+
+/// The 4 KiB put with 1, 8 and 32 readers, each acknowledging every
+/// object: the writer's cost per reader (the 1-reader row is the baseline
+/// of this run).
+fn put_readers_bench(json: bool, quick: bool) {
+    let base = put_readers_ns(4096, 1, quick);
+    for n in [1u32, 8, 32] {
+        let ns = if n == 1 {
+            base
+        } else {
+            put_readers_ns(4096, n, quick)
+        };
+        if json {
+            println!(
+                "{{\"op\": \"put_readers\", \"readers\": {n}, \"size\": 4096, \"median_ns\": {ns:.1}, \"put_1_reader_ns\": {base:.1}, \"ratio\": {:.3}}}",
+                ns / base
+            );
+        } else {
+            println!(
+                "{:<20} {:>10} {ns:>14.1} {base:>14.1} {:>8.2}   ({n} readers; baseline: put with 1 reader)",
+                "put_readers",
+                4096,
+                ns / base
+            );
+        }
+    }
 }
 
 /// Reads by key in a cache with a shared key index, beside the read by
@@ -431,6 +610,17 @@ fn main() {
         black_box(put_ns(size, true));
         return;
     }
+    if let Some(p) = args.iter().position(|a| a == "--profile-put-readers") {
+        // For callgrind: steady-state 4 KiB puts with N readers.
+        let n: u32 = args[p + 1].parse().unwrap();
+        black_box(put_readers_ns(4096, n, true));
+        return;
+    }
+    if args.iter().any(|a| a == "--profile-get") {
+        // For callgrind: get_guard and the floor, nothing else.
+        black_box(floor_ns(true));
+        return;
+    }
     let json = args.iter().any(|a| a == "--json");
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(p) = args.iter().position(|a| a == "--bcast-echo") {
@@ -447,6 +637,15 @@ fn main() {
         println!("{}", bcast_idle_cpu_ns(false));
         return;
     }
+    if args.iter().any(|a| a == "--hot-only") {
+        // The hot paths of issue 41, each beside its baseline of this run.
+        stamp(json);
+        floor_bench(json, quick);
+        put_readers_bench(json, quick);
+        keys_bench(json, quick);
+        fingerprint_bench(json, quick);
+        return;
+    }
     if args.iter().any(|a| a == "--keys-only") {
         keys_bench(json, quick);
         return;
@@ -456,6 +655,7 @@ fn main() {
         return;
     }
     let t_all = Instant::now();
+    stamp(json);
     let emit = |op: &str, size: usize, ns: f64, memcpy: f64, hot: f64| {
         let ratio = ns / memcpy;
         if json {
@@ -499,30 +699,10 @@ fn main() {
         );
         emit("get_item", size, get_item_ns(size, quick), m, hot);
     }
-    // The writer's cost per reader: 4 KiB puts with 1, 8 and 32 readers
-    // (the 1-reader row is the baseline of this run).
-    let base = put_readers_ns(4096, 1, quick);
-    for n in [1u32, 8, 32] {
-        let ns = if n == 1 {
-            base
-        } else {
-            put_readers_ns(4096, n, quick)
-        };
-        if json {
-            println!(
-                "{{\"op\": \"put_readers\", \"readers\": {n}, \"size\": 4096, \"median_ns\": {ns:.1}, \"put_1_reader_ns\": {base:.1}, \"ratio\": {:.3}}}",
-                ns / base
-            );
-        } else {
-            println!(
-                "{:<20} {:>10} {ns:>14.1} {base:>14.1} {:>8.2}   ({n} readers; baseline: put with 1 reader)",
-                "put_readers",
-                4096,
-                ns / base
-            );
-        }
-    }
+    floor_bench(json, quick);
+    put_readers_bench(json, quick);
     keys_bench(json, quick);
+    fingerprint_bench(json, quick);
     let m = memcpy_ns(MIB, 64 * MIB, quick);
     let (gbps, lat) = xproc(quick);
     if json {

@@ -29,6 +29,9 @@
 //! slot's `key_fp` (the fingerprint of its key, which a lookup checks under
 //! its hold) and `touched` (set by readers' key hits, for the writer's
 //! second-chance eviction), and the [`flags::CACHE`] flag.
+//! Version 9 computes key fingerprints (the slot's `key_fp`, the index's
+//! `fp`) with keyed SipHash-1-3 ([`FingerprintKey`]) instead of keyed
+//! SHA-256: the same 128 bits in the same places, of another function.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
@@ -59,7 +62,7 @@ pub mod channel;
 /// opener that sees it sees an initialised header.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PINSHM\0\x01");
 /// Bumped on every change to the structs in this module.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 /// Page size the header is rounded to; the data region starts page aligned.
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
@@ -308,22 +311,52 @@ pub const fn index_len(entries: u64) -> u64 {
     entries * size_of::<IndexEntry>() as u64
 }
 
-/// The fingerprint of `key` in a segment whose secret is `secret`: the
-/// first 128 bits of SHA-256(secret ‖ key), never all zero. Keyed, so
-/// nobody who has not mapped the segment can make two keys collide.
-pub fn key_fingerprint(secret: &[u8; 32], key: &str) -> [u64; 2] {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(secret);
-    h.update(key.as_bytes());
-    let d = h.finalize();
-    let a = u64::from_le_bytes(d[..8].try_into().expect("8 bytes"));
-    let b = u64::from_le_bytes(d[8..16].try_into().expect("8 bytes"));
-    if a == 0 && b == 0 {
-        [1, 0]
-    } else {
-        [a, b]
+/// The key of a segment's key fingerprints (v9): SipHash-1-3's 128-bit
+/// key, derived once from the segment's `secret` (random at create, never
+/// in a handle, never printed). Build it once per process (attach, create)
+/// and fingerprint every key with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FingerprintKey(u64, u64);
+
+impl FingerprintKey {
+    /// The fingerprint key of a segment whose secret is `secret`: SipHash
+    /// keyed with the secret's first half, over a label and its second
+    /// half. So every byte of the secret counts, and the key is not the
+    /// raw bytes the handle signatures' HMAC is keyed with (a function of
+    /// its own, whatever the other computes).
+    pub fn new(secret: &[u8; 32]) -> FingerprintKey {
+        use siphasher::sip128::{Hasher128, SipHasher13};
+        use std::hash::Hasher;
+        let half: [u8; 16] = secret[..16].try_into().expect("16 bytes");
+        let mut h = SipHasher13::new_with_key(&half);
+        h.write(b"pinshm key fingerprint v9");
+        h.write(&secret[16..]);
+        let k = h.finish128();
+        FingerprintKey(k.h1, k.h2)
     }
+
+    /// The fingerprint of `key`: SipHash-1-3 with 128-bit output, keyed,
+    /// never all zero (an index entry's 0 means empty). A keyed PRF: nobody
+    /// who has not mapped the segment can make two keys collide but by a
+    /// 2^-128 accident per pair (an online search would need about 2^64
+    /// puts and lookups).
+    pub fn fingerprint(&self, key: &str) -> [u64; 2] {
+        use siphasher::sip128::SipHasher13;
+        let d = SipHasher13::new_with_keys(self.0, self.1).hash(key.as_bytes());
+        if d.h1 == 0 && d.h2 == 0 {
+            [1, 0]
+        } else {
+            [d.h1, d.h2]
+        }
+    }
+}
+
+/// The fingerprint of `key` in a segment whose secret is `secret`
+/// ([`FingerprintKey::fingerprint`], deriving the key each call: where a
+/// key is fingerprinted often, keep a [`FingerprintKey`]). Up to v8 it was
+/// the first 128 bits of SHA-256(secret ‖ key), most of a lookup's cost.
+pub fn key_fingerprint(secret: &[u8; 32], key: &str) -> [u64; 2] {
+    FingerprintKey::new(secret).fingerprint(key)
 }
 
 /// Byte offset of reader `i`'s entry in the header.
@@ -478,7 +511,7 @@ mod tests {
         assert_eq!(index_offset(2, 1 << 20), 4096 + (1 << 20));
         assert_eq!(index_len(1024), 32 * 1024);
 
-        assert_eq!(LAYOUT_VERSION, 8);
+        assert_eq!(LAYOUT_VERSION, 9);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
         assert_eq!(header_len(MAX_READERS), 12288);
@@ -531,6 +564,14 @@ mod tests {
         assert_ne!(a, key_fingerprint(&[2; 32], "image-1"));
         assert_eq!(a, key_fingerprint(&[1; 32], "image-1"));
         assert_ne!(key_fingerprint(&[0; 32], ""), [0, 0]);
+        let mut one_bit = [1; 32];
+        one_bit[31] ^= 0x80;
+        assert_ne!(a, key_fingerprint(&one_bit, "image-1"), "every byte counts");
+        one_bit = [1; 32];
+        one_bit[0] ^= 1;
+        assert_ne!(a, key_fingerprint(&one_bit, "image-1"), "every byte counts");
+        let k = FingerprintKey::new(&[1; 32]);
+        assert_eq!(k.fingerprint("image-1"), a, "the kept key gives the same");
     }
 
     #[test]

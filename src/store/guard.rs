@@ -92,7 +92,6 @@ impl AsRef<[u8]> for ReadGuard {
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
-        self.reader.ack_held(&self.slot, self.handle);
-        self.reader.release_hold(&self.slot);
+        self.reader.drop_guard(&self.slot, self.handle);
     }
 }

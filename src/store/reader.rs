@@ -74,6 +74,12 @@ pub struct StoreReader {
     secret: [u8; 32],
     /// The key of its slot tags ([`layout::tag_key`] of `secret`).
     tag_key: u64,
+    /// The key of its key fingerprints, derived once at attach.
+    fp_key: layout::FingerprintKey,
+    /// A lower bound of the header's `backed` (which only grows): checks
+    /// against it need no load of the shared word, a line the writer
+    /// dirties; a check that fails it loads the word again.
+    backed_seen: Cell<u64>,
     /// Not `Sync`: a get publishes the reader's one hazard word.
     _one_thread: PhantomData<Cell<()>>,
 }
@@ -181,6 +187,8 @@ impl StoreReader {
             }),
             secret,
             tag_key: layout::tag_key(&secret),
+            fp_key: layout::FingerprintKey::new(&secret),
+            backed_seen: Cell::new(geo.header().backed()),
             _one_thread: PhantomData,
         })
     }
@@ -225,6 +233,34 @@ impl StoreReader {
             },
         ) = self.hold(h)?;
         Ok(self.guard(h, slot, data, len, kind))
+    }
+
+    /// The least work the read protocol needs, for the bench's floor row
+    /// (not an API: hidden, and it reads nothing): on the slot `g` holds,
+    /// set the hazard (and its SeqCst fence), load the id, take a hold,
+    /// clear the hazard, then give the hold back. None of `get`'s checks
+    /// (bounds, backed extent, tag, size, kind, fork, entry), no guard, no
+    /// acknowledgement: what `get` costs above this is what they cost.
+    /// False if `g` is another reader's (nothing done).
+    #[doc(hidden)]
+    pub fn read_protocol_floor(&self, g: &ReadGuard) -> bool {
+        // A forked child's mapping is inaccessible: do nothing there.
+        if !Arc::ptr_eq(&g.reader, &self.at) || !self.at.is_owner() {
+            return false;
+        }
+        let (slot, id) = (g.slot, g.handle.monotonic_id);
+        // The protocol of crate::atomics, as `hold` runs it; `g`'s own hold
+        // keeps the slot whatever this finds.
+        self.at.me.set_hazard(id);
+        let ok = slot.id_acquire() == id;
+        if ok {
+            slot.hold(self.at.index, self.at.generation());
+        }
+        self.at.me.clear_hazard();
+        if ok {
+            slot.unhold(self.at.index);
+        }
+        ok
     }
 
     /// Keeps the object from being reclaimed, without reading it, until
@@ -313,22 +349,43 @@ impl StoreReader {
 
     /// Takes a hold on `h` (the hold protocol of crate::atomics): the slot
     /// stays until the hold is given back.
+    #[inline]
     fn hold(&self, h: ObjectHandle) -> Result<(SlotPtr, Valid)> {
         // Before the hazard word is written: in a forked child it is the
         // parent's.
-        self.at.check_owner()?;
-        let slot = self.slot(h)?;
+        if !self.at.is_owner() {
+            return Err(self.at.forked());
+        }
+        let slot = match self.find_slot(h) {
+            Ok(slot) => slot,
+            Err(why) => return Err(self.stale(h, why)),
+        };
         self.at.me.set_hazard(h.monotonic_id);
-        let checked = self
-            .validate_slot(h, &slot, slot.id_acquire())
-            .and_then(|v| self.at.check_entry().map(|()| v));
-        if checked.is_ok() {
+        let checked = self.check_slot(h, &slot, slot.id_acquire());
+        let entry_ours = self.at.entry_is_ours();
+        if let (Ok(v), true) = (&checked, entry_ours) {
             // The hazard keeps the slot valid under this write (the hold
-            // protocol of crate::atomics); the hold keeps it once the hazard is cleared.
+            // protocol of crate::atomics); the hold keeps it once the
+            // hazard is cleared.
             slot.hold(self.at.index, self.at.generation());
+            self.at.me.clear_hazard();
+            return Ok((slot, *v));
         }
         self.at.me.clear_hazard();
-        checked.map(|v| (slot, v))
+        Err(self.hold_failed(h, checked.err(), entry_ours))
+    }
+
+    /// Why a hold was not taken (off the hot path).
+    #[cold]
+    #[inline(never)]
+    fn hold_failed(&self, h: ObjectHandle, why: Option<&'static str>, entry_ours: bool) -> Error {
+        match why {
+            Some(why) => self.stale(h, why),
+            None => {
+                debug_assert!(!entry_ours);
+                self.at.entry_lost()
+            }
+        }
     }
 
     /// Looks `key` up in the shared key index and takes a hold on what it
@@ -364,7 +421,7 @@ impl StoreReader {
         let index = self.at.geo.index().ok_or_else(|| Error::NoKeyIndex {
             name: self.at.map.seg().name().to_owned(),
         })?;
-        let fp = layout::key_fingerprint(&self.secret, key);
+        let fp = self.fp_key.fingerprint(key);
         Ok(super::key_index::probe(&index, fp).map(|(id, address)| {
             (
                 ObjectHandle {
@@ -460,6 +517,8 @@ impl StoreReader {
 
     // ---- internals ----
 
+    #[cold]
+    #[inline(never)]
     fn stale(&self, h: ObjectHandle, why: &'static str) -> Error {
         tracing::debug!(
             reader = self.at.index,
@@ -509,6 +568,7 @@ impl StoreReader {
 
     /// The slot `h` names, if it lies in what the writer has backed; else
     /// why not.
+    #[inline]
     fn find_slot(&self, h: ObjectHandle) -> std::result::Result<SlotPtr, &'static str> {
         if h.monotonic_id == 0 {
             return Err("id 0 is never used");
@@ -521,10 +581,25 @@ impl StoreReader {
         // Before any byte of it is touched: a read fault on a page the
         // writer never backed would allocate it (and raise SIGBUS on a full
         // /dev/shm). `geo.slot` checked that this cannot overflow.
-        if h.address + self.at.geo.prefix_len > self.at.geo.header().backed() {
+        if !self.within_backed(h.address + self.at.geo.prefix_len) {
             return Err("address past what the writer has written");
         }
         Ok(slot)
+    }
+
+    /// Whether the data region's first `end` bytes are backed: against
+    /// the extent seen before (`backed` only grows, so what was backed then
+    /// is backed now), else against the shared word, loaded again (Acquire,
+    /// as every load of it: the pages exist before a byte of them is
+    /// touched, whichever load saw them).
+    #[inline]
+    fn within_backed(&self, end: u64) -> bool {
+        if end <= self.backed_seen.get() {
+            return true;
+        }
+        let backed = self.at.geo.header().backed();
+        self.backed_seen.set(backed);
+        end <= backed
     }
 
     /// Given the slot's id as just loaded, checks it, the tag and the size
@@ -535,6 +610,7 @@ impl StoreReader {
     }
 
     /// As [`StoreReader::validate_slot`], counting nothing: why not, if not.
+    #[inline]
     fn check_slot(
         &self,
         h: ObjectHandle,
@@ -556,7 +632,7 @@ impl StoreReader {
             .payload(h.address, size)
             .ok_or("size runs past the data region")?;
         // `payload` checked that this sum stays within the capacity.
-        if h.address + self.at.geo.prefix_len + size > self.at.geo.header().backed() {
+        if !self.within_backed(h.address + self.at.geo.prefix_len + size) {
             return Err("size runs past what the writer has written");
         }
         let kind =
@@ -593,10 +669,29 @@ impl Attached {
         if self.is_owner() {
             Ok(())
         } else {
-            Err(Error::Forked {
-                name: self.map.seg().name().to_owned(),
-            })
+            Err(self.forked())
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn forked(&self) -> Error {
+        Error::Forked {
+            name: self.map.seg().name().to_owned(),
+        }
+    }
+
+    /// Whether our reader entry is still ours (see [`Self::check_entry`]).
+    #[inline]
+    fn entry_is_ours(&self) -> bool {
+        self.me.word() == self.word
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn entry_lost(&self) -> Error {
+        tracing::warn!(reader = self.index, "reader entry was taken from us");
+        Error::ReaderLeft { index: self.index }
     }
 
     /// `Err(Forked)` in a forked child, else as [`Self::check_entry`].
@@ -609,11 +704,10 @@ impl Attached {
     /// marks an entry left only once the kernel has released its lock, which
     /// ours never is while we live, so this catches a scribbled table.
     fn check_entry(&self) -> Result<()> {
-        if self.me.word() == self.word {
+        if self.entry_is_ours() {
             Ok(())
         } else {
-            tracing::warn!(reader = self.index, "reader entry was taken from us");
-            Err(Error::ReaderLeft { index: self.index })
+            Err(self.entry_lost())
         }
     }
 
@@ -630,11 +724,33 @@ impl Attached {
         }
     }
 
+    /// What dropping a guard does: acknowledges its read, then gives its
+    /// hold back (as [`Self::ack_held`] then [`Self::release_hold`], the
+    /// fork generation checked once). In a forked child, nothing: the hold
+    /// and the read are the parent's.
+    #[inline]
+    pub(super) fn drop_guard(&self, slot: &SlotPtr, h: ObjectHandle) {
+        if !self.is_owner() {
+            return;
+        }
+        if self.entry_is_ours() {
+            self.ack_counted(slot, h);
+        }
+        slot.unhold(self.index);
+    }
+
     /// Acknowledges a read of a slot this reader holds (hazard or hold).
     pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
         if self.check_attached().is_err() {
             return;
         }
+        self.ack_counted(slot, h);
+    }
+
+    /// The acknowledgement of [`Self::ack_held`], once the entry is known
+    /// to be ours in the process that attached.
+    #[inline]
+    fn ack_counted(&self, slot: &SlotPtr, h: ObjectHandle) {
         let counted = if self.geo.aggregate {
             // vLLM's accounting: every read counts, from any reader.
             slot.acknowledge_aggregate();
@@ -673,6 +789,7 @@ impl Drop for Attached {
 
 /// What [`StoreReader::validate_slot`] found: the payload's start and
 /// length in this process's mapping, its kind, and the tag it checked.
+#[derive(Clone, Copy)]
 struct Valid {
     data: *const u8,
     len: usize,

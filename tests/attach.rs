@@ -137,7 +137,7 @@ fn the_handle_must_match_the_segment() {
         ),
         (
             StoreHandle {
-                layout_version: 9,
+                layout_version: layout::LAYOUT_VERSION + 1,
                 ..sh.clone()
             },
             "layout_version",

@@ -642,7 +642,8 @@ fn attach_validates_every_header_field_and_names_it() {
         ("n_readers", &0u32.to_le_bytes(), "n_readers"),
         ("n_readers", &65u32.to_le_bytes(), "n_readers"),
         ("n_readers", &3u32.to_le_bytes(), "n_readers"),
-        ("n_readers", &40u32.to_le_bytes(), "header_len"),
+        // 62 entries of 64 B (layout 9) need a second header page.
+        ("n_readers", &62u32.to_le_bytes(), "header_len"),
         ("header_len", &8192u64.to_le_bytes(), "header_len"),
         ("capacity", &(1u64 << 40).to_le_bytes(), "capacity"),
         ("capacity", &100u64.to_le_bytes(), "capacity"),
@@ -725,7 +726,7 @@ fn the_handle_must_match_the_segment() {
         ),
         (
             StoreHandle {
-                layout_version: 9,
+                layout_version: layout::LAYOUT_VERSION + 1,
                 ..sh.clone()
             },
             "layout_version",

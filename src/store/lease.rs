@@ -1,7 +1,7 @@
 //! [`Lease`]: an object kept from reclamation by a reader that has not
 //! read it.
 
-use std::sync::Arc;
+use super::share::Share;
 
 use super::handle::ObjectHandle;
 use super::reader::Attached;
@@ -40,7 +40,7 @@ use crate::atomics::SlotPtr;
 #[derive(Debug)]
 #[must_use = "a lease keeps its object only while it lives"]
 pub struct Lease {
-    reader: Arc<Attached>,
+    reader: Share<Attached>,
     slot: SlotPtr,
     handle: ObjectHandle,
 }
@@ -53,7 +53,7 @@ unsafe impl Send for Lease {}
 unsafe impl Sync for Lease {}
 
 impl Lease {
-    pub(super) fn new(reader: Arc<Attached>, slot: SlotPtr, handle: ObjectHandle) -> Lease {
+    pub(super) fn new(reader: Share<Attached>, slot: SlotPtr, handle: ObjectHandle) -> Lease {
         Lease {
             reader,
             slot,

@@ -14,6 +14,7 @@ mod mapping;
 mod reader;
 mod reclaim;
 mod reservation;
+mod share;
 mod signature;
 mod stats;
 mod typed;

@@ -9,6 +9,7 @@ use super::guard::ReadGuard;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::lease::Lease;
 use super::mapping::Mapping;
+use super::share::Share;
 use super::signature;
 use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
 use crate::error::{Error, Result};
@@ -19,6 +20,10 @@ use crate::sys::clock;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
+
+/// Shares of its attachment a reader prepays at once for its guards and
+/// leases: a get takes one with no atomic, and one add in this many pays.
+const SHARES_PREPAID: usize = 64;
 
 /// Opens and validates a segment against the expectations of a handle.
 fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeometry)> {
@@ -69,7 +74,10 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeo
 #[derive(Debug)]
 pub struct StoreReader {
     /// The attachment, shared with every guard.
-    at: Arc<Attached>,
+    at: Share<Attached>,
+    /// Shares of `at` prepaid for guards and leases to come (one atomic
+    /// add for [`SHARES_PREPAID`] of them), given back when the reader goes.
+    spare: Cell<usize>,
     /// The segment's signing secret, copied at attach.
     secret: [u8; 32],
     /// The key of its slot tags ([`layout::tag_key`] of `secret`).
@@ -176,7 +184,8 @@ impl StoreReader {
         tracing::debug!(name = %sh.name, index, counted_from, pinned = map.is_pinned(), "reader attached");
         let secret = geo.header().read().secret;
         Ok(StoreReader {
-            at: Arc::new(Attached {
+            spare: Cell::new(0),
+            at: Share::new(Attached {
                 geo,
                 index,
                 me: geo.reader(index),
@@ -245,7 +254,7 @@ impl StoreReader {
     #[doc(hidden)]
     pub fn read_protocol_floor(&self, g: &ReadGuard) -> bool {
         // A forked child's mapping is inaccessible: do nothing there.
-        if !Arc::ptr_eq(&g.reader, &self.at) || !self.at.is_owner() {
+        if !Share::ptr_eq(&g.reader, &self.at) || !self.at.is_owner() {
             return false;
         }
         let (slot, id) = (g.slot, g.handle.monotonic_id);
@@ -270,7 +279,7 @@ impl StoreReader {
     /// for nothing.
     pub fn lease(&self, h: ObjectHandle) -> Result<Lease> {
         let (slot, _) = self.hold(h)?;
-        Ok(Lease::new(Arc::clone(&self.at), slot, h))
+        Ok(Lease::new(self.share(), slot, h))
     }
 
     /// The handle of `key`'s object, from the store's shared key index
@@ -326,7 +335,7 @@ impl StoreReader {
     pub fn lease_key(&self, key: &str) -> Result<Option<Lease>> {
         Ok(self
             .hold_key(key)?
-            .map(|(h, slot, _)| Lease::new(Arc::clone(&self.at), slot, h)))
+            .map(|(h, slot, _)| Lease::new(self.share(), slot, h)))
     }
 
     fn guard(
@@ -338,13 +347,31 @@ impl StoreReader {
         kind: ObjectKind,
     ) -> ReadGuard {
         ReadGuard {
-            reader: Arc::clone(&self.at),
+            reader: self.share(),
             slot,
             handle: h,
             data: self.at.map.view_of(data),
             len,
             kind,
         }
+    }
+
+    /// A share of the attachment for a guard or a lease: one of those
+    /// prepaid, prepaying [`SHARES_PREPAID`] more when none is left.
+    #[inline]
+    fn share(&self) -> Share<Attached> {
+        let spare = match self.spare.get() {
+            0 => {
+                self.at.prepay(SHARES_PREPAID);
+                SHARES_PREPAID
+            }
+            n => n,
+        };
+        self.spare.set(spare - 1);
+        // SAFETY: `spare` shares were prepaid and not handed out (the
+        // reader is not `Sync`: nothing else takes them meanwhile); this is
+        // one of them, no longer counted in `spare`.
+        unsafe { self.at.prepaid() }
     }
 
     /// Takes a hold on `h` (the hold protocol of crate::atomics): the slot
@@ -656,6 +683,15 @@ impl StoreReader {
             .map(|_| self.at.ack_held(&slot, h));
         self.at.me.clear_hazard();
         r
+    }
+}
+
+impl Drop for StoreReader {
+    fn drop(&mut self) {
+        // SAFETY: `spare` shares were prepaid and never handed out.
+        unsafe { self.at.unprepay(self.spare.get()) };
+        // `at`, our own share, goes next; the attachment with the last
+        // share (this reader's or a guard's).
     }
 }
 

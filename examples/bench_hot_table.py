@@ -47,9 +47,10 @@ def main(path):
         cells = []
         for lab in labels:
             hit = [r for r in rows if r["label"] == lab and match(r)]
+            ratios = [r["ratio"] for r in hit if r["ratio"] is not None]
             if hit:
                 cells.append(f"{med(r['median_ns'] for r in hit):.1f}")
-                cells.append(f"{med(r['ratio'] for r in hit):.2f}")
+                cells.append(f"{med(ratios):.2f}" if ratios else "—")
             else:
                 cells += ["—", "—"]
         print(f"| {name} | {' | '.join(cells)} | {base} |")

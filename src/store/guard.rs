@@ -2,8 +2,8 @@
 
 use std::ops::Deref;
 
+use super::attached::Attached;
 use super::handle::ObjectHandle;
-use super::reader::Attached;
 use super::share::Share;
 use crate::atomics::SlotPtr;
 use crate::layout::ObjectKind;

@@ -3,8 +3,8 @@
 
 use super::share::Share;
 
+use super::attached::Attached;
 use super::handle::ObjectHandle;
-use super::reader::Attached;
 use crate::atomics::SlotPtr;
 
 /// An object kept in the store, unread: one hold in its slot, as a

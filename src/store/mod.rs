@@ -3,6 +3,7 @@
 //! joins the store to the codec (`typed`) and to copy engines (`device`).
 
 mod ahead;
+mod attached;
 mod clear;
 mod config;
 mod device;

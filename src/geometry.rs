@@ -64,7 +64,7 @@ impl StoreGeometry {
     pub(crate) fn reader(&self, i: u32) -> ReaderPtr {
         debug_assert!(i < self.n_readers);
         // SAFETY: i < n_readers and the header spans header_len(n_readers)
-        // bytes, which holds every entry; entries are 8-aligned (128 B each
+        // bytes, which holds every entry; entries are 8-aligned (64 B each
         // after a 256 B header).
         unsafe { ReaderPtr::new(self.base.add(layout::reader_entry_offset(i))) }
     }

@@ -32,10 +32,14 @@
 //! Version 9 computes key fingerprints (the slot's `key_fp`, the index's
 //! `fp`) with keyed SipHash-1-3 ([`FingerprintKey`]) instead of keyed
 //! SHA-256: the same 128 bits in the same places, of another function.
+//! It also made the reader entry one cache line (64 B, the hazard word at
+//! offset 48, where two reserved words were): what a reclaim reads of each
+//! reader (state, `counted_from`, hazard) is one line, not two, and the
+//! lines a reader writes (hazard, acknowledgement time) are that one too.
 //!
 //! ```text
 //! offset 0            SegmentHeader (256 B)
-//! 256                 ReaderEntry × n_readers (128 B each: 64 B of fields, the hazard word, padding)
+//! 256                 ReaderEntry × n_readers (64 B each, one cache line: state, pid, counters, times, the hazard word)
 //! header_len          data region (capacity bytes, page aligned): slots and gaps
 //! header_len+capacity key index: IndexEntry × index_entries (32 B each; none if 0)
 //!   slot (64 B aligned):
@@ -242,14 +246,14 @@ pub struct ReaderEntry {
     pub stale_reads: u64,
     /// Monotonic-clock nanoseconds of the attach (v2).
     pub attached_ns: u64,
-    /// Zero.
-    pub reserved: [u64; 2],
     /// Atomic. The hazard: the id of the object this reader is taking a
     /// hold on, for that instant (0 = none). One per reader, whatever the
     /// number of its guards (they are counted in the slots' hold words).
+    /// In the entry's one cache line with the state and `counted_from`
+    /// (v9): a reclaim's scan of the table reads one line per reader.
     pub hazard: u64,
-    /// Zero: the entry is two cache lines.
-    pub reserved1: [u64; 7],
+    /// Zero: the entry is one cache line.
+    pub reserved: u64,
 }
 
 /// The fixed head of every slot.
@@ -484,15 +488,15 @@ mod tests {
         assert_eq!(offset_of!(SegmentHeader, index_seq), 168);
         assert_eq!(offset_of!(SegmentHeader, reserved), 176);
 
-        assert_eq!(size_of::<ReaderEntry>(), 128);
+        assert_eq!(size_of::<ReaderEntry>(), 64);
         assert_eq!(offset_of!(ReaderEntry, state), 0);
         assert_eq!(offset_of!(ReaderEntry, pid), 8);
         assert_eq!(offset_of!(ReaderEntry, counted_from), 16);
         assert_eq!(offset_of!(ReaderEntry, last_ack_ns), 24);
         assert_eq!(offset_of!(ReaderEntry, stale_reads), 32);
         assert_eq!(offset_of!(ReaderEntry, attached_ns), 40);
-        assert_eq!(offset_of!(ReaderEntry, hazard), 64);
-        assert_eq!(offset_of!(ReaderEntry, reserved1), 72);
+        assert_eq!(offset_of!(ReaderEntry, hazard), 48);
+        assert_eq!(offset_of!(ReaderEntry, reserved), 56);
 
         assert_eq!(size_of::<SlotHeader>(), 64);
         assert_eq!(offset_of!(SlotHeader, id), 0);
@@ -514,7 +518,8 @@ mod tests {
         assert_eq!(LAYOUT_VERSION, 9);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
-        assert_eq!(header_len(MAX_READERS), 12288);
+        assert_eq!(header_len(MAX_READERS), 8192);
+        assert_eq!(reader_entry_offset(1) % 64, 0, "entries start on lines");
         assert_eq!(holds_offset(1), 72);
         assert_eq!(holds_offset(2), 72);
         assert_eq!(holds_offset(3), 80);

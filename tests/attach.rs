@@ -54,7 +54,8 @@ fn attach_validates_every_header_field_and_names_it() {
         ("n_readers", &0u32.to_le_bytes(), "n_readers"),
         ("n_readers", &65u32.to_le_bytes(), "n_readers"),
         ("n_readers", &3u32.to_le_bytes(), "n_readers"),
-        ("n_readers", &40u32.to_le_bytes(), "header_len"),
+        // 62 entries of 64 B (layout 9) need a second header page.
+        ("n_readers", &62u32.to_le_bytes(), "header_len"),
         ("header_len", &8192u64.to_le_bytes(), "header_len"),
         ("capacity", &(1u64 << 40).to_le_bytes(), "capacity"),
         ("capacity", &100u64.to_le_bytes(), "capacity"),

@@ -52,7 +52,7 @@ impl World {
         let mut slot_mem = Box::new(Mem([0; 80]));
         let mut reader_mem = Box::new(Mem([0; 80]));
         // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of one reader
-        // and a whole reader entry (128 bytes); the boxes live in the World.
+        // and a whole reader entry (64 bytes); the boxes live in the World.
         let (slot, me) = unsafe {
             (
                 SlotPtr::new(slot_mem.0.as_mut_ptr().cast(), 1),

@@ -18,6 +18,7 @@
 //! | `SlotHeader::key_fp` | writer (Relaxed, before the id's Release publish) | readers (Relaxed, under their hold or between two equal id loads) | part of the published object: a lookup by key checks it (v8) |
 //! | `SlotHeader::touched` | readers (Relaxed) on a hit by key (`get_key`, `lease_key`: under the hold being taken; `lookup`: under its validated hazard, no hold), always before the hazard's Release clear; writer 0 at publish, swaps to 0 (Relaxed) in its sweep | writer | a hint for second-chance eviction; orders nothing. The hazard (Dekker pair above) keeps the slot from reuse while the mark is written, so it never lands on a newer object's slot: a writer that reuses the slot saw the hazard cleared (Release, after the mark), and its publish's 0 comes later in the word's order |
 //! | the key index | see [`index`] | | seqlock over entries checked against their slots |
+//! | `SegmentHeader::backed` | writer (Release), after the pages below it exist; it only grows | readers (Acquire) before touching a slot or payload past what they saw before: each `StoreReader` keeps the largest value it loaded and checks against that first | a reader touches only backed pages: its own earlier Acquire load of a value at least this large already ordered their allocation before its reads (C++20: happens-before is transitive through program order; AArch64: the `ldar` came first in the same thread) |
 //! | `ReaderEntry::hazard` | reader (Release + SeqCst fence to set, Release to clear) | writer (Acquire, after its SeqCst fence) | Dekker through two SeqCst fences: one side sees the other; held only while a hold is taken. Every store to the word is Release, so whichever one the writer's load reads (a clear, or a later get's hazard), every hold taken before it is visible |
 //! | `ReaderEntry::state` (generation and state in one word) | its holder (SeqCst CAS to attach, store to leave), writer marks a dead holder `LEFT` (SeqCst CAS of the whole word) | writer (SeqCst, after its fence); its holder on every get | a reader attaching while the writer reclaims is seen by one side; the CAS of the whole word fails if the entry was re-attached since it was read |
 //!
@@ -235,7 +236,7 @@ mod tests {
             P(reader_mem.0.as_mut_ptr().cast()),
         );
         // SAFETY: 640 bytes, 64-aligned: room for a slot prefix of 2 readers
-        // and for a whole reader entry (128 bytes).
+        // and for a whole reader entry (64 bytes).
         let slot = unsafe { SlotPtr::new(sp.0, 2) };
         slot.begin_write();
         slot.publish(

@@ -1,10 +1,10 @@
 //! [`ReadGuard`]: a zero-copy view of one object, holding its slot.
 
 use std::ops::Deref;
-use std::sync::Arc;
 
+use super::attached::Attached;
 use super::handle::ObjectHandle;
-use super::reader::Attached;
+use super::share::Share;
 use crate::atomics::SlotPtr;
 use crate::layout::ObjectKind;
 
@@ -41,7 +41,7 @@ use crate::layout::ObjectKind;
 /// the child releases nothing.
 #[derive(Debug)]
 pub struct ReadGuard {
-    pub(super) reader: Arc<Attached>,
+    pub(super) reader: Share<Attached>,
     pub(super) slot: SlotPtr,
     pub(super) handle: ObjectHandle,
     pub(super) data: *const u8,

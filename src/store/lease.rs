@@ -1,10 +1,10 @@
 //! [`Lease`]: an object kept from reclamation by a reader that has not
 //! read it.
 
-use std::sync::Arc;
+use super::share::Share;
 
+use super::attached::Attached;
 use super::handle::ObjectHandle;
-use super::reader::Attached;
 use crate::atomics::SlotPtr;
 
 /// An object kept in the store, unread: one hold in its slot, as a
@@ -40,7 +40,7 @@ use crate::atomics::SlotPtr;
 #[derive(Debug)]
 #[must_use = "a lease keeps its object only while it lives"]
 pub struct Lease {
-    reader: Arc<Attached>,
+    reader: Share<Attached>,
     slot: SlotPtr,
     handle: ObjectHandle,
 }
@@ -53,7 +53,7 @@ unsafe impl Send for Lease {}
 unsafe impl Sync for Lease {}
 
 impl Lease {
-    pub(super) fn new(reader: Arc<Attached>, slot: SlotPtr, handle: ObjectHandle) -> Lease {
+    pub(super) fn new(reader: Share<Attached>, slot: SlotPtr, handle: ObjectHandle) -> Lease {
         Lease {
             reader,
             slot,

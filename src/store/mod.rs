@@ -3,6 +3,7 @@
 //! joins the store to the codec (`typed`) and to copy engines (`device`).
 
 mod ahead;
+mod attached;
 mod clear;
 mod config;
 mod device;
@@ -16,6 +17,7 @@ mod pending;
 mod reader;
 mod reclaim;
 mod reservation;
+mod share;
 mod signature;
 mod stats;
 mod typed;

@@ -2,15 +2,16 @@
 
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::sync::Arc;
 
+use super::attached::Attached;
 use super::config::ReaderOptions;
 use super::guard::ReadGuard;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::lease::Lease;
 use super::mapping::Mapping;
+use super::share::Share;
 use super::signature;
-use crate::atomics::{copy_racy, ReaderPtr, SlotPtr};
+use crate::atomics::{copy_racy, SlotPtr};
 use crate::error::{Error, Result};
 use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, reader_state, ObjectKind};
@@ -19,6 +20,10 @@ use crate::sys::clock;
 use crate::sys::fork;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
+
+/// Shares of its attachment a reader prepays at once for its guards and
+/// leases: a get takes one with no atomic, and one add in this many pays.
+const SHARES_PREPAID: usize = 64;
 
 /// Opens and validates a segment against the expectations of a handle.
 fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeometry)> {
@@ -69,7 +74,10 @@ fn open_validated(sh: &StoreHandle, prefault: bool) -> Result<(Segment, StoreGeo
 #[derive(Debug)]
 pub struct StoreReader {
     /// The attachment, shared with every guard.
-    at: Arc<Attached>,
+    at: Share<Attached>,
+    /// Shares of `at` prepaid for guards and leases to come (one atomic
+    /// add for [`SHARES_PREPAID`] of them), given back when the reader goes.
+    spare: Cell<usize>,
     /// The segment's signing secret, copied at attach.
     secret: [u8; 32],
     /// The key of its slot tags ([`layout::tag_key`] of `secret`).
@@ -83,36 +91,6 @@ pub struct StoreReader {
     /// Not `Sync`: a get publishes the reader's one hazard word.
     _one_thread: PhantomData<Cell<()>>,
 }
-
-/// A reader's attachment: its entry in the reader table (and the liveness
-/// lock, through the mapping), shared by the `StoreReader` and each of its
-/// guards. The entry is left when the last of them goes, so a guard that
-/// outlives its reader still holds its slot, under a live entry, in a
-/// mapping that stays.
-#[derive(Debug)]
-pub(super) struct Attached {
-    geo: StoreGeometry,
-    index: u32,
-    me: ReaderPtr,
-    counted_from: u64,
-    /// Our state word in the reader table while we hold the entry.
-    word: u64,
-    /// The fork generation this reader attached in (see `sys::fork`): in a
-    /// forked child it reads nothing and writes nothing shared.
-    fork_gen: u64,
-    /// The segment (our reader lock held through it), shared with copies
-    /// in flight out of it.
-    pub(super) map: Arc<Mapping>,
-}
-
-// SAFETY: the pointers point into the mapping `map` keeps alive, which
-// moves with the reader. Through `&Attached` only atomics of shared memory
-// are touched (acknowledge and unhold are RMWs), never the hazard word,
-// which only the non-`Sync` `StoreReader` writes.
-unsafe impl Send for Attached {}
-// SAFETY: as above: every shared write through `&Attached` is an atomic
-// RMW or a store of a value only its own process writes.
-unsafe impl Sync for Attached {}
 
 impl StoreReader {
     /// Attaches into the first free reader slot (pinning: `PinMode::Auto`).
@@ -176,7 +154,8 @@ impl StoreReader {
         tracing::debug!(name = %sh.name, index, counted_from, pinned = map.is_pinned(), "reader attached");
         let secret = geo.header().read().secret;
         Ok(StoreReader {
-            at: Arc::new(Attached {
+            spare: Cell::new(0),
+            at: Share::new(Attached {
                 geo,
                 index,
                 me: geo.reader(index),
@@ -245,7 +224,7 @@ impl StoreReader {
     #[doc(hidden)]
     pub fn read_protocol_floor(&self, g: &ReadGuard) -> bool {
         // A forked child's mapping is inaccessible: do nothing there.
-        if !Arc::ptr_eq(&g.reader, &self.at) || !self.at.is_owner() {
+        if !Share::ptr_eq(&g.reader, &self.at) || !self.at.is_owner() {
             return false;
         }
         let (slot, id) = (g.slot, g.handle.monotonic_id);
@@ -270,7 +249,7 @@ impl StoreReader {
     /// for nothing.
     pub fn lease(&self, h: ObjectHandle) -> Result<Lease> {
         let (slot, _) = self.hold(h)?;
-        Ok(Lease::new(Arc::clone(&self.at), slot, h))
+        Ok(Lease::new(self.share(), slot, h))
     }
 
     /// The handle of `key`'s object, from the store's shared key index
@@ -326,7 +305,7 @@ impl StoreReader {
     pub fn lease_key(&self, key: &str) -> Result<Option<Lease>> {
         Ok(self
             .hold_key(key)?
-            .map(|(h, slot, _)| Lease::new(Arc::clone(&self.at), slot, h)))
+            .map(|(h, slot, _)| Lease::new(self.share(), slot, h)))
     }
 
     fn guard(
@@ -338,13 +317,31 @@ impl StoreReader {
         kind: ObjectKind,
     ) -> ReadGuard {
         ReadGuard {
-            reader: Arc::clone(&self.at),
+            reader: self.share(),
             slot,
             handle: h,
             data: self.at.map.view_of(data),
             len,
             kind,
         }
+    }
+
+    /// A share of the attachment for a guard or a lease: one of those
+    /// prepaid, prepaying [`SHARES_PREPAID`] more when none is left.
+    #[inline]
+    fn share(&self) -> Share<Attached> {
+        let spare = match self.spare.get() {
+            0 => {
+                self.at.prepay(SHARES_PREPAID);
+                SHARES_PREPAID
+            }
+            n => n,
+        };
+        self.spare.set(spare - 1);
+        // SAFETY: `spare` shares were prepaid and not handed out (the
+        // reader is not `Sync`: nothing else takes them meanwhile); this is
+        // one of them, no longer counted in `spare`.
+        unsafe { self.at.prepaid() }
     }
 
     /// Takes a hold on `h` (the hold protocol of crate::atomics): the slot
@@ -659,131 +656,12 @@ impl StoreReader {
     }
 }
 
-impl Attached {
-    /// Whether this is the process that attached (not a forked child).
-    fn is_owner(&self) -> bool {
-        fork::current() == self.fork_gen
-    }
-
-    fn check_owner(&self) -> Result<()> {
-        if self.is_owner() {
-            Ok(())
-        } else {
-            Err(self.forked())
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn forked(&self) -> Error {
-        Error::Forked {
-            name: self.map.seg().name().to_owned(),
-        }
-    }
-
-    /// Whether our reader entry is still ours (see [`Self::check_entry`]).
-    #[inline]
-    fn entry_is_ours(&self) -> bool {
-        self.me.word() == self.word
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn entry_lost(&self) -> Error {
-        tracing::warn!(reader = self.index, "reader entry was taken from us");
-        Error::ReaderLeft { index: self.index }
-    }
-
-    /// `Err(Forked)` in a forked child, else as [`Self::check_entry`].
-    fn check_attached(&self) -> Result<()> {
-        self.check_owner()?;
-        self.check_entry()
-    }
-
-    /// `Err(ReaderLeft)` if our reader entry is no longer ours: the writer
-    /// marks an entry left only once the kernel has released its lock, which
-    /// ours never is while we live, so this catches a scribbled table.
-    fn check_entry(&self) -> Result<()> {
-        if self.entry_is_ours() {
-            Ok(())
-        } else {
-            Err(self.entry_lost())
-        }
-    }
-
-    /// This reader's attach generation (what its hold words carry).
-    fn generation(&self) -> u64 {
-        reader_state::generation(self.word)
-    }
-
-    /// Gives back the hold of a guard that is going.
-    pub(super) fn release_hold(&self, slot: &SlotPtr) {
-        // A forked child's guard: the hold is the parent's.
-        if self.is_owner() {
-            slot.unhold(self.index);
-        }
-    }
-
-    /// What dropping a guard does: acknowledges its read, then gives its
-    /// hold back (as [`Self::ack_held`] then [`Self::release_hold`], the
-    /// fork generation checked once). In a forked child, nothing: the hold
-    /// and the read are the parent's.
-    #[inline]
-    pub(super) fn drop_guard(&self, slot: &SlotPtr, h: ObjectHandle) {
-        if !self.is_owner() {
-            return;
-        }
-        if self.entry_is_ours() {
-            self.ack_counted(slot, h);
-        }
-        slot.unhold(self.index);
-    }
-
-    /// Acknowledges a read of a slot this reader holds (hazard or hold).
-    pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
-        if self.check_attached().is_err() {
-            return;
-        }
-        self.ack_counted(slot, h);
-    }
-
-    /// The acknowledgement of [`Self::ack_held`], once the entry is known
-    /// to be ours in the process that attached.
-    #[inline]
-    fn ack_counted(&self, slot: &SlotPtr, h: ObjectHandle) {
-        let counted = if self.geo.aggregate {
-            // vLLM's accounting: every read counts, from any reader.
-            slot.acknowledge_aggregate();
-            true
-        } else {
-            h.monotonic_id >= self.counted_from && slot.acknowledge(self.index)
-        };
-        if counted {
-            self.me.set_last_ack_ns(clock::monotonic_ns());
-        }
-    }
-}
-
-impl Drop for Attached {
+impl Drop for StoreReader {
     fn drop(&mut self) {
-        if !self.is_owner() {
-            // A forked child's copy: the entry and its lock are the
-            // parent's. Only our mapping goes.
-            return;
-        }
-        // The reader and every guard are gone (a guard leaked with
-        // mem::forget leaks its share, so this never runs): no hold of
-        // ours is left, and no get can start. Leave the table. The lock
-        // goes with the mapping, once copies in flight let it go.
-        self.me.clear_hazard();
-        let left = reader_state::word(reader_state::generation(self.word), reader_state::LEFT);
-        self.me.transition(self.word, left);
-        self.map.seg().unlock(liveness::reader_slot(self.index));
-        tracing::debug!(
-            name = self.map.seg().name(),
-            index = self.index,
-            "reader detached"
-        );
+        // SAFETY: `spare` shares were prepaid and never handed out.
+        unsafe { self.at.unprepay(self.spare.get()) };
+        // `at`, our own share, goes next; the attachment with the last
+        // share (this reader's or a guard's).
     }
 }
 

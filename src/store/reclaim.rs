@@ -54,6 +54,7 @@ impl Judge<'_> {
 
     /// Whether reader `i`, whose state word is `word`, owes a read of `e`
     /// (`short`: [`Judge::aggregate_short`]).
+    #[inline]
     fn owes(&self, i: u32, word: u64, e: &Entry, slot: SlotPtr, short: Option<bool>) -> bool {
         let counted = match reader_state::state(word) {
             // Attaching: its first counted id is being chosen; wait for it
@@ -69,6 +70,7 @@ impl Judge<'_> {
     /// hold on object `id` in `slot`. After `invalidate`, the writer's half
     /// of the hold protocol (see crate::atomics); before it, a hint that may
     /// miss a hold being taken.
+    #[inline]
     fn holds(&self, i: u32, word: u64, id: u64, slot: SlotPtr) -> bool {
         reader_state::state(word) != reader_state::LEFT
             && (self.geo.reader(i).has_hazard_on(id)

@@ -153,3 +153,16 @@ def test_doctor_names_the_rebinding_targets_a_vllm_lacks(tmp_path):
     assert cache["status"] == "FAIL" and "SingleWriterShmObjectStorage, MsgpackSerde" in cache["text"], cache
     assert by_text["vllm.distributed.device_communicators.shm_broadcast"]["status"] == "ok"
     assert by_text["vllm.v1.executor.multiproc_executor"]["status"] == "info"  # optional, absent
+
+
+def test_doctor_prints_the_node_budgets_plan_for_a_container():
+    from pinshm import doctor
+
+    checks = doctor.budget_plan(doctor.Plan(cache_gib=4, tp=2), 64 << 20)
+    text = "\n".join(c.text for c in checks)
+    assert "vLLM's own segments (its CPU communicator): 8 MiB left free" in text
+    # vLLM's own queues would not fit: pinshm's, their slots backed at start.
+    assert text.count("pinshm's queue, 10 slots of 0.38 MiB backed at start (4 MiB)") == 3
+    assert "in pieces" in text  # what happens at the overflow's limit
+    assert "multimodal cache: sparse, grows while 24 MiB stay free" in text
+    assert not [c for c in checks if c.status == doctor.FAIL]

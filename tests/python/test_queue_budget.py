@@ -24,28 +24,42 @@ def test_a_message_dev_shm_cannot_take_arrives_whole_in_pieces():
     out = run_in_small_dev_shm(
         FILL
         + """
-import os, threading
+import os
 from pinshm.vllm.queue import MessageQueue
 mq = MessageQueue(1, 1, max_chunk_bytes=64 << 10, max_chunks=4)
-rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
-mq.wait_until_ready(); rd.wait_until_ready()
-fill(1 << 20)  # less than vLLM's reserve: the overflow store cannot grow
 big = os.urandom(6 << 20)  # about a hundred pieces through 4 slots
-got = []
-t = threading.Thread(target=lambda: got.extend(rd.dequeue(timeout=100) for _ in range(3)))
-t.start()
-mq.enqueue(("before", 1), timeout=100)
-mq.enqueue(big, timeout=100)
-mq.enqueue(("after", 2), timeout=100)
-t.join(100)
-assert got == [("before", 1), big, ("after", 2)], [type(g) for g in got]
+want = [("before", 1), big, ("after", 2)]
+pid = os.fork()
+if pid == 0:  # the reader: a real process, as vLLM's workers are
+    code = 1
+    try:
+        rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
+        rd.wait_until_ready()
+        got = [rd.dequeue(timeout=100) for _ in range(3)]
+        code = 0 if got == want else 2
+    finally:
+        os._exit(code)
+try:
+    mq.wait_until_ready()
+    fill(1 << 20)  # less than vLLM's reserve: the overflow store cannot grow
+    for m in want:
+        mq.enqueue(m, timeout=100)
+    _, status = os.waitpid(pid, 0)
+    print("reader", os.waitstatus_to_exitcode(status))
+finally:
+    try:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 print("detours", mq.detours.messages)
-rd.close(); mq.close(); os.unlink("/dev/shm/filler")
+mq.close(); os.unlink("/dev/shm/filler")
 print("left", sorted(os.listdir("/dev/shm")))
 """,
         size="16m",
     )
     assert out.returncode == 0, out.stderr
+    assert "reader 0" in out.stdout  # every message, whole, in order
     assert "detours 1" in out.stdout
     assert "left []" in out.stdout
     assert "went through the queue's slots in pieces" in out.stderr

@@ -203,6 +203,7 @@ def read_probe(path: Path, root: int) -> dict:
 
     classes: dict[str, set] = {}
     hits = total = 0
+    detours: dict[tuple, int] = {}  # (pid, queue): messages sent in pieces
     for x in lines:
         if x["what"] in ("storage", "queue"):
             side = "writer" if x["writer"] else "reader"
@@ -210,9 +211,16 @@ def read_probe(path: Path, root: int) -> dict:
             classes.setdefault(role(x["pid"]), set()).add(f"{x['what']}:{side}:{owner}")
         elif x["what"] == "cache_stat":
             hits, total = max(hits, x["hits"]), max(total, x["total"])
+        elif x["what"] == "detour":
+            detours[(x["pid"], x["queue"])] = x["messages"]
         elif x["what"] == "probe_error":
             classes.setdefault("probe_error", set()).add(x["error"])
-    return {"classes": {k: sorted(v) for k, v in classes.items()}, "hits": hits, "items": total}
+    return {
+        "classes": {k: sorted(v) for k, v in classes.items()},
+        "hits": hits,
+        "items": total,
+        "detours": sum(detours.values()),
+    }
 
 
 def read_log(text: str) -> dict:
@@ -429,16 +437,17 @@ def summarize(runs: list[dict], reference: list[dict] = ()) -> tuple[dict, str]:
             "pinshm_in_use": sum(bool(r["pinshm_in_use"]) for r in rs),
             "pinshm_not_used": sorted({x for r in rs for x in r["pinshm_not_used"]}),
             "tracebacks": [r["tracebacks"] for r in rs],
+            "detours": [r.get("detours", 0) for r in rs],
         }
         summary[f"{mode}/{cfg}"] = s
-    md = ["| run | tokens = stock | hits | init s | 1st pass s | later pass s | single s | exit s | forced kills | CPU s main / core / workers | /dev/shm peak (queues) MiB | left | tracebacks |", "|" + "---|" * 13]
+    md = ["| run | tokens = stock | hits | init s | 1st pass s | later pass s | single s | exit s | forced kills | CPU s main / core / workers | /dev/shm peak (queues) MiB | left | tracebacks | in pieces |", "|" + "---|" * 14]
     for key, s in summary.items():
         c = s["cpu_s"]
         md.append(
             f"| {key} | {s['tokens_same_as_stock']} | {', '.join(s['hits'])} | {s['init_s']} | {s['first_pass_s']} | "
             f"{s['later_pass_s']} | {s['single_s']} | {s['exit_s']} | {s['forced_kills']} | "
             f"{c['main']} / {c['engine_core']} / {c['worker']} | {s['shm_peak_mib']} ({s['shm_peak_queues_mib']}) | "
-            f"{s['shm_left_mib']} MiB {s['shm_left'] or ''} | {s['tracebacks']} |"
+            f"{s['shm_left_mib']} MiB {s['shm_left'] or ''} | {s['tracebacks']} | {s['detours']} |"
         )
     md.append("")
     md.append("Classes built, per process (from the in-process probe):")
@@ -532,7 +541,7 @@ def main() -> None:
                 else:
                     r = run_server(args.python, model, cfg, args.out, tag, passes, singles, args.port)
                 runs.append(r)
-                brief = {k: r.get(k) for k in ("rc", "hits", "items", "init_s", "pass_s", "exit_s", "shm_peak_queues_mib", "shm_left", "tracebacks", "forced_kills")}
+                brief = {k: r.get(k) for k in ("rc", "hits", "items", "detours", "init_s", "pass_s", "exit_s", "shm_peak_queues_mib", "shm_left", "tracebacks", "forced_kills")}
                 print(json.dumps(brief), flush=True)
                 (args.out / "runs.json").write_text(json.dumps(runs, indent=1, default=str))
     reference = json.loads(args.reference.read_text()) if args.reference else []

@@ -857,6 +857,10 @@ def set_release_gate(gate: Optional[Callable[[], Optional[_Event]]]) -> None:
     pending read keeps its reader attached, closed or not, until its event
     completes. Copies out (`get_copy`, `get_copy_into`) are never gated."""
 
+def _exit_door_passing() -> int:
+    """Threads of this fork generation between the exit door and the GIL (tests)."""
+    ...
+
 def has_release_gate() -> bool:
     """Whether a release gate is set (`set_release_gate`)."""
 

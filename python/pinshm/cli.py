@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--tp", type=int, default=1, help="planned --tensor-parallel-size (workers on this node)")
     d.add_argument("--mq-chunk-mib", type=int, default=16, help="VLLM_MQ_MAX_CHUNK_BYTES_MB (vLLM's default: 16)")
     d.add_argument("--tensor-arena", action="store_true", help="planned --enable-shm-tensor-arena")
+    d.add_argument("--shm-mib", type=int, default=None, help="plan for a /dev/shm of this size (default: this one's)")
     d.add_argument("--json", action="store_true", help="print the checks as JSON")
     d.add_argument(
         "--gpu", action="store_true", help="also pin, copy and time on this machine's GPU (needs torch and a GPU)"
@@ -78,7 +79,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import doctor
 
     plan = doctor.Plan(
-        cache_gib=args.cache_gib, tp=args.tp, mq_chunk_mib=args.mq_chunk_mib, tensor_arena=args.tensor_arena
+        cache_gib=args.cache_gib,
+        tp=args.tp,
+        mq_chunk_mib=args.mq_chunk_mib,
+        tensor_arena=args.tensor_arena,
+        shm_mib=args.shm_mib,
     )
     checks = doctor.run(plan)
     if args.gpu:

@@ -52,6 +52,8 @@ class Plan:
     mq_chunk_mib: int = 16
     #: ``--enable-shm-tensor-arena``.
     tensor_arena: bool = False
+    #: /dev/shm's size to plan for (MiB); None: this machine's.
+    shm_mib: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +119,66 @@ def check_shm(plan: Plan) -> list[Check]:
             )
     if plan.cache_gib > 0:
         out.append(_check_cache(plan, free))
+    out.extend(budget_plan(plan, size if plan.shm_mib is None else plan.shm_mib * MIB))
+    return out
+
+
+def budget_plan(plan: Plan, size: int) -> list[Check]:
+    """The node budget's plan for `plan` on a /dev/shm of `size` bytes
+    (:mod:`pinshm.vllm._budget`): what each part gets, and what happens
+    at its limit."""
+    from .vllm import _budget
+    from .vllm.queue._auto import vllm_queue_bytes
+
+    out = [Check("budget", INFO, f"the plan for a {_mib(size)} /dev/shm, TP={plan.tp}:")]
+    reserve = _budget.vllm_reserve(size)
+    out.append(Check("budget", INFO, f"vLLM's own segments (its CPU communicator): {_mib(reserve)} left free"))
+    free = size - reserve  # as the engine starts: before any queue or cache
+    queues = [
+        ("executor broadcast", plan.tp, plan.mq_chunk_mib * MIB, 10),
+        *[(f"worker {r} response", 1, 24 * MIB, 10) for r in range(plan.tp)],
+    ]
+    for what, readers, chunk, chunks in queues if plan.tp > 1 else []:
+        vllm_need = vllm_queue_bytes(readers, chunk, chunks, plan.tensor_arena)
+        if vllm_need <= free + reserve and os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "auto") != "1":
+            out.append(Check("budget", INFO, f"{what}: vLLM's own queue ({_mib(vllm_need)}, it fits)"))
+            free -= vllm_need
+            continue
+        try:
+            slot = _budget.queue_slot_bytes(chunk, chunks, size, free + reserve)
+        except _budget.QueueNoRoom as e:
+            out.append(Check("budget", FAIL, f"{what}: {e}"))
+            continue
+        free -= slot * chunks
+        out.append(
+            Check(
+                "budget",
+                OK,
+                f"{what}: pinshm's queue, {chunks} slots of {slot / MIB:.2f} MiB backed at start "
+                f"({_mib(slot * chunks)}); a larger message goes through its overflow store",
+            )
+        )
+    share = _budget.overflow_share(size)
+    out.append(
+        Check(
+            "budget",
+            INFO,
+            f"queues' overflow stores: sparse, grow while {_mib(reserve)} stay free (the cache leaves them "
+            f"{_mib(share)}); at the limit a message goes through its queue's slots in pieces: slower, "
+            "whole, and said on a status line",
+        )
+    )
+    if plan.cache_gib > 0:
+        room = max(0, free - share)
+        out.append(
+            Check(
+                "budget",
+                OK if room >= plan.cache_gib * GIB else WARN,
+                f"multimodal cache: sparse, grows while {_mib(_budget.cache_headroom(size))} stay free: at most "
+                f"about {_mib(min(room, plan.cache_gib * GIB))} of the planned {plan.cache_gib:g} GiB; at its "
+                "limit it reuses what it has (fewer hits) and vLLM sends new items inline",
+            )
+        )
     return out
 
 

@@ -97,6 +97,17 @@ pub(crate) fn exiting() -> bool {
     CLOSED.load(SeqCst)
 }
 
+/// Threads of this process's fork generation between the door and the
+/// GIL now (`pinshm._pinshm._exit_door_passing()`): a test's view of what
+/// `at_exit` waits for. A thread counted in a parent at its fork is not in
+/// the child's count, so in a child it drops to 0 once the child's own
+/// threads are through.
+#[pyfunction]
+#[pyo3(name = "_exit_door_passing")]
+pub(crate) fn exit_door_passing() -> usize {
+    PASSING.get().load(SeqCst)
+}
+
 /// Registered with `atexit` at module init (see the module doc).
 #[pyfunction]
 pub(crate) fn at_exit(py: Python<'_>) {

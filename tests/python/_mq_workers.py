@@ -10,6 +10,8 @@ import numpy as np
 
 from pinshm.vllm.queue import MessageQueue
 
+from _procs import JOIN_S
+
 KIB = 1 << 10
 MIB = 1 << 20
 
@@ -93,16 +95,19 @@ def read_stream(handle, rank, n, zero_copy, results):
 def attach_and_stall(handle, rank, results):
     """Attaches, receives one message, then stops reading (to be killed)."""
     mq = MessageQueue.create_from_handle(handle, rank)
-    mq.dequeue(timeout=60)
+    mq.dequeue(timeout=JOIN_S)
     results.put(("stalled", os.getpid()))
-    time.sleep(600)
+    # Until killed; a parent that dies first (a failed test's) ends it too.
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
 
 
 def read_count(handle, rank, n, results):
     """Receives `n` messages (each its index) and reports them."""
     mq = MessageQueue.create_from_handle(handle, rank)
     try:
-        got = [mq.dequeue(timeout=60) for _ in range(n)]
+        got = [mq.dequeue(timeout=JOIN_S) for _ in range(n)]
     finally:
         mq.close()
     results.put(("read", got))

@@ -271,20 +271,35 @@ def test_a_killed_reader_stops_blocking_the_writer(ctx, unique_name, closing):
     # die holding that queue's write lock (its feeder thread's), which
     # would block every later put on a shared one.
     stall_report = ctx.Queue()
-    stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, stall_report)
-    mq.enqueue(-1)
-    kind, pid = stall_report.get(timeout=JOIN_S)
-    assert kind == "stalled"
-    n = 5 * slots
-    reader = start(ctx, w.read_count, mq.export_handle(), 0, n + 1, results)
-    w.kill(pid)
-    stalled.join(JOIN_S)
-    # Without the reaping, the ring would fill after `slots` messages.
-    for i in range(n):
-        mq.enqueue(i, timeout=60)
-    kind, got = results.get(timeout=JOIN_S)
-    finish(reader)
-    assert got == [-1, *range(n)]
+    children = []
+    try:
+        stalled = start(ctx, w.attach_and_stall, mq.export_handle(), 1, stall_report)
+        children.append(stalled)
+        mq.enqueue(-1, timeout=JOIN_S)
+        kind, pid = stall_report.get(timeout=JOIN_S)
+        assert kind == "stalled"
+        n = 5 * slots
+        reader = start(ctx, w.read_count, mq.export_handle(), 0, n + 1, results)
+        children.append(reader)
+        w.kill(pid)
+        # The event the writer's reaping rests on: the process is gone
+        # (its liveness lock with it). Waited for, not assumed.
+        stalled.join(JOIN_S)
+        assert stalled.exitcode == -9, stalled.exitcode
+        # Without the reaping, the ring would fill after `slots` messages
+        # (JOIN_S: a guard against a hang; the reader may still be starting).
+        for i in range(n):
+            mq.enqueue(i, timeout=JOIN_S)
+        kind, got = results.get(timeout=JOIN_S)
+        finish(reader)
+        assert got == [-1, *range(n)]
+    finally:
+        # A failing test still ends its children (pytest would wait for
+        # a live one at exit).
+        for p in children:
+            if p.exitcode is None:
+                p.kill()
+                p.join(JOIN_S)
 
 
 def test_objects_vllm_sends_round_trip(unique_name, closing):

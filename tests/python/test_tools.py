@@ -208,3 +208,16 @@ def test_everything_public_in_the_native_module_is_re_exported_by_pinshm():
     kept_native = {"signature_bytes"}  # the vLLM drop-in's, documented in __init__
     assert public - kept_native == set(pinshm.__all__), public ^ set(pinshm.__all__)
     assert all(getattr(pinshm, n) is getattr(native, n) for n in pinshm.__all__)
+
+
+def test_doctor_prints_the_node_budgets_plan_for_a_container():
+    from pinshm import doctor
+
+    checks = doctor.budget_plan(doctor.Plan(cache_gib=4, tp=2), 64 << 20)
+    text = "\n".join(c.text for c in checks)
+    assert "vLLM's own segments (its CPU communicator): 8 MiB left free" in text
+    # vLLM's own queues would not fit: pinshm's, their slots backed at start.
+    assert text.count("pinshm's queue, 10 slots of 0.38 MiB backed at start (4 MiB)") == 3
+    assert "in pieces" in text  # what happens at the overflow's limit
+    assert "multimodal cache: sparse, grows while 24 MiB stay free" in text
+    assert not [c for c in checks if c.status == doctor.FAIL]

@@ -132,7 +132,8 @@ def resident(name):
 
 def test_vllm_sized_queues_take_little_dev_shm_and_still_carry_large_messages(unique_name):
     # vLLM's default queue: 10 chunks of 24 MiB (a 240 MiB ring, of which
-    # vLLM's SharedMemory touches what its messages do).
+    # vLLM's SharedMemory touches what its messages do). pinshm backs each
+    # queue's slots at start, within the queue's share (at most 8 MiB).
     queues = [MessageQueue(1, 1, max_chunk_bytes=24 << 20, max_chunks=10, name=unique_name()) for _ in range(3)]
     readers = [MessageQueue.create_from_handle(q.export_handle(), 0) for q in queues]
     try:

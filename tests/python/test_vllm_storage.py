@@ -438,5 +438,8 @@ def test_the_cache_leaves_a_headroom_of_dev_shm(monkeypatch):
     monkeypatch.setenv("PINSHM_VLLM_SHM_HEADROOM", "12345")
     assert storage.shm_headroom() == 12345
     monkeypatch.delenv("PINSHM_VLLM_SHM_HEADROOM")
+    # The node budget's: vLLM's own 8 MiB, and a quarter of /dev/shm (at
+    # most 1 GiB) for the queues' overflow.
     st = os.statvfs("/dev/shm")
-    assert storage.shm_headroom() == min(st.f_blocks * st.f_frsize // 4, 1 << 30)
+    size = st.f_blocks * st.f_frsize
+    assert storage.shm_headroom() == min(8 << 20, size // 8) + min(size // 4, 1 << 30)

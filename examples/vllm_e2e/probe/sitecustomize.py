@@ -109,6 +109,26 @@ def _after_shm_broadcast(mod):
         pass
     else:
         _wrap_queue(MessageQueue)
+        _count_detours(MessageQueue)
+
+
+def _count_detours(cls):
+    """Records each message pinshm's queue sent the other way (in pieces)."""
+    if getattr(cls, "_e2e_detours", False):
+        return
+    enqueue = cls.enqueue
+
+    def counted(self, *a, **kw):
+        try:
+            return enqueue(self, *a, **kw)
+        finally:
+            d = getattr(self, "detours", None)
+            if d is not None and d.messages > getattr(self, "_e2e_detours_seen", 0):
+                self._e2e_detours_seen = d.messages
+                _record(what="detour", queue=id(self), messages=d.messages, bytes=d.bytes)
+
+    cls.enqueue = counted
+    cls._e2e_detours = True
 
 
 def _after_llava(mod):

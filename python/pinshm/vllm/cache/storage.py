@@ -56,6 +56,7 @@ from ..._pinshm import (
     StoreReader,
     signature_bytes,
 )
+from .. import _budget
 from .._status import announce
 from .._tracker import track, untrack
 from ._serde import MsgpackSerde, ObjectSerde, zero_copy
@@ -81,20 +82,18 @@ _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
 def shm_headroom() -> int:
     """Free bytes of /dev/shm a sparse cache leaves when it grows, for the
     queues and other segments beside it, which cannot fail where a cache
-    can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else a
-    quarter of /dev/shm's size, at most 1 GiB (16 MiB of a container's
-    64 MiB, enough for vLLM's executor queue's messages)."""
+    can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else the
+    node budget's (:func:`pinshm.vllm._budget.cache_headroom`: vLLM's own
+    8 MiB plus a quarter of /dev/shm, at most 1 GiB, for the queues'
+    overflow; 24 MiB of a container's 64 MiB)."""
     value = os.environ.get("PINSHM_VLLM_SHM_HEADROOM")
     if value:
         try:
             return max(0, int(value))
         except ValueError:
             logger.warning("PINSHM_VLLM_SHM_HEADROOM=%r is not a byte count; using the default", value)
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return 0
-    return min(st.f_blocks * st.f_frsize // 4, 1 << 30)
+    size = _budget.shm_size()
+    return 0 if size is None else _budget.cache_headroom(size)
 
 
 class SingleWriterShmRingBuffer:

@@ -27,6 +27,8 @@ OOB_MIN_BYTES = 1 << 20
 INLINE = 0  #: the pickle and its buffers, in the message
 STORED = 1  #: handles of objects in the queue's overflow store
 READY = 2  #: wait_until_ready's probe
+PIECE = 3  #: a piece of an inline message too large for a slot (PIECE_HEAD)
+PIECE_HEAD = struct.Struct("<BQ")  # kind, the whole message's bytes
 
 _U16 = struct.Struct("<H")
 

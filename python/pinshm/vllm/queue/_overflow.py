@@ -11,6 +11,11 @@ The store is sparse, as vLLM's rings are: /dev/shm holds the pages the
 messages touched. Once every object was read, the next message is put
 from the store's first byte again, so a stream of large messages keeps
 reusing the same pages rather than walking the whole ring.
+
+It grows within the node's /dev/shm budget (:mod:`pinshm.vllm._budget`):
+while /dev/shm keeps vLLM's reserve free. A message it cannot take then is
+a ``NoSpaceError`` from :meth:`OverflowWriter.send`, before any of its
+handles is sent, and the queue sends it another way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import pinshm
 
+from .. import _budget
 from .._tracker import Tracked
 from ._encoding import STORED
 from ._wait import Wait
@@ -37,7 +43,9 @@ class OverflowWriter:
         self.generation = 0
         self.store: Optional[pinshm.ObjectStore] = None
         self._capacity = 0
-        self._retired: list[Any] = []  # replaced stores with objects still unread
+        # Replaced stores with objects still unread, each with the count of
+        # its objects no reader will ever read (a message never sent).
+        self._retired: list[tuple[Any, int]] = []
         self._seq = 0
         self._tracked = tracked
 
@@ -70,13 +78,14 @@ class OverflowWriter:
             # goes when the queue closes); the next message makes another.
             # A message none of whose parts went in leaves it as it was.
             if handles and self.store is store:
-                self._retired.append(store)
+                self._retired.append((store, len(handles)))
                 self.store = None
+                self._close_retired()
             raise
         self._close_retired()
 
     def close(self) -> None:
-        for s in [self.store, *self._retired]:
+        for s in [self.store, *(r for r, _ in self._retired)]:
             if s is not None:
                 s.close()
                 self._tracked.discard(s.name)
@@ -104,9 +113,18 @@ class OverflowWriter:
         # made it comes at once (no time for a backer to get ahead), and
         # later ones reuse its first pages (it is rewound when read).
         limit = pinshm.ObjectStore.largest_object(capacity, self.n_readers)
-        new = pinshm.ObjectStore(capacity, limit, self.n_readers, name=name, reserve=False, back_ahead=0)
+        size = _budget.shm_size() or 0
+        new = pinshm.ObjectStore(
+            capacity,
+            limit,
+            self.n_readers,
+            name=name,
+            reserve=False,
+            shm_headroom=_budget.vllm_reserve(size),
+            back_ahead=0,
+        )
         if store is not None:
-            self._retired.append(store)
+            self._retired.append((store, 0))
         self.generation += 1
         self.store = new
         self._capacity = capacity
@@ -145,15 +163,17 @@ class OverflowWriter:
                 pause = min(pause * 2, 5e-3)
 
     def _close_retired(self) -> None:
-        """Closes replaced stores once every object in them was read."""
+        """Closes replaced stores once every object in them that a reader
+        will read was read (their pages go back to the node's budget)."""
         keep = []
-        for s in self._retired:
+        for s, orphans in self._retired:
             s.free_unused()
-            if s.stats()["objects"] == 0:
+            objects = s.stats()["objects"]
+            if isinstance(objects, int) and objects <= orphans:
                 s.close()
                 self._tracked.discard(s.name)
             else:
-                keep.append(s)
+                keep.append((s, orphans))
         self._retired = keep
 
 

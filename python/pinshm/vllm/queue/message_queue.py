@@ -12,9 +12,13 @@ One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
   (:mod:`._overflow`), and only its objects' handles travel in the
   channel. No ZMQ socket is involved.
 
-Both segments are sparse, as vLLM's rings are: /dev/shm holds the pages
-the messages touched, and a full /dev/shm is a ``MemoryError``
-(``pinshm.NoSpaceError``) from that ``enqueue``, never SIGBUS. The
+The node's /dev/shm is one budget (:mod:`pinshm.vllm._budget`): the
+channel's slots are backed when the queue is made (vLLM's chunk, shrunk
+to the queue's share of /dev/shm and to what is free; a queue that cannot
+get ``max_chunks`` slots of 64 KiB refuses to start, naming the size it
+needs), so no send of a started queue fails for lack of /dev/shm. The
+overflow store is sparse; a message it cannot take for lack of /dev/shm
+goes through the slots in pieces (:mod:`._pieces`), whole. The
 channel's name is removed once every local reader has attached
 (``wait_until_ready``), and the store's is covered by multiprocessing's
 resource tracker, so a SIGKILLed writer leaves nothing in /dev/shm.
@@ -38,11 +42,13 @@ from typing import Any, Optional
 
 import pinshm
 
+from .. import _budget
 from .._status import announce
 from .._tracker import Tracked
 from . import _encoding as enc
 from . import _groups
 from ._overflow import OverflowReader, OverflowWriter
+from ._pieces import Detours, assemble, send_in_pieces
 from ._remote import Remote
 from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger
 
@@ -64,6 +70,7 @@ class Handle:
     tensor_arena_handle: Any = None  # always None: no tensor arena
     n_reader: int = 0
     writer_pid: int = 0
+    max_chunk_bytes: int = 0  # vLLM's chunk (a slot may be smaller: see _budget)
 
 
 class MessageQueue:
@@ -106,13 +113,16 @@ class MessageQueue:
         self._init_common(is_writer=True)
         announce()
 
+        self.detours = Detours()  # messages sent in pieces
+        self._slot_bytes = max_chunk_bytes
         if n_local_reader > 0:
-            self._tx = pinshm.Broadcast(n_local_reader, max_chunks, max_chunk_bytes, name=name)
+            self._tx = self._make_channel(n_local_reader, max_chunks, max_chunk_bytes, name)
+            self._slot_bytes = self._tx.handle().slot_size
             # Until the name is unlinked (wait_until_ready), a writer killed
             # without closing leaves it to the resource tracker.
             self._tracked.add(self._tx.name)
             self._overflow = OverflowWriter(
-                self._tx.name, n_local_reader, max(2 * max_chunk_bytes, 1 << 20), self._tracked
+                self._tx.name, n_local_reader, max(2 * self._slot_bytes, 1 << 20), self._tracked
             )
         remote_subscribe_addr = None
         remote_addr_ipv6 = False
@@ -126,8 +136,29 @@ class MessageQueue:
             remote_addr_ipv6=remote_addr_ipv6,
             n_reader=n_reader,
             writer_pid=os.getpid(),
+            max_chunk_bytes=max_chunk_bytes,
         )
         logger.debug("pinshm message queue handle: %s", self.handle)
+
+    @staticmethod
+    def _make_channel(n: int, chunks: int, chunk_bytes: int, name: Optional[str]) -> pinshm.Broadcast:
+        """The channel, its slots backed now (see the module doc)."""
+        size, free = _budget.shm_size(), _budget.shm_free()
+        slot = _budget.queue_slot_bytes(chunk_bytes, chunks, size, free)
+        if slot < chunk_bytes:
+            logger.info(
+                "pinshm MessageQueue: %d slots of %.2f MiB backed (vLLM asked for %.0f MiB chunks; %.0f MiB "
+                "of /dev/shm free): larger messages go through the overflow store",
+                chunks,
+                slot / (1 << 20),
+                chunk_bytes / (1 << 20),
+                (free or 0) / (1 << 20),
+            )
+        try:
+            return pinshm.Broadcast(n, chunks, slot, name=name, reserve=True)
+        except pinshm.NoSpaceError:
+            # Taken meanwhile by another process: the same refusal.
+            raise _budget.QueueNoRoom(chunks * slot, _budget.vllm_reserve(size or 0), _budget.shm_free() or 0) from None
 
     def _init_common(self, is_writer: bool) -> None:
         self.shutting_down = False
@@ -164,7 +195,7 @@ class MessageQueue:
             self._is_local_reader = True
             self._rx = pinshm.BroadcastReader.attach(handle.buffer_handle, self.local_reader_rank)
             self._overflow_reader = OverflowReader(self.local_reader_rank)
-            self.max_chunk_bytes = handle.buffer_handle.slot_size
+            self.max_chunk_bytes = handle.max_chunk_bytes or handle.buffer_handle.slot_size
             self.max_chunks = handle.buffer_handle.slots
         else:
             self._is_remote_reader = True
@@ -246,10 +277,18 @@ class MessageQueue:
             deadline = deadline_after(timeout)
             # What fits a chunk travels in it: one copy of each buffer into
             # the slot, one out of it on each reader, as in vLLM's ring.
-            if enc.inline_size(bufs) <= self.max_chunk_bytes:
+            if enc.inline_size(bufs) <= self._slot_bytes:
                 self._send_parts(enc.inline_parts(bufs), deadline)
             else:
-                self._overflow.send(bufs, deadline, lambda ref: self._send(ref, deadline), self._cancelled)
+                try:
+                    self._overflow.send(bufs, deadline, lambda ref: self._send(ref, deadline), self._cancelled)
+                except pinshm.NoSpaceError as e:
+                    # The other way: the slots, backed at start (no message
+                    # of it went out: the handles are sent last).
+                    n = send_in_pieces(
+                        enc.inline_parts(bufs), self._slot_bytes, lambda parts: self._send_parts(parts, deadline)
+                    )
+                    self.detours.sent(n, e)
         if self._remote is not None:
             self._remote.send(bufs)
 
@@ -277,6 +316,10 @@ class MessageQueue:
                     except BufferError:
                         # An export still alive: the slot goes with it.
                         pass
+                if kind == enc.PIECE:
+                    # Its first slot is released already: the writer may
+                    # need it for a later piece.
+                    return enc.loads_inline(assemble(memoryview(data), lambda: self._recv_view(timeout, indefinite)))
                 if kind == enc.STORED:
                     if self._overflow_reader is None:
                         raise RuntimeError("pinshm MessageQueue: a stored message reached a reader without a store")

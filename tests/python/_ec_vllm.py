@@ -31,15 +31,16 @@ WIDTH = 64
 ROWS = 64  # an output is ROWS x WIDTH float32: 16 KiB
 
 
-def install(root):
-    """Writes the stand-in under `root` and puts it first on sys.path (so
-    spawned children, which take the parent's sys.path, import it too)."""
+def install(root, on_path=True):
+    """Writes the stand-in under `root` and (`on_path`) puts it first on
+    sys.path (so spawned children, which take the parent's sys.path, import
+    it too)."""
     for rel, text in STAND_IN.items():
         path = os.path.join(root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(text)
-    if root not in sys.path:
+    if on_path and root not in sys.path:
         sys.path.insert(0, str(root))
 
 

@@ -43,7 +43,8 @@ def test_the_docs_have_python_blocks():
 def test_a_python_block_of_the_docs_runs_as_pasted(code, tmp_path):
     env = dict(os.environ)
     if re.search(r"^\s*(from|import) vllm\b", code, re.MULTILINE):
-        install(str(tmp_path / "stand-in"))
+        # For the block's interpreter only: this one's sys.path is left alone.
+        install(str(tmp_path / "stand-in"), on_path=False)
         here = str(Path(__file__).resolve().parent)
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "stand-in"), here, env.get("PYTHONPATH", "")])
     p = subprocess.Popen(

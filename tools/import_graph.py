@@ -12,7 +12,14 @@ for every import of a pinshm module, at module level or inside a function
 (`from .x import y`, `from . import x`, `import pinshm.x`): a package's
 __init__ runs before its submodules, so `from .pkg import mod` is an edge
 to both. Exits 1 on a cycle, on an import of an entry point (ENTRY_POINTS:
-nothing may import them), or on a module over 500 lines."""
+nothing may import them), or on a module over 500 lines.
+
+Inside folders: one node per Rust file of src/ and of python/src (the
+binding), an edge for every `super::x`, `self::x` and `crate::a::b` path
+(in `use` lists too) that names another file; exits 1 on a cycle between
+files (store::reader <-> store::guard, say), not only between top-level
+modules. The size limits hold for tests/, examples/, benches/ and tools/
+too: 800 lines of Rust, 500 of Python."""
 import os, re, sys
 
 # Lowest first: a module may import only modules before it.
@@ -128,6 +135,81 @@ def py_imports(name, path, modules):
     out.discard(name)
     return out
 
+
+# ---- inside folders: one node per Rust file ------------------------------
+def rust_files(src):
+    """{module path (store::reader): file} of every .rs file under `src`
+    but the crate root and binaries."""
+    found = {}
+    for root, _, files in os.walk(src):
+        for f in files:
+            if not f.endswith(".rs"):
+                continue
+            rel = os.path.relpath(os.path.join(root, f), src)[:-3].split(os.sep)
+            if rel[0] in ("lib", "bin", "main"):
+                continue
+            if rel[-1] == "mod":
+                rel = rel[:-1]
+            found["::".join(rel)] = os.path.join(root, f)
+    return found
+
+
+def rust_file_edges(src):
+    """Edges between the files of `src`: `super::x` (a sibling), `self::x`
+    (a child), `crate::a::b` (the deepest file the path names), in `use`
+    lists too (`use super::{a::X, b}`)."""
+    files = rust_files(src)
+    edges = {m: set() for m in files}
+    for m, path in files.items():
+        code = re.sub(r"//[^\n]*", "", open(path).read())
+        parent = m.split("::")[:-1] if not path.endswith("mod.rs") else m.split("::")
+        here = m.split("::") if path.endswith("mod.rs") else m.split("::")
+        refs = []
+        for kw, base in (("super", parent[:-1] if path.endswith("mod.rs") else parent),
+                         ("self", here if path.endswith("mod.rs") else here),
+                         ("crate", [])):
+            for g in re.finditer(rf"\b{kw}::(\{{[^}}]*\}}|[\w:]+)", code):
+                body = g.group(1)
+                items = [x.strip() for x in body.strip("{}").split(",")] if body.startswith("{") else [body]
+                for it in items:
+                    parts = [x for x in re.split(r"::", it) if re.fullmatch(r"\w+", x)]
+                    refs.append(base + parts)
+        for r in refs:
+            # The longest prefix that names a file.
+            for n in range(len(r), 0, -1):
+                t = "::".join(r[:n])
+                if t in files:
+                    if t != m and not m.startswith(t + "::") and not t.startswith(m + "::"):
+                        edges[m].add(t)
+                    break
+    return edges, files
+
+
+file_cycles = []
+for label, src in (("src", SRC), ("python/src", os.path.join(os.path.dirname(__file__), "..", "python", "src"))):
+    fedges, ffiles = rust_file_edges(src)
+    for c in find_cycles(fedges):
+        print(f"CYCLE ({label}, files):", " -> ".join(c))
+        file_cycles.append(c)
+    if label == "python/src":
+        for p in ffiles.values():
+            n = open(p).read().count("\n")
+            if n > 800:
+                too_long.append((p, n))
+cycles += file_cycles
+
+# ---- tests and examples: the same size limits -----------------------------
+TOP = os.path.join(os.path.dirname(__file__), "..")
+for folder in ("tests", "examples", "benches", "tools"):
+    for root, _, files in os.walk(os.path.join(TOP, folder)):
+        for f in files:
+            limit = 800 if f.endswith(".rs") else 500 if f.endswith(".py") else None
+            if limit is None:
+                continue
+            p = os.path.join(root, f)
+            n = open(p).read().count("\n")
+            if n > limit:
+                too_long.append((p, n))
 
 py_mods = py_modules()
 py_edges = {m: py_imports(m, p, py_mods) for m, p in sorted(py_mods.items())}

@@ -129,7 +129,40 @@ def r_bench_keys(data: Any) -> str:
     return "\n".join(rows) + "\n"
 
 
+def r_ec_timing(data: Any) -> str:
+    """ec.py's pass times over interleaved repeats: per configuration, the
+    median of each pass (min-max) and its ratio to stock's median."""
+    import statistics
+
+    by: dict[str, list[dict]] = {}
+    for r in data["runs"]:
+        if r.get("pass_s"):
+            by.setdefault(r["config"], []).append(r)
+    n = min(len(r["pass_s"]) for rs in by.values() for r in rs)
+    stock = by.get("ec-stock")
+
+    def med(rs: list[dict], key: str, i: int) -> float:
+        return statistics.median(r[key][i] for r in rs)
+
+    head = " | ".join(f"pass {i + 1} s (min-max)" for i in range(n))
+    rows = [
+        f"| config | runs | tokens = stock | encoder items per pass | {head} | ratio to stock |",
+        "|" + "---|" * (5 + n),
+    ]
+    for cfg, rs in by.items():
+        cells = []
+        for i in range(n):
+            xs = [r["pass_s"][i] for r in rs]
+            cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})")
+        ratios = ", ".join(f"{med(rs, 'pass_s', i) / med(stock, 'pass_s', i):.2f}" for i in range(n)) if stock else "-"
+        same = all(r.get("tokens_equal_stock", True) for r in rs)
+        items = [med(rs, "encoded", i) for i in range(n)]
+        rows.append(f"| {cfg} | {len(rs)} | {'yes' if same else 'NO'} | {items} | " + " | ".join(cells) + f" | {ratios} |")
+    return "\n".join(rows) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
+    "ec-timing": r_ec_timing,
     "upstream": r_upstream,
     "ec-faults": r_ec_faults,
     "bench-keys": r_bench_keys,

@@ -49,6 +49,7 @@ __all__ = [
     "inspect_segment",
     "cuda_status",
     "gc_segments",
+    "_exit_door_passing",
 ]
 
 __version__: str

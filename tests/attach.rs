@@ -5,21 +5,12 @@
 
 mod common;
 
-use common::{pattern, peek, scribble, Name, Rng};
+use common::{pattern, peek, scribble, slot, store, Name, Rng};
 use pinshm::testing as layout;
 use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
-
-fn store(name: &Name, capacity: usize, max: usize, readers: u32) -> ObjectStore {
-    ObjectStore::create(StoreConfig::new(capacity, max, readers).name(&**name)).unwrap()
-}
-
-/// Slot bytes for a payload of `len` with `readers` readers.
-fn slot(readers: u32, len: usize) -> usize {
-    layout::slot_len(readers, len)
-}
 
 fn header_field_offset(field: &str) -> u64 {
     match field {

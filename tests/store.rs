@@ -4,21 +4,12 @@
 
 mod common;
 
-use common::{pattern, Name};
+use common::{pattern, slot, store, Name};
 use pinshm::testing as layout;
 use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
-
-fn store(name: &Name, capacity: usize, max: usize, readers: u32) -> ObjectStore {
-    ObjectStore::create(StoreConfig::new(capacity, max, readers).name(&**name)).unwrap()
-}
-
-/// Slot bytes for a payload of `len` with `readers` readers.
-fn slot(readers: u32, len: usize) -> usize {
-    layout::slot_len(readers, len)
-}
 
 fn assert_stale(r: pinshm::Result<impl std::fmt::Debug>, h: ObjectHandle) {
     match r {

@@ -40,6 +40,18 @@ impl Drop for Name {
     }
 }
 
+/// A store of `capacity` bytes, objects up to `max`, `readers` readers,
+/// named `name`.
+pub fn store(name: &Name, capacity: usize, max: usize, readers: u32) -> pinshm::ObjectStore {
+    pinshm::ObjectStore::create(pinshm::StoreConfig::new(capacity, max, readers).name(&**name))
+        .unwrap()
+}
+
+/// Slot bytes for a payload of `len` with `readers` readers.
+pub fn slot(readers: u32, len: usize) -> usize {
+    pinshm::testing::slot_len(readers, len)
+}
+
 /// Deterministic bytes for object `seed` of `len` bytes.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len);

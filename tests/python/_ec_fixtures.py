@@ -76,3 +76,15 @@ def engines(stand_in):
 
 def want(images):
     return {h: digest(encode(h)) for h in images}
+
+
+def run_with_installed_vllm(code, why_skipped):
+    """Runs `code` in a fresh interpreter against the installed vLLM (it
+    must print OK last); skipped with `why_skipped` where there is none."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip(why_skipped)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

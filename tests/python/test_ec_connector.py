@@ -6,7 +6,6 @@ executor does) and spawn. See _ec_vllm.py."""
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 import pinshm
-from _ec_fixtures import HOLDS, engines, extra, stand_in, store, want  # noqa: F401 - fixtures
+from _ec_fixtures import HOLDS, engines, extra, run_with_installed_vllm, stand_in, store, want  # noqa: F401 - fixtures
 from _ec_vllm import MODEL, consumer_engine_main
 from pinshm.vllm.ec import ECSettings, parse_size
 from pinshm.vllm.ec._attach import NamedReader
@@ -365,9 +364,4 @@ print("OK")
 
 
 def test_against_the_installed_vllm_the_connector_implements_its_base_with_its_signatures():
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (CI): the stand-in tests above cover the connector")
-    out = subprocess.run([sys.executable, "-c", REAL_VLLM], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+    run_with_installed_vllm(REAL_VLLM, "vLLM is not installed (CI): the stand-in tests above cover the connector")

@@ -5,13 +5,10 @@ with an output the encoder would not have given (`Engine.wrong_answers`).
 Engines are the stand-in's (_ec_vllm.py), workers in real processes."""
 
 import logging
-import subprocess
-import sys
 
-import pytest
 
 import pinshm
-from _ec_fixtures import HOLDS, engines, extra, stand_in, store, want  # noqa: F401 - fixtures
+from _ec_fixtures import HOLDS, engines, extra, run_with_installed_vllm, stand_in, store, want  # noqa: F401 - fixtures
 from _ec_vllm import ROWS
 
 LOGGER = "vllm.pinshm.ec"
@@ -182,9 +179,4 @@ print("OK")
 
 
 def test_against_the_installed_vllm_the_eviction_keeps_its_encoder_cache_managers_books():
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (CI): the stand-in's manager, above, keeps vLLM's books")
-    out = subprocess.run([sys.executable, "-c", EVICT_IN_REAL_VLLM], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+    run_with_installed_vllm(EVICT_IN_REAL_VLLM, "vLLM is not installed (CI): the stand-in's manager, above, keeps vLLM's books")

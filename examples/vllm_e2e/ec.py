@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -238,32 +237,18 @@ def summarize(runs: list[dict]) -> str:
 def timing(runs: list[dict]) -> str:
     """Per configuration, over its repeats: the median time of each pass
     (min-max in brackets) and its ratio to stock's median (below 1:
-    faster); encoder items and seconds per pass, medians too."""
-    by: dict[str, list[dict]] = {}
-    for r in runs:
-        if r.get("pass_s"):
-            by.setdefault(r["config"], []).append(r)
-    n = min((len(r["pass_s"]) for rs in by.values() for r in rs), default=0)
+    faster), as the docs' figure of these runs shows it (tools/figures.py's
+    `ec-timing` renderer, given the runs with their tokens checked)."""
+    sys.path.insert(0, str(HERE.parent.parent / "tools"))
+    import figures
 
-    def med(rs, key, i):
-        return statistics.median(r[key][i] for r in rs)
-
-    stock = by.get("ec-stock")
-    passes = [f"pass {i + 1} s" for i in range(n)]
-    md = [
-        "| config | runs | encoder items per pass | encoder s per pass | " + " | ".join(passes) + " | ratio to stock |",
-        "|" + "---|" * (5 + n),
+    stock = next((r for r in runs if r["config"] == "ec-stock" and "tokens" in r), None)
+    rows = [
+        dict(r, tokens_equal_stock=stock is None or r.get("tokens") == stock["tokens"][: len(r.get("tokens", []))])
+        for r in runs
+        if r.get("pass_s")
     ]
-    for cfg, rs in by.items():
-        cells = []
-        for i in range(n):
-            xs = [r["pass_s"][i] for r in rs]
-            cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})")
-        ratios = ", ".join(f"{med(rs, 'pass_s', i) / med(stock, 'pass_s', i):.2f}" for i in range(n)) if stock else "-"
-        items = [med(rs, "encoded", i) for i in range(n)]
-        enc_s = [round(med(rs, "encoder_s", i), 3) for i in range(n)]
-        md.append(f"| {cfg} | {len(rs)} | {items} | {enc_s} | " + " | ".join(cells) + f" | {ratios} |")
-    return "\n".join(md) + "\n"
+    return figures.r_ec_timing({"runs": rows}) if rows else ""
 
 
 def main() -> None:

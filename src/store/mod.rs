@@ -34,3 +34,15 @@ pub use signature::{Signature, SIGNATURE_LEN};
 pub use stats::StoreStats;
 pub use typed::{ItemGuard, TensorGuard};
 pub use writer::ObjectStore;
+
+/// Removes a test's segment when the test ends, by panic too (the unit
+/// tests of this folder).
+#[cfg(test)]
+pub(crate) struct Unlink(pub(crate) String);
+
+#[cfg(test)]
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
+    }
+}

@@ -132,14 +132,7 @@ mod tests {
 
     use super::*;
     use crate::store::config::StoreConfig;
-
-    /// Removes the segment when the test ends, by panic too.
-    struct Unlink(String);
-    impl Drop for Unlink {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
-        }
-    }
+    use crate::store::Unlink;
 
     /// A copy whose outcome the test decides: 0 running, 1 done, 2 failed.
     #[derive(Debug, Default)]

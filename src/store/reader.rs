@@ -715,15 +715,8 @@ fn claim(geo: &StoreGeometry, i: u32) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::Unlink;
     use crate::{ObjectStore, StoreConfig};
-
-    /// Removes the segment when the test ends, by panic too.
-    struct Unlink(String);
-    impl Drop for Unlink {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(format!("/dev/shm/{}", self.0));
-        }
-    }
 
     /// The slot is freed and reused between the check
     /// at the start of a copy and the copy itself, by a newer object whose

@@ -111,6 +111,7 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
             # vLLM's Scheduler is making this connector: found later, when a
             # failed load's placeholder must leave its encoder cache.
             self._owners = owner_candidates(self)
+            self._found: Any = None
             self._said_no_manager = False
             self._scheduler = SchedulerSide(
                 self.settings,
@@ -138,12 +139,18 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
 
     # ---- scheduler side -----------------------------------------------
 
+    def _manager(self) -> Any:
+        """vLLM's encoder cache manager, found once (None until it is)."""
+        if self._found is None:
+            self._found = manager_of(self, self._owners)
+        return self._found
+
     def _refs(self, mm_hash: str) -> set[str]:
-        manager = manager_of(self, self._owners)
+        manager = self._manager()
         return set(manager.cached.get(mm_hash, ())) if manager is not None else set()
 
     def _evict(self, mm_hash: str) -> set[str]:
-        manager = manager_of(self, self._owners)
+        manager = self._manager()
         if manager is None:
             if not self._said_no_manager:
                 self._said_no_manager = True

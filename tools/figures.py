@@ -161,11 +161,36 @@ def r_ec_timing(data: Any) -> str:
     return "\n".join(rows) + "\n"
 
 
+def r_serving(data: Any) -> str:
+    """serve_bench.py's cells: stock's medians over repeats, and each other
+    configuration's as the median of its ratio to stock in the same
+    repeat (requests/s: higher is better; latencies: lower is better)."""
+    keys = ("rps", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+    rows = [
+        "| cell | config | requests/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_cell: dict[str, list[dict]] = {}
+    for r in data["rows"]:
+        by_cell.setdefault(r["cell"], []).append(r)
+    order = {c: i for i, c in enumerate(data.get("configs", []))}
+    for cell, rs in by_cell.items():
+        for r in sorted(rs, key=lambda r: (r["config"] != "stock", order.get(r["config"], 99), r["config"])):
+            if r["config"] == "stock":
+                vals = [f"{r['rps']:.1f}"] + [f"{r[k] * 1000:.0f} ms" for k in keys[1:]]
+            else:
+                vals = [f"{r['ratio_to_stock'][k]:.2f}x" for k in keys]
+            rows.append(f"| {cell} | {r['config']} | " + " | ".join(vals) + " |")
+    same = ", ".join(f"{c}: {'yes' if v else 'NO'}" for c, v in data["tokens_as_stock"].items())
+    return "\n".join(rows) + f"\n\n{data['repeats']} interleaved repeats, {data.get('machine', '?')}; tokens as stock's: {same}.\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
     "ec-timing": r_ec_timing,
     "upstream": r_upstream,
     "ec-faults": r_ec_faults,
     "bench-keys": r_bench_keys,
+    "serving": r_serving,
 }
 
 

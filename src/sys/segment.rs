@@ -88,12 +88,7 @@ impl Segment {
     /// Creates `name` exclusively with `len` bytes, reserves the memory
     /// (so a too-small /dev/shm fails here, not with SIGBUS later) and maps
     /// it, pre-faulting every page when `prefault` is set.
-    pub(crate) fn create(
-        name: &str,
-        len: usize,
-        prefault: bool,
-        reserve_pages: bool,
-    ) -> Result<Segment> {
+    fn create(name: &str, len: usize, prefault: bool, reserve_pages: bool) -> Result<Segment> {
         let pname = posix_name(name)?;
         let file = Listed::file(|| {
             shm_open(

@@ -182,7 +182,7 @@ def r_bench_headline(data: list[dict]) -> str:
     floor = statistics.median(r["ratio"] for r in at_floor)
     guard_ns = [r["median_ns"] for r in at_floor]
     rows = [
-        "| what | figure |",
+        f"| the store (medians over {runs(data)} runs of the bench) | figure |",
         "|---|---|",
         f"| put, {size_label(min(by_size))} to {size_label(max(by_size))}, steady state | "
         f"{min(put):.2f}–{max(put):.2f}× a memcpy of the same size into the same working set (median per size) |",
@@ -191,8 +191,7 @@ def r_bench_headline(data: list[dict]) -> str:
         f"| get by key (64-digit keys, as vLLM's mm hashes) | {_med(data, 'get_key'):.2f}× a get by handle; "
         f"the key's fingerprint {_med(data, 'fp_shipped'):.2f}× keyed SHA-256's cost |",
     ]
-    return "\n".join(rows) + f"\n\nMedians over {runs(data)} runs of the bench.\n"
-
+    return "\n".join(rows) + "\n"
 
 
 # ---- examples/bench_mq.py --json ----------------------------------------
@@ -284,7 +283,6 @@ def r_mq_headline(data: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-
 # ---- examples/bench_first_lap.rs --json, examples/bench_ec.py, bench.py --
 
 
@@ -314,7 +312,9 @@ def r_first_lap(data: list[dict]) -> str:
         )
     n = max(len(rs) for rs in cells.values())
     out.append("")
-    out.append(f"{n} runs of {data[0]['repeats']} interleaved repeats; gap {data[0]['gap_ms'] or 20} ms; ratios: median (range).")
+    out.append(
+        f"{n} runs of {data[0]['repeats']} interleaved repeats; gap {data[0]['gap_ms'] or 20} ms; ratios: median (range)."
+    )
     return "\n".join(out) + "\n"
 
 

@@ -91,10 +91,13 @@ def r_hitrate_diffs(data: list[dict]) -> str:
         "|---|---|" + "---|" * (len(diffs) + 1),
     ]
     for a, c in _cells(runs):
-        row = [_pct([100 * (run[(a, c, x)]["hit_rate"] - run[(a, c, y)]["hit_rate"]) for run in runs], True)
-               for _, x, y in diffs]
+        row = [
+            _pct([100 * (run[(a, c, x)]["hit_rate"] - run[(a, c, y)]["hit_rate"]) for run in runs], True)
+            for _, x, y in diffs
+        ]
         saved = [
-            (run[(a, c, "second_chance")]["hit_rate"] - run[(a, c, "fifo")]["hit_rate"]) / (1 - run[(a, c, "fifo")]["hit_rate"])
+            (run[(a, c, "second_chance")]["hit_rate"] - run[(a, c, "fifo")]["hit_rate"])
+            / (1 - run[(a, c, "fifo")]["hit_rate"])
             for run in runs
         ]
         out.append(f"| {a} | {c * 100:.0f}% | " + " | ".join(row) + f" | {100 * statistics.median(saved):.1f} % |")

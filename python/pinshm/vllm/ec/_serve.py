@@ -32,8 +32,8 @@ logger = logging.getLogger("vllm.pinshm.ec")
 #: Leases out at once; a consumer that never says done is let go by the TTL.
 MAX_LEASES = 4096
 #: A lease whose TTL passed is remembered (its handle, not its hold) this
-#: many times the TTL, so that a late done is still answered by a re-check.
-REMEMBER_TTLS = 4
+#: long after, so that a late done is still answered by a re-check.
+REMEMBER_S = 30.0
 POLL_MS = 50
 
 
@@ -168,6 +168,7 @@ class Server:
     def _done(self, lid: int) -> dict[str, Any]:
         entry = self._leases.pop(lid, None)
         if entry is None:
+            self.unstable += 1
             return {"stable": False}  # never leased, or forgotten: cannot tell
         lease, handle, reader, _ = entry
         try:
@@ -187,7 +188,7 @@ class Server:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        forget = now - (REMEMBER_TTLS - 1) * self.settings.lease_ttl_s
+        forget = now - REMEMBER_S
         for lid, (lease, handle, reader, deadline) in list(self._leases.items()):
             if lease is not None and deadline <= now:
                 _release(lease)

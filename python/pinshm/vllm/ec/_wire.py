@@ -48,20 +48,22 @@ class PeerError(Exception):
     """A peer that did not answer in time, or answered what it may not."""
 
 
-def pack(msg: dict[str, Any]) -> bytes:
-    import msgpack
+def _msgpack() -> Any:
+    import msgpack  # type: ignore[import-untyped]  # ships no type information
 
-    return bytes(msgpack.packb(msg, use_bin_type=True))
+    return msgpack
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    return bytes(_msgpack().packb(msg, use_bin_type=True))
 
 
 def unpack(data: bytes) -> dict[str, Any]:
     """A message from a peer: PeerError for anything but a msgpack map."""
-    import msgpack
-
     if len(data) > MAX_MESSAGE:
         raise PeerError(f"a message of {len(data)} bytes (at most {MAX_MESSAGE})")
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        msg = _msgpack().unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - whatever garbage raises
         raise PeerError(f"not a message: {e!r}") from None
     if not isinstance(msg, dict):

@@ -1,0 +1,179 @@
+"""The encoder cache across nodes (docs/remote.md): a producer node serves
+its store over NIXL, a consumer node fetches what it misses into its own
+store of fetched outputs, and every rank loads it as a local hit. Whatever
+a peer does costs a miss with the encoder's own output, never a crash, a
+hang or a wrong answer. Engines are the stand-in's (_ec_vllm.py), the
+producer node a process of its own, workers real processes; NIXL over
+UCX TCP on 127.0.0.1. Skipped where NIXL is not installed (unless
+PINSHM_REQUIRE_NIXL=1)."""
+
+import os
+
+import pytest
+from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
+from _ec_remote import BadPeer, ProducerNode, free_port, nixl_or_skip
+
+import pinshm.vllm.ec._fetch as fetch
+
+IMAGES = ["img-a", "img-b", "img-c"]
+
+
+@pytest.fixture
+def nodes(unique_name, stand_in):  # noqa: F811 - a fixture
+    """Names of a producer node's store and a consumer node's, and a port;
+    every segment of both is gone at the end, whatever happened."""
+    nixl_or_skip()
+    a, b = unique_name("ec-a"), unique_name("ec-b")
+    made = []
+    yield a, b, free_port(), made
+    for p in made:
+        p.close()
+    fetch.before_read = fetch.after_read = None
+    left = [n for n in (a, b, a + "_remote", b + "_remote") if os.path.exists("/dev/shm/" + n)]
+    for n in left:
+        os.unlink("/dev/shm/" + n)
+    assert left == [], f"left in /dev/shm: {left}"
+
+
+def producer(nodes, images=IMAGES, **extra):
+    a, _, port, made = nodes
+    node = ProducerNode(dict({"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}, **extra), images)
+    made.append(node)
+    return node
+
+
+def consumer_extra(nodes, peers=None, **extra):
+    _, b, port, _ = nodes
+    peers = [f"127.0.0.1:{port}"] if peers is None else peers
+    return dict({"store": b, "size": SIZE, "n_readers": 8, "retry_s": 0, "peers": peers}, **extra)
+
+
+def test_a_consumer_node_reads_a_producer_nodes_outputs_and_every_rank_loads_them(nodes, engines):
+    node = producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes), tp=2)
+    c.step([])  # the ranks say which stores they read
+    r = c.step(IMAGES)
+    assert r.loads == IMAGES and r.computed == [], "fetched, not encoded"
+    assert r.digests == [want(IMAGES)] * 2, "the producer's outputs on every rank"
+    remote = c.scheduler._scheduler.remote
+    assert remote.fetched == 3 and c.scheduler._scheduler.remote_hits == 3
+    # Later requests: local hits in the node's store of fetched outputs.
+    c.forget()
+    r = c.step(IMAGES)
+    assert r.loads == IMAGES and remote.fetched == 3
+    assert node.stats() == dict(lookups=3, found=3, stable=3, unstable=0)
+    assert c.wrong_answers() == {} and c.failed == set()
+    assert all(s["encoded"] == 0 for s in c.stats())
+
+
+def test_a_second_consumer_engine_of_the_node_hits_what_the_first_fetched(nodes, engines):
+    node = producer(nodes)
+    first = engines("fork", "ec_consumer", consumer_extra(nodes))
+    first.step([])
+    assert first.step(IMAGES[:2]).loads == IMAGES[:2]
+    second = engines("fork", "ec_consumer", consumer_extra(nodes))
+    second.step([])
+    r = second.step(IMAGES[:2])
+    assert r.loads == IMAGES[:2] and r.digests == [want(IMAGES[:2])]
+    assert second.scheduler._scheduler.remote.store is None, "the first engine writes the node's fetched outputs"
+    assert node.stats()["lookups"] == 2, "nothing fetched again"
+    # Its own misses it does not fetch (it is not that store's writer).
+    assert second.step(["img-c"]).computed == ["img-c"]
+    assert second.wrong_answers() == {} and first.wrong_answers() == {}
+
+
+def test_a_key_no_peer_has_is_a_miss(nodes, engines):
+    producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes))
+    c.step([])
+    r = c.step(["img-z"])
+    assert r.computed == ["img-z"] and r.digests == [want(["img-z"])]
+    assert c.scheduler._scheduler.remote.not_found == 1
+    assert c.wrong_answers() == {}
+
+
+def test_a_peer_that_is_not_listening_costs_a_miss_and_is_then_skipped(nodes, engines):
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=0.3))
+    c.step([])
+    r = c.step(IMAGES)
+    assert r.computed == IMAGES and r.digests == [want(IMAGES)]
+    remote = c.scheduler._scheduler.remote
+    assert remote.peer_failures == 1, "one failure, then skipped for peer_backoff_s"
+    assert c.wrong_answers() == {}
+
+
+def test_a_peer_that_hangs_costs_a_miss(nodes, engines):
+    _, _, port, made = nodes
+    peer = BadPeer(port, lambda request: None)
+    made.append(peer)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=0.3, peer_backoff_s=0))
+    c.step([])
+    r = c.step(IMAGES[:2])
+    assert r.computed == IMAGES[:2] and r.digests == [want(IMAGES[:2])]
+    assert peer.requests == 2 and c.scheduler._scheduler.remote.peer_failures == 2
+    assert c.wrong_answers() == {}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"\xc1garbage",
+        b"\x93\x01\x02\x03",  # a list, not a map
+        "lying",
+    ],
+)
+def test_a_peer_that_sends_garbage_costs_a_miss(nodes, engines, reply):
+    import msgpack
+
+    _, _, port, made = nodes
+
+    def answer(request):
+        if reply != "lying":
+            return reply
+        op = msgpack.unpackb(request)["op"]
+        if op == "hello":
+            return msgpack.packb({"agent": "x", "meta": b"not nixl", "base": 4096, "length": 1 << 20, "gen": 1})
+        # A place outside the region it advertised, with a size that lies.
+        return msgpack.packb(
+            {"found": True, "lease": 1, "offset": 1 << 30, "nbytes": 7, "dtype": "float32", "shape": [64, 64], "gen": 1}
+        )
+
+    peer = BadPeer(port, answer)
+    made.append(peer)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=0.5, peer_backoff_s=0))
+    c.step([])
+    r = c.step(IMAGES[:2])
+    assert r.computed == IMAGES[:2] and r.digests == [want(IMAGES[:2])]
+    assert peer.requests >= 2 and c.scheduler._scheduler.remote.fetched == 0
+    assert c.wrong_answers() == {}
+
+
+def test_an_output_whose_slot_is_reused_during_the_read_is_never_loaded(nodes, engines):
+    # The producer lets go of its lease at once (a TTL of 0), and its
+    # writer fills the store with other outputs before the consumer says
+    # done: the slot holds another object by then.
+    node = producer(nodes, images=["img-a"], lease_ttl_s=0)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes))
+    c.step([])
+    fetch.after_read = lambda key: node.save([f"other-{i}" for i in range(40)])
+    r = c.step(["img-a"])
+    assert r.computed == ["img-a"] and r.loads == [] and r.digests == [want(["img-a"])]
+    assert c.scheduler._scheduler.remote.unstable == 1
+    assert node.stats()["unstable"] == 1
+    assert c.wrong_answers() == {}
+
+
+def test_a_peer_killed_during_the_read_costs_a_miss(nodes, engines):
+    node = producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=2))
+    c.step([])
+    fetch.before_read = lambda key: node.kill()
+    r = c.step(["img-a"])
+    # A node killed leaves its store (the next writer of the name replaces it).
+    os.unlink("/dev/shm/" + nodes[0])
+    assert r.computed == ["img-a"] and r.digests == [want(["img-a"])]
+    fetch.before_read = None
+    r = c.step(["img-b"])  # the peer is skipped now, or down: a miss either way
+    assert r.computed == ["img-b"] and r.digests == [want(["img-b"])]
+    assert c.scheduler._scheduler.remote.fetched == 0
+    assert c.wrong_answers() == {}

@@ -177,3 +177,91 @@ def test_a_peer_killed_during_the_read_costs_a_miss(nodes, engines):
     assert r.computed == ["img-b"] and r.digests == [want(["img-b"])]
     assert c.scheduler._scheduler.remote.fetched == 0
     assert c.wrong_answers() == {}
+
+
+NODE_A = """
+import json, multiprocessing as mp, os, sys
+from _ec_vllm import Engine
+e = Engine(mp.get_context("fork"), "ec_both", json.loads(sys.argv[1]))
+e.step(json.loads(sys.argv[2]))
+print("READY", flush=True)
+sys.stdin.readline()
+stats = e.ec_connector._server.found
+e.close()
+print(json.dumps({"found": stats, "left": sorted(os.listdir("/dev/shm"))}), flush=True)
+"""
+
+NODE_B = """
+import json, multiprocessing as mp, os, sys
+from _ec_vllm import Engine, digest, encode
+extra, images, other = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+out = {"sees_other_node": os.path.exists("/dev/shm/" + other)}
+first = Engine(mp.get_context("fork"), "ec_consumer", extra, tp=2)
+first.step([])
+r = first.step(images)
+out["first"] = dict(loads=r.loads, computed=r.computed, right=r.digests == [{h: digest(encode(h)) for h in images}] * 2)
+second = Engine(mp.get_context("fork"), "ec_consumer", extra)
+second.step([])
+r = second.step(images)
+out["second"] = dict(loads=r.loads, computed=r.computed, right=r.digests == [{h: digest(encode(h)) for h in images}])
+out["fetched"] = first.scheduler._scheduler.remote.fetched
+out["wrong"] = len(first.wrong_answers()) + len(second.wrong_answers())
+out["encoded"] = sum(s["encoded"] for s in first.stats() + second.stats())
+second.close()
+first.close()
+out["left"] = sorted(os.listdir("/dev/shm"))
+print(json.dumps(out), flush=True)
+"""
+
+
+def _node(code, *args):
+    import subprocess
+    import sys
+
+    script = 'mount -t tmpfs -o size=64m pinshm-node /dev/shm && exec "$0" -c "$1" "$2" "$3" "$4"'
+    return subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]),
+        ),
+    )
+
+
+def test_two_nodes_each_with_its_own_dev_shm_share_outputs_over_nixl(nodes):
+    import json
+    import subprocess
+
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        if os.environ.get("PINSHM_REQUIRE_NS") == "1":
+            pytest.fail("PINSHM_REQUIRE_NS=1 but a mount namespace cannot be created here")
+        pytest.skip("cannot create a mount namespace here (needs root and unshare)")
+    a, b, port, _ = nodes
+    extra_a = {"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}
+    node_a = _node(NODE_A, json.dumps(extra_a), json.dumps(IMAGES), "")
+    try:
+        lines = iter(node_a.stdout.readline, "")  # NIXL logs to stdout too
+        assert any(line.strip() == "READY" for line in lines), node_a.stderr.read()[-3000:]
+        extra_b = dict(consumer_extra(nodes), store=a)  # the same store name: a node of its own
+        node_b = _node(NODE_B, json.dumps(extra_b), json.dumps(IMAGES), a)
+        out_b, err_b = node_b.communicate(timeout=300)
+        assert node_b.returncode == 0, err_b[-3000:]
+        out_a, err_a = node_a.communicate("stop\n", timeout=120)
+        assert node_a.returncode == 0, err_a[-3000:]
+    finally:
+        if node_a.poll() is None:
+            node_a.kill()
+            node_a.wait()
+    b_said = json.loads([line for line in out_b.splitlines() if line.startswith("{")][-1])
+    a_said = json.loads([line for line in out_a.splitlines() if line.startswith("{")][-1])
+    assert b_said["sees_other_node"] is False, "each node has its own /dev/shm"
+    assert b_said["first"] == dict(loads=IMAGES, computed=[], right=True), b_said
+    assert b_said["second"] == dict(loads=IMAGES, computed=[], right=True), "the second engine hits locally"
+    assert b_said["fetched"] == 3 and a_said["found"] == 3, "fetched once for the node"
+    assert b_said["wrong"] == 0 and b_said["encoded"] == 0
+    assert b_said["left"] == [] and a_said["left"] == [], "nothing left in either node's /dev/shm"

@@ -81,7 +81,7 @@ class RemoteTier:
             import zmq
 
             self._ctx = zmq.Context()
-            self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", progress=False)
         self.reader.get()
 
     def _create(self) -> Optional[ObjectStore]:

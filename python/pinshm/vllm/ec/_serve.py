@@ -46,7 +46,7 @@ class Server:
         assert settings.serve is not None
         self.settings = settings
         host, port = settings.serve
-        self._agent = agent(f"pinshm-serve-{os.getpid()}-{port}")
+        self._agent = agent(f"pinshm-serve-{os.getpid()}-{port}", progress=True)
         self.agent_name = self._agent.name
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

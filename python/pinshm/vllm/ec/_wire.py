@@ -146,8 +146,40 @@ def nixl() -> Any:
     return _NIXL
 
 
-def agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend and its progress thread (a READ
-    over TCP needs the side read from to make progress)."""
+#: How long NIXL's progress thread sleeps between polls, in microseconds.
+#: NIXL's Python API sets 0, a thread that spins: a core of the producer's
+#: engine core, idle or not. A READ over TCP waits for the producer's
+#: progress, so this is added to a READ's time at most once per poll.
+PROGRESS_DELAY_US = 200
+
+
+def agent(name: str, progress: bool) -> Any:
+    """A NIXL agent with the UCX backend. `progress`: with a progress
+    thread (the producer: a READ over TCP needs the side read from to make
+    progress), sleeping PROGRESS_DELAY_US between polls; without, the
+    agent progresses when its transfers are checked (the consumer)."""
     api = nixl()
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
+    if not progress:
+        return api.nixl_agent(name, cfg)
+    bind: Any = getattr(api, "nixlBind", None)
+    base: Any = getattr(bind, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        return api.nixl_agent(name, cfg)  # another API: its own delay
+
+    class _Delayed(base):  # type: ignore[misc]
+        """NIXL's agent config, whose progress delay is at least ours."""
+
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(int(value), PROGRESS_DELAY_US))
+
+    bind.nixlAgentConfig = _Delayed
+    try:
+        return api.nixl_agent(name, cfg)
+    finally:
+        bind.nixlAgentConfig = base

@@ -67,10 +67,30 @@ def summary(e, stock_tokens):
         res["tokens_equal_stock"] = stock_tokens is None or r.get("tokens") == stock_tokens[: len(r.get("tokens", []))]
         res.update(encoder_counts(e["probe"], r.get("pass_t", [])))
         res["_tokens"] = r.get("tokens")
-    log = e["log"].read_text(errors="replace")
-    res["tracebacks"] = log.count("Traceback")
-    res["pinshm_lines"] = [line[line.find("pinshm encoder cache:") :] for line in log.splitlines() if "hits," in line or "fetched from peers" in line or "served" in line]
+    res["tracebacks"] = e["log"].read_text(errors="replace").count("Traceback")
     return res
+
+
+WHAT = {
+    "stock": "stock (no connector)",
+    "A": "node A: ec_both, serves; SIGKILLed after B1's passes",
+    "B1": "node B: ec_consumer, peers [A]",
+    "B2": "node B: a second ec_consumer, started after A was killed",
+}
+
+
+def table(runs):
+    rows = [
+        "| engine | exit | tokens = stock | encoder items per pass | hits / lookups per pass | loaded | tracebacks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        hits = ", ".join(f"{h}/{n}" for h, n in zip(r.get("ec_hits") or [], r.get("lookups") or []))
+        rows.append(
+            f"| {WHAT.get(r['engine'], r['engine'])} | {r['rc']} | {r.get('tokens_equal_stock')} | "
+            f"{r.get('encoded')} | {hits} | {r.get('loaded')} | {r['tracebacks']} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def main():
@@ -91,10 +111,18 @@ def main():
     runs.append(summary(stock, None))
     stock_tokens = runs[0].pop("_tokens", None)
     store = f"pinshm_ec_remote_{os.getpid()}"
-    ec_a = {"ec_connector": "PinshmECConnector", "ec_connector_module_path": MODULE, "ec_role": "ec_both",
-            "ec_connector_extra_config": {"store": store, "size": "64m", "serve": f"127.0.0.1:{port}"}}
-    ec_b = {"ec_connector": "PinshmECConnector", "ec_connector_module_path": MODULE, "ec_role": "ec_consumer",
-            "ec_connector_extra_config": {"store": store, "size": "64m", "peers": [f"127.0.0.1:{port}"]}}
+    ec_a = {
+        "ec_connector": "PinshmECConnector",
+        "ec_connector_module_path": MODULE,
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {"store": store, "size": "64m", "serve": f"127.0.0.1:{port}"},
+    }
+    ec_b = {
+        "ec_connector": "PinshmECConnector",
+        "ec_connector_module_path": MODULE,
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"store": store, "size": "64m", "peers": [f"127.0.0.1:{port}"]},
+    }
     hold_a, hold_b = out / "hold-A", out / "hold-B"
     hold_a.write_text("")
     hold_b.write_text("")
@@ -112,7 +140,15 @@ def main():
         runs.append(summary(e, stock_tokens))
         runs[-1].pop("_tokens", None)
     (out / "remote-summary.json").write_text(json.dumps(runs, indent=1, default=str))
-    print(json.dumps(runs, indent=1, default=str))
+    code = "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"
+    versions = subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    md = (
+        f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; tiny LLaVA, TP=2 offline, 64-px images, "
+        "vLLM's encoder cache 4 images; each node its own mount namespace and /dev/shm; NIXL (UCX TCP, 127.0.0.1). "
+        f"`python ec_remote.py --python PY --out DIR`\n\n" + table(runs)
+    )
+    (out / "remote-summary.md").write_text(md)
+    print(md)
 
 
 def start_ns(prefix, py, model, out, tag, ec, passes, hold=None):

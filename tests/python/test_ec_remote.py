@@ -92,6 +92,22 @@ def test_a_key_no_peer_has_is_a_miss(nodes, engines):
     assert c.wrong_answers() == {}
 
 
+def test_a_key_no_peer_has_is_not_asked_for_again_until_absent_s_has_passed(nodes):
+    from pinshm.vllm.ec._config import ECSettings
+    from pinshm.vllm.ec._fetch import ABSENT_S, RemoteTier
+
+    node = producer(nodes)
+    now = [0.0]
+    tier = RemoteTier(ECSettings.from_extra(consumer_extra(nodes)), clock=lambda: now[0])
+    try:
+        assert tier.fetch("img-z") is None and tier.fetch("img-z") is None
+        assert node.stats()["lookups"] == 1, "the second lookup was answered from memory"
+        now[0] += ABSENT_S
+        assert tier.fetch("img-z") is None and node.stats()["lookups"] == 2
+    finally:
+        tier.close()
+
+
 def test_a_peer_that_is_not_listening_costs_a_miss_and_is_then_skipped(nodes, engines):
     c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=0.3))
     c.step([])

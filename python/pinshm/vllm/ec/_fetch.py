@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,10 @@ logger = logging.getLogger("vllm.pinshm.ec")
 
 #: The longest a failed peer is skipped (the backoff doubles up to it).
 MAX_BACKOFF_S = 60.0
+#: A key no peer had is not asked for again this long: vLLM asks
+#: `has_cache_item` again every step a request waits.
+ABSENT_S = 1.0
+MAX_ABSENT = 4096
 #: Tests' hooks, called with the key just before a READ (to kill the peer)
 #: and between a READ and its done (to reuse the slot).
 before_read: Optional[Callable[[str], None]] = None
@@ -76,6 +81,7 @@ class RemoteTier:
         self._ctx: Any = None
         self._agent: Any = None
         self._stuck: list[tuple[Any, Any, TensorReservation]] = []
+        self._absent: OrderedDict[str, float] = OrderedDict()
         self.fetched = self.not_found = self.unstable = self.peer_failures = 0
         if self.store is not None:
             import zmq
@@ -136,7 +142,12 @@ class RemoteTier:
         if self.store is None or not self.peers:
             return None
         self._unstick()
-        deadline = self._clock() + self.settings.remote_timeout_s
+        now = self._clock()
+        if self._absent.get(key, now) > now:
+            return None
+        self._absent.pop(key, None)
+        deadline = now + self.settings.remote_timeout_s
+        asked = 0
         for peer in self.peers:
             now = self._clock()
             if now >= deadline:
@@ -152,8 +163,13 @@ class RemoteTier:
                 self._failed(peer, repr(e))
                 continue
             peer.backoff, peer.failures = 0.0, 0
+            asked += 1
             if lease is not None:
                 return lease
+        if asked == len(self.peers):  # every peer answered that it has none
+            self._absent[key] = self._clock() + ABSENT_S
+            while len(self._absent) > MAX_ABSENT:
+                self._absent.popitem(last=False)
         return None
 
     def _from(self, peer: Peer, key: str, deadline: float) -> Optional[Lease]:

@@ -242,6 +242,7 @@ def _node(code, *args):
         stderr=subprocess.PIPE,
         text=True,
         cwd=os.path.dirname(os.path.abspath(__file__)),
+        start_new_session=True,  # a node: killed whole (its engine's workers with it)
         env=dict(
             os.environ,
             PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]),
@@ -260,6 +261,7 @@ def test_two_nodes_each_with_its_own_dev_shm_share_outputs_over_nixl(nodes):
     a, b, port, _ = nodes
     extra_a = {"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}
     node_a = _node(NODE_A, json.dumps(extra_a), json.dumps(IMAGES), "")
+    node_b = None
     try:
         lines = iter(node_a.stdout.readline, "")  # NIXL logs to stdout too
         assert any(line.strip() == "READY" for line in lines), node_a.stderr.read()[-3000:]
@@ -270,9 +272,10 @@ def test_two_nodes_each_with_its_own_dev_shm_share_outputs_over_nixl(nodes):
         out_a, err_a = node_a.communicate("stop\n", timeout=120)
         assert node_a.returncode == 0, err_a[-3000:]
     finally:
-        if node_a.poll() is None:
-            node_a.kill()
-            node_a.wait()
+        for node in (node_a, node_b):
+            if node is not None and node.poll() is None:
+                os.killpg(node.pid, 9)
+                node.wait()
     b_said = json.loads([line for line in out_b.splitlines() if line.startswith("{")][-1])
     a_said = json.loads([line for line in out_a.splitlines() if line.startswith("{")][-1])
     assert b_said["sees_other_node"] is False, "each node has its own /dev/shm"

@@ -130,37 +130,54 @@ def test_a_peer_that_hangs_costs_a_miss(nodes, engines):
     assert c.wrong_answers() == {}
 
 
+LIES = {
+    # Each a place the consumer must refuse before any byte moves.
+    "outside the region": dict(offset=1 << 30, nbytes=16384, dtype="float32", shape=[64, 64]),
+    "bytes that are not dtype x shape": dict(offset=0, nbytes=7, dtype="float32", shape=[64, 64]),
+    "an unknown dtype": dict(offset=0, nbytes=16384, dtype="complex32", shape=[64, 64]),
+    "a shape that is no tensor's": dict(offset=0, nbytes=0, dtype="float32", shape=[]),
+    "more than this node takes": dict(offset=0, nbytes=1 << 30, dtype="uint8", shape=[1 << 30]),
+}
+
+
 @pytest.mark.parametrize(
     "reply",
-    [
-        b"\xc1garbage",
-        b"\x93\x01\x02\x03",  # a list, not a map
-        "lying",
-    ],
+    [b"\xc1garbage", b"\x93\x01\x02\x03", "bad metadata", *LIES],  # b"\x93...": a list, not a map
 )
-def test_a_peer_that_sends_garbage_costs_a_miss(nodes, engines, reply):
+def test_a_peer_that_sends_garbage_or_lies_costs_a_miss(nodes, engines, reply, caplog):
+    import logging
+
     import msgpack
 
+    from pinshm.vllm.ec._wire import agent
+
     _, _, port, made = nodes
+    # A real agent's metadata, so that a lie about the place is what is refused.
+    liar = agent("liar", progress=True) if reply in LIES else None
+    meta = liar.get_agent_metadata() if liar is not None else b"not nixl"
 
     def answer(request):
-        if reply != "lying":
+        if isinstance(reply, bytes):
             return reply
         op = msgpack.unpackb(request)["op"]
         if op == "hello":
-            return msgpack.packb({"agent": "x", "meta": b"not nixl", "base": 4096, "length": 1 << 20, "gen": 1})
-        # A place outside the region it advertised, with a size that lies.
-        return msgpack.packb(
-            {"found": True, "lease": 1, "offset": 1 << 30, "nbytes": 7, "dtype": "float32", "shape": [64, 64], "gen": 1}
-        )
+            return msgpack.packb({"agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1})
+        if op == "done":
+            return msgpack.packb({"stable": True})
+        return msgpack.packb(dict({"found": True, "lease": 1, "gen": 1}, **LIES[reply]))
 
     peer = BadPeer(port, answer)
     made.append(peer)
     c = engines("fork", "ec_consumer", consumer_extra(nodes, remote_timeout_s=0.5, peer_backoff_s=0))
     c.step([])
-    r = c.step(IMAGES[:2])
+    with caplog.at_level(logging.DEBUG, logger="vllm.pinshm.ec"):
+        r = c.step(IMAGES[:2])
     assert r.computed == IMAGES[:2] and r.digests == [want(IMAGES[:2])]
     assert peer.requests >= 2 and c.scheduler._scheduler.remote.fetched == 0
+    assert c.scheduler._scheduler.remote.peer_failures == 2
+    if reply in LIES:
+        said = " ".join(m for m in caplog.messages if "failed" in m)
+        assert any(w in said for w in ("outside", "is not a", "not one an encoder", "takes at most")), said
     assert c.wrong_answers() == {}
 
 

@@ -82,6 +82,13 @@ impl StoreGeometry {
         Some(unsafe { IndexPtr::new(self.base.add(at), self.index_entries, self.header()) })
     }
 
+    /// The first byte of the data region in this mapping (`capacity`
+    /// bytes from there are the region; handle addresses are offsets
+    /// into it).
+    pub(crate) fn data(&self) -> *const u8 {
+        self.data
+    }
+
     /// The slot at `address`, if a slot prefix fits there.
     pub(crate) fn slot(&self, address: u64) -> Option<SlotPtr> {
         if address % layout::SLOT_ALIGN as u64 != 0

@@ -238,3 +238,22 @@ fn a_corrupted_segment_gives_errors_never_panics_or_wild_reads() {
     let _ = r.get(handles[0]);
     assert!(peek(&name, 0, 8) == b"PINSHM\0\x01");
 }
+
+#[test]
+fn data_region_spans_the_capacity_and_holds_every_payload_a_guard_shows() {
+    let name = Name::new("data_region");
+    let mut w = store(&name, 256 * KIB, 64 * KIB, 2);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let (base, len) = r.data_region().unwrap();
+    assert_eq!(len, w.handle().capacity);
+    for (i, n) in [1usize, 100, 4 * KIB, 60 * KIB].into_iter().enumerate() {
+        let h = w.put(&format!("k{i}"), &pattern(i as u64, n)).unwrap();
+        let g = r.get(h).unwrap();
+        let at = g.as_ptr() as usize;
+        assert!(
+            at >= base && at + n <= base + len as usize,
+            "payload {i} outside the region"
+        );
+        assert_eq!(&g[..], &pattern(i as u64, n)[..]);
+    }
+}

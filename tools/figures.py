@@ -212,9 +212,27 @@ def r_serving(data: Any) -> str:
     return "\n".join(rows) + f"\n\n{data['repeats']} interleaved repeats, {data.get('machine', '?')}; tokens as stock's: {same}.\n"
 
 
+
+def r_remote(data: Any) -> str:
+    """bench_remote.py: a NIXL READ against a TCP socket, a remote hit
+    against a local one, medians and their ratios, memcpy as a baseline."""
+    rows = [
+        "| size | NIXL READ | TCP socket | NIXL / TCP | remote hit | local hit | remote / local | memcpy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        rows.append(
+            f"| {r['bytes'] >> 10} KiB | {r['nixl_read_s'] * 1e6:.0f} µs | {r['tcp_socket_s'] * 1e6:.0f} µs | "
+            f"{r['nixl_over_tcp']:.2f}x | {r['remote_hit_s'] * 1e6:.0f} µs | {r['local_hit_s'] * 1e6:.1f} µs | "
+            f"{r['remote_over_local']:.0f}x | {r['memcpy_s'] * 1e6:.0f} µs |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
     **figures_bench.RENDERERS,
     **figures_hitrate.RENDERERS,
+    "remote": r_remote,
     "ec-timing": r_ec_timing,
     "upstream": r_upstream,
     "ec-faults": r_ec_faults,

@@ -635,6 +635,13 @@ class StoreReader:
     def validate(self, handle: ObjectHandle) -> None:
         """Checks that `handle` names a live object of this store,
         acknowledging nothing (vLLM's reader `touch`): StaleError if not."""
+    def data_region(self) -> tuple[int, int]:
+        """This process's mapping of the store's data region as (address
+        of its first byte, length in bytes): to register once with a
+        transfer library (NIXL) that reads payloads out of it. A payload
+        lies inside it, at its guard's address minus this one. Valid while
+        the reader (or a guard or lease it made) lives; read only what a
+        guard or lease holds. PinshmError in a forked child."""
     def verify(self, key: str, handle: ObjectHandle, signature: bytes) -> bool:
         """Whether `signature` signs `key` at `handle` with this store's
         secret (`ObjectStore.signature`)."""

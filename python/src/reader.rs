@@ -441,6 +441,13 @@ impl StoreReader {
         self.with(py, |r| r.is_pinned())
     }
 
+    /// This process's mapping of the data region: (address of its first
+    /// byte, length in bytes), to register once with a transfer library.
+    /// A payload's offset in it is its guard's address minus this one.
+    fn data_region(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        self.with(py, |r| r.data_region())?.map_err(to_py)
+    }
+
     /// This reader's index.
     #[getter]
     fn index(&self) -> u32 {

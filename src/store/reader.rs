@@ -194,6 +194,19 @@ impl StoreReader {
         self.at.geo.header().epoch()
     }
 
+    /// This process's mapping of the data region, as (address of its
+    /// first byte, length in bytes = the capacity), for registering it
+    /// once with a transfer library (NIXL) that reads payloads out of it.
+    /// A handle's payload lies inside it, at the offset its guard's first
+    /// byte has from the address. The address stays valid while this
+    /// reader, or anything it made, lives; pages past what the writer has
+    /// backed are not to be read (read only what a guard or lease holds).
+    /// `Forked` in a forked child.
+    pub fn data_region(&self) -> Result<(usize, u64)> {
+        self.at.check_owner()?;
+        Ok((self.at.geo.data() as usize, self.at.geo.capacity))
+    }
+
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
         self.at.map.is_pinned()

@@ -33,7 +33,14 @@ MAX_INDEX_KEYS = 1 << 20
 
 KNOWN_KEYS = frozenset(
     {"store", "size", "n_readers", "key_index", "max_object_size", "key_prefix", "shm_headroom", "retry_s", "reserve"}
+    | {"serve", "peers", "remote_store", "remote_size", "remote_timeout_s", "lease_ttl_s", "peer_backoff_s"}
 )
+#: The remote tier's defaults (docs/remote.md): the most a lookup waits on
+#: the peers in all, a producer's lease on what a consumer READs, and how
+#: long a peer that failed is left alone.
+REMOTE_TIMEOUT_S = 1.0
+LEASE_TTL_S = 10.0
+PEER_BACKOFF_S = 5.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -102,6 +109,15 @@ class ECSettings:
       creation (a full /dev/shm fails then), and so, with a CUDA driver,
       its mapping and the workers' are pinned: saves and loads are DMA
       from and into the slots. Default: sparse, unpinned.
+    - ``serve``: ``"HOST:PORT"``: this engine's scheduler serves the
+      node's store to other nodes (a NIXL agent and a ZMQ endpoint there).
+    - ``peers``: ``["HOST:PORT", ...]``: producers of other nodes that a
+      consumer asks on a local miss; what it fetches lands in
+      ``remote_store`` (default ``<store>_remote``, ``remote_size`` bytes,
+      default ``size``), a store of this node its first consumer writes.
+    - ``remote_timeout_s``: the most one lookup waits on the peers in all;
+      ``peer_backoff_s``: how long a peer that failed is skipped;
+      ``lease_ttl_s``: how long a producer holds what a consumer READs.
     """
 
     store: str = DEFAULT_STORE
@@ -113,6 +129,13 @@ class ECSettings:
     shm_headroom: Optional[int] = None
     retry_s: float = 1.0
     reserve: bool = False
+    serve: Optional[tuple[str, int]] = None
+    peers: tuple[tuple[str, int], ...] = ()
+    remote_store: str = ""
+    remote_size: int = DEFAULT_SIZE
+    remote_timeout_s: float = REMOTE_TIMEOUT_S
+    lease_ttl_s: float = LEASE_TTL_S
+    peer_backoff_s: float = PEER_BACKOFF_S
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], fingerprint: str = "") -> ECSettings:
@@ -145,7 +168,25 @@ class ECSettings:
             reserve = reserve.strip().lower() in ("1", "true", "yes")
         if not isinstance(reserve, bool):
             raise ValueError(f"reserve must be true or false, not {reserve!r}")
+        serve = None if extra.get("serve") in (None, "") else parse_address(extra["serve"], "serve")
+        peers_value = extra.get("peers") or []
+        if isinstance(peers_value, str):
+            peers_value = [p for p in peers_value.split(",") if p.strip()]
+        if not isinstance(peers_value, (list, tuple)):
+            raise ValueError(f"peers must be a list of 'HOST:PORT', not {peers_value!r}")
+        peers = tuple(parse_address(p, "peers") for p in peers_value)
+        remote_store = str(extra.get("remote_store") or f"{store}_remote").lstrip("/")
+        if "/" in remote_store or len(remote_store) > 200 or remote_store == store:
+            raise ValueError(f"remote_store must be a name for /dev/shm other than store, not {remote_store!r}")
+        remote_size = parse_size(extra.get("remote_size", size), "remote_size")
         return cls(
+            serve=serve,
+            peers=peers,
+            remote_store=remote_store,
+            remote_size=remote_size,
+            remote_timeout_s=_seconds(extra, "remote_timeout_s", REMOTE_TIMEOUT_S),
+            lease_ttl_s=_seconds(extra, "lease_ttl_s", LEASE_TTL_S),
+            peer_backoff_s=_seconds(extra, "peer_backoff_s", PEER_BACKOFF_S),
             store=store,
             size=size,
             n_readers=n_readers,
@@ -167,6 +208,22 @@ class ECSettings:
             f"store {self.store!r}, {_human(self.size)} {kind}, {self.n_readers} readers, "
             f"index of {self.key_index} keys"
         )
+
+
+def parse_address(value: object, what: str) -> tuple[str, int]:
+    """``(host, port)`` from ``"HOST:PORT"``; ValueError naming `what`."""
+    text = str(value).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} takes 'HOST:PORT' addresses, not {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{key} must be a number of seconds >= 0, not {value!r}")
+    return float(value)
 
 
 def unknown_keys(extra: Optional[Mapping[str, Any]]) -> list[str]:

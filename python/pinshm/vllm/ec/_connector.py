@@ -106,6 +106,7 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
             logger.warning("pinshm encoder cache: ec_connector_extra_config key %r is not one it reads", key)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
+        self._server: Any = None
         ec_role = getattr(ec, "ec_role", "?")
         if role == ECConnectorRole.SCHEDULER:
             # vLLM's Scheduler is making this connector: found later, when a
@@ -121,6 +122,13 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
                 refs=self._refs,
             )
             where = "scheduler, reads" if self.is_consumer else "scheduler"
+            if self.settings.serve is not None:
+                # Serves the node's store to other nodes (NIXL, imported
+                # now: without it, an error at start that says so).
+                from ._serve import Server
+
+                self._server = Server(self.settings)
+                where += ", serves"
         else:
             self._worker = WorkerSide(
                 self.settings,
@@ -215,6 +223,27 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         s, w = self._scheduler, self._worker
+        server, self._server = self._server, None
+        if server is not None:
+            logger.info(
+                "pinshm encoder cache: served %d lookups, %d found, %d READs stable, %d not",
+                server.lookups,
+                server.found,
+                server.stable,
+                server.unstable,
+            )
+            server.close()
+        if s is not None and s.remote is not None:
+            r = s.remote
+            logger.info(
+                "pinshm encoder cache: %d fetched from peers (%d remote hits), %d not found there, "
+                "%d changed during the READ, %d peer failures",
+                r.fetched,
+                s.remote_hits,
+                r.not_found,
+                r.unstable,
+                r.peer_failures,
+            )
         if s is not None:
             logger.info(
                 "pinshm encoder cache: %d hits, %d misses (%d before every rank read the store), "

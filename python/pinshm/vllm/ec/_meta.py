@@ -23,6 +23,8 @@ class LoadSpec:
     request_id: str
     input_index: int
     modality: str = ""
+    #: In the store of outputs fetched from other nodes (``remote_store``).
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class RankState:
     epoch: Optional[int]
     why: str = ""
     no_entry: bool = False
+    #: The epoch of the store of fetched outputs it reads (None: none).
+    remote_epoch: Optional[int] = None
 
 
 @dataclass(frozen=True)

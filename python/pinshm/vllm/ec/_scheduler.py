@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..._pinshm import Lease, PinshmError
 from ._attach import NamedReader
 from ._config import MAX_READERS, ECSettings
 from ._meta import LoadReport, LoadSpec, RankState
+
+if TYPE_CHECKING:
+    from ._fetch import RemoteTier
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -68,6 +71,7 @@ class SchedulerSide:
         ranks: int = 1,
         evict: Optional[Evict] = None,
         refs: Optional[Refs] = None,
+        remote: Optional[RemoteTier] = None,
     ) -> None:
         self.settings = settings
         self.consumer = consumer
@@ -76,6 +80,7 @@ class SchedulerSide:
         self.refs = refs
         self.reader = reader if reader is not None else NamedReader(settings.store, settings.retry_s, pin="off")
         self._probes: dict[str, Lease] = {}
+        self._remote_probes: set[str] = set()
         self._loads: list[tuple[LoadSpec, Lease]] = []
         self._in_flight: dict[int, list[Lease]] = {}
         self._unavailable: set[str] = set()
@@ -93,8 +98,14 @@ class SchedulerSide:
         self.misses = 0
         self.not_ready = 0
         self.failed_loads = 0
+        self.remote_hits = 0
+        self.remote = remote
         if consumer:
             self.reader.get()  # attach at start, as the workers do
+            if remote is None and settings.peers:
+                from ._fetch import RemoteTier
+
+                self.remote = RemoteTier(settings)
 
     # ---- whether every rank reads the segment --------------------------
 
@@ -105,24 +116,56 @@ class SchedulerSide:
             states.get(r) is not None and states[r].epoch == epoch for r in range(self.ranks)
         )
 
+    def ready_remote(self, epoch: Optional[int]) -> bool:
+        """Whether every loading rank reads the store of fetched outputs
+        of epoch `epoch`."""
+        states = self._rank_states
+        return (
+            epoch is not None
+            and len(states) >= self.ranks
+            and all(states.get(r) is not None and states[r].remote_epoch == epoch for r in range(self.ranks))
+        )
+
     def has(self, mm_hash: str) -> bool:
         """Whether the output of `mm_hash` is in the store and every rank
-        can load it, leased if so."""
+        can load it, leased if so; else, with peers, whether it is in the
+        store of fetched outputs, or could be fetched into it now (the
+        answer is yes only once the output is in this node's memory)."""
         if not self.consumer:
             return False
         if mm_hash in self._probes:
             return True
+        if self._has_local(mm_hash):
+            return True
+        remote = self.remote
+        if remote is None or not self.ready_remote(remote.epoch):
+            self.misses += 1
+            return False
+        key = self.settings.key(mm_hash)
+        lease = self._not_failed(key, remote.lease_local(key))
+        if lease is None:
+            lease = remote.fetch(key)
+            if lease is not None:
+                self.remote_hits += 1
+        if lease is None:
+            self.misses += 1
+            return False
+        self._probes[mm_hash] = lease
+        self._remote_probes.add(mm_hash)
+        return True
+
+    def _has_local(self, mm_hash: str) -> bool:
+        """Whether the node's store has it for every rank, leased if so (no
+        count of misses: the remote tier may still have it)."""
         reader = self.reader.get()
         if reader is None:
             self._say_unattached()
-            self.misses += 1
             return False
         if "scheduler" in self._said:
             self._said.discard("scheduler")
             logger.info("pinshm encoder cache: this engine's scheduler reads store %r now", self.settings.store)
         if not self.ready(reader.epoch):
             self.not_ready += 1
-            self.misses += 1
             return False
         key = self.settings.key(mm_hash)
         try:
@@ -132,18 +175,22 @@ class SchedulerSide:
         except PinshmError as e:
             logger.debug("pinshm encoder cache: %s: no lease (%s)", mm_hash, e)
             lease = None
+        lease = self._not_failed(key, lease)
+        if lease is None:
+            return False
+        self._probes[mm_hash] = lease
+        return True
+
+    def _not_failed(self, key: str, lease: Optional[Lease]) -> Optional[Lease]:
+        """`lease`, or None (released) if it is on the object whose load
+        failed."""
         if lease is not None and key in self._failed:
             h = lease.handle
             if self._failed[key] == (h.epoch, h.monotonic_id):
                 _release(lease)  # the object whose load failed: a miss
-                lease = None
-            else:
-                del self._failed[key]  # saved again
-        if lease is None:
-            self.misses += 1
-            return False
-        self._probes[mm_hash] = lease
-        return True
+                return None
+            del self._failed[key]  # saved again
+        return lease
 
     def _say_unattached(self) -> None:
         r = self.reader
@@ -176,7 +223,11 @@ class SchedulerSide:
         if lease is None:
             return  # computed by the encoder
         h = lease.handle
-        spec = LoadSpec(mm_hash, h.address, h.monotonic_id, h.epoch, num_embeds, request_id, input_index, modality)
+        remote = mm_hash in self._remote_probes
+        self._remote_probes.discard(mm_hash)
+        spec = LoadSpec(
+            mm_hash, h.address, h.monotonic_id, h.epoch, num_embeds, request_id, input_index, modality, remote
+        )
         self._loads.append((spec, lease))
         self.hits += 1
 
@@ -187,6 +238,7 @@ class SchedulerSide:
         for lease in self._probes.values():
             _release(lease)
         self._probes.clear()
+        self._remote_probes.clear()
         for step in [s for s in self._in_flight if s <= self._step - MAX_STEPS_IN_FLIGHT]:
             logger.debug("pinshm encoder cache: step %d never reported: its leases end", step)
             for lease in self._in_flight.pop(step):
@@ -253,6 +305,8 @@ class SchedulerSide:
             failed = set(report.failed_requests)
             for f in report.failed:
                 key = self.settings.key(f.mm_hash)
+                # (A failed load of a fetched output: its key is a miss in
+                # the node's store too until saved again: harmless.)
                 self._failed[key] = (f.epoch, f.monotonic_id)
                 self._failed.move_to_end(key)
                 while len(self._failed) > MAX_FAILED_KEYS:
@@ -319,6 +373,8 @@ class SchedulerSide:
         self._loads = []
         self._in_flight.clear()
         self.reader.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def entries(store: str) -> tuple[Optional[int], Optional[int]]:

@@ -63,6 +63,10 @@ class WorkerSide:
         self.store: Optional[ObjectStore] = None
         self._tracked = Tracked()
         self.reader = NamedReader(settings.store, settings.retry_s, pin="auto", keep_previous=True)
+        # Outputs fetched from other nodes (the remote tier), where peers are set.
+        self.remote_reader = (
+            NamedReader(settings.remote_store, settings.retry_s, pin="auto") if settings.peers and consumer else None
+        )
         self._report = LoadReport()
         self._state: Optional[RankState] = None
         self._state_told = False
@@ -195,12 +199,13 @@ class WorkerSide:
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 
     def _load_one(self, spec: LoadSpec) -> Any:
-        reader = self.reader.for_epoch(spec.epoch)
+        named = self.remote_reader if spec.remote else self.reader
+        reader = None if named is None else named.for_epoch(spec.epoch)
         if reader is None:
             logger.warning(
                 "pinshm encoder cache: output of %s not loaded: store %r is gone or was replaced",
                 spec.mm_hash,
-                self.settings.store,
+                self.settings.remote_store if spec.remote else self.settings.store,
             )
             return None
         handle = ObjectHandle(spec.address, spec.monotonic_id, spec.epoch)
@@ -236,10 +241,13 @@ class WorkerSide:
         the next report when it changed; lets go of readers of segments
         moved from once no load can need them."""
         reader = self.reader.get()
+        remote = None if self.remote_reader is None else self.remote_reader.get()
+        remote_epoch = None if remote is None else remote.epoch
         if reader is not None:
-            state = RankState(self.rank, reader.epoch)
+            state = RankState(self.rank, reader.epoch, remote_epoch=remote_epoch)
         else:
-            state = RankState(self.rank, None, self.reader.last_error or "no store yet", self.reader.no_entry)
+            why = self.reader.last_error or "no store yet"
+            state = RankState(self.rank, None, why, self.reader.no_entry, remote_epoch)
         if state != self._state:
             if self._state is not None and self._state.epoch is not None:
                 self._moved_at.setdefault(self._state.epoch, self._step)
@@ -277,6 +285,8 @@ class WorkerSide:
     def close(self) -> None:
         """Detaches the reader; the writer removes the store. Twice is fine."""
         self.reader.close()
+        if self.remote_reader is not None:
+            self.remote_reader.close()
         store, self.store = self.store, None
         if store is not None:
             try:

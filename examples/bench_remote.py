@@ -1,0 +1,234 @@
+"""The encoder cache across nodes (docs/remote.md), timed on one machine.
+
+1. A NIXL READ of a slot of a producer's store (UCX, TCP on 127.0.0.1
+   here) against the same bytes over a plain TCP socket (request, then
+   ``recv_into`` a buffer made once), in the same run, at 98 KiB, 1 MiB,
+   4 MiB and 16 MiB: medians, and NIXL's as a ratio of the socket's.
+2. A consumer's lookup that hits: in the node's store of fetched outputs
+   (a local hit: lookup and lease) against a fetch from the producer (a
+   remote hit: lookup at the peer, a slot reserved, the READ, done,
+   publish, lease), with a memcpy of the same bytes as the baseline.
+
+The producer is a process of its own: a store, pinshm's serving thread
+(`pinshm.vllm.ec._serve.Server`) and a socket server over the same bytes.
+Needs NIXL (``pip install --no-deps nixl-cu12==1.5.1``) and pyzmq.
+
+    python examples/bench_remote.py --json RESULTS-remote.json
+    python examples/bench_remote.py --table RESULTS-remote.json
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+import pinshm
+from pinshm.vllm.ec._config import ECSettings
+
+SIZES = [98 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def key(n):
+    return f"bench-{n}"
+
+
+def producer(conn, store, serve, tcp_port):
+    from pinshm.vllm.ec._serve import Server
+
+    s = pinshm.ObjectStore(96 << 20, 32 << 20, 4, name=store, cache=True, key_index=64)
+    data = {}
+    for n in SIZES:
+        arr = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+        s.put_tensor(key(n), arr)
+        data[n] = arr.tobytes()
+    server = Server(ECSettings.from_extra({"store": store, "serve": serve, "retry_s": 0}))
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("127.0.0.1", tcp_port))
+    lsock.listen(1)
+
+    def tcp():
+        c, _ = lsock.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            head = c.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            c.sendall(data[struct.unpack("<Q", head)[0]])
+
+    threading.Thread(target=tcp, daemon=True).start()
+    conn.send("ready")
+    conn.recv()
+    server.close()
+    s.close()
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table", help="print the table of a results file, and stop")
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args()
+    if args.table:
+        print(table(json.load(open(args.table))))
+        return
+    os.environ.setdefault("UCX_TLS", "tcp")
+    from pinshm.vllm.ec._fetch import RemoteTier
+
+    tag = f"pinshm-bench-remote-{os.getpid()}"
+    probe = pinshm.ObjectStore(1 << 20, 1 << 16, 1)
+    layout = probe.handle().layout_version
+    probe.close()
+    zport, tport = free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(b, tag + "-a", f"127.0.0.1:{zport}", tport))
+    proc.start()
+    assert a.recv() == "ready"
+    rows = []
+    settings = ECSettings.from_extra(
+        {"store": tag + "-b", "size": "96m", "peers": [f"127.0.0.1:{zport}"], "remote_timeout_s": 10}
+    )
+    tier = RemoteTier(settings)
+    try:
+        sock = socket.create_connection(("127.0.0.1", tport))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = tier.peers[0]
+        tier._hello(peer, time.monotonic() + 10)
+        nx = tier._agent
+        for n in SIZES:
+            reply = tier._ask(peer, {"op": "lookup", "key": key(n)}, time.monotonic() + 10)
+            dst = np.zeros(n, dtype=np.uint8)
+            nx.register_memory([(dst.ctypes.data, n, 0, "")], "DRAM")
+            local = nx.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
+            remote = nx.get_xfer_descs([(peer.base + reply["offset"], n, 0)], "DRAM")
+            buf = bytearray(n)
+            view = memoryview(buf)
+            nixl_s, tcp_s, copy_s = [], [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                x = nx.initialize_xfer("READ", local, remote, peer.agent_name)
+                state = nx.transfer(x)
+                pause = 20e-6  # as a fetch waits: a busy loop starves UCX's progress thread
+                while state == "PROC":
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+                    state = nx.check_xfer_state(x)
+                nixl_s.append(time.perf_counter() - t0)
+                assert state == "DONE"
+                nx.release_xfer_handle(x)
+                t0 = time.perf_counter()
+                sock.sendall(struct.pack("<Q", n))
+                got = 0
+                while got < n:
+                    got += sock.recv_into(view[got:], n - got)
+                tcp_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                np.copyto(dst, np.frombuffer(buf, np.uint8))
+                copy_s.append(time.perf_counter() - t0)
+            assert dst.tobytes() == bytes(buf), "NIXL and the socket read the same bytes"
+            tier._ask(peer, {"op": "done", "lease": reply["lease"]}, time.monotonic() + 10)
+            # A consumer's hit: remote (fetched now) and local (fetched before).
+            remote_s, local_s = [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                lease = tier.fetch(key(n))
+                remote_s.append(time.perf_counter() - t0)
+                assert lease is not None
+                lease.release()
+                t0 = time.perf_counter()
+                lease = tier.lease_local(key(n))
+                local_s.append(time.perf_counter() - t0)
+                assert lease is not None
+                lease.release()
+                tier.store.clear()  # the next fetch is remote again
+            rows.append(
+                {
+                    "bytes": n,
+                    "nixl_read_s": med(nixl_s),
+                    "tcp_socket_s": med(tcp_s),
+                    "memcpy_s": med(copy_s),
+                    "nixl_over_tcp": med(nixl_s) / med(tcp_s),
+                    "remote_hit_s": med(remote_s),
+                    "local_hit_s": med(local_s),
+                    "remote_over_local": med(remote_s) / med(local_s),
+                    "remote_over_memcpy": med(remote_s) / med(copy_s),
+                }
+            )
+        sock.close()
+    finally:
+        tier.close()
+        a.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    try:
+        commit = subprocess.run(
+            ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = ""
+    res = {
+        "bench": "ec_remote",
+        "stamp": {
+            "pinshm": pinshm.__version__,
+            "commit": commit,
+            "layout_version": layout,
+            "command": "python examples/bench_remote.py " + " ".join(sys.argv[1:]),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "repeats": args.repeats,
+            "ucx_tls": os.environ.get("UCX_TLS"),
+            "where": "one machine, two processes, 127.0.0.1",
+        },
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print(table(res))
+
+
+def table(res):
+    s = res["stamp"]
+    out = [
+        f"pinshm {s['pinshm']} (commit {s['commit']}), {s['where']}, UCX_TLS={s['ucx_tls']}, "
+        f"{s['cpus']} CPUs, medians of {s['repeats']}",
+        "",
+        "| size | NIXL READ | TCP socket | NIXL / TCP | remote hit | local hit | remote / local | memcpy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        out.append(
+            f"| {r['bytes'] >> 10} KiB | {r['nixl_read_s'] * 1e6:.0f} µs | {r['tcp_socket_s'] * 1e6:.0f} µs | "
+            f"{r['nixl_over_tcp']:.2f}x | {r['remote_hit_s'] * 1e6:.0f} µs | {r['local_hit_s'] * 1e6:.1f} µs | "
+            f"{r['remote_over_local']:.0f}x | {r['memcpy_s'] * 1e6:.0f} µs |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

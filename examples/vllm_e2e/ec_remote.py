@@ -1,0 +1,159 @@
+"""Two nodes on one machine, by hand (not in CI): the encoder cache across
+nodes over NIXL (docs/remote.md) with real vLLM engines on the tiny LLaVA
+model, TP=2, offline (offline.py).
+
+- ``stock``: no connector, for the tokens;
+- node A (a mount namespace with its own /dev/shm): an ``ec_both`` engine
+  that serves its store (``serve``), one pass, then held;
+- node B (another namespace): an ``ec_consumer`` engine B1 listing A as
+  its peer, two passes, then held; node A is SIGKILLed; then a second
+  consumer engine B2 in node B, one pass.
+
+    PYTHONPATH=/path/with/pinshm-and-nixl python ec_remote.py --python /venv/bin/python --out DIR
+
+Prints a table per engine: encoder items per pass (the most any worker
+ran), has_cache_item hits, tokens against stock's, exit code; and writes
+``remote-summary.json`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import run as harness
+from ec import encoder_counts
+
+HERE = Path(__file__).resolve().parent
+MODULE = "pinshm.vllm.ec_connector"
+
+
+def start(py, model, out, tag, ec, passes, hold=None, prefix=()):
+    """An engine, its command after `prefix` (a namespace to run in)."""
+    probe, result, log = out / f"{tag}.probe.jsonl", out / f"{tag}.json", out / f"{tag}.log"
+    for p in (probe, result):
+        p.unlink(missing_ok=True)
+    cmd = [*prefix, py, str(HERE / "offline.py"), str(model), str(result), "--passes", str(passes), "--singles", "0"]
+    cmd += ["--max-batched-tokens", "64", "--tp", "2", "--max-model-len", "256"]
+    if ec is not None:
+        cmd += ["--ec", json.dumps(ec)]
+    if hold is not None:
+        cmd += ["--hold", str(hold)]
+    env = harness.base_env("stock", probe)  # no pinshm plugin: the connector alone
+    lf = open(log, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, cwd=HERE, start_new_session=True)
+    return dict(tag=tag, proc=proc, probe=probe, result=result, log=log)
+
+
+def wait_result(e, timeout=1200):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not e["result"].exists() and e["proc"].poll() is None:
+        time.sleep(0.5)  # polling another process's progress
+    return e["result"].exists()
+
+
+def summary(e, stock_tokens):
+    rc = e["proc"].wait(timeout=600)
+    res = {"engine": e["tag"], "rc": rc}
+    if e["result"].exists():
+        r = json.loads(e["result"].read_text())
+        res["tokens_equal_stock"] = stock_tokens is None or r.get("tokens") == stock_tokens[: len(r.get("tokens", []))]
+        res.update(encoder_counts(e["probe"], r.get("pass_t", [])))
+        res["_tokens"] = r.get("tokens")
+    res["tracebacks"] = e["log"].read_text(errors="replace").count("Traceback")
+    return res
+
+
+WHAT = {
+    "stock": "stock (no connector)",
+    "A": "node A: ec_both, serves; SIGKILLed after B1's passes",
+    "B1": "node B: ec_consumer, peers [A]",
+    "B2": "node B: a second ec_consumer, started after A was killed",
+}
+
+
+def table(runs):
+    rows = [
+        "| engine | exit | tokens = stock | encoder items per pass | hits / lookups per pass | loaded | tracebacks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        hits = ", ".join(f"{h}/{n}" for h, n in zip(r.get("ec_hits") or [], r.get("lookups") or []))
+        rows.append(
+            f"| {WHAT.get(r['engine'], r['engine'])} | {r['rc']} | {r.get('tokens_equal_stock')} | "
+            f"{r.get('encoded')} | {hits} | {r.get('loaded')} | {r['tracebacks']} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", required=True)
+    ap.add_argument("--out", type=Path, default=Path("e2e-remote"))
+    ap.add_argument("--model", type=Path, default=None)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    model = harness.tiny_model(args.python, args.model, out, 64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ns = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=512m pinshm-node /dev/shm && exec "$@"', "sh"]
+    runs = []
+    stock = start(args.python, model, out, "stock", None, 2)
+    runs.append(summary(stock, None))
+    stock_tokens = runs[0].pop("_tokens", None)
+    store = f"pinshm_ec_remote_{os.getpid()}"
+    ec_a = {
+        "ec_connector": "PinshmECConnector",
+        "ec_connector_module_path": MODULE,
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {"store": store, "size": "64m", "serve": f"127.0.0.1:{port}"},
+    }
+    ec_b = {
+        "ec_connector": "PinshmECConnector",
+        "ec_connector_module_path": MODULE,
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"store": store, "size": "64m", "peers": [f"127.0.0.1:{port}"]},
+    }
+    hold_a, hold_b = out / "hold-A", out / "hold-B"
+    hold_a.write_text("")
+    hold_b.write_text("")
+    # Node A and node B: each engine in a mount namespace of its own (B1
+    # and B2 share B's: B2 starts inside B1's namespace through nsenter).
+    a = start_ns(ns, args.python, model, out, "A", ec_a, 1, hold_a)
+    assert wait_result(a), "node A did not finish its pass"
+    b1 = start_ns(ns, args.python, model, out, "B1", ec_b, 2, hold_b)
+    assert wait_result(b1), "B1 did not finish its passes"
+    os.killpg(a["proc"].pid, signal.SIGKILL)  # node A dies; B carries on
+    b2 = start_ns(["nsenter", "-m", "-t", str(b1["proc"].pid)], args.python, model, out, "B2", ec_b, 1)
+    wait_result(b2)
+    hold_b.unlink()
+    for e in (a, b2, b1):
+        runs.append(summary(e, stock_tokens))
+        runs[-1].pop("_tokens", None)
+    (out / "remote-summary.json").write_text(json.dumps(runs, indent=1, default=str))
+    code = "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"
+    versions = subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    md = (
+        f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; tiny LLaVA, TP=2 offline, 64-px images, "
+        "vLLM's encoder cache 4 images; each node its own mount namespace and /dev/shm; NIXL (UCX TCP, 127.0.0.1). "
+        f"`python ec_remote.py --python PY --out DIR`\n\n" + table(runs)
+    )
+    (out / "remote-summary.md").write_text(md)
+    print(md)
+
+
+def start_ns(prefix, py, model, out, tag, ec, passes, hold=None):
+    return start(py, model, out, tag, ec, passes, hold, prefix)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

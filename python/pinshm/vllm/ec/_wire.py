@@ -1,0 +1,185 @@
+"""The remote tier's control messages (docs/remote.md), and NIXL, loaded
+lazily. A leaf: no store, no vLLM.
+
+Every message is one msgpack map. A consumer asks, a producer answers:
+
+- ``{"op": "hello"}`` → ``{"agent", "meta", "base", "length", "gen"}``: the
+  producer's NIXL agent (name and metadata) and its registration of the
+  store's data region (address and length in the producer's mapping;
+  `gen` changes when it registers another segment);
+- ``{"op": "lookup", "key"}`` → ``{"found": False}`` or ``{"found": True,
+  "lease", "offset", "nbytes", "dtype", "shape", "id", "epoch", "gen"}``:
+  the tensor's elements lie at `offset` in the region, held by `lease`
+  until done or the producer's TTL;
+- ``{"op": "done", "lease"}`` → ``{"stable": bool}``: whether the slot still
+  held the same object (id and tag re-checked) after the READ; the lease
+  ends.
+
+Nothing a peer sends is trusted: :func:`check_place` checks a lookup's
+answer against the region and the consumer's own limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+#: Element sizes of the dtypes an encoder output may have (torch's names,
+#: as `reserve_tensor` takes them).
+ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+MAX_DIMS = 8
+#: The largest message a peer may send (a hello carries NIXL's metadata).
+MAX_MESSAGE = 1 << 20
+
+
+class PeerError(Exception):
+    """A peer that did not answer in time, or answered what it may not."""
+
+
+def _msgpack() -> Any:
+    import msgpack  # type: ignore[import-untyped]  # ships no type information
+
+    return msgpack
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    return bytes(_msgpack().packb(msg, use_bin_type=True))
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    """A message from a peer: PeerError for anything but a msgpack map."""
+    if len(data) > MAX_MESSAGE:
+        raise PeerError(f"a message of {len(data)} bytes (at most {MAX_MESSAGE})")
+    try:
+        msg = _msgpack().unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - whatever garbage raises
+        raise PeerError(f"not a message: {e!r}") from None
+    if not isinstance(msg, dict):
+        raise PeerError(f"not a map: {type(msg).__name__}")
+    return msg
+
+
+def field(msg: dict[str, Any], name: str, kind: type) -> Any:
+    """`msg[name]`, which must be a `kind` (PeerError if not)."""
+    value = msg.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise PeerError(f"field {name!r} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a producer says an output's elements are, checked."""
+
+    lease: int
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    gen: int
+
+
+def check_place(msg: dict[str, Any], region: int, max_bytes: int) -> Place:
+    """The place a lookup's answer names, checked against the region's
+    length (`region`) and the most this node takes (`max_bytes`):
+    PeerError for anything off (a malformed or lying peer is a miss)."""
+    lease = field(msg, "lease", int)
+    offset = field(msg, "offset", int)
+    nbytes = field(msg, "nbytes", int)
+    dtype = field(msg, "dtype", str)
+    shape_value = field(msg, "shape", list)
+    gen = field(msg, "gen", int)
+    if dtype not in ITEMSIZE:
+        raise PeerError(f"dtype {dtype!r} is not one an encoder output has")
+    if not 0 < len(shape_value) <= MAX_DIMS or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 < d < 1 << 40 for d in shape_value
+    ):
+        raise PeerError(f"shape {shape_value!r} is not a tensor's")
+    shape = tuple(shape_value)
+    if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+        raise PeerError(f"{nbytes} bytes is not a {dtype} tensor of shape {shape}")
+    if nbytes > max_bytes:
+        raise PeerError(f"an output of {nbytes} bytes (this node takes at most {max_bytes})")
+    if offset < 0 or offset + nbytes > region:
+        raise PeerError(f"bytes {offset}..{offset + nbytes} lie outside the region of {region}")
+    return Place(lease, offset, nbytes, dtype, shape, gen)
+
+
+_NIXL: Optional[Any] = None
+
+
+def nixl() -> Any:
+    """NIXL's Python API (``nixl_agent``, ``nixl_agent_config``), imported
+    on first use. ImportError saying what to install where there is none."""
+    global _NIXL
+    if _NIXL is None:
+        import os
+
+        # On hosts without RDMA, UCX's TCP transport (set before UCX loads).
+        os.environ.setdefault("UCX_TLS", "tcp")
+        errors = []
+        for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+            try:
+                import importlib
+
+                _NIXL = importlib.import_module(name)
+                break
+            except Exception as e:  # noqa: BLE001 - a variant's import may raise anything
+                errors.append(f"{name}: {e!r}")
+        else:
+            raise ImportError(
+                "pinshm's remote encoder cache (ec_connector_extra_config 'serve' or 'peers') needs NIXL: "
+                "pip install 'pinshm[nixl]' (or nixl-cu12). Tried " + "; ".join(errors)
+            )
+    return _NIXL
+
+
+#: How long NIXL's progress thread sleeps between polls, in microseconds.
+#: NIXL's Python API sets 0, a thread that spins: a core of the producer's
+#: engine core, idle or not. A READ over TCP waits for the producer's
+#: progress, so this is added to a READ's time at most once per poll.
+PROGRESS_DELAY_US = 200
+
+
+def agent(name: str, progress: bool) -> Any:
+    """A NIXL agent with the UCX backend. `progress`: with a progress
+    thread (the producer: a READ over TCP needs the side read from to make
+    progress), sleeping PROGRESS_DELAY_US between polls; without, the
+    agent progresses when its transfers are checked (the consumer)."""
+    api = nixl()
+    cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
+    if not progress:
+        return api.nixl_agent(name, cfg)
+    bind: Any = getattr(api, "nixlBind", None)
+    base: Any = getattr(bind, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        return api.nixl_agent(name, cfg)  # another API: its own delay
+
+    class _Delayed(base):  # type: ignore[misc]
+        """NIXL's agent config, whose progress delay is at least ours."""
+
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(int(value), PROGRESS_DELAY_US))
+
+    bind.nixlAgentConfig = _Delayed
+    try:
+        return api.nixl_agent(name, cfg)
+    finally:
+        bind.nixlAgentConfig = base

@@ -223,8 +223,10 @@ class OverflowReader:
         guard = reader.get(handle)
         try:
             # The pickle is read in place (the object is unwritten while
-            # its read is owed); a raise releases the guard below.
-            return loads_inline(guard, copy=not zero_copy)
+            # its read is owed); a raise releases the guard below. One
+            # export of the guard, which the decoding's views share.
+            with memoryview(guard) as mv:
+                return loads_inline(mv, copy=not zero_copy)
         finally:
             try:
                 guard.release()

@@ -1,7 +1,7 @@
 """The queue's overflow store: messages that do not fit a chunk.
 
 The writer puts a message's inline encoding (:mod:`._encoding`: the
-pickle and its out-of-band buffers) as one object of a pinshm store it
+pickle and its out-of-band buffers, each buffer 64-byte aligned) as one object of a pinshm store it
 owns, gathered straight from the buffers, and sends its handle through the
 channel (a ``STORED`` message: the store's handle, pickled once per store,
 and the object's three numbers); each reader decodes it in place from the
@@ -32,7 +32,7 @@ import pinshm
 
 from .. import _budget
 from .._tracker import Tracked
-from ._encoding import STORED, STORED_HEAD, STORED_REF, inline_parts, inline_size, loads_inline
+from ._encoding import STORED, STORED_ALIGN, STORED_HEAD, STORED_REF, inline_parts, inline_size, loads_inline
 from ._wait import Wait
 
 
@@ -74,12 +74,12 @@ class OverflowWriter:
             # After shutdown() nothing goes in: a put would only fill, or
             # make, a store no reader will read.
             raise RuntimeError("cancelled")
-        store = self._store_for(inline_size(bufs))
+        store = self._store_for(inline_size(bufs, STORED_ALIGN))
         key = str(self._seq)
         self._seq += 1
         put = False
         try:
-            h = self._put(store, key, inline_parts(bufs), deadline, cancelled)
+            h = self._put(store, key, inline_parts(bufs, STORED_ALIGN), deadline, cancelled)
             put = True
             self._unreclaimed += 1
             send_ref(self._head + STORED_REF.pack(h.address, h.monotonic_id, h.epoch))
@@ -226,7 +226,7 @@ class OverflowReader:
             # its read is owed); a raise releases the guard below. One
             # export of the guard, which the decoding's views share.
             with memoryview(guard) as mv:
-                return loads_inline(mv, copy=not zero_copy)
+                return loads_inline(mv, copy=not zero_copy, align=STORED_ALIGN)
         finally:
             try:
                 guard.release()

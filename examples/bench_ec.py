@@ -3,8 +3,8 @@ ECExampleConnector's (safetensors files), one save and one load per output,
 in one run, on the CPU.
 
     python examples/bench_ec.py                       # a markdown table
-    python examples/bench_ec.py --json docs/bench_ec.json
-    python examples/bench_ec.py --table docs/bench_ec.json   # the table of a results file
+    python examples/bench_ec.py --json docs/results/bench_ec.json
+    python examples/bench_ec.py --table docs/results/bench_ec.json   # the table of a results file
 
 Needs torch and safetensors, not vLLM: the file connector's save and load
 are mirrored from vLLM 0.32's
@@ -183,37 +183,13 @@ def run_cell(nbytes, dtype_name, repeats, gap_s, tmp):
     }
 
 
-def size_name(n):
-    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
-
-
 def table(res):
-    """The markdown tables of a results object."""
-    out = []
-    s = res["stamp"]
-    out.append(
-        f"pinshm {s['pinshm']} (layout {s['layout_version']}, commit {s['commit']}), torch {s['torch']}, "
-        f"safetensors {s['safetensors']}, {s['repeats']} interleaved repeats, step {s['gap_ms']} ms; "
-        "medians; ratio: to the file connector's"
-    )
-    out.append("")
-    sizes = sorted({r["size"] for r in res["rows"]})
-    head = " / ".join(size_name(n) for n in sizes)
-    out.append(f"| op | dtype | save, {head} | load, {head} | load and read every page, {head} |")
-    out.append("|---|---|---|---|---|")
-    for op in OPS:
-        for dt in DTYPES:
-            rows = {r["size"]: r for r in res["rows"] if r["dtype"] == dt}
-            cells = []
-            for what in ("save_ns", "load_ns", "load_read_ns"):
-                parts = []
-                for n in sizes:
-                    v = rows[n][what]
-                    us = v[op] / 1e3
-                    parts.append(f"{us:.0f} µs" if op == "file" else f"{us:.0f} µs ({v[op] / v['file']:.2f}×)")
-                cells.append(" / ".join(parts))
-            out.append(f"| {op} | {dt} | {cells[0]} | {cells[1]} | {cells[2]} |")
-    return "\n".join(out)
+    """The markdown table of a results object: tools/figures.py's
+    `ec-save-load` renderer, the one the docs' figure uses."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import figures
+
+    return figures.RENDERERS["ec-save-load"](res)
 
 
 def main():

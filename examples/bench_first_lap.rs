@@ -16,11 +16,12 @@
 //!
 //! Prints a markdown table (medians, µs; ratios); `--json FILE` also
 //! appends one JSON object per (size, mode) to FILE, stamped with the
-//! layout version, the commit and `--label` (default "this"), for
-//! `examples/bench_first_lap_table.py`. Uses only API that every version of
-//! the store has, so that the same file measures the code before a change
-//! (built from its own tree, with `--label before --commit HASH`) and
-//! after it.
+//! layout version, the commit and `--label` (default "this"), which
+//! `tools/figures.py`'s `first-lap` renderer turns into the docs' table
+//! (docs/performance.md; one label per results file). Uses only API that
+//! every version of the store has, so that the same file measures the code
+//! before a change (built from its own tree, with `--label before --commit
+//! HASH`) and after it.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};

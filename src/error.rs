@@ -98,7 +98,7 @@ pub enum Error {
 
     /// No room after reclaiming every object all readers are done with.
     #[error("store full: {requested} bytes asked for, {free} of {capacity} free after reclaiming; {}",
-        blocker.as_ref().map(|b| b.to_string()).unwrap_or_else(|| "no object blocks (the request is larger than the ring)".into()))]
+        blocker.as_ref().map(|b| b.to_string()).unwrap_or_else(|| "no object blocks (the request is larger than the data region)".into()))]
     Full {
         /// Slot bytes asked for (payload plus slot header, aligned).
         requested: u64,
@@ -234,15 +234,18 @@ pub enum Error {
         found: u64,
     },
 
-    /// Every reader entry is taken by a live reader.
-    #[error("all {n_readers} reader slots are taken by live readers")]
+    /// Every reader entry is taken by a live reader. (The variant's name
+    /// predates the glossary's: a reader's row in the table is its reader
+    /// entry; a slot holds an object.)
+    #[error("all {n_readers} reader entries are taken by live readers")]
     NoReaderSlot {
-        /// Reader slots in the segment.
+        /// Reader entries in the segment.
         n_readers: u32,
     },
 
-    /// `attach_as` named an entry a live reader holds.
-    #[error("reader slot {index} is held by live process {pid}")]
+    /// `attach_as` named an entry a live reader holds (the name: as
+    /// [`Error::NoReaderSlot`]'s).
+    #[error("reader entry {index} is held by live process {pid}")]
     ReaderSlotTaken {
         /// The index.
         index: u32,
@@ -273,14 +276,19 @@ pub enum Error {
     ReaderIndexOutOfRange {
         /// The index.
         index: u32,
-        /// Reader slots in the segment.
+        /// Reader entries in the segment.
         n_readers: u32,
     },
 
-    /// One reader holds as many guards and views as it can.
-    #[error("this reader already holds {limit} guards or views; drop some before getting more")]
+    /// A channel's reader holds a [`Message`](crate::Message) in every
+    /// slot, so the writer could never send it another: only
+    /// [`BroadcastReader::recv`](crate::BroadcastReader::recv) and its
+    /// variants return it. A store's reader has no such limit (holds are
+    /// counted, not tabled); the name is older than that and stays, as a
+    /// renamed variant would break every `match` on it.
+    #[error("this reader already holds a message in each of the channel's {limit} slots; drop some before receiving more")]
     TooManyGuards {
-        /// The limit.
+        /// The channel's slots.
         limit: usize,
     },
 

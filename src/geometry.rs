@@ -108,7 +108,7 @@ impl StoreGeometry {
 
 /// Validated, process-local bounds of a channel (never re-read from shm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ChannelGeometry {
+pub(crate) struct ChannelGeometry {
     /// Reader entries.
     pub n_readers: u32,
     /// Message slots.

@@ -1,6 +1,7 @@
 #![doc = include_str!("../docs/crate.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(unreachable_pub)]
 
 #[cfg(not(target_os = "linux"))]
 compile_error!(

@@ -30,7 +30,7 @@ const NIL: u32 = u32::MAX;
 
 /// One allocation.
 #[derive(Debug, Clone)]
-pub struct Span<T> {
+pub(crate) struct Span<T> {
     /// Start position in the data region.
     pub pos: u64,
     /// Bytes it spans.
@@ -43,18 +43,18 @@ pub struct Span<T> {
 
 impl<T> Span<T> {
     /// One past its last byte.
-    pub fn end(&self) -> u64 {
+    pub(crate) fn end(&self) -> u64 {
         self.pos + self.len
     }
 }
 
 /// A live span's place in the ring (valid until that span is removed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SpanId(u32);
+pub(crate) struct SpanId(u32);
 
 /// Where [`Ring::plan`] would put an allocation, and what must go first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Start position of the allocation.
     pub pos: u64,
     /// The spans inside it that must be freed first, in order.
@@ -75,7 +75,7 @@ struct Node<T> {
 /// so a put walks, unlinks and links in O(1) per span it meets, with no
 /// search; ids map to nodes through a hash map.
 #[derive(Debug)]
-pub struct Ring<T> {
+pub(crate) struct Ring<T> {
     capacity: u64,
     /// Where the next walk starts: the end of the last allocation.
     cursor: u64,
@@ -95,7 +95,7 @@ pub struct Ring<T> {
 
 impl<T> Ring<T> {
     /// An empty ring of `capacity` bytes (> 0).
-    pub fn new(capacity: u64) -> Self {
+    pub(crate) fn new(capacity: u64) -> Self {
         assert!(capacity > 0, "ring capacity must be positive");
         Ring {
             capacity,
@@ -112,28 +112,28 @@ impl<T> Ring<T> {
     }
 
     /// Capacity in bytes.
-    pub fn capacity(&self) -> u64 {
+    pub(crate) fn capacity(&self) -> u64 {
         self.capacity
     }
 
     /// Where the next walk starts.
-    pub fn cursor(&self) -> u64 {
+    pub(crate) fn cursor(&self) -> u64 {
         self.cursor
     }
 
     /// One past the furthest byte ever allocated: below it, every position
     /// is an object or free.
-    pub fn high_water(&self) -> u64 {
+    pub(crate) fn high_water(&self) -> u64 {
         self.high
     }
 
     /// Bytes allocated.
-    pub fn used(&self) -> u64 {
+    pub(crate) fn used(&self) -> u64 {
         self.used
     }
 
     /// Number of live spans.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ids.len()
     }
 
@@ -161,13 +161,17 @@ impl<T> Ring<T> {
     /// second-chance bit, say); a span it refuses ends the run. `None` when
     /// no such run exists (or `len` is 0 or larger than the ring).
     #[cfg(test)]
-    pub fn plan(&mut self, len: u64, may_go: impl FnMut(&mut Span<T>) -> bool) -> Option<Plan> {
+    pub(crate) fn plan(
+        &mut self,
+        len: u64,
+        may_go: impl FnMut(&mut Span<T>) -> bool,
+    ) -> Option<Plan> {
         self.plan_within(len, self.capacity, may_go)
     }
 
     /// As [`Ring::plan`], for a run that ends at or below `limit` (the
     /// part of a sparse region already backed, say).
-    pub fn plan_within(
+    pub(crate) fn plan_within(
         &mut self,
         len: u64,
         limit: u64,
@@ -229,7 +233,7 @@ impl<T> Ring<T> {
     /// Takes `len` bytes at `plan.pos` for object `id`, once the plan's
     /// victims are removed. Returns where the free run after it ends (the
     /// next span's start, bounded by the high-water mark as it was).
-    pub fn commit(&mut self, plan: &Plan, len: u64, id: u64, value: T) -> u64 {
+    pub(crate) fn commit(&mut self, plan: &Plan, len: u64, id: u64, value: T) -> u64 {
         let pos = plan.pos;
         debug_assert!(pos + len <= self.capacity);
         let next = plan.next.map_or(NIL, |s| s.0);
@@ -292,13 +296,13 @@ impl<T> Ring<T> {
 
     /// Starts the next walk at the beginning of the region (a soft clear:
     /// the next objects go from the first byte, as in vLLM).
-    pub fn rewind(&mut self) {
+    pub(crate) fn rewind(&mut self) {
         self.cursor = 0;
         self.cursor_node = self.head;
     }
 
     /// Frees span `s` if `may_go` accepts it.
-    pub fn remove_if(
+    pub(crate) fn remove_if(
         &mut self,
         s: SpanId,
         may_go: impl FnOnce(&Span<T>) -> bool,
@@ -329,12 +333,12 @@ impl<T> Ring<T> {
 
     /// Frees span `s`.
     #[cfg(test)]
-    pub fn remove(&mut self, s: SpanId) -> Option<Span<T>> {
+    pub(crate) fn remove(&mut self, s: SpanId) -> Option<Span<T>> {
         self.remove_if(s, |_| true)
     }
 
     /// Largest run of free bytes.
-    pub fn largest_free(&self) -> u64 {
+    pub(crate) fn largest_free(&self) -> u64 {
         let mut best = 0;
         let mut prev = 0;
         for s in self.iter() {
@@ -345,35 +349,35 @@ impl<T> Ring<T> {
     }
 
     /// The span `s`.
-    pub fn get(&self, s: SpanId) -> &Span<T> {
+    pub(crate) fn get(&self, s: SpanId) -> &Span<T> {
         &self.node(s.0).span
     }
 
     /// The span of object `id`.
-    pub fn find(&self, id: u64) -> Option<&Span<T>> {
+    pub(crate) fn find(&self, id: u64) -> Option<&Span<T>> {
         Some(&self.node(*self.ids.get(&id)?).span)
     }
 
     /// The span of object `id`, to free it by.
-    pub fn span_of(&self, id: u64) -> Option<SpanId> {
+    pub(crate) fn span_of(&self, id: u64) -> Option<SpanId> {
         self.ids.get(&id).map(|&n| SpanId(n))
     }
 
     /// As [`Ring::find`], mutable.
-    pub fn find_mut(&mut self, id: u64) -> Option<&mut Span<T>> {
+    pub(crate) fn find_mut(&mut self, id: u64) -> Option<&mut Span<T>> {
         let n = *self.ids.get(&id)?;
         Some(&mut self.node_mut(n).span)
     }
 
     /// The live spans, oldest first.
-    pub fn by_age(&self) -> Vec<SpanId> {
+    pub(crate) fn by_age(&self) -> Vec<SpanId> {
         let mut by_id: Vec<(u64, u32)> = self.ids.iter().map(|(&id, &n)| (id, n)).collect();
         by_id.sort_unstable();
         by_id.into_iter().map(|(_, n)| SpanId(n)).collect()
     }
 
     /// Live spans in position order.
-    pub fn iter(&self) -> impl Iterator<Item = &Span<T>> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Span<T>> {
         let mut n = self.head;
         std::iter::from_fn(move || {
             (n != NIL).then(|| {
@@ -385,7 +389,7 @@ impl<T> Ring<T> {
     }
 
     /// Live spans (in no particular order), mutable bookkeeping.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Span<T>> {
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Span<T>> {
         self.nodes.iter_mut().flatten().map(|n| &mut n.span)
     }
 }

@@ -13,7 +13,8 @@ a second):
 3. every figure is what its stamped results file renders, no figure was
    measured at another layout version than the code's, and no results
    file goes unused (tools/figures.py --check; its self-test with
-   --self-test).
+   --self-test);
+4. README.md stays under 300 lines.
 
 Usage: tools/check_docs.py [ROOT]   (default: the repository this file is in)
        tools/check_docs.py --self-test
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
+
+README_LINES = 300
 
 # Paths that only exist on the machine where a doc was written.
 MACHINE_PATH = re.compile(
@@ -147,6 +150,11 @@ def check(root):
                     f"{rel}:{no}: {m.group(0)!r} is one machine's path;"
                     " use a path relative to the repository or a placeholder (VENV, DIR)"
                 )
+    readme = os.path.join(root, "README.md")
+    if os.path.exists(readme):
+        n = read("README.md").count("\n")
+        if n >= README_LINES:
+            problems.append(f"README.md: {n} lines; the front page stays under {README_LINES} (move detail to docs/)")
     return problems, len(scanned)
 
 
@@ -170,12 +178,13 @@ def self_test():
             "docs/bad.md": "[a](nowhere.md)\n[b](guide.md#no-such-heading)\n[c](../../outside.md)\n"
                            "run `cd /work/tree` first\n",
         }
+        bad["README.md"] = good["README.md"].replace("/work/in/a/fence is still scanned", "a fence") + "x\n" * 300
         for name, body in bad.items():
             with open(os.path.join(d, name), "w") as fh:
                 fh.write(body)
         problems, _ = check(d)
         want = ["no tracked file docs/nowhere.md", "no heading #no-such-heading", "leaves the repository",
-                "'/work/tree'"]
+                "'/work/tree'", "the front page stays under 300"]
         for w in want:
             assert any(w in p for p in problems), (w, problems)
         assert len(problems) == len(want), problems

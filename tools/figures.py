@@ -17,14 +17,16 @@ measured it. Each figure ends with that stamp.
     tools/figures.py --check          exit 1 on a figure that is not what its
                                       results render, a results file whose
                                       stamp names another layout version than
-                                      src/layout.rs's, or a results file (any
-                                      RESULTS-*.json under examples/ or *.json
-                                      and *.jsonl under docs/results/) no
-                                      figure uses
+                                      src/layout.rs's (a bench's own stamp
+                                      rows and a row's `layout` count too),
+                                      or a results file (any RESULTS-*.json
+                                      under examples/, any *.json or *.jsonl
+                                      under docs/) no figure uses
     tools/figures.py --stamp FILE --command "..."
-                                      stamps FILE with this checkout's layout
-                                      version and commit (a script's results,
-                                      after it wrote them)
+                                      stamps FILE with the command, and the
+                                      layout version and commit its rows
+                                      name (a bench's `{"op": "stamp"}`),
+                                      else this checkout's
     tools/figures.py --self-test      the check fails on planted errors
 
 Standard library only (tools/check_docs.py runs the check).
@@ -41,6 +43,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import figures_bench  # noqa: E402 - beside this file
+import figures_hitrate  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- figure (\S+) (\S+) -->\n)(.*?)(<!-- /figure -->)", re.DOTALL)
 
@@ -54,14 +60,35 @@ def layout_version(root: Path) -> int:
 
 def load(path: Path) -> tuple[dict, Any]:
     """(stamp, data) of a results file: JSON with a top-level `stamp`, or
-    JSON lines whose first line is `{"stamp": ...}`."""
+    JSON lines whose first line is `{"stamp": ...}`. In JSON lines, a row
+    `{"op": "stamp", "commit": ..., "layout_version": ...}` (the bench's)
+    opens a run: the rows after it carry `_run`, and every run's layout
+    must be the stamp's (a file of runs at two layouts reads as stale)."""
     text = path.read_text()
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        stamp = rows[0].get("stamp", {}) if rows and "stamp" in rows[0] else {}
-        return stamp, rows[1:] if stamp else rows
+        stamp = dict(rows[0]["stamp"]) if rows and "stamp" in rows[0] else {}
+        data, run, layouts = [], -1, set()
+        for r in rows:
+            if "stamp" in r:
+                continue
+            if r.get("op") == "stamp":
+                run += 1
+                layouts.add(r.get("layout_version"))
+                stamp.setdefault("commit", r.get("commit"))
+                continue
+            if isinstance(r.get("layout", r.get("layout_version")), int):
+                layouts.add(r.get("layout", r.get("layout_version")))  # a row that names its own layout
+            data.append({**r, "_run": max(run, 0)} if run >= 0 else r)
+        if layouts:
+            if len(layouts) > 1 or stamp.get("layout_version", next(iter(layouts))) not in layouts:
+                mixed = sorted({str(v) for v in layouts} | {str(stamp.get("layout_version"))} - {"None"})
+                stamp["layout_version"] = "mixed " + "/".join(mixed)
+            else:
+                stamp["layout_version"] = next(iter(layouts))
+        return stamp, data
     if isinstance(whole, dict):
         return whole.get("stamp", {}), whole
     return {}, whole
@@ -161,11 +188,38 @@ def r_ec_timing(data: Any) -> str:
     return "\n".join(rows) + "\n"
 
 
+def r_serving(data: Any) -> str:
+    """serve_bench.py's cells: stock's medians over repeats, and each other
+    configuration's as the median of its ratio to stock in the same
+    repeat (requests/s: higher is better; latencies: lower is better)."""
+    keys = ("rps", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+    rows = [
+        "| cell | config | requests/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_cell: dict[str, list[dict]] = {}
+    for r in data["rows"]:
+        by_cell.setdefault(r["cell"], []).append(r)
+    order = {c: i for i, c in enumerate(data.get("configs", []))}
+    for cell, rs in by_cell.items():
+        for r in sorted(rs, key=lambda r: (r["config"] != "stock", order.get(r["config"], 99), r["config"])):
+            if r["config"] == "stock":
+                vals = [f"{r['rps']:.1f}"] + [f"{r[k] * 1000:.0f} ms" for k in keys[1:]]
+            else:
+                vals = [f"{r['ratio_to_stock'][k]:.2f}x" for k in keys]
+            rows.append(f"| {cell} | {r['config']} | " + " | ".join(vals) + " |")
+    same = ", ".join(f"{c}: {'yes' if v else 'NO'}" for c, v in data["tokens_as_stock"].items())
+    return "\n".join(rows) + f"\n\n{data['repeats']} interleaved repeats, {data.get('machine', '?')}; tokens as stock's: {same}.\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
+    **figures_bench.RENDERERS,
+    **figures_hitrate.RENDERERS,
     "ec-timing": r_ec_timing,
     "upstream": r_upstream,
     "ec-faults": r_ec_faults,
     "bench-keys": r_bench_keys,
+    "serving": r_serving,
 }
 
 
@@ -183,10 +237,12 @@ def docs(root: Path) -> list[Path]:
 
 
 def results_files(root: Path) -> list[str]:
+    """Every results file a figure should use: examples/**/RESULTS-*.json,
+    and every .json and .jsonl under docs/ (docs/results/ is where they go)."""
     found = sorted(str(p.relative_to(root)) for p in (root / "examples").rglob("RESULTS-*.json"))
-    d = root / "docs" / "results"
+    d = root / "docs"
     if d.is_dir():
-        found += sorted(str(p.relative_to(root)) for p in d.iterdir() if p.suffix in (".json", ".jsonl"))
+        found += sorted(str(p.relative_to(root)) for p in d.rglob("*") if p.suffix in (".json", ".jsonl"))
     return found
 
 
@@ -228,19 +284,25 @@ def run(root: Path, write: bool) -> list[str]:
 
 
 def stamp(path: Path, command: str, root: Path = ROOT) -> None:
+    """Adds `command` to FILE's stamp. The commit and layout version are
+    what the results already say (a bench stamps its own runs), else this
+    checkout's."""
     commit = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    s = {"layout_version": layout_version(root), "commit": commit or "?", "command": command}
+    here = {"layout_version": layout_version(root), "commit": commit or "?"}
     text = path.read_text()
     try:
         whole = json.loads(text)
         if not isinstance(whole, dict):
             raise SystemExit(f"{path}: a JSON list cannot hold a stamp; write an object, or JSON lines")
-        whole["stamp"] = s
+        whole["stamp"] = {**here, **whole.get("stamp", {}), "command": command}
         path.write_text(json.dumps(whole, indent=1, sort_keys=True) + "\n")
     except json.JSONDecodeError:
         lines = [line for line in text.splitlines() if line.strip() and not line.startswith('{"stamp"')]
+        path.write_text("\n".join(lines) + "\n")
+        measured, _ = load(path)
+        s = {**here, **{k: v for k, v in measured.items() if v is not None}, "command": command}
         path.write_text("\n".join([json.dumps({"stamp": s})] + lines) + "\n")
 
 
@@ -272,7 +334,26 @@ def self_test() -> None:
         (root / "src/layout.rs").write_text("pub const LAYOUT_VERSION: u32 = 9;\n")
         (root / "docs/results/unused.json").write_text('{"stamp": {}}\n')
         assert any("no figure uses" in p for p in run(root, False)), "an unused results file passes"
-    print("figures self-test: the check fails on a stale, hand-edited, unfilled or unused figure")
+        (root / "docs/results/unused.json").unlink()
+        (root / "docs/stray.json").write_text('{"stamp": {}}\n')
+        assert any("docs/stray.json" in p for p in run(root, False)), "a results file outside results/ passes"
+        (root / "docs/stray.json").unlink()
+        # a bench's own runs: the renderer reads them whatever the ops, and a
+        # run at another layout than the file's stamp reads as stale
+        bench = root / "docs/results/bench.jsonl"
+        rows = [{"op": "stamp", "commit": "c0ffee1", "layout_version": 9}]
+        rows += [{"op": op, "size": 1 << 20, "median_ns": 100.0, "memcpy_median_ns": 100.0, "ratio": 1.0}
+                 for op in ("put", "a_new_op")]
+        bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        doc.write_text(doc.read_text() + "\n<!-- figure bench-store docs/results/bench.jsonl -->\n<!-- /figure -->\n")
+        assert run(root, write=True) == [], "a bench's runs do not render"
+        assert "`a_new_op`" in doc.read_text() and "commit c0ffee1, layout 9" in doc.read_text()
+        bench.write_text(bench.read_text() + json.dumps({**rows[0], "layout_version": 8}) + "\n")
+        assert any("layout mixed" in p for p in run(root, False)), "a run at another layout passes"
+    print(
+        "figures self-test: the check fails on a stale, hand-edited, unfilled or unused figure, a stray "
+        "results file, and a bench run at another layout; a bench's new op renders"
+    )
 
 
 def main() -> int:

@@ -69,7 +69,7 @@ class StaleError(PinshmError, ValueError):
     cache miss: produce or fetch the object again."""
 
 class FullError(PinshmError, MemoryError):
-    """The ring is full of objects still owed reads, held (guards, views,
+    """The data region is full of objects still owed reads, held (guards, views,
     leases) or protected; nothing was stored. The message names the oldest
     blocker. Retry once readers read or release, or go on uncached."""
 
@@ -173,7 +173,7 @@ class StoreHandle:
         PinshmError (get a new handle from the writer)."""
     @property
     def capacity(self) -> int:
-        """Bytes of the ring (the data region)."""
+        """Bytes of the data region (`capacity`)."""
     @property
     def max_object_size(self) -> int:
         """The largest object the store takes, in bytes."""
@@ -221,7 +221,7 @@ class BroadcastHandle:
 @final
 class ObjectStore:
     """The writer of a store: one per segment, in one process. Puts objects
-    under keys into a ring in shared memory; readers in other processes
+    under keys into a data region in shared memory; readers in other processes
     (`StoreReader`) read them in place by handle. Close it (or use `with`)
     to unlink the segment. Calls in a forked child raise PinshmError."""
 
@@ -242,7 +242,7 @@ class ObjectStore:
         key_index: int = 0,
         back_ahead: Optional[int] = None,
     ) -> ObjectStore:
-        """Creates the segment (`capacity` bytes of ring, objects up to
+        """Creates the segment (`capacity` bytes of data region, objects up to
         `max_object_size` bytes, `n_readers` readers, 1 to 64; `name` in
         /dev/shm, default unique) and becomes its writer. `aggregate_reads`:
         an object referenced k times is done after k × n_readers reads
@@ -282,7 +282,10 @@ class ObjectStore:
         floats, bool) as a tensor: dtype and shape in a header, then the
         elements, 64-byte aligned, in the format Rust's `put_tensor`
         writes (`StoreReader.get_tensor` reads it). ValueError for another
-        dtype; errors otherwise as `put`."""
+        dtype; errors otherwise as `put`. Not `pinshm.device.put_tensor`,
+        which takes a torch tensor on any device, can queue the copy
+        (`wait=False`) and is a module function: the same object format,
+        another contract."""
     def put_item(self, key: str, fields: Mapping[str, Any], meta: Optional[Mapping[str, str]] = None) -> ObjectHandle:
         """Stores a multimodal item as one object: `fields` maps names to
         C-contiguous numpy arrays (little-endian integers, floats, bool),
@@ -611,7 +614,8 @@ class StoreReader:
         torch has no read-only tensors, so never write to that tensor (it
         would change the object every reader sees). WrongKindError if the
         object is not a tensor; TypeError for bfloat16 (numpy has none:
-        read it with `get()`); StaleError if it is gone."""
+        read it with `get()`); StaleError if it is gone. Zero copy, unlike
+        `pinshm.device.get_tensor`, which copies to a device."""
     def get_item(self, handle: ObjectHandle) -> tuple[dict[str, Any], dict[str, str]]:
         """An item (from `put_item`, here or in Rust) as `(fields, meta)`:
         `fields` maps each name, in the item's order, to a read-only numpy

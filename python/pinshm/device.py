@@ -30,6 +30,13 @@ event without blocking anyone; without one, `get_tensor` waits for the
 copy's event itself before it releases the read.
 
 Neither needs torch: without it, numpy arrays go in and come out.
+
+Not the methods of the same names: `ObjectStore.put_tensor` stores a
+numpy array and waits for nothing, and `StoreReader.get_tensor` returns a
+zero-copy numpy view over the slot that holds the read. The object format
+is the same, so either side reads what the other stores; the contracts
+(devices, copies, waiting) differ, which is why these are module
+functions taking the store or reader first.
 """
 
 from __future__ import annotations

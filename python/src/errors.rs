@@ -81,7 +81,7 @@ exception!(
 exception!(
     FullError,
     PyMemoryError,
-    "The ring is full of objects still owed reads or held by guards."
+    "The data region is full of objects still owed reads or held by guards."
 );
 exception!(
     NoSpaceError,
@@ -107,7 +107,7 @@ exception!(
 exception!(
     InvalidArgumentError,
     PyValueError,
-    "An argument pinshm refuses: a key already stored, an object larger than the ring, \
+    "An argument pinshm refuses: a key already stored, an object larger than the data region, \
      a bad configuration or name, a reader index out of range, a malformed tensor."
 );
 

@@ -10,6 +10,7 @@
 //! every wait, they release the GIL first and lock inside `gil::released`
 //! (`allow_threads`, made safe at interpreter exit).
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(unreachable_pub)]
 
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 

@@ -153,7 +153,7 @@ fn bytes_copy<'py>(py: Python<'py>, src: &[u8]) -> PyResult<Bound<'py, PyBytes>>
     Ok(out)
 }
 
-/// One reader of a store, attached into a reader slot until closed.
+/// One reader of a store, attached into a reader entry until closed.
 /// Frozen: a call with the GIL released (a large copy) holds a clone of
 /// the `Arc`, never a borrow of this object, so `close()` from another
 /// thread meanwhile works (the call finishes on its clone).

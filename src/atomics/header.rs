@@ -16,7 +16,7 @@ impl HeaderPtr {
     /// # Safety
     /// `ptr` is page aligned and `size_of::<SegmentHeader>()` bytes from it
     /// lie in a live shared mapping.
-    pub unsafe fn new(ptr: *mut u8) -> Self {
+    pub(crate) unsafe fn new(ptr: *mut u8) -> Self {
         HeaderPtr { ptr }
     }
 
@@ -32,7 +32,7 @@ impl HeaderPtr {
 
     /// A copy of the whole header for validation (fields may be mid-update;
     /// only the immutable ones are trusted, after checks).
-    pub fn read(&self) -> SegmentHeader {
+    pub(crate) fn read(&self) -> SegmentHeader {
         // SAFETY: `new`'s contract: 256 readable bytes at a page-aligned
         // address (so aligned for the struct). Callers trust only the fields
         // nobody writes after the stamp (sizes, nonce, flags, secret), and
@@ -41,48 +41,48 @@ impl HeaderPtr {
     }
 
     /// Writes the header whole, with `magic` zero; [`HeaderPtr::stamp`] sets it.
-    pub fn init(&self, header: &SegmentHeader) {
+    pub(crate) fn init(&self, header: &SegmentHeader) {
         // SAFETY: `new`'s contract: 256 writable bytes; only the creator calls
         // this, before the magic is stamped, so no reader trusts these bytes yet.
         unsafe { super::init_header(self.ptr, header) };
     }
 
     /// Stamps the magic last (Release): an opener that sees it sees the rest.
-    pub fn stamp(&self) {
+    pub(crate) fn stamp(&self) {
         // SAFETY: `new`'s contract: the magic is the aligned u64 at offset 0.
         unsafe { super::stamp(self.ptr, layout::MAGIC) };
     }
 
     /// Writer pid, for messages; 0 once the writer has closed the store.
-    pub fn writer_pid(&self) -> u32 {
+    pub(crate) fn writer_pid(&self) -> u32 {
         self.writer_pid_word().load(Ordering::Acquire)
     }
 
     /// Marks the writer as gone (clean exit).
-    pub fn clear_writer(&self) {
+    pub(crate) fn clear_writer(&self) {
         self.writer_pid_word().store(0, Ordering::Release);
     }
 
     /// Ids below this were dropped by `clear`.
-    pub fn cleared_below(&self) -> u64 {
+    pub(crate) fn cleared_below(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, cleared_below))
             .load(Ordering::Acquire)
     }
 
     /// Records a `clear`.
-    pub fn set_cleared_below(&self, id: u64) {
+    pub(crate) fn set_cleared_below(&self, id: u64) {
         self.u64_at(offset_of!(SegmentHeader, cleared_below))
             .store(id, Ordering::Release);
     }
 
     /// Current epoch.
-    pub fn epoch(&self) -> u64 {
+    pub(crate) fn epoch(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, epoch))
             .load(Ordering::Acquire)
     }
 
     /// The allocator's cursor and high-water mark (for inspection).
-    pub fn ring_extent(&self) -> (u64, u64) {
+    pub(crate) fn ring_extent(&self) -> (u64, u64) {
         (
             self.u64_at(offset_of!(SegmentHeader, cursor))
                 .load(Ordering::Relaxed),
@@ -92,13 +92,13 @@ impl HeaderPtr {
     }
 
     /// Publishes a new epoch.
-    pub fn set_epoch(&self, e: u64) {
+    pub(crate) fn set_epoch(&self, e: u64) {
         self.u64_at(offset_of!(SegmentHeader, epoch))
             .store(e, Ordering::Release);
     }
 
     /// The id the next put gets.
-    pub fn next_id(&self) -> u64 {
+    pub(crate) fn next_id(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, next_id))
             .load(Ordering::Acquire)
     }
@@ -108,21 +108,21 @@ impl HeaderPtr {
     /// (smaller) answer only makes a read of a new object fail `Stale`: a
     /// reader that learned of the object through a synchronising channel
     /// (any real one) sees at least the value stored before its publish.
-    pub fn backed(&self) -> u64 {
+    pub(crate) fn backed(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, backed))
             .load(Ordering::Acquire)
     }
 
     /// Publishes the backed extent (after the pages are allocated: Release,
     /// so a reader that sees it sees them).
-    pub fn set_backed(&self, bytes: u64) {
+    pub(crate) fn set_backed(&self, bytes: u64) {
         self.u64_at(offset_of!(SegmentHeader, backed))
             .store(bytes, Ordering::Release);
     }
 
     /// Publishes the next id, the allocator's cursor and its high-water
     /// mark (for attach and inspection).
-    pub fn set_progress(&self, next_id: u64, cursor: u64, high_water: u64) {
+    pub(crate) fn set_progress(&self, next_id: u64, cursor: u64, high_water: u64) {
         self.u64_at(offset_of!(SegmentHeader, next_id))
             .store(next_id, Ordering::Release);
         self.u64_at(offset_of!(SegmentHeader, cursor))

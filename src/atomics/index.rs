@@ -45,7 +45,7 @@ impl IndexPtr {
     ///    live shared mapping that outlives every use of the result.
     /// 2. `entries` is a power of two.
     /// 3. `header` is the same mapping's header.
-    pub unsafe fn new(table: *mut u8, entries: u64, header: HeaderPtr) -> Self {
+    pub(crate) unsafe fn new(table: *mut u8, entries: u64, header: HeaderPtr) -> Self {
         debug_assert!(entries.is_power_of_two());
         IndexPtr {
             table,
@@ -55,7 +55,7 @@ impl IndexPtr {
     }
 
     /// How many entries the table has (a power of two).
-    pub fn entries(&self) -> u64 {
+    pub(crate) fn entries(&self) -> u64 {
         self.entries
     }
 
@@ -73,7 +73,7 @@ impl IndexPtr {
 
     /// Entry `i` as (fingerprint, id, address), Relaxed: between the
     /// sequence loads for a reader; the writer reads back its own stores.
-    pub fn read(&self, i: u64) -> ([u64; 2], u64, u64) {
+    pub(crate) fn read(&self, i: u64) -> ([u64; 2], u64, u64) {
         let r = Ordering::Relaxed;
         (
             [
@@ -90,7 +90,7 @@ impl IndexPtr {
     /// Starts a change of the table: the sequence word becomes odd, and
     /// the Release fence orders it before every entry store that follows.
     /// Returns the even value it was, for [`IndexPtr::end_change`].
-    pub fn begin_change(&self) -> u64 {
+    pub(crate) fn begin_change(&self) -> u64 {
         let seq = self.header.index_seq();
         // Only the writer stores the word: reading it back is no race.
         let s = seq.load(Ordering::Relaxed) & !1;
@@ -100,7 +100,7 @@ impl IndexPtr {
     }
 
     /// Writes entry `i` (Relaxed), inside a change.
-    pub fn write(&self, i: u64, fp: [u64; 2], id: u64, address: u64) {
+    pub(crate) fn write(&self, i: u64, fp: [u64; 2], id: u64, address: u64) {
         let r = Ordering::Relaxed;
         self.word(i, offset_of!(IndexEntry, fp)).store(fp[0], r);
         self.word(i, offset_of!(IndexEntry, fp) + 8).store(fp[1], r);
@@ -111,7 +111,7 @@ impl IndexPtr {
 
     /// Ends the change begun at `s` (Release: a reader that loads the new
     /// value sees every entry store of the change).
-    pub fn end_change(&self, s: u64) {
+    pub(crate) fn end_change(&self, s: u64) {
         self.header
             .index_seq()
             .store(s.wrapping_add(2), Ordering::Release);
@@ -120,13 +120,13 @@ impl IndexPtr {
     // ---- reader ----
 
     /// The sequence word before a probe (Acquire).
-    pub fn seq_begin(&self) -> u64 {
+    pub(crate) fn seq_begin(&self) -> u64 {
         self.header.index_seq().load(Ordering::Acquire)
     }
 
     /// The sequence word after a probe: an Acquire fence, then Relaxed. Equal
     /// to an even [`IndexPtr::seq_begin`], the probe saw no change.
-    pub fn seq_end(&self) -> u64 {
+    pub(crate) fn seq_end(&self) -> u64 {
         fence(Ordering::Acquire);
         self.header.index_seq().load(Ordering::Relaxed)
     }

@@ -25,7 +25,7 @@ impl SlotPtr {
     /// # Safety
     /// 1. `ptr` is 64-byte aligned and points into a live shared mapping.
     /// 2. `slot_prefix_len(n_readers)` bytes from `ptr` lie inside it.
-    pub unsafe fn new(ptr: *mut u8, n_readers: u32) -> Self {
+    pub(crate) unsafe fn new(ptr: *mut u8, n_readers: u32) -> Self {
         SlotPtr { ptr, n_readers }
     }
 
@@ -73,13 +73,13 @@ impl SlotPtr {
 
     /// Marks the slot as being written. Any reader that sees one of the
     /// writes that follow sees `id == 0` (or the new id) when it re-checks.
-    pub fn begin_write(&self) {
+    pub(crate) fn begin_write(&self) {
         self.id().store(0, Ordering::Relaxed);
         fence(Ordering::Release);
     }
 
     /// Marks `len` bytes from here as skipped (no object; for inspection).
-    pub fn mark_skip(&self, len: u64) {
+    pub(crate) fn mark_skip(&self, len: u64) {
         self.begin_write();
         self.u64_at(offset_of!(SlotHeader, slot_len))
             .store(len, Ordering::Relaxed);
@@ -92,7 +92,15 @@ impl SlotPtr {
     /// whoever sees it). No live reader holds the slot (the writer freed it
     /// or never published it), so the hold words it zeroes are a dead
     /// holder's leftovers at most.
-    pub fn publish(&self, id: u64, tag: u64, size: u64, slot_len: u64, kind: u32, meta: SlotMeta) {
+    pub(crate) fn publish(
+        &self,
+        id: u64,
+        tag: u64,
+        size: u64,
+        slot_len: u64,
+        kind: u32,
+        meta: SlotMeta,
+    ) {
         let r = Ordering::Relaxed;
         self.tag().store(tag, r);
         self.u64_at(offset_of!(SlotHeader, key_fp))
@@ -114,14 +122,14 @@ impl SlotPtr {
     }
 
     /// Publishes a new reference count (one more expected read per reader).
-    pub fn set_refs(&self, refs: u32) {
+    pub(crate) fn set_refs(&self, refs: u32) {
         self.u32_at(offset_of!(SlotHeader, refs))
             .store(refs, Ordering::Release);
     }
 
     /// Reader `i`'s acknowledged reads; Acquire pairs with the reader's
     /// Release so its reads of the payload happen before any reuse.
-    pub fn reads_acquire(&self, i: u32) -> u32 {
+    pub(crate) fn reads_acquire(&self, i: u32) -> u32 {
         self.reads(i).load(Ordering::Acquire)
     }
 
@@ -138,7 +146,7 @@ impl SlotPtr {
     /// never the old tag, which only the segment's secret reproduces
     /// ([`layout::keyed_slot_tag`]). So [`SlotPtr::identity_recheck`] finds
     /// the change even when the id word was written back to the old id.
-    pub fn invalidate(&self) -> u64 {
+    pub(crate) fn invalidate(&self) -> u64 {
         // Only the writer stores the tag: reading it back is no race.
         let tag = self.tag().load(Ordering::Relaxed);
         self.id().store(0, Ordering::Relaxed);
@@ -150,7 +158,7 @@ impl SlotPtr {
     /// Backs off a reclaim that found a hazard or a hold: the tag that
     /// [`SlotPtr::invalidate`] returned, then the id (Release: a reader
     /// that loads the id again loads the tag again).
-    pub fn restore(&self, id: u64, tag: u64) {
+    pub(crate) fn restore(&self, id: u64, tag: u64) {
         self.tag().store(tag, Ordering::Relaxed);
         self.id().store(id, Ordering::Release);
     }
@@ -159,12 +167,12 @@ impl SlotPtr {
     /// slot: after [`SlotPtr::invalidate`] and the hazard scan, the
     /// writer's last check (Acquire: pairs with the Release of
     /// [`SlotPtr::unhold`], so the holder's reads happen before any reuse).
-    pub fn held_by(&self, i: u32, generation: u64) -> bool {
+    pub(crate) fn held_by(&self, i: u32, generation: u64) -> bool {
         hold::count_for(self.hold_word(i).load(Ordering::Acquire), generation) != 0
     }
 
     /// Reader `i`'s hold count for `generation` (relaxed, for inspection).
-    pub fn holds_relaxed(&self, i: u32, generation: u64) -> u32 {
+    pub(crate) fn holds_relaxed(&self, i: u32, generation: u64) -> u32 {
         hold::count_for(self.hold_word(i).load(Ordering::Relaxed), generation)
     }
 
@@ -172,7 +180,7 @@ impl SlotPtr {
 
     /// The id (Acquire): the start of an optimistic read (seqlock begin),
     /// or the check after a hazard was published (after its SeqCst fence).
-    pub fn id_acquire(&self) -> u64 {
+    pub(crate) fn id_acquire(&self) -> u64 {
         self.id().load(Ordering::Acquire)
     }
 
@@ -187,14 +195,14 @@ impl SlotPtr {
     /// no payload spells it but by a 2^-64 accident (see
     /// [`layout::keyed_slot_tag`]). The tag covers size and kind (it mixes
     /// them), so it is the slot's whole identity.
-    pub fn identity_recheck(&self) -> (u64, u64) {
+    pub(crate) fn identity_recheck(&self) -> (u64, u64) {
         fence(Ordering::Acquire);
         let r = Ordering::Relaxed;
         (self.id().load(r), self.tag().load(r))
     }
 
     /// Tag, size and kind; meaningful only between two equal id loads.
-    pub fn meta(&self) -> (u64, u64, u32) {
+    pub(crate) fn meta(&self) -> (u64, u64, u32) {
         let r = Ordering::Relaxed;
         (
             self.tag().load(r),
@@ -204,7 +212,7 @@ impl SlotPtr {
     }
 
     /// Everything the inspector shows, in one relaxed snapshot.
-    pub fn snapshot(&self) -> SlotHeader {
+    pub(crate) fn snapshot(&self) -> SlotHeader {
         let r = Ordering::Relaxed;
         SlotHeader {
             id: self.id().load(r),
@@ -222,7 +230,7 @@ impl SlotPtr {
     /// between two equal id loads, or while the reader holds the slot (it
     /// is written before the id's Release publish and never while the
     /// slot is held).
-    pub fn key_fp(&self) -> [u64; 2] {
+    pub(crate) fn key_fp(&self) -> [u64; 2] {
         let r = Ordering::Relaxed;
         [
             self.u64_at(offset_of!(SlotHeader, key_fp)).load(r),
@@ -235,7 +243,7 @@ impl SlotPtr {
     /// validated hazard keeps the slot from reuse (a `lookup`), so the
     /// mark is never written into a slot that has become another object's
     /// (the writer zeroes the word at each publish).
-    pub fn touch(&self) {
+    pub(crate) fn touch(&self) {
         if self.touched().load(Ordering::Relaxed) == 0 {
             self.touched().store(1, Ordering::Relaxed);
         }
@@ -243,20 +251,20 @@ impl SlotPtr {
 
     /// The writer's second-chance sweep: whether a reader hit the object
     /// by key since the last sweep, clearing the mark (Relaxed: a hint).
-    pub fn take_touched(&self) -> bool {
+    pub(crate) fn take_touched(&self) -> bool {
         self.touched().load(Ordering::Relaxed) != 0
             && self.touched().swap(0, Ordering::Relaxed) != 0
     }
 
     /// Reader `i`'s acknowledged reads (relaxed, for inspection).
-    pub fn reads_relaxed(&self, i: u32) -> u32 {
+    pub(crate) fn reads_relaxed(&self, i: u32) -> u32 {
         self.reads(i).load(Ordering::Relaxed)
     }
 
     /// Counts one read in the slot's aggregate counter (`reads[0]`), from
     /// any reader, under a hazard on the slot (RMW: readers race on it;
     /// Release: the read happens before the writer's reuse).
-    pub fn acknowledge_aggregate(&self) {
+    pub(crate) fn acknowledge_aggregate(&self) {
         // Saturating: a hot object read 2^32 times must not look unread.
         let _ = self
             .reads(0)
@@ -270,7 +278,7 @@ impl SlotPtr {
     /// that sees the hazard gone. A word of another generation (a dead
     /// holder's) is replaced. RMWs: threads of one reader process may
     /// race here (the Python binding lets any thread drop a view).
-    pub fn hold(&self, i: u32, generation: u64) {
+    pub(crate) fn hold(&self, i: u32, generation: u64) {
         let w = self.hold_word(i);
         let mut cur = w.load(Ordering::Relaxed);
         loop {
@@ -287,7 +295,7 @@ impl SlotPtr {
     /// Gives one hold of reader `i` back (Release: this holder's reads of
     /// the payload happen before a writer that sees the count drop reuses
     /// the slot). The hold keeps the slot from reuse until this store.
-    pub fn unhold(&self, i: u32) {
+    pub(crate) fn unhold(&self, i: u32) {
         let _ = self
             .hold_word(i)
             .fetch_update(Ordering::Release, Ordering::Relaxed, |w| {
@@ -303,7 +311,7 @@ impl SlotPtr {
     /// on several threads at once (a guard owns its share of the reader and
     /// is `Send`), and none of their counts may be lost. Returns whether a
     /// read was counted.
-    pub fn acknowledge(&self, i: u32) -> bool {
+    pub(crate) fn acknowledge(&self, i: u32) -> bool {
         let refs = self
             .u32_at(offset_of!(SlotHeader, refs))
             .load(Ordering::Acquire);

@@ -80,18 +80,18 @@ const WAITERS: u32 = 0xff;
 /// memory, not in the segment: cancelling one process's wait never ends
 /// another process's.
 #[derive(Debug)]
-pub struct CancelFlag(AtomicBool);
+pub(crate) struct CancelFlag(AtomicBool);
 
 impl CancelFlag {
     /// Not cancelled.
-    pub fn new() -> CancelFlag {
+    pub(crate) fn new() -> CancelFlag {
         CancelFlag(AtomicBool::new(false))
     }
 
     /// Whether it is set. Relaxed: after an announce it is read behind
     /// the announce's SeqCst fence (the Dekker pair of the table); the
     /// looks at the start of a wait and while spinning are early outs.
-    pub fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
 }
@@ -105,7 +105,7 @@ impl Default for CancelFlag {
 /// The channel's shared words: a pointer into a mapping plus the
 /// validated geometry. Cheap to clone.
 #[derive(Clone, Debug)]
-pub struct ChannelPtr {
+pub(crate) struct ChannelPtr {
     geo: ChannelGeometry,
     base: *mut u8,
 }
@@ -120,7 +120,7 @@ impl ChannelPtr {
     ///    it are mapped, shared, readable and writable, and stay so while
     ///    this `ChannelPtr` or any clone of it is used.
     /// 2. `geo` was validated against that length.
-    pub unsafe fn new(base: *mut u8, geo: ChannelGeometry) -> ChannelPtr {
+    pub(crate) unsafe fn new(base: *mut u8, geo: ChannelGeometry) -> ChannelPtr {
         ChannelPtr { geo, base }
     }
 
@@ -173,7 +173,7 @@ impl ChannelPtr {
         unsafe { self.at(layout::reader_offset(i) + offset_of!(ReaderEntry, pid)) }
     }
     /// Byte offset of slot `idx` (its header) in the segment.
-    pub fn slot_offset(&self, idx: u32) -> usize {
+    pub(crate) fn slot_offset(&self, idx: u32) -> usize {
         assert!(idx < self.geo.slots, "slot index within the geometry");
         layout::header_len(self.geo.n_readers)
             + idx as usize * layout::slot_stride(self.geo.slot_size)
@@ -188,19 +188,19 @@ impl ChannelPtr {
     }
 
     /// Start of slot `idx`'s payload (`slot_size` bytes, 64-aligned).
-    pub fn payload(&self, idx: u32) -> *mut u8 {
+    pub(crate) fn payload(&self, idx: u32) -> *mut u8 {
         let off = self.slot_offset(idx) + size_of::<SlotHeader>();
         // SAFETY: in bounds: the slot's payload lies inside the mapping.
         unsafe { self.base.add(off) }
     }
 
     /// Records reader `i`'s pid (informational).
-    pub fn set_pid(&self, i: u32, pid: u32) {
+    pub(crate) fn set_pid(&self, i: u32, pid: u32) {
         self.pid_word(i).store(pid, Ordering::Relaxed);
     }
 
     /// Reader `i`'s recorded pid.
-    pub fn pid(&self, i: u32) -> u32 {
+    pub(crate) fn pid(&self, i: u32) -> u32 {
         self.pid_word(i).load(Ordering::Relaxed)
     }
 }
@@ -254,7 +254,7 @@ impl ChannelPtr {
 
 impl ChannelPtr {
     /// The process-local geometry.
-    pub fn geometry(&self) -> ChannelGeometry {
+    pub(crate) fn geometry(&self) -> ChannelGeometry {
         self.geo
     }
 
@@ -262,14 +262,14 @@ impl ChannelPtr {
 
     /// Stamps slot `idx` with message `seq` of `len` bytes (the payload is
     /// written already); published by [`ChannelPtr::publish`].
-    pub fn stamp_slot(&self, idx: u32, seq: u64, len: u64) {
+    pub(crate) fn stamp_slot(&self, idx: u32, seq: u64, len: u64) {
         self.slot_len(idx).store(len, Ordering::Relaxed);
         self.slot_seq(idx).store(seq, Ordering::Relaxed);
     }
 
     /// Publishes messages `..count` (Release: their slots are visible to a
     /// reader that sees it), then wakes sleeping readers if there are any.
-    pub fn publish(&self, count: u64) {
+    pub(crate) fn publish(&self, count: u64) {
         self.write_seq().store(count, Ordering::Release);
         fence(Ordering::SeqCst);
         self.notify(self.msg_event(), i32::MAX);
@@ -277,7 +277,7 @@ impl ChannelPtr {
 
     /// Cancels the waits of the reader that owns `flag`: sets it, then
     /// wakes the readers sleeping on `msg_event` (see "Cancel" above).
-    pub fn cancel_reader(&self, flag: &CancelFlag) {
+    pub(crate) fn cancel_reader(&self, flag: &CancelFlag) {
         flag.0.store(true, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         self.notify(self.msg_event(), i32::MAX);
@@ -285,14 +285,14 @@ impl ChannelPtr {
 
     /// Cancels the waits of the writer (which owns `flag`): sets it, then
     /// wakes the writer if it sleeps on `slot_event`.
-    pub fn cancel_writer(&self, flag: &CancelFlag) {
+    pub(crate) fn cancel_writer(&self, flag: &CancelFlag) {
         flag.0.store(true, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         self.notify(self.slot_event(), 1);
     }
 
     /// Marks the channel closed and wakes every reader.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed().store(1, Ordering::Release);
         fence(Ordering::SeqCst);
         self.notify(self.msg_event(), i32::MAX);
@@ -353,24 +353,24 @@ impl ChannelPtr {
     /// Fence before a scan of the reader table: pairs with the attaching
     /// reader's fence (already run by the last `publish`, but a writer
     /// that has sent nothing yet needs it too).
-    pub fn scan_fence(&self) {
+    pub(crate) fn scan_fence(&self) {
         fence(Ordering::SeqCst);
     }
 
     /// Reader `i`'s state word (Acquire; after [`ChannelPtr::scan_fence`]).
-    pub fn state_word(&self, i: u32) -> u64 {
+    pub(crate) fn state_word(&self, i: u32) -> u64 {
         self.state(i).load(Ordering::Acquire)
     }
 
     /// Reader `i`'s release mark (Acquire: its reads of the slots below
     /// happen before the writer rewrites them).
-    pub fn released_mark(&self, i: u32) -> u64 {
+    pub(crate) fn released_mark(&self, i: u32) -> u64 {
         self.released(i).load(Ordering::Acquire)
     }
 
     /// Marks reader `i` LEFT if its word is still exactly `word` (same
     /// generation, ATTACHED): a reader that re-attached meanwhile is safe.
-    pub fn reap(&self, i: u32, word: u64) -> bool {
+    pub(crate) fn reap(&self, i: u32, word: u64) -> bool {
         let left = reader_state::word(reader_state::generation(word), reader_state::LEFT);
         self.state(i)
             .compare_exchange(word, left, Ordering::AcqRel, Ordering::Relaxed)
@@ -380,29 +380,29 @@ impl ChannelPtr {
     /// Announces the writer as a sleeper on `slot_event`; returns its
     /// registration. The caller re-checks its condition before
     /// [`ChannelPtr::writer_sleep`].
-    pub fn writer_announce(&self) -> u32 {
+    pub(crate) fn writer_announce(&self) -> u32 {
         self.announce(self.slot_event())
     }
 
     /// Sleeps unless a reader woke the writer since `reg`.
-    pub fn writer_sleep(&self, reg: u32, timeout: Option<Duration>) {
+    pub(crate) fn writer_sleep(&self, reg: u32, timeout: Option<Duration>) {
         self.sleep_on(self.slot_event(), reg, timeout);
     }
 
     /// Withdraws the writer's registration if no reader consumed it.
-    pub fn writer_awake(&self, reg: u32) {
+    pub(crate) fn writer_awake(&self, reg: u32) {
         self.withdraw(self.slot_event(), reg);
     }
 
     // ---- reader ----
 
     /// Messages published (Acquire: pairs with [`ChannelPtr::publish`]).
-    pub fn published(&self) -> u64 {
+    pub(crate) fn published(&self) -> u64 {
         self.write_seq().load(Ordering::Acquire)
     }
 
     /// Slot `idx`'s sequence number and length (after [`ChannelPtr::published`]).
-    pub fn slot_meta(&self, idx: u32) -> (u64, u64) {
+    pub(crate) fn slot_meta(&self, idx: u32) -> (u64, u64) {
         (
             self.slot_seq(idx).load(Ordering::Relaxed),
             self.slot_len(idx).load(Ordering::Relaxed),
@@ -411,13 +411,13 @@ impl ChannelPtr {
 
     /// Whether the writer closed the channel (Acquire: a poll after this
     /// sees every message it sent).
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed().load(Ordering::Acquire) != 0
     }
 
     /// Publishes reader `i`'s release mark, then wakes the writer if it
     /// sleeps.
-    pub fn release(&self, i: u32, mark: u64) {
+    pub(crate) fn release(&self, i: u32, mark: u64) {
         self.released(i).store(mark, Ordering::Release);
         self.wake_writer_if_sleeping();
     }
@@ -429,23 +429,23 @@ impl ChannelPtr {
 
     /// Announces a sleeping reader on `msg_event`; returns its
     /// registration. The caller re-checks before [`ChannelPtr::reader_sleep`].
-    pub fn reader_announce(&self) -> u32 {
+    pub(crate) fn reader_announce(&self) -> u32 {
         self.announce(self.msg_event())
     }
 
     /// Sleeps unless the writer woke readers since `reg`.
-    pub fn reader_sleep(&self, reg: u32, timeout: Option<Duration>) {
+    pub(crate) fn reader_sleep(&self, reg: u32, timeout: Option<Duration>) {
         self.sleep_on(self.msg_event(), reg, timeout);
     }
 
     /// Withdraws a reader's registration if the writer did not consume it.
-    pub fn reader_awake(&self, reg: u32) {
+    pub(crate) fn reader_awake(&self, reg: u32) {
         self.withdraw(self.msg_event(), reg);
     }
 
     /// Claims entry `i` (the caller holds its liveness lock): the new
     /// state word and the first sequence number this reader receives.
-    pub fn claim(&self, i: u32) -> (u64, u64) {
+    pub(crate) fn claim(&self, i: u32) -> (u64, u64) {
         let mut word = self.state(i).load(Ordering::Acquire);
         loop {
             let gen = reader_state::next_generation(word);
@@ -485,7 +485,7 @@ impl ChannelPtr {
 
     /// Leaves entry `i` (state LEFT), then wakes the writer if it sleeps:
     /// it may have been waiting for this reader.
-    pub fn leave(&self, i: u32, word: u64) {
+    pub(crate) fn leave(&self, i: u32, word: u64) {
         let left = reader_state::word(reader_state::generation(word), reader_state::LEFT);
         self.state(i).store(left, Ordering::Release);
         self.wake_writer_if_sleeping();

@@ -23,13 +23,13 @@
 //! [`Error::WriterGone`](crate::Error::WriterGone), within about two
 //! periods (half a second).
 
-pub mod atomics;
+pub(crate) mod atomics;
 // The channel segment's layout sits with the store's, below both stacks.
 use crate::layout::channel as layout;
-pub mod reader;
-pub mod spin;
+pub(crate) mod reader;
+pub(crate) mod spin;
 mod validate;
-pub mod writer;
+pub(crate) mod writer;
 
 #[cfg(all(test, pinshm_loom))]
 mod loom_tests;
@@ -42,15 +42,15 @@ pub use writer::Broadcast;
 /// Longest a sleeping writer or reader sleeps before re-checking whether
 /// the other side is alive (a futex wait timeout; a wake ends it sooner),
 /// and how long an "alive" answer is trusted.
-pub const LIVENESS_RECHECK: Duration = Duration::from_millis(250);
+pub(crate) const LIVENESS_RECHECK: Duration = Duration::from_millis(250);
 
 /// Default longest spin before sleeping: long enough to bridge a reply that
 /// comes back within tens of µs (a round trip), far shorter than the gap
 /// between decode steps (5 ms), so a reader between steps sleeps at once.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// Longest spin a segment's header may ask its readers for.
-pub const MAX_SPIN: Duration = Duration::from_secs(1);
+pub(crate) const MAX_SPIN: Duration = Duration::from_secs(1);
 
 /// How to create a [`Broadcast`].
 #[derive(Debug, Clone)]

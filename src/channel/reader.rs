@@ -12,7 +12,7 @@ use super::LIVENESS_RECHECK;
 
 /// A received message: its sequence number, slot and length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Received {
+pub(crate) struct Received {
     /// Sequence number (0 for the channel's first message).
     pub seq: u64,
     /// Slot index.
@@ -23,7 +23,7 @@ pub struct Received {
 
 /// What a wait ended with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Recv {
+pub(crate) enum Recv {
     /// The next message.
     Message(Received),
     /// Nothing left: the writer closed or died, and every message it sent
@@ -38,7 +38,7 @@ pub enum Recv {
 /// Shared memory that contradicts the protocol (scribbled): which word,
 /// and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Corrupt {
+pub(crate) struct Corrupt {
     /// The word at fault.
     pub field: &'static str,
     /// What was expected and found.
@@ -48,7 +48,7 @@ pub struct Corrupt {
 /// A reader's side of the protocol; its position and release mark live in
 /// its own memory and are only ever written to shared memory.
 #[derive(Debug)]
-pub struct ReaderCore {
+pub(crate) struct ReaderCore {
     chan: ChannelPtr,
     index: u32,
     word: u64,
@@ -68,7 +68,7 @@ pub struct ReaderCore {
 /// advances the mark at once. Its mutex is held only for the few steps of
 /// a poll or a release, never across a wait.
 #[derive(Debug)]
-pub struct Releases {
+pub(crate) struct Releases {
     chan: ChannelPtr,
     index: u32,
     marks: Mutex<Marks>,
@@ -100,7 +100,7 @@ impl Releases {
 
     /// Releases message `seq` (received, not yet released). The mark
     /// advances over every message released so far in order.
-    pub fn release(&self, seq: u64) {
+    pub(crate) fn release(&self, seq: u64) {
         let mut m = self.marks();
         let Some(k) = seq
             .checked_sub(m.released)
@@ -126,7 +126,7 @@ impl Releases {
 
 impl ReaderCore {
     /// Claims entry `index`; the caller holds its liveness lock.
-    pub fn claim(chan: ChannelPtr, index: u32) -> ReaderCore {
+    pub(crate) fn claim(chan: ChannelPtr, index: u32) -> ReaderCore {
         let (word, start) = chan.claim(index);
         let slots = chan.geometry().slots as u64;
         ReaderCore {
@@ -149,32 +149,32 @@ impl ReaderCore {
 
     /// The flag that cancels this reader's waits (set it through
     /// [`ChannelPtr::cancel_reader`], which also wakes the reader).
-    pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
+    pub(crate) fn cancel_flag(&self) -> &Arc<CancelFlag> {
         &self.cancel
     }
 
     /// The shared words.
-    pub fn chan(&self) -> &ChannelPtr {
+    pub(crate) fn chan(&self) -> &ChannelPtr {
         &self.chan
     }
 
     /// The entry index.
-    pub fn index(&self) -> u32 {
+    pub(crate) fn index(&self) -> u32 {
         self.index
     }
 
     /// Messages received and not yet released.
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         self.releases.marks().outstanding.len()
     }
 
     /// The release side, for the messages received (see [`Releases`]).
-    pub fn releases(&self) -> &Arc<Releases> {
+    pub(crate) fn releases(&self) -> &Arc<Releases> {
         &self.releases
     }
 
     /// The next message, if one is published.
-    pub fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
+    pub(crate) fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
         let published = self.chan.published();
         if published <= self.next {
             if published < self.next {
@@ -227,7 +227,7 @@ impl ReaderCore {
     /// (the shell also refuses to start a wait once cancelled).
     // The loom models' entry; the shell plans its waits.
     #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
-    pub fn wait(
+    pub(crate) fn wait(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
@@ -242,7 +242,7 @@ impl ReaderCore {
     /// announce, re-check, sleep steps) with a timeout at `wake`, and spin
     /// from there until `until`; then sleep untimed. Says when the message
     /// came, and how late the timed sleep woke.
-    pub fn wait_planned(
+    pub(crate) fn wait_planned(
         &mut self,
         deadline: Option<Instant>,
         plan: WaitPlan,
@@ -365,14 +365,14 @@ impl ReaderCore {
     /// [`Releases::release`].
     // The loom models' entry; the shell's messages release directly.
     #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
-    pub fn release(&mut self, seq: u64) {
+    pub(crate) fn release(&mut self, seq: u64) {
         self.releases.release(seq);
     }
 
     /// Leaves the entry (not expected any more).
     // The loom models' entry; the shell leaves with its last message.
     #[cfg_attr(not(all(test, pinshm_loom)), allow(dead_code))]
-    pub fn leave(&self) {
+    pub(crate) fn leave(&self) {
         self.chan.leave(self.index, self.word);
     }
 }

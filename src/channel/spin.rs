@@ -54,7 +54,7 @@ const TIMER_SLACK: Duration = Duration::from_micros(50);
 /// waiting in short steps (the Python binding checks for signals every
 /// 100 ms) stops spinning after the first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SpinPolicy {
+pub(crate) struct SpinPolicy {
     cap: Duration,
     estimate: Duration,
     rhythm: Rhythm,
@@ -90,7 +90,7 @@ impl Rhythm {
 
 /// How one receive waits ([`SpinPolicy::plan`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WaitPlan {
+pub(crate) struct WaitPlan {
     /// Spin at once for this long.
     pub spin: Duration,
     /// Then, if set, `(wake, until)`: sleep on the futex until `wake`
@@ -100,14 +100,14 @@ pub struct WaitPlan {
 
 impl WaitPlan {
     /// Spin for `spin`, then sleep.
-    pub fn spin(spin: Duration) -> WaitPlan {
+    pub(crate) fn spin(spin: Duration) -> WaitPlan {
         WaitPlan { spin, window: None }
     }
 }
 
 /// When in its wait a receive got its message.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Caught {
+pub(crate) enum Caught {
     /// It was there already.
     #[default]
     Ready,
@@ -123,7 +123,7 @@ pub enum Caught {
 
 /// What a wait saw, for [`SpinPolicy::learn`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WaitTrace {
+pub(crate) struct WaitTrace {
     /// A timed sleep to the window's start woke this late (it ran to its
     /// end, no message came during it).
     pub overshoot: Option<Duration>,
@@ -138,7 +138,7 @@ impl SpinPolicy {
     /// Spin at most `cap` on short waits (zero: never spin), as long as
     /// recent waits say pays, and around the predicted arrival when
     /// messages come at a steady period.
-    pub fn new(cap: Duration) -> SpinPolicy {
+    pub(crate) fn new(cap: Duration) -> SpinPolicy {
         // At most MAX_SPIN, as a channel's configured spin is: deadlines
         // are `now + spin`, and a longer spin is a core spent, not a wait.
         let cap = cap.min(super::MAX_SPIN);
@@ -150,7 +150,7 @@ impl SpinPolicy {
     }
 
     /// How long the next receive spins at once before it sleeps.
-    pub fn window(&self) -> Duration {
+    pub(crate) fn window(&self) -> Duration {
         if self.cap.is_zero() || self.estimate > self.cap {
             return Duration::ZERO;
         }
@@ -158,7 +158,7 @@ impl SpinPolicy {
     }
 
     /// The period learned, once trusted.
-    pub fn period(&self) -> Option<Duration> {
+    pub(crate) fn period(&self) -> Option<Duration> {
         let r = &self.rhythm;
         let steady = !self.cap.is_zero()
             && r.last.is_some()
@@ -170,7 +170,7 @@ impl SpinPolicy {
 
     /// The predicted arrival and the spin window around it: `(wake,
     /// due, until)`, where the timed sleep ends at `wake`.
-    pub fn predicted(&self) -> Option<(Instant, Instant, Instant)> {
+    pub(crate) fn predicted(&self) -> Option<(Instant, Instant, Instant)> {
         let period = self.period()?;
         let r = &self.rhythm;
         let due = r.last? + period;
@@ -182,7 +182,7 @@ impl SpinPolicy {
     }
 
     /// How a receive that starts at `now` waits.
-    pub fn plan(&self, now: Instant) -> WaitPlan {
+    pub(crate) fn plan(&self, now: Instant) -> WaitPlan {
         let spin = self.window();
         if !spin.is_zero() {
             return WaitPlan::spin(spin);
@@ -204,7 +204,7 @@ impl SpinPolicy {
     /// overshoot less the timer's slack): its arrival is put that much
     /// earlier, or a late sighting would push the next prediction late, the
     /// next message would come before the window, and so on.
-    pub fn learn(&mut self, start: Instant, now: Instant, trace: WaitTrace) {
+    pub(crate) fn learn(&mut self, start: Instant, now: Instant, trace: WaitTrace) {
         self.waited(now.saturating_duration_since(start));
         if let Some(o) = trace.overshoot {
             self.overslept(o);
@@ -219,14 +219,14 @@ impl SpinPolicy {
 
     /// How late a sleeping reader sees a message, as learned: a timed
     /// wake-up's overshoot less the timer's slack.
-    pub fn wake_latency(&self) -> Duration {
+    pub(crate) fn wake_latency(&self) -> Duration {
         self.rhythm.overshoot.saturating_sub(TIMER_SLACK)
     }
 
     /// A receive waited `waited` for its message. A wait longer than the
     /// cap says the gaps are long: no short spin until shorter waits bring
     /// the average back under the cap (three of them, from a long wait).
-    pub fn waited(&mut self, waited: Duration) {
+    pub(crate) fn waited(&mut self, waited: Duration) {
         if waited > self.cap {
             self.estimate = self.cap * 2;
         } else {
@@ -235,7 +235,7 @@ impl SpinPolicy {
     }
 
     /// A message arrived at `at` (its receive returned).
-    pub fn arrived(&mut self, at: Instant) {
+    pub(crate) fn arrived(&mut self, at: Instant) {
         let r = &mut self.rhythm;
         let Some(gap) = r.last.replace(at).map(|l| at.saturating_duration_since(l)) else {
             return;
@@ -267,7 +267,7 @@ impl SpinPolicy {
     }
 
     /// A timed sleep meant to end at the window's start woke `by` late.
-    pub fn overslept(&mut self, by: Duration) {
+    pub(crate) fn overslept(&mut self, by: Duration) {
         let r = &mut self.rhythm;
         let by = by.min(MAX_OVERSHOOT);
         r.overshoot_dev = ewma(r.overshoot_dev, by.abs_diff(r.overshoot), 4);
@@ -276,7 +276,7 @@ impl SpinPolicy {
 
     /// A receive gave up at `now` (timed out): a long wait; if the
     /// predicted window had passed with no message, the rhythm is broken.
-    pub fn timed_out(&mut self, now: Instant) {
+    pub(crate) fn timed_out(&mut self, now: Instant) {
         self.gave_up();
         if self.predicted().is_some_and(|(_, _, until)| now >= until) {
             self.forget();
@@ -285,12 +285,12 @@ impl SpinPolicy {
 
     /// A receive gave up (timed out, or was cancelled): a long wait, and
     /// no prediction until a new streak.
-    pub fn gave_up(&mut self) {
+    pub(crate) fn gave_up(&mut self) {
         self.estimate = self.cap * 2;
     }
 
     /// Forgets the period (what was learned of the timer stays).
-    pub fn forget(&mut self) {
+    pub(crate) fn forget(&mut self) {
         let r = &mut self.rhythm;
         *r = Rhythm {
             overshoot: r.overshoot,

@@ -11,7 +11,7 @@ use crate::layout::reader_state;
 
 /// Why [`WriterCore::wait_slot`] returned without a free slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Blocked {
+pub(crate) enum Blocked {
     /// The deadline passed; the readers still in the way.
     TimedOut(Vec<u32>),
     /// The writer's [`CancelFlag`] is set (a `Canceller` was used).
@@ -21,7 +21,7 @@ pub enum Blocked {
 /// The writer's side of the protocol: its own position (never read back
 /// from shared memory) and a cached lower bound of the readers' marks.
 #[derive(Debug)]
-pub struct WriterCore {
+pub(crate) struct WriterCore {
     chan: ChannelPtr,
     /// Sequence number of the next message.
     next: u64,
@@ -36,7 +36,7 @@ pub struct WriterCore {
 
 impl WriterCore {
     /// A writer at the start of a fresh channel.
-    pub fn new(chan: ChannelPtr) -> WriterCore {
+    pub(crate) fn new(chan: ChannelPtr) -> WriterCore {
         WriterCore {
             chan,
             next: 0,
@@ -48,22 +48,22 @@ impl WriterCore {
 
     /// The flag that cancels this writer's waits (set it through
     /// [`ChannelPtr::cancel_writer`], which also wakes the writer).
-    pub fn cancel_flag(&self) -> &Arc<CancelFlag> {
+    pub(crate) fn cancel_flag(&self) -> &Arc<CancelFlag> {
         &self.cancel
     }
 
     /// The shared words.
-    pub fn chan(&self) -> &ChannelPtr {
+    pub(crate) fn chan(&self) -> &ChannelPtr {
         &self.chan
     }
 
     /// Messages sent so far.
-    pub fn sent(&self) -> u64 {
+    pub(crate) fn sent(&self) -> u64 {
         self.next
     }
 
     /// The slot the next message goes to.
-    pub fn slot(&self) -> u32 {
+    pub(crate) fn slot(&self) -> u32 {
         self.idx
     }
 
@@ -98,7 +98,7 @@ impl WriterCore {
 
     /// The expected readers that still hold the next message's slot (none
     /// when it is free): who a waiting writer waits for.
-    pub fn blockers(&mut self) -> Vec<u32> {
+    pub(crate) fn blockers(&mut self) -> Vec<u32> {
         let mut b = Vec::new();
         self.scan(Some(&mut b));
         b.into_iter().map(|(i, _)| i).collect()
@@ -111,7 +111,7 @@ impl WriterCore {
     /// readers still in the way then), or the cancel flag is set (seen
     /// before it sleeps; the shell also refuses to start a wait once
     /// cancelled).
-    pub fn wait_slot(
+    pub(crate) fn wait_slot(
         &mut self,
         deadline: Option<Instant>,
         spin: Duration,
@@ -179,7 +179,7 @@ impl WriterCore {
     }
 
     /// Publishes the message whose payload was written into [`Self::slot`].
-    pub fn commit(&mut self, len: u64) {
+    pub(crate) fn commit(&mut self, len: u64) {
         self.chan.stamp_slot(self.idx, self.next, len);
         self.next += 1;
         self.idx += 1;

@@ -170,7 +170,7 @@ fn open_spare() -> RawFd {
 
 /// This process's fork generation, registering the handlers on first use
 /// (call it before any handle exists, then compare with [`current`]).
-pub fn register() -> u64 {
+pub(crate) fn register() -> u64 {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // SAFETY: the handlers are `extern "C" fn()`s that live forever and
@@ -190,23 +190,23 @@ pub fn register() -> u64 {
 
 /// The fork generation now: differs from [`register`]'s answer in a
 /// process forked since.
-pub fn current() -> u64 {
+pub(crate) fn current() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }
 
 /// A registration: what [`Held::forget`] takes back.
 #[derive(Debug)]
-pub struct Token(u64);
+pub(crate) struct Token(u64);
 
 /// The registry, locked: no fork happens while it lives. Open, map, unmap
 /// and close a segment's descriptor and mappings while holding it, so a
 /// child never inherits one that is not listed.
-pub struct Held(());
+pub(crate) struct Held(());
 
 /// Locks the registry (registering the fork handlers first), with room
 /// for one more entry: nothing allocates under the lock (an allocator's own
 /// fork handler may take its lock after ours is taken).
-pub fn hold() -> Held {
+pub(crate) fn hold() -> Held {
     register();
     loop {
         lock();
@@ -242,13 +242,13 @@ impl Held {
     }
 
     /// Lists descriptor `fd`: a forked child's copy of it is replaced.
-    pub fn add_fd(&mut self, fd: RawFd) -> Token {
+    pub(crate) fn add_fd(&mut self, fd: RawFd) -> Token {
         self.add(Inherited::Fd(fd))
     }
 
     /// Lists the mapping `ptr..ptr + len`: a forked child's copy of it is
     /// made inaccessible.
-    pub fn add_map(&mut self, ptr: *const u8, len: usize) -> Token {
+    pub(crate) fn add_map(&mut self, ptr: *const u8, len: usize) -> Token {
         self.add(Inherited::Map {
             addr: ptr as usize,
             len,
@@ -258,7 +258,7 @@ impl Held {
     /// Takes a registration back (before its descriptor closes or its
     /// mapping goes, under the same hold). A no-op in a forked child, whose
     /// list starts empty.
-    pub fn forget(&mut self, token: &Token) {
+    pub(crate) fn forget(&mut self, token: &Token) {
         // SAFETY: `self` proves the lock is held.
         let entries = unsafe { &mut *REGISTRY.entries.get() };
         if let Some(i) = entries.iter().position(|&(id, _)| id == token.0) {

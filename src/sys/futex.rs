@@ -18,7 +18,7 @@ use nix::libc;
 /// Sleeps while `*word == expected`, for at most `timeout` (`None`: until
 /// woken). Returns on a wake, a timeout, a signal, or at once if the word
 /// already differs: callers re-check their condition in every case.
-pub fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
     let ts = timeout.map(|d| libc::timespec {
         tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,
@@ -52,7 +52,7 @@ pub fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
 }
 
 /// Wakes up to `n` sleepers of `word`; returns how many were woken.
-pub fn wake(word: &AtomicU32, n: i32) -> usize {
+pub(crate) fn wake(word: &AtomicU32, n: i32) -> usize {
     // SAFETY: `word` is a live, 4-aligned u32; FUTEX_WAKE does not access
     // the memory (it only hashes its address). Other arguments are ignored.
     let r = unsafe {

@@ -27,13 +27,13 @@ use nix::libc;
 
 /// First lock byte: far beyond any data (locks need no backing bytes), so
 /// lock ranges never mean anything about the mapping's contents.
-pub const LOCK_BASE: i64 = 1 << 62;
+pub(crate) const LOCK_BASE: i64 = 1 << 62;
 
 /// The writer's lock slot.
-pub const WRITER_SLOT: u32 = 0;
+pub(crate) const WRITER_SLOT: u32 = 0;
 
 /// Reader `i`'s lock slot.
-pub const fn reader_slot(i: u32) -> u32 {
+pub(crate) const fn reader_slot(i: u32) -> u32 {
     1 + i
 }
 
@@ -50,7 +50,7 @@ fn flock(kind: libc::c_int, slot: u32) -> libc::flock {
 
 /// Takes the lock of `slot` for this open file description. `Ok(false)`: a
 /// different description (a live process) holds it.
-pub fn try_lock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<bool> {
+pub(crate) fn try_lock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<bool> {
     let fl = flock(libc::F_WRLCK, slot);
     match fcntl(fd.as_raw_fd(), FcntlArg::F_OFD_SETLK(&fl)) {
         Ok(_) => Ok(true),
@@ -60,7 +60,7 @@ pub fn try_lock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<bool> {
 }
 
 /// Gives up the lock of `slot` (closing the descriptor does it too).
-pub fn unlock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<()> {
+pub(crate) fn unlock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<()> {
     let fl = flock(libc::F_UNLCK, slot);
     fcntl(fd.as_raw_fd(), FcntlArg::F_OFD_SETLK(&fl)).map(drop)
 }
@@ -68,7 +68,7 @@ pub fn unlock(fd: BorrowedFd<'_>, slot: u32) -> nix::Result<()> {
 /// Whether another open file description holds the lock of `slot`: whether
 /// its holder is alive. Fails closed: anything but the kernel's "unlocked"
 /// counts as held.
-pub fn held_by_other(fd: BorrowedFd<'_>, slot: u32) -> bool {
+pub(crate) fn held_by_other(fd: BorrowedFd<'_>, slot: u32) -> bool {
     // Asking about a read lock works through a read-only descriptor too (the
     // inspector's) and conflicts with the holders' write locks.
     let mut fl = flock(libc::F_RDLCK, slot);

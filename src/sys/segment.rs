@@ -21,7 +21,7 @@ use crate::sys::{fork, liveness};
 
 /// A mapped shared-memory object.
 #[derive(Debug)]
-pub struct Segment {
+pub(crate) struct Segment {
     name: String,
     map: Listed<MmapRaw>,
     /// Our own open file description: its liveness locks live as long as
@@ -45,7 +45,7 @@ unsafe impl Sync for Segment {}
 
 /// Checks a user-given segment name and turns it into the POSIX form
 /// (`/name`).
-pub fn posix_name(name: &str) -> Result<String> {
+pub(crate) fn posix_name(name: &str) -> Result<String> {
     let bare = name.strip_prefix('/').unwrap_or(name);
     if bare.is_empty() || bare.len() > 250 || bare.contains('/') || bare.contains('\0') {
         return Err(Error::InvalidName {
@@ -57,7 +57,7 @@ pub fn posix_name(name: &str) -> Result<String> {
 
 /// A name no other live segment has: pid, a process-wide counter, time,
 /// and random bits (pids repeat across PID namespaces sharing /dev/shm).
-pub fn unique_name() -> String {
+pub(crate) fn unique_name() -> String {
     use std::hash::{BuildHasher, Hasher};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -88,7 +88,7 @@ impl Segment {
     /// Creates `name` exclusively with `len` bytes, reserves the memory
     /// (so a too-small /dev/shm fails here, not with SIGBUS later) and maps
     /// it, pre-faulting every page when `prefault` is set.
-    pub fn create(name: &str, len: usize, prefault: bool, reserve_pages: bool) -> Result<Segment> {
+    fn create(name: &str, len: usize, prefault: bool, reserve_pages: bool) -> Result<Segment> {
         let pname = posix_name(name)?;
         let file = Listed::file(|| {
             shm_open(
@@ -120,7 +120,7 @@ impl Segment {
     }
 
     /// Opens an existing segment and maps all of it.
-    pub fn open(name: &str, prefault: bool) -> Result<Segment> {
+    pub(crate) fn open(name: &str, prefault: bool) -> Result<Segment> {
         let (pname, file, len) = open_file(name, OFlag::O_RDWR)?;
         let map = map(&file, len, prefault, name)?;
         Ok(Segment {
@@ -133,7 +133,7 @@ impl Segment {
     }
 
     /// Opens an existing segment read-only (for inspection: loads only).
-    pub fn open_read_only(name: &str) -> Result<Segment> {
+    pub(crate) fn open_read_only(name: &str) -> Result<Segment> {
         let (pname, file, len) = open_file(name, OFlag::O_RDONLY)?;
         let map =
             Listed::map(|| MmapOptions::new().len(len).map_raw_read_only(&*file)).map_err(|e| {
@@ -155,7 +155,7 @@ impl Segment {
     /// A second mapping of the whole segment, read-only (the same pages):
     /// payload views handed out through it fault on a write instead of
     /// changing bytes other processes read.
-    pub fn map_read_only(&self) -> Result<ReadOnlyMap> {
+    pub(crate) fn map_read_only(&self) -> Result<ReadOnlyMap> {
         Listed::map(|| {
             MmapOptions::new()
                 .len(self.len())
@@ -173,7 +173,7 @@ impl Segment {
     /// reserved it with `posix_fallocate`, or it has since been written
     /// throughout): `st_blocks` covers `st_size`. A sparse segment says
     /// false. Answers false where it cannot tell.
-    pub fn is_reserved(&self) -> bool {
+    pub(crate) fn is_reserved(&self) -> bool {
         use std::os::unix::fs::MetadataExt;
         self.file
             .metadata()
@@ -185,7 +185,7 @@ impl Segment {
     /// map time: read faults, as for any shared mapping), for a mapping made
     /// without it. `MADV_POPULATE_READ` (Linux 5.14); on older kernels one
     /// relaxed atomic load per page.
-    pub fn prefault(&self) {
+    pub(crate) fn prefault(&self) {
         // SAFETY: our own live mapping, whole.
         unsafe { populate(self.as_ptr(), self.len()) };
     }
@@ -194,13 +194,13 @@ impl Segment {
     /// (`fallocate`, mode 0: on tmpfs this takes the pages from /dev/shm
     /// now, or fails with `ENOSPC`), so writing them later can never raise
     /// SIGBUS. Pages already allocated are left as they are.
-    pub fn back(&self, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn back(&self, offset: u64, len: u64) -> Result<()> {
         self.allocate_pages(offset, len).map(|_| ())
     }
 
     /// As [`Segment::back`]; `Ok(false)` where the filesystem has no
     /// `fallocate` (nothing was allocated: writes fault pages in).
-    pub fn allocate_pages(&self, offset: u64, len: u64) -> Result<bool> {
+    pub(crate) fn allocate_pages(&self, offset: u64, len: u64) -> Result<bool> {
         if len == 0 {
             return Ok(true);
         }
@@ -237,7 +237,7 @@ impl Segment {
     /// maps a shared tmpfs page writable too). Changes no byte. Only for
     /// pages already allocated ([`Segment::allocate_pages`]): the
     /// fallback's loads on a hole of a full /dev/shm would raise SIGBUS.
-    pub fn map_pages(&self, offset: u64, len: u64) {
+    pub(crate) fn map_pages(&self, offset: u64, len: u64) {
         let page = page_size() as u64;
         let start = offset.next_multiple_of(page);
         let end = offset.saturating_add(len).min(self.len() as u64) / page * page;
@@ -259,23 +259,23 @@ impl Segment {
     }
 
     /// Start of the mapping (page aligned).
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
     }
 
     /// Bytes mapped.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     /// The name without its leading `/`.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name[1..]
     }
 
     /// Unlinks the name now if this handle created it (and not again at
     /// drop); the mapping stays valid.
-    pub fn unlink_now(&self) {
+    pub(crate) fn unlink_now(&self) {
         if fork::current() != self.fork_gen {
             return; // a forked child's copy: the name is the parent's
         }
@@ -288,7 +288,7 @@ impl Segment {
 
     /// Whether the name still refers to this segment's file (not to a newer
     /// segment that replaced it, nor to nothing).
-    pub fn is_still_named(&self) -> bool {
+    pub(crate) fn is_still_named(&self) -> bool {
         let path = format!("/dev/shm{}", self.name);
         match (
             nix::sys::stat::stat(path.as_str()),
@@ -301,13 +301,13 @@ impl Segment {
 
     /// Takes liveness lock `slot` for this segment handle; `Ok(false)` if a
     /// live holder has it.
-    pub fn try_lock(&self, slot: u32) -> Result<bool> {
+    pub(crate) fn try_lock(&self, slot: u32) -> Result<bool> {
         liveness::try_lock(self.file.as_fd(), slot)
             .map_err(|e| sys_err("fcntl(F_OFD_SETLK)", self.name(), e))
     }
 
     /// Gives liveness lock `slot` back (closing the segment does too).
-    pub fn unlock(&self, slot: u32) {
+    pub(crate) fn unlock(&self, slot: u32) {
         if let Err(e) = liveness::unlock(self.file.as_fd(), slot) {
             tracing::debug!(name = self.name(), slot, %e, "unlock failed; it goes at close");
         }
@@ -315,14 +315,14 @@ impl Segment {
 
     /// Whether another handle (a live process) holds liveness lock `slot`.
     /// Fails closed: "cannot tell" is "alive".
-    pub fn held_by_other(&self, slot: u32) -> bool {
+    pub(crate) fn held_by_other(&self, slot: u32) -> bool {
         liveness::held_by_other(self.file.as_fd(), slot)
     }
 }
 
 impl Segment {
     /// Removes a segment's name from /dev/shm (mappings stay valid).
-    pub fn unlink(name: &str) -> Result<()> {
+    pub(crate) fn unlink(name: &str) -> Result<()> {
         let pname = posix_name(name)?;
         shm_unlink(pname.as_str()).map_err(|e| match e {
             Errno::ENOENT => Error::NotFound {
@@ -342,7 +342,7 @@ impl Segment {
     /// what it is not). Several
     /// processes may replace the same dead segment at once: exactly one
     /// creates the name anew, the others get `InUse`.
-    pub fn create_replacing(
+    pub(crate) fn create_replacing(
         name: &str,
         len: usize,
         prefault: bool,
@@ -418,7 +418,7 @@ pub(crate) fn remove_if_abandoned(
 
 /// 64 random bits, for segment nonces (not for secrets: see the store's
 /// signing key, which comes from the OS's generator).
-pub fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(crate::sys::clock::monotonic_ns());
@@ -468,7 +468,7 @@ fn open_file(name: &str, flags: OFlag) -> Result<(String, Listed<File>, usize)> 
 /// A read-only mapping of a whole segment ([`Segment::map_read_only`]),
 /// unmapped on drop.
 #[derive(Debug)]
-pub struct ReadOnlyMap(Listed<MmapRaw>);
+pub(crate) struct ReadOnlyMap(Listed<MmapRaw>);
 
 // SAFETY: as `Segment`: raw pointers only, to memory only read through it.
 unsafe impl Send for ReadOnlyMap {}
@@ -477,7 +477,7 @@ unsafe impl Sync for ReadOnlyMap {}
 
 impl ReadOnlyMap {
     /// Start of the mapping (page aligned).
-    pub fn as_ptr(&self) -> *const u8 {
+    pub(crate) fn as_ptr(&self) -> *const u8 {
         self.0.as_ptr()
     }
 }
@@ -496,7 +496,7 @@ impl ReadOnlyMap {
 /// A channel's is not: its slots are as large as its largest message, and
 /// a small message touches the start of its slot only.
 #[derive(Debug)]
-pub struct Backing {
+pub(crate) struct Backing {
     /// Bit i: chunk i (of [`Backing::CHUNK`] bytes) is backed.
     bits: Vec<u64>,
     len: u64,
@@ -516,10 +516,10 @@ impl Backing {
     /// Bytes per chunk: small enough that a sparse segment costs about what
     /// its data touches, large enough that a stream of small writes makes
     /// few syscalls.
-    pub const CHUNK: u64 = 64 << 10;
+    pub(crate) const CHUNK: u64 = 64 << 10;
 
     /// The chunks of a `len`-byte segment, all backed or none.
-    pub fn new(len: u64, backed: bool) -> Backing {
+    pub(crate) fn new(len: u64, backed: bool) -> Backing {
         let chunks = len.div_ceil(Self::CHUNK);
         let word = if backed { u64::MAX } else { 0 };
         Backing {
@@ -534,7 +534,7 @@ impl Backing {
 
     /// As [`Backing::new`], backed as a prefix: a write backs every byte
     /// below it as well, so what is backed is always `0..backed()`.
-    pub fn prefix(len: u64, backed: bool) -> Backing {
+    pub(crate) fn prefix(len: u64, backed: bool) -> Backing {
         Backing {
             contiguous: true,
             ..Backing::new(len, backed)
@@ -544,13 +544,13 @@ impl Backing {
     /// Backs new pages only while /dev/shm keeps `bytes` free afterwards
     /// (else `NoSpace`, as when it is full): one `statvfs` per run of new
     /// chunks, none once everything is backed.
-    pub fn headroom(mut self, bytes: u64) -> Backing {
+    pub(crate) fn headroom(mut self, bytes: u64) -> Backing {
         self.headroom = bytes;
         self
     }
 
     /// Bytes from the start of the file that are all backed.
-    pub fn backed(&self) -> u64 {
+    pub(crate) fn backed(&self) -> u64 {
         (self.leading * Self::CHUNK).min(self.len)
     }
 
@@ -558,7 +558,7 @@ impl Backing {
     /// backer that allocated those pages itself). For a prefix backing;
     /// only whole chunks count, and the last, partial one once `upto`
     /// reaches the end.
-    pub fn mark_prefix(&mut self, upto: u64) {
+    pub(crate) fn mark_prefix(&mut self, upto: u64) {
         let chunks = self.len.div_ceil(Self::CHUNK);
         let whole = if upto >= self.len {
             chunks
@@ -581,7 +581,7 @@ impl Backing {
     /// Backs whatever of `offset..offset + len` is not yet backed. On an
     /// error nothing is marked, so a later call tries again (once space
     /// is free).
-    pub fn ensure(&mut self, seg: &Segment, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn ensure(&mut self, seg: &Segment, offset: u64, len: u64) -> Result<()> {
         if len == 0 || self.unbacked == 0 {
             return Ok(());
         }
@@ -627,7 +627,7 @@ impl Backing {
 /// `headroom` bytes free (always, for a headroom of 0: the kernel's
 /// `ENOSPC` decides then); else the `NoSpace` error to report. One
 /// `statvfs`.
-pub fn check_headroom(seg: &Segment, bytes: u64, headroom: u64) -> Result<()> {
+pub(crate) fn check_headroom(seg: &Segment, bytes: u64, headroom: u64) -> Result<()> {
     if headroom == 0 {
         return Ok(());
     }
@@ -690,7 +690,7 @@ fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<Listed<Mma
 /// closed or unmapped, under the registry's lock, so a fork never sees it
 /// half listed.
 #[derive(Debug)]
-pub struct Listed<T> {
+pub(crate) struct Listed<T> {
     inner: ManuallyDrop<T>,
     token: fork::Token,
 }
@@ -766,7 +766,7 @@ fn page_size() -> usize {
 }
 
 /// Free bytes in /dev/shm, for error messages (0 if unknown).
-pub fn shm_free_bytes() -> u64 {
+pub(crate) fn shm_free_bytes() -> u64 {
     nix::sys::statvfs::statvfs("/dev/shm")
         .map(|s| s.blocks_available() * s.fragment_size())
         .unwrap_or(0)

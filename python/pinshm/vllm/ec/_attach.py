@@ -93,7 +93,7 @@ class NamedReader:
             reader = StoreReader.attach_by_name(self.name, pin=self._pin)
         except (OSError, PinshmError) as e:
             self.last_error = str(e)
-            self.no_entry = "reader slots are taken" in self.last_error
+            self.no_entry = "reader entries are taken" in self.last_error
             if not self._said_missing:
                 self._said_missing = True
                 logger.info("pinshm encoder cache: store %r not readable yet (%s); retrying", self.name, e)

@@ -26,6 +26,7 @@ CADENCE_S = 0.005
 
 def _reader(handle, n, out):
     from pinshm.vllm.queue import _encoding as enc
+    from pinshm.vllm.queue import _overflow as ov
     from pinshm.vllm.queue import MessageQueue
 
     stamps = []
@@ -37,13 +38,15 @@ def _reader(handle, n, out):
         stamps.append([time.monotonic_ns()])
         return v
 
-    def timed_loads_inline(data):
-        obj = loads_inline(data)
+    def timed_loads_inline(data, *a, **k):
+        obj = loads_inline(data, *a, **k)
         stamps[-1].append(time.monotonic_ns())
         return obj
 
     MessageQueue._recv_view = timed_recv_view
     enc.loads_inline = timed_loads_inline
+    # A message beyond a slot is decoded by the overflow reader, from the store.
+    ov.loads_inline = timed_loads_inline
     mq = MessageQueue.create_from_handle(handle, 0)
     mq.wait_until_ready()
     stamps.clear()

@@ -258,6 +258,35 @@ def r_mq_quick(data: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def r_mq_large(data: dict) -> str:
+    """Paired runs of bench_mq.py (`runs`: each a `before` and an `after`
+    run's --json output, cadence cells): per size and reader count, vLLM's
+    median / pinshm's in each run and their median, and the readers' CPU
+    (% of a core) after, pinshm's and vLLM's, as ranges over the runs."""
+    rows = [
+        f"| message | readers | before ({data['before_commit']}): vLLM/pinshm median, each run | median "
+        f"| after ({data['after_commit']}): each run | median | reader CPU after, pinshm | vLLM |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = data["runs"][0]["after"]
+    for mode, size, n, _, _ in _mq_cells(first):
+        key, cells = f"{mode} {size}", []
+        for side in ("before", "after"):
+            ratios = [
+                r[side][f"vllm {n}"]["phases"][key]["median"] / r[side][f"pinshm {n}"]["phases"][key]["median"]
+                for r in data["runs"]
+            ]
+            cells.append(" · ".join(f"{x:.2f}×" for x in ratios) + f" | {statistics.median(ratios):.2f}×")
+        cpu = [
+            [r["after"][f"{impl} {n}"]["phases"][key]["reader_cpu"] for r in data["runs"]] for impl in ("pinshm", "vllm")
+        ]
+        rows.append(
+            f"| {size_label(size)} | {n} | {cells[0]} | {cells[1]} | {min(cpu[0]):.1f}–{max(cpu[0]):.1f} % "
+            f"| {min(cpu[1]):.0f}–{max(cpu[1]):.0f} % |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def r_mq_headline(data: dict) -> str:
     """The README's rows from bench_mq.py: the ratio ranges by mode, the
     reader's CPU at the decode cadence, and the idle reader."""
@@ -410,4 +439,5 @@ RENDERERS = {
     "ec-save-load": r_ec_save_load,
     "py-bench": r_py_bench,
     "mq-headline": r_mq_headline,
+    "mq-large": r_mq_large,
 }

@@ -7,7 +7,13 @@ An inline message is::
     kind (u8) | n (u16) | n lengths (u32 each) | pickle | buffer 1 | ...
 
 all little-endian, gathered straight into the slot by the channel's
-``send_parts`` (no join on the writer's side).
+``send_parts`` (no join on the writer's side). A message larger than a
+slot is the same bytes, put as one object of the overflow store; its
+channel message (``STORED``) is::
+
+    kind (u8) | m (u32) | the store's handle, pickled (m bytes) | address, id, epoch (u64 each)
+
+the handle of the object last: no pickle to make or read per message.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ OOB_MIN_BYTES = 1 << 20
 
 # Message kinds (byte 0 of a channel message).
 INLINE = 0  #: the pickle and its buffers, in the message
-STORED = 1  #: handles of objects in the queue's overflow store
+STORED = 1  #: the handle of an object of the queue's overflow store (STORED_HEAD)
 READY = 2  #: wait_until_ready's probe
 PIECE = 3  #: a piece of an inline message too large for a slot (PIECE_HEAD)
 PIECE_HEAD = struct.Struct("<BQ")  # kind, the whole message's bytes
+STORED_HEAD = struct.Struct("<BI")  # kind, the pickled store handle's bytes
+STORED_REF = struct.Struct("<QQQ")  # the object's handle: address, id, epoch
+#: Where a stored message's out-of-band buffers start (from its first
+#: byte, itself at a multiple of this in the store): zero-copy arrays over
+#: them are aligned, as each was when it was an object of its own.
+STORED_ALIGN = 64
 
 _U16 = struct.Struct("<H")
 
@@ -101,32 +113,63 @@ def dumps(obj: Any, oob_min: int = OOB_MIN_BYTES) -> list[Any]:
     return bufs
 
 
-def inline_size(bufs: list[Any]) -> int:
-    """Bytes of the inline message of ``bufs``."""
-    return 3 + 4 * len(bufs) + sum(memoryview(b).nbytes for b in bufs)
+def _padding(off: int, align: int) -> int:
+    return -off % align
 
 
-def inline_parts(bufs: list[Any]) -> list[Any]:
+def inline_size(bufs: list[Any], align: int = 1) -> int:
+    """Bytes of the inline message of ``bufs`` (see :func:`inline_parts`
+    for `align`)."""
+    off = 3 + 4 * len(bufs)
+    for i, b in enumerate(bufs):
+        if i:
+            off += _padding(off, align)
+        off += memoryview(b).nbytes
+    return off
+
+
+def inline_parts(bufs: list[Any], align: int = 1) -> list[Any]:
     """The inline message of ``bufs`` as parts the channel gathers into
-    its slot: the head (kind, count, lengths), then the buffers."""
+    its slot: the head (kind, count, lengths), then the buffers. With
+    `align`, each out-of-band buffer starts at a multiple of it from the
+    message's first byte (zero bytes between): what a reader that keeps
+    views of them (:func:`loads_inline` with ``copy=False``) needs for
+    aligned arrays. Reader and writer must agree on it."""
     head = struct.pack(f"<BH{len(bufs)}I", INLINE, len(bufs), *(memoryview(b).nbytes for b in bufs))
-    return [head, *bufs]
+    if align == 1:
+        return [head, *bufs]
+    parts: list[Any] = [head]
+    off = len(head)
+    for i, b in enumerate(bufs):
+        pad = _padding(off, align) if i else 0
+        if pad:
+            parts.append(bytes(pad))
+        parts.append(b)
+        off += pad + memoryview(b).nbytes
+    return parts
 
 
-def loads_inline(data: Any) -> Any:
-    """The object of an inline message (bytes, or a view of the slot: the
-    pickle is read in place, each out-of-band buffer copied once into an
-    owned bytearray)."""
+def loads_inline(data: Any, copy: bool = True, align: int = 1) -> Any:
+    """The object of an inline message (bytes, or a view of the slot or of
+    a stored object: the pickle is read in place, each out-of-band buffer
+    copied once into an owned bytearray; with ``copy=False``, a view of
+    `data` instead, which keeps `data`'s export alive). `align`: as the
+    message was made with (:func:`inline_parts`)."""
     (n,) = _U16.unpack_from(data, 1)
     lens = struct.unpack_from(f"<{n}I", data, 3)
     off = 3 + 4 * n
-    oob = []
+    oob: list[Any] = []
     with memoryview(data) as mv, mv[off : off + lens[0]] as main:
         off += lens[0]
         for length in lens[1:]:
-            # Writable, and owned: the arrays may outlive the message.
-            with mv[off : off + length] as part:
-                oob.append(bytearray(part))
+            off += _padding(off, align)
+            if copy:
+                # Writable, and owned: the arrays may outlive the message.
+                with mv[off : off + length] as part:
+                    oob.append(bytearray(part))
+            else:
+                # A slice outlives `mv`'s release: it holds the export.
+                oob.append(mv[off : off + length])
             off += length
         # Released on the way out, raise or not: an exception's frames
         # must not keep the slot.

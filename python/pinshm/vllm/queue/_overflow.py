@@ -1,8 +1,12 @@
 """The queue's overflow store: messages that do not fit a chunk.
 
-The writer puts a message's pickle and each of its out-of-band buffers as
-objects of a pinshm store it owns, and sends their handles through the
-channel (a ``STORED`` message); each reader reads them from the store.
+The writer puts a message's inline encoding (:mod:`._encoding`: the
+pickle and its out-of-band buffers, each buffer 64-byte aligned) as one object of a pinshm store it
+owns, gathered straight from the buffers, and sends its handle through the
+channel (a ``STORED`` message: the store's handle, pickled once per store,
+and the object's three numbers); each reader decodes it in place from the
+store, as it decodes a slot. Per message, then, one put, one read, one
+copy each side, and no pickle of handles.
 Messages come in order, so a store is replaced (by one of the power of
 two at or above twice the message that did not fit) without a handshake:
 a reader that gets a handle of the new store is done with the old one.
@@ -28,7 +32,7 @@ import pinshm
 
 from .. import _budget
 from .._tracker import Tracked
-from ._encoding import STORED
+from ._encoding import STORED, STORED_ALIGN, STORED_HEAD, STORED_REF, inline_parts, inline_size, loads_inline
 from ._wait import Wait
 
 
@@ -47,6 +51,12 @@ class OverflowWriter:
         # its objects no reader will ever read (a message never sent).
         self._retired: list[tuple[Any, int]] = []
         self._seq = 0
+        # The STORED message's head for the current store: the kind and
+        # the store's handle, pickled once.
+        self._head = b""
+        # Objects put in the current store that free_unused has not yet
+        # reported reclaimed: never fewer than the store holds.
+        self._unreclaimed = 0
         self._tracked = tracked
 
     def send(
@@ -56,33 +66,35 @@ class OverflowWriter:
         send_ref: Callable[[bytes], None],
         cancelled: Callable[[], bool],
     ) -> None:
-        """Puts `bufs` (the pickle, then its buffers) and sends the
-        handles with `send_ref`; waits while the store is full of unread
-        objects, until `deadline` or until `cancelled()`."""
+        """Puts the inline encoding of `bufs` (the pickle, then its
+        buffers) as one object and sends its handle with `send_ref`; waits
+        while the store is full of unread objects, until `deadline` or
+        until `cancelled()`."""
         if cancelled():
             # After shutdown() nothing goes in: a put would only fill, or
             # make, a store no reader will read.
             raise RuntimeError("cancelled")
-        sizes = [memoryview(b).nbytes for b in bufs]
-        store = self._store_for(sizes)
-        seq = self._seq
+        store = self._store_for(inline_size(bufs, STORED_ALIGN))
+        key = str(self._seq)
         self._seq += 1
-        handles: list[Any] = []
+        put = False
         try:
-            for i, b in enumerate(bufs):
-                handles.append(self._put(store, f"{seq}.{i}", b, deadline, cancelled))
-            send_ref(bytes([STORED]) + pickle.dumps((store.handle(), handles), protocol=5))
+            h = self._put(store, key, inline_parts(bufs, STORED_ALIGN), deadline, cancelled)
+            put = True
+            self._unreclaimed += 1
+            send_ref(self._head + STORED_REF.pack(h.address, h.monotonic_id, h.epoch))
         except BaseException:
-            # Objects put for a message never sent are owed reads nobody
-            # will make: the store cannot reclaim past them. Retire it (it
+            # An object put for a message never sent is owed reads nobody
+            # will make: the store cannot reclaim past it. Retire it (it
             # goes when the queue closes); the next message makes another.
-            # A message none of whose parts went in leaves it as it was.
-            if handles and self.store is store:
-                self._retired.append((store, len(handles)))
+            # A message that did not go in leaves it as it was.
+            if put and self.store is store:
+                self._retired.append((store, 1))
                 self.store = None
                 self._close_retired()
             raise
-        self._close_retired()
+        if self._retired:
+            self._close_retired()
 
     def close(self) -> None:
         for s in [self.store, *(r for r, _ in self._retired)]:
@@ -92,15 +104,19 @@ class OverflowWriter:
         self.store = None
         self._retired = []
 
-    def _store_for(self, sizes: list[int]) -> pinshm.ObjectStore:
-        """The current store, replaced by a larger one when this message
-        would not fit twice; rewound to its first byte when every object
-        in it was read."""
-        need = sum(pinshm.ObjectStore.slot_len(self.n_readers, s) for s in sizes)
+    def _store_for(self, nbytes: int) -> pinshm.ObjectStore:
+        """The current store, replaced by a larger one when a message of
+        `nbytes` would not fit twice; rewound to its first byte when every
+        object in it was read."""
+        need = pinshm.ObjectStore.slot_len(self.n_readers, nbytes)
         store = self.store
         if store is not None and 2 * need <= self._capacity:
-            store.free_unused()
-            if store.stats()["objects"] == 0:
+            self._unreclaimed -= store.free_unused()
+            if self._unreclaimed > 0:
+                # A reader behind (or objects reclaimed otherwise): ask.
+                objects = store.stats()["objects"]
+                self._unreclaimed = objects if isinstance(objects, int) else self._unreclaimed
+            if self._unreclaimed == 0:
                 # Nothing owed, nothing held: the soft clear rewinds the
                 # allocator to the first byte.
                 store.clear()
@@ -128,6 +144,9 @@ class OverflowWriter:
         self.generation += 1
         self.store = new
         self._capacity = capacity
+        self._unreclaimed = 0
+        handle = pickle.dumps(new.handle(), protocol=5)
+        self._head = STORED_HEAD.pack(STORED, len(handle)) + handle
         # Readers attach to it by name at their first large message: the
         # name stays, covered by the resource tracker.
         self._tracked.add(name)
@@ -137,21 +156,22 @@ class OverflowWriter:
     def _put(
         store: pinshm.ObjectStore,
         key: str,
-        buf: Any,
+        parts: list[Any],
         deadline: Optional[float],
         cancelled: Callable[[], bool],
     ) -> Any:
-        """Puts one part, waiting while the store is full of unread
-        objects (the readers are behind: they free room as they read)."""
+        """Puts `parts` as one object, waiting while the store is full of
+        unread objects (the readers are behind: they free room as they
+        read)."""
         try:
-            return store.put(key, buf)
+            return store.put_parts(key, parts)
         except pinshm.FullError:
             pass
         wait = Wait(deadline)
         pause = 50e-6
         while True:
             try:
-                return store.put(key, buf)
+                return store.put_parts(key, parts)
             except pinshm.FullError as e:
                 if wait.expired():
                     raise TimeoutError(f"enqueue: the store is full: {e}") from None
@@ -183,45 +203,42 @@ class OverflowReader:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._reader: Optional[pinshm.StoreReader] = None
+        self._store_bytes = b""  # the pickled handle `_reader` attached by
 
     def load(self, ref: memoryview, zero_copy: bool) -> Any:
-        """The object of a ``STORED`` message (`ref`: its bytes after the
-        kind). Copied into owned, writable buffers; with `zero_copy`, the
-        out-of-band buffers are read-only views that hold their objects
-        until the last array over them is gone."""
-        store_handle, handles = pickle.loads(ref)
-        reader = self._attach(store_handle)
-        if not zero_copy:
-            # One pass each (no zero-filling); each read is acknowledged
-            # as soon as its copy is made.
-            parts = []
-            for h in handles:
-                with reader.get(h) as g:
-                    parts.append(bytearray(g))
-            return pickle.loads(parts[0], buffers=parts[1:])
-        # The pickle is read through a guard released below, whatever
-        # loads does; each buffer is a view that holds its object.
-        oob = []
-        guards = []
+        """The object of a ``STORED`` message (`ref`: all its bytes).
+        Its out-of-band buffers are copied into owned, writable buffers
+        (the read is acknowledged once they are made); with `zero_copy`,
+        they are read-only views that hold the object until the last
+        array over them is gone."""
+        _, m = STORED_HEAD.unpack_from(ref, 0)
+        start = STORED_HEAD.size
+        store_bytes = ref[start : start + m]
+        if self._reader is None or store_bytes != self._store_bytes:
+            self._attach(pickle.loads(store_bytes))
+            self._store_bytes = bytes(store_bytes)
+        reader = self._reader
+        assert reader is not None  # attached above
+        handle = pinshm.ObjectHandle(*STORED_REF.unpack_from(ref, start + m))
+        guard = reader.get(handle)
         try:
-            guards = [reader.get(h) for h in handles]
-            oob = [memoryview(g) for g in guards[1:]]
-            main = memoryview(guards[0])
-            try:
-                return pickle.loads(main, buffers=oob)
-            finally:
-                main.release()
+            # The pickle is read in place (the object is unwritten while
+            # its read is owed); a raise releases the guard below. One
+            # export of the guard, which the decoding's views share.
+            with memoryview(guard) as mv:
+                return loads_inline(mv, copy=not zero_copy, align=STORED_ALIGN)
         finally:
-            del oob
-            g0 = guards[0] if guards else None
-            del guards
-            if g0 is not None:
-                g0.release()
+            try:
+                guard.release()
+            except BufferError:
+                # zero_copy: views of it live on; the last one releases it.
+                pass
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
         self._reader = None
+        self._store_bytes = b""
 
     def _attach(self, store_handle: Any) -> pinshm.StoreReader:
         if self._reader is None or self._reader.name != store_handle.name:

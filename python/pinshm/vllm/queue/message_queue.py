@@ -9,8 +9,8 @@ One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
   of ``max_chunks`` slots of ``max_chunk_bytes``, gathered into the slot
   by the writer and read in place by each reader;
 * a larger one goes through the queue's overflow store
-  (:mod:`._overflow`), and only its objects' handles travel in the
-  channel. No ZMQ socket is involved.
+  (:mod:`._overflow`), as one object, and only its handle travels in
+  the channel. No ZMQ socket is involved.
 
 The node's /dev/shm is one budget (:mod:`pinshm.vllm._budget`): the
 channel's slots are backed when the queue is made (vLLM's chunk, shrunk
@@ -323,7 +323,7 @@ class MessageQueue:
                 if kind == enc.STORED:
                     if self._overflow_reader is None:
                         raise RuntimeError("pinshm MessageQueue: a stored message reached a reader without a store")
-                    return self._overflow_reader.load(memoryview(data)[1:], zero_copy)
+                    return self._overflow_reader.load(memoryview(data), zero_copy)
                 if kind != enc.READY:
                     raise RuntimeError(f"pinshm MessageQueue: unknown message kind {kind}")
                 # A READY nobody waited for: skip it.

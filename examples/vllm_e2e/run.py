@@ -272,6 +272,31 @@ def chat(port: int, images: list[int], text: str) -> list[int]:
     return list(r["choices"][0].get("token_ids") or [])
 
 
+def server_ready(proc: subprocess.Popen, port: int) -> bool:
+    """Waits until the API server on `port` answers /health (True), or
+    exits first (False)."""
+    while proc.poll() is None:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return True
+        except OSError:
+            time.sleep(0.5)  # polling a server's readiness, not a test
+    return False
+
+
+def stop_server(proc: subprocess.Popen) -> tuple[int, float]:
+    """Stops the server as a user does (Ctrl-C; its API server then
+    SIGKILLs the engine core and the workers): (exit status, seconds)."""
+    t = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    return rc, round(time.monotonic() - t, 2)
+
+
 def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int, singles: int, port: int) -> dict:
     sys.path.insert(0, str(HERE))
     import workload
@@ -299,19 +324,9 @@ def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int,
         sampler = Sampler(proc.pid, before, ("vllm_mm_", "VLLM_OBJECT_STORAGE"))
         sampler.start()
         try:
-            ready = True
-            while True:
-                if proc.poll() is not None:
-                    # It refused to start (stock vLLM in a small /dev/shm):
-                    # recorded with its log, not raised.
-                    ready = False
-                    break
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)  # polling a server's readiness, not a test
-            if ready:
+            # A server that refused to start (stock vLLM in a small
+            # /dev/shm) is recorded with its log, not raised.
+            if server_ready(proc, port):
                 res["init_s"] = time.monotonic() - t0
                 tokens, pass_s = [], []
                 pairs = workload.pass_pairs()
@@ -328,16 +343,7 @@ def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int,
                     single_s.append(time.monotonic() - t)
                 res.update(pass_s=pass_s, single_s=single_s, tokens=tokens, single_tokens=single_tokens)
         finally:
-            # As a user stops it (Ctrl-C); its API server then SIGKILLs the
-            # engine core and the workers.
-            t = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            try:
-                res["rc"] = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                res["rc"] = proc.wait()
-            res["exit_s"] = round(time.monotonic() - t, 2)
+            res["rc"], res["exit_s"] = stop_server(proc)
             # Children the API server left (it SIGKILLs them: none expected).
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(

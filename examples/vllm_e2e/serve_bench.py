@@ -26,19 +26,17 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import Sampler, base_env, data_urls, shm_usage, tiny_model  # noqa: E402 - the harness's own module
+from run import Sampler, base_env, data_urls, server_ready, shm_usage, stop_server, tiny_model  # noqa: E402 - the harness's own module
 
 CONCURRENCY = (1, 8, 32)
 #: Requests per cell at each concurrency: enough for a p99 that is not
@@ -140,13 +138,7 @@ def serve(py: str, model: Path, cfg: str, out: Path, tag: str, port: int, plan: 
         sampler = Sampler(proc.pid, before, ("vllm_mm_", "VLLM_OBJECT_STORAGE"))
         sampler.start()
         try:
-            while proc.poll() is None:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)  # polling a server's readiness, not a test
-            if proc.poll() is not None:
+            if not server_ready(proc, port):
                 res["error"] = f"the server exited with {proc.returncode} before it was ready (see {log.name})"
                 return res
             res["init_s"] = time.monotonic() - t0
@@ -161,12 +153,7 @@ def serve(py: str, model: Path, cfg: str, out: Path, tag: str, port: int, plan: 
             cpu1 = sampler.cpu_by_role()
             res["cpu_s"] = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 2) for k in cpu1}
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                res["rc"] = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                res["rc"] = proc.wait()
+            res["rc"], _ = stop_server(proc)
             sampler.stop.set()
             sampler.join()
             time.sleep(1)

@@ -38,6 +38,10 @@ KEEP_PREVIOUS_STEPS = 64
 CLOSE_FLUSH_S = 5.0
 
 
+#: How often a worker retries attaching the store of fetched outputs.
+REMOTE_RETRY_S = 0.01
+
+
 class WorkerSide:
     """Saves (the writer, when this rank writes) and loads (every rank of
     a consumer) for one worker process."""
@@ -63,9 +67,16 @@ class WorkerSide:
         self.store: Optional[ObjectStore] = None
         self._tracked = Tracked()
         self.reader = NamedReader(settings.store, settings.retry_s, pin="auto", keep_previous=True)
-        # Outputs fetched from other nodes (the remote tier), where peers are set.
+        # Outputs fetched from other nodes (the remote tier), where peers are
+        # set. Its store is made by the engine's scheduler, which vLLM
+        # builds after the workers: retried at each step's report (at most
+        # every REMOTE_RETRY_S) rather than every retry_s, so the scheduler
+        # hears within a step that every rank reads it and fetches from the
+        # first steps on. A failed attach is one shm_open.
         self.remote_reader = (
-            NamedReader(settings.remote_store, settings.retry_s, pin="auto") if settings.peers and consumer else None
+            NamedReader(settings.remote_store, min(settings.retry_s, REMOTE_RETRY_S), pin="auto")
+            if settings.peers and consumer
+            else None
         )
         self._report = LoadReport()
         self._state: Optional[RankState] = None

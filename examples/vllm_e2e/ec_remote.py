@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 MODULE = "pinshm.vllm.ec_connector"
 
 
-def start(py, model, out, tag, ec, passes, hold=None, prefix=()):
+def start(py, model, out, tag, ec, passes, hold=None, prefix=(), ready=None):
     """An engine, its command after `prefix` (a namespace to run in)."""
     probe, result, log = out / f"{tag}.probe.jsonl", out / f"{tag}.json", out / f"{tag}.log"
     for p in (probe, result):
@@ -46,6 +46,8 @@ def start(py, model, out, tag, ec, passes, hold=None, prefix=()):
         cmd += ["--ec", json.dumps(ec)]
     if hold is not None:
         cmd += ["--hold", str(hold)]
+    if ready is not None:
+        cmd += ["--ready-file", str(ready)]
     env = harness.base_env("stock", probe)  # no pinshm plugin: the connector alone
     lf = open(log, "w")
     proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, cwd=HERE, start_new_session=True)
@@ -76,6 +78,8 @@ WHAT = {
     "A": "node A: ec_both, serves; SIGKILLed after B1's passes",
     "B1": "node B: ec_consumer, peers [A]",
     "B2": "node B: a second ec_consumer, started after A was killed",
+    "C": "node C: ec_both, serves; SIGKILLed 1 s into D's first pass",
+    "D": "node D: ec_consumer, peers [C], its peer killed mid-pass",
 }
 
 
@@ -137,6 +141,28 @@ def main():
     wait_result(b2)
     hold_b.unlink()
     for e in (a, b2, b1):
+        runs.append(summary(e, stock_tokens))
+        runs[-1].pop("_tokens", None)
+    # Nodes C and D: a producer killed while its consumer's first pass
+    # fetches from it (1 s after D's engine is built): misses only.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port_c = s.getsockname()[1]
+    store_c = f"{store}_c"
+    ec_c = {**ec_a, "ec_connector_extra_config": {"store": store_c, "size": "64m", "serve": f"127.0.0.1:{port_c}"}}
+    ec_d = {**ec_b, "ec_connector_extra_config": {"store": store_c, "size": "64m", "peers": [f"127.0.0.1:{port_c}"]}}
+    hold_c, ready_d = out / "hold-C", out / "ready-D"
+    hold_c.write_text("")
+    ready_d.unlink(missing_ok=True)
+    c = start_ns(ns, args.python, model, out, "C", ec_c, 1, hold_c)
+    assert wait_result(c), "node C did not finish its pass"
+    d = start(args.python, model, out, "D", ec_d, 2, None, ns, ready_d)
+    while not ready_d.exists() and d["proc"].poll() is None:
+        time.sleep(0.05)  # polling another process's progress
+    time.sleep(1.0)
+    os.killpg(c["proc"].pid, signal.SIGKILL)  # node C dies during D's first pass
+    wait_result(d)
+    for e in (c, d):
         runs.append(summary(e, stock_tokens))
         runs[-1].pop("_tokens", None)
     (out / "remote-summary.json").write_text(json.dumps(runs, indent=1, default=str))

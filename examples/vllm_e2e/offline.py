@@ -38,6 +38,7 @@ def main() -> None:
     # Two images of a model built for larger images take more than 256.
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--hold", default=None, help="after the result, wait while this file exists")
+    ap.add_argument("--ready-file", default=None, help="written when the engine is built, before the first pass")
     # A prompt seen before is served from the KV cache, its images with it,
     # and never asks for their encoder outputs: off, every prompt does.
     ap.add_argument("--no-prefix-caching", action="store_true")
@@ -76,6 +77,9 @@ def main() -> None:
     )
     res["init_s"] = time.monotonic() - t0
     event("ready")
+    if args.ready_file:
+        with open(args.ready_file, "w") as f:
+            f.write(str(time.time()))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens, pass_s, pass_t, finish = [], [], [], []
     for _ in range(args.passes):

@@ -78,7 +78,7 @@ WHAT = {
     "A": "node A: ec_both, serves; SIGKILLed after B1's passes",
     "B1": "node B: ec_consumer, peers [A]",
     "B2": "node B: a second ec_consumer, started after A was killed",
-    "C": "node C: ec_both, serves; SIGKILLed 1 s into D's first pass",
+    "C": "node C: ec_both, serves; SIGKILLed during D's first pass (--kill-after)",
     "D": "node D: ec_consumer, peers [C], its peer killed mid-pass",
 }
 
@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--python", required=True)
     ap.add_argument("--out", type=Path, default=Path("e2e-remote"))
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--kill-after", type=float, default=2.5, help="seconds after D's engine is built that C dies")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
@@ -144,7 +145,7 @@ def main():
         runs.append(summary(e, stock_tokens))
         runs[-1].pop("_tokens", None)
     # Nodes C and D: a producer killed while its consumer's first pass
-    # fetches from it (1 s after D's engine is built): misses only.
+    # fetches from it (--kill-after s after D's engine is built): misses only.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port_c = s.getsockname()[1]
@@ -159,7 +160,7 @@ def main():
     d = start(args.python, model, out, "D", ec_d, 2, None, ns, ready_d)
     while not ready_d.exists() and d["proc"].poll() is None:
         time.sleep(0.05)  # polling another process's progress
-    time.sleep(1.0)
+    time.sleep(args.kill_after)
     os.killpg(c["proc"].pid, signal.SIGKILL)  # node C dies during D's first pass
     wait_result(d)
     for e in (c, d):

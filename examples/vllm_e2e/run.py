@@ -272,6 +272,22 @@ def chat(port: int, images: list[int], text: str) -> list[int]:
     return list(r["choices"][0].get("token_ids") or [])
 
 
+def server_cmd(py: str, model: Path, port: int, max_model_len: int, max_num_seqs: int, images: int) -> list[str]:
+    """vLLM's OpenAI API server on the tiny model: TP=2 on the mp executor,
+    the shm multimodal cache, eager, float32, seeded."""
+    return [
+        py, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny-llava",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+        "--mm-processor-cache-type", "shm", "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        "--enforce-eager", "--dtype", "float32", "--seed", "0",
+        "--gpu-memory-utilization", os.environ.get("E2E_MEM_UTIL", "0.1"),
+        "--limit-mm-per-prompt", json.dumps({"image": images}),
+    ]  # fmt: skip
+
+
 def server_ready(proc: subprocess.Popen, port: int) -> bool:
     """Waits until the API server on `port` answers /health (True), or
     exits first (False)."""
@@ -307,16 +323,7 @@ def run_server(py: str, model: Path, cfg: str, out: Path, tag: str, passes: int,
     if not URLS:
         URLS.update(data_urls(py, list(range(workload.N_IMAGES)) + [100 + i for i in range(singles)]))
     before = set(shm_usage())
-    cmd = [
-        py, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny-llava",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
-        "--mm-processor-cache-type", "shm", "--max-model-len", "256", "--max-num-seqs", "8",
-        "--enforce-eager", "--dtype", "float32", "--seed", "0",
-        "--gpu-memory-utilization", os.environ.get("E2E_MEM_UTIL", "0.1"),
-        "--limit-mm-per-prompt", json.dumps({"image": 2}),
-    ]  # fmt: skip
+    cmd = server_cmd(py, model, port, max_model_len=256, max_num_seqs=8, images=2)
     res: dict = {"mode": "server", "config": cfg}
     with open(log, "w") as lf:
         t0 = time.monotonic()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import Sampler, base_env, data_urls, server_ready, shm_usage, stop_server, tiny_model  # noqa: E402 - the harness's own module
+from run import Sampler, base_env, data_urls, server_cmd, server_ready, shm_usage, stop_server, tiny_model  # noqa: E402 - the harness's own module
 
 CONCURRENCY = (1, 8, 32)
 #: Requests per cell at each concurrency: enough for a p99 that is not
@@ -121,16 +121,7 @@ def serve(py: str, model: Path, cfg: str, out: Path, tag: str, port: int, plan: 
     probe, log = out / f"{tag}.probe.jsonl", out / f"{tag}.log"
     probe.unlink(missing_ok=True)
     before = set(shm_usage())
-    cmd = [
-        py, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "tiny-llava",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
-        "--mm-processor-cache-type", "shm", "--max-model-len", "512", "--max-num-seqs", "32",
-        "--enforce-eager", "--dtype", "float32", "--seed", "0",
-        "--gpu-memory-utilization", os.environ.get("E2E_MEM_UTIL", "0.1"),
-        "--limit-mm-per-prompt", json.dumps({"image": 1}),
-    ]  # fmt: skip
+    cmd = server_cmd(py, model, port, max_model_len=512, max_num_seqs=32, images=1)
     res: dict = {"config": cfg, "tag": tag, "cells": []}
     with open(log, "w") as lf:
         t0 = time.monotonic()

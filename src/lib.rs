@@ -71,7 +71,7 @@ pub fn fork_generation() -> u64 {
 pub mod testing {
     pub use crate::codec::TENSOR_HEADER_LEN;
     #[cfg(feature = "cuda")]
-    pub use crate::copy::kernels::{compile_kernels, kernel_binaries};
+    pub use crate::copy::kernels::{compile_kernels, kernel_binaries, KernelBuild};
     pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};
     #[cfg(feature = "cuda")]
     pub use crate::cuda::{

@@ -150,21 +150,77 @@ fn compile(arch_opt: &str, cubin: bool) -> Result<Vec<u8>, String> {
     }
 }
 
-/// Compiles `kernels/pack.cu` with NVRTC (no GPU needed) for every
-/// architecture the embedded binaries cover, as cubins, and as PTX for
-/// compute_70; returns the bytes produced. A check that the kernels build
-/// where NVRTC is installed.
-pub fn compile_kernels() -> Result<usize> {
-    let mut total = 0;
-    for (a, _) in CUBINS {
-        total += compile(&format!("--gpu-architecture=sm_{a}"), true)
-            .map_err(Error::copy)?
-            .len();
+/// The real architectures (`major * 10 + minor`) the loaded NVRTC can
+/// compile for (`nvrtcGetSupportedArchs`, CUDA 11.2 and later).
+fn supported_archs() -> Result<Vec<u32>, String> {
+    if !nvrtc_present() {
+        return Err("NVRTC (libnvrtc.so) not found".into());
     }
-    total += compile(&format!("--gpu-architecture=compute_{PTX_ARCH}"), false)
-        .map_err(Error::copy)?
-        .len();
-    Ok(total)
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: NVRTC is loaded (checked above); the count getter writes one
+    // int, and the list getter exactly that many ints into a buffer of
+    // that length.
+    let archs = unsafe {
+        nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n)
+            .result()
+            .map_err(|e| format!("nvrtcGetNumSupportedArchs: {e}"))?;
+        let mut v: Vec<std::ffi::c_int> = vec![0; usize::try_from(n).unwrap_or(0)];
+        if !v.is_empty() {
+            nvrtc_sys::nvrtcGetSupportedArchs(v.as_mut_ptr())
+                .result()
+                .map_err(|e| format!("nvrtcGetSupportedArchs: {e}"))?;
+        }
+        v
+    };
+    Ok(archs
+        .into_iter()
+        .filter_map(|a| u32::try_from(a).ok())
+        .collect())
+}
+
+/// What [`compile_kernels`] built with the NVRTC it found.
+#[derive(Clone, Debug, Default)]
+pub struct KernelBuild {
+    /// `(binary, bytes)`: `pack.sm_XY.cubin` for every embedded cubin's
+    /// architecture this NVRTC supports, and `pack.compute_XY.ptx`.
+    pub built: Vec<(String, usize)>,
+    /// Embedded binaries this NVRTC cannot build (an NVRTC older or newer
+    /// than the architecture: CUDA 13 dropped compute_70, CUDA 11.8 has no
+    /// sm_100), with the target used instead for the PTX, if any.
+    pub skipped: Vec<String>,
+}
+
+/// Compiles `kernels/pack.cu` with NVRTC (no GPU needed), as cubins for
+/// every architecture of the embedded cubins that this NVRTC supports,
+/// and as PTX for the embedded PTX's compute_70 (or, with an NVRTC that
+/// dropped it, its lowest supported architecture). A check that the
+/// kernels build wherever NVRTC is installed; `kernels/build.py --check`
+/// is the byte-for-byte one, with the NVRTC the binaries were built by.
+pub fn compile_kernels() -> Result<KernelBuild> {
+    let archs = supported_archs().map_err(Error::copy)?;
+    let mut out = KernelBuild::default();
+    for (a, _) in CUBINS {
+        if !archs.contains(&a) {
+            out.skipped
+                .push(format!("pack.sm_{a}.cubin (NVRTC has no sm_{a})"));
+            continue;
+        }
+        let n = compile(&format!("--gpu-architecture=sm_{a}"), true).map_err(Error::copy)?;
+        out.built.push((format!("pack.sm_{a}.cubin"), n.len()));
+    }
+    let Some(ptx) = archs.iter().copied().filter(|&a| a >= PTX_ARCH).min() else {
+        return Err(Error::copy(format!(
+            "this NVRTC supports no architecture from compute_{PTX_ARCH} on: {archs:?}"
+        )));
+    };
+    if ptx != PTX_ARCH {
+        out.skipped.push(format!(
+            "pack.compute_{PTX_ARCH}.ptx (NVRTC has no compute_{PTX_ARCH}; built compute_{ptx} instead)"
+        ));
+    }
+    let n = compile(&format!("--gpu-architecture=compute_{ptx}"), false).map_err(Error::copy)?;
+    out.built.push((format!("pack.compute_{ptx}.ptx"), n.len()));
+    Ok(out)
 }
 
 /// The embedded binaries: (file name, bytes), and the hash file's text

@@ -229,6 +229,42 @@ def r_remote(data: Any) -> str:
     return "\n".join(rows) + "\n"
 
 
+def r_gpu_kit(data: Any) -> str:
+    """The GPU kit's run (tools/gpu_kit_results.py): pinned slot against
+    pageable memory each way, ratios in the same run; registration, pack;
+    the Python steps' lines as printed."""
+    d = data["device"]
+    out = [
+        f"{d['name']} (compute {d['compute_capability']}), driver {d['driver']} (CUDA {d['cuda_driver_api']}), "
+        f"kernels: {d['kernels']}. {data['summary']}.",
+        "",
+        "| MiB | D2H into a slot | D2H into pageable | ratio | H2D from a slot | H2D from pageable | ratio | put (wall) | get (wall) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["bandwidth_gbps"]:
+        out.append(
+            f"| {r['mib']} | {r['d2h_slot']:.1f} GB/s | {r['d2h_pageable']:.1f} GB/s | {r['d2h_slot'] / r['d2h_pageable']:.1f}x "
+            f"| {r['slot_h2d']:.1f} GB/s | {r['pageable_h2d']:.1f} GB/s | {r['slot_h2d'] / r['pageable_h2d']:.1f}x "
+            f"| {r['put_wall']:.1f} GB/s | {r['get_wall']:.1f} GB/s |"
+        )
+    out.append("")
+    if "register_s_per_gib" in data:
+        out.append(
+            f"- Registration (`cuMemHostRegister` as a reader attaches): {data['register_s_per_gib']:.3f} s per GiB; "
+            f"unregistration {data['unregister_s_per_gib']:.3f} s per GiB."
+        )
+    if "pack_ms" in data:
+        p = data["pack_ms"]
+        out.append(
+            f"- 1,000 device tensors (8 MiB): pack {p['pack']:.2f} ms against 1,000 D2H copies {p['d2h_copies']:.2f} ms "
+            f"({p['d2h_copies'] / p['pack']:.0f}x); unpack {p['unpack']:.2f} ms against 1,000 H2D copies "
+            f"{p['h2d_copies']:.2f} ms ({p['h2d_copies'] / p['unpack']:.0f}x)."
+        )
+    if data.get("python_lines"):
+        out += ["", "```text", *data["python_lines"], "```"]
+    return "\n".join(out) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
     **figures_bench.RENDERERS,
     **figures_hitrate.RENDERERS,
@@ -238,6 +274,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "ec-faults": r_ec_faults,
     "bench-keys": r_bench_keys,
     "serving": r_serving,
+    "gpu-kit": r_gpu_kit,
 }
 
 

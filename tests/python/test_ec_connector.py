@@ -365,3 +365,61 @@ print("OK")
 
 def test_against_the_installed_vllm_the_connector_implements_its_base_with_its_signatures():
     run_with_installed_vllm(REAL_VLLM, "vLLM is not installed (CI): the stand-in tests above cover the connector")
+
+
+def test_a_consumer_engine_hits_from_its_first_step_its_workers_entries_answer_before_their_reports(engines, extra):
+    engines("fork", "ec_producer", extra).step(["img-a", "img-b"])
+    consumer = engines("fork", "ec_consumer", extra, tp=2)
+    # No step before: no rank has reported yet; its workers attached at
+    # start, and the segment's reader table shows their two entries.
+    r = consumer.step(["img-a", "img-b"])
+    assert r.loads == ["img-a", "img-b"] and r.computed == []
+    assert r.digests == [want(["img-a", "img-b"])] * 2
+    assert consumer.scheduler._scheduler.not_ready == 0
+    assert consumer.wrong_answers() == {}
+
+
+def _hold_a_reader(name, then_fork, conn):
+    """A child: attaches a reader of `name` (and, with `then_fork`, forks a
+    grandchild that attaches one too), says so, waits to be told to go."""
+    r = pinshm.StoreReader.attach_by_name(name)
+    grandchild = None
+    if then_fork:
+        ctx = mp.get_context("fork")
+        a, b = ctx.Pipe()
+        grandchild = ctx.Process(target=_hold_a_reader, args=(name, False, b))
+        grandchild.start()
+        a.recv()
+    conn.send("attached")
+    conn.recv()
+    if grandchild is not None:
+        a.send("go")
+        grandchild.join()
+    r.close()
+
+
+def test_only_live_reader_entries_of_this_processs_children_count_for_its_ranks(unique_name):
+    from pinshm.vllm.ec._scheduler import _workers_holding
+
+    name = unique_name("table")
+    w = pinshm.ObjectStore(1 << 20, 64 << 10, 8, name=name, cache=True)
+    mine = pinshm.StoreReader.attach_by_name(name)
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    child = ctx.Process(target=_hold_a_reader, args=(name, True, b))
+    child.start()
+    try:
+        assert a.recv() == "attached"
+        # Three entries: this process's own, the child's and the
+        # grandchild's; only the child is a worker of this process.
+        assert pinshm.inspect_segment(name)["entries_used"] == 3
+        epoch = mine.epoch
+        assert _workers_holding(name, epoch) == 1
+        assert _workers_holding(name, epoch + 1) == 0, "another segment's epoch"
+        assert _workers_holding(unique_name("absent"), epoch) == 0
+    finally:
+        a.send("go")
+        child.join(10)
+        mine.close()
+        w.close()
+    assert child.exitcode == 0

@@ -8,11 +8,13 @@ UCX TCP on 127.0.0.1. Skipped where NIXL is not installed (unless
 PINSHM_REQUIRE_NIXL=1)."""
 
 import os
+import time
 
 import pytest
 from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
 from _ec_remote import BadPeer, ProducerNode, free_port, nixl_or_skip
 
+import pinshm
 import pinshm.vllm.ec._fetch as fetch
 
 IMAGES = ["img-a", "img-b", "img-c"]
@@ -64,6 +66,25 @@ def test_a_consumer_node_reads_a_producer_nodes_outputs_and_every_rank_loads_the
     assert node.stats() == dict(lookups=3, found=3, stable=3, unstable=0)
     assert c.wrong_answers() == {} and c.failed == set()
     assert all(s["encoded"] == 0 for s in c.stats())
+
+
+def test_a_consumer_engine_fetches_from_its_first_step(nodes, engines):
+    producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes), tp=2)
+    # The scheduler made the store of fetched outputs after the workers
+    # started (as vLLM builds it); each worker's thread attaches it as it
+    # appears, before any step, as in vLLM between the engine's start and
+    # its first request.
+    remote = nodes[1] + "_remote"
+    deadline = time.monotonic() + 10
+    while pinshm.inspect_segment(remote)["entries_used"] < 2:
+        assert time.monotonic() < deadline, "the workers never attached the store of fetched outputs"
+        time.sleep(0.005)
+    r = c.step(IMAGES)  # no step before: no rank has reported yet
+    assert r.loads == IMAGES and r.computed == [], "fetched in the first step, not encoded"
+    assert r.digests == [want(IMAGES)] * 2
+    assert c.scheduler._scheduler.remote.fetched == 3
+    assert c.wrong_answers() == {} and c.failed == set()
 
 
 def test_a_second_consumer_engine_of_the_node_hits_what_the_first_fetched(nodes, engines):

@@ -10,7 +10,11 @@ An output that is gone by then is a plain miss, and the encoder runs.
 
 It says yes only where no rank can fail the load for want of the store:
 every worker of the engine (each TP rank) reports the segment it reads,
-and a hit is an object of a segment that all of them read. An engine
+and a hit is an object of a segment that all of them read. Before a
+rank's first report (the first step's output), the segment's own reader
+table answers for it: a live reader entry held by a worker process of
+this engine (a child of the engine core, under vLLM's multiprocessing
+executor) is that rank's attachment, so an engine's first step hits too. An engine
 whose ranks cannot all attach (every reader entry taken) says so once and
 runs its encoder. A load that fails all the same (a rank's copy raising)
 makes its key a miss until it is saved again, and the placeholder that
@@ -21,6 +25,8 @@ with every request that used it failed: none completes from it.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -42,6 +48,10 @@ MAX_STEPS_IN_FLIGHT = 64
 #: Failed keys remembered (a key is a miss while it names the object whose
 #: load failed); the oldest are forgotten past this.
 MAX_FAILED_KEYS = 4096
+
+#: How often, at most, the scheduler reads a segment's reader table while
+#: a rank has not reported yet.
+TABLE_RETRY_S = 0.01
 
 #: Evicts an mm_hash from vLLM's own encoder cache; returns the requests
 #: that referenced it (they read the placeholder, so they are failed).
@@ -92,6 +102,10 @@ class SchedulerSide:
         self._users: dict[str, set[str]] = {}
         self._load_steps: dict[int, set[str]] = {}
         self._steps_unheard = 0
+        # Segments (name, epoch) whose reader table showed every rank's
+        # entry, and when each table may be read again.
+        self._tables_seen: set[tuple[str, int]] = set()
+        self._table_next: dict[str, float] = {}
         self._said: set[str] = set()
         self._step = 0
         self.hits = 0
@@ -110,21 +124,41 @@ class SchedulerSide:
     # ---- whether every rank reads the segment --------------------------
 
     def ready(self, epoch: int) -> bool:
-        """Whether every loading rank reported that it reads segment `epoch`."""
-        states = self._rank_states
-        return len(states) >= self.ranks and all(
-            states.get(r) is not None and states[r].epoch == epoch for r in range(self.ranks)
-        )
+        """Whether every loading rank reads segment `epoch` of the store."""
+        return self._ready(epoch, "epoch", self.settings.store)
 
     def ready_remote(self, epoch: Optional[int]) -> bool:
         """Whether every loading rank reads the store of fetched outputs
         of epoch `epoch`."""
+        return epoch is not None and self._ready(epoch, "remote_epoch", self.settings.remote_store)
+
+    def _ready(self, epoch: int, field: str, store: str) -> bool:
+        """Every rank's report says it reads `epoch` of `store`; or no
+        report contradicts that and the segment's reader table shows an
+        entry for every rank that has not reported yet."""
         states = self._rank_states
-        return (
-            epoch is not None
-            and len(states) >= self.ranks
-            and all(states.get(r) is not None and states[r].remote_epoch == epoch for r in range(self.ranks))
-        )
+        told = [getattr(states[r], field) for r in range(self.ranks) if r in states]
+        if any(e != epoch for e in told):
+            return False
+        return len(told) == self.ranks or self._workers_attached(store, epoch)
+
+    def _workers_attached(self, store: str, epoch: int) -> bool:
+        """Whether segment `epoch` of `store` has a live reader entry for
+        each of this engine's ranks, held by its worker processes (children
+        of this one: vLLM's multiprocessing executor). The table is read at
+        most every TABLE_RETRY_S; a yes is kept for the segment (a rank
+        that lets go reports it, and its report then decides)."""
+        if (store, epoch) in self._tables_seen:
+            return True
+        now = time.monotonic()
+        if now < self._table_next.get(store, float("-inf")):
+            return False
+        self._table_next[store] = now + TABLE_RETRY_S
+        if _workers_holding(store, epoch) >= self.ranks:
+            self._tables_seen.add((store, epoch))
+            logger.debug("pinshm encoder cache: %d worker entries in %r before any report", self.ranks, store)
+            return True
+        return False
 
     def has(self, mm_hash: str) -> bool:
         """Whether the output of `mm_hash` is in the store and every rank
@@ -375,6 +409,33 @@ class SchedulerSide:
         self.reader.close()
         if self.remote is not None:
             self.remote.close()
+
+
+def _workers_holding(store: str, epoch: int) -> int:
+    """How many distinct child processes of this one hold a live reader
+    entry of segment `epoch` of `store` (0 when it cannot be read)."""
+    try:
+        from ..._pinshm import inspect_segment
+
+        snap = inspect_segment(store)
+    except Exception:  # noqa: BLE001 - not readable: no answer from the table
+        return 0
+    if snap["epoch"] != epoch:
+        return 0
+    me = os.getpid()
+    pids = {r["pid"] for r in snap["readers"] if r["state"] == "attached" and r["alive"] and r["pid"] != me}
+    return sum(1 for pid in pids if _parent_of(pid) == me)
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent of process `pid` (/proc/PID/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def entries(store: str) -> tuple[Optional[int], Optional[int]]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -40,6 +42,9 @@ CLOSE_FLUSH_S = 5.0
 
 #: How often a worker retries attaching the store of fetched outputs.
 REMOTE_RETRY_S = 0.01
+#: How long, at most, a worker's thread tries to attach it before the
+#: engine's first step (the step's own path takes over then).
+EARLY_ATTACH_S = 600.0
 
 
 class WorkerSide:
@@ -93,10 +98,20 @@ class WorkerSide:
         self.failed = 0
         if producer and writes:
             self.store = self._create()
+        self._early: Optional[threading.Thread] = None
+        self._early_stop = threading.Event()
         if consumer:
             # Every rank attaches at start (the scheduler says yes only once
-            # every rank reported that it reads the store).
+            # every rank reads the store: its reports say so, or before the
+            # first one, the segment's reader table).
             self._check_rank()
+            if self.remote_reader is not None and self.remote_reader.get() is None:
+                # The store of fetched outputs does not exist yet: vLLM
+                # builds the scheduler, which makes it, after the workers.
+                # A thread attaches as soon as it appears, so that the
+                # scheduler sees this rank's entry before the first step.
+                self._early = threading.Thread(target=self._attach_early, name="pinshm-ec-attach", daemon=True)
+                self._early.start()
 
     # ---- the writer -------------------------------------------------
 
@@ -210,6 +225,7 @@ class WorkerSide:
         self._report = self._report.merge(LoadReport(frozenset({step}), frozenset(failed)))
 
     def _load_one(self, spec: LoadSpec) -> Any:
+        self._end_early()
         named = self.remote_reader if spec.remote else self.reader
         reader = None if named is None else named.for_epoch(spec.epoch)
         if reader is None:
@@ -247,10 +263,31 @@ class WorkerSide:
             return None
         return zeros((spec.num_embeds, width), self.dtype, self.device)
 
+    def _attach_early(self) -> None:
+        """Tries to attach the store of fetched outputs every
+        REMOTE_RETRY_S until it is attached, the first step begins
+        (:meth:`_end_early`), or EARLY_ATTACH_S have passed."""
+        remote = self.remote_reader
+        deadline = time.monotonic() + EARLY_ATTACH_S
+        while remote is not None and not self._early_stop.wait(REMOTE_RETRY_S):
+            if remote.get() is not None or time.monotonic() > deadline:
+                return
+
+    def _end_early(self) -> None:
+        """Stops the thread of :meth:`_attach_early` and waits for it (at
+        most one attach), so that the remote reader has one user again."""
+        t = self._early
+        if t is not None:
+            self._early = None
+            self._early_stop.set()
+            if t is not threading.current_thread() and t.ident is not None:
+                t.join()
+
     def _check_rank(self) -> None:
         """Attaches (at the reader's pace) and notes this rank's state for
         the next report when it changed; lets go of readers of segments
         moved from once no load can need them."""
+        self._end_early()
         reader = self.reader.get()
         remote = None if self.remote_reader is None else self.remote_reader.get()
         remote_epoch = None if remote is None else remote.epoch
@@ -295,6 +332,7 @@ class WorkerSide:
 
     def close(self) -> None:
         """Detaches the reader; the writer removes the store. Twice is fine."""
+        self._end_early()
         self.reader.close()
         if self.remote_reader is not None:
             self.remote_reader.close()

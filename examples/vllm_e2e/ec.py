@@ -156,6 +156,7 @@ def encoder_counts(probe: Path, pass_t: list) -> dict:
         "encoder_calls": [sum(x["what"] == "encode" and in_pass(x, i) for x in lines) for i in range(n)],
         "lookups": [sum(x["what"] == "ec_lookup" and in_pass(x, i) for x in lines) for i in range(n)],
         "ec_hits": [sum(x["what"] == "ec_lookup" and x["hit"] and in_pass(x, i) for x in lines) for i in range(n)],
+        "fetched": [sum(x["what"] == "ec_lookup" and x.get("fetched", False) and in_pass(x, i) for x in lines) for i in range(n)],
         "loaded": [most_per_pid("ec_load", i) for i in range(n)],
         "saves": sum(x["what"] == "ec_save" for x in lines),
         "encoded_before_passes": max(

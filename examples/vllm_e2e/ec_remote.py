@@ -61,6 +61,20 @@ def wait_result(e, timeout=1200):
     return e["result"].exists()
 
 
+#: What a consumer logs when its first output from a peer is published.
+FIRST_FETCH = "first output fetched from peer"
+
+
+def wait_line(e, text, timeout=600):
+    """Waits until engine `e`'s log holds `text` (or it exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and e["proc"].poll() is None:
+        if text in e["log"].read_text(errors="replace"):
+            return True
+        time.sleep(0.01)  # polling another process's progress
+    return False
+
+
 def summary(e, stock_tokens):
     rc = e["proc"].wait(timeout=600)
     res = {"engine": e["tag"], "rc": rc}
@@ -78,21 +92,21 @@ WHAT = {
     "A": "node A: ec_both, serves; SIGKILLed after B1's passes",
     "B1": "node B: ec_consumer, peers [A]",
     "B2": "node B: a second ec_consumer, started after A was killed",
-    "C": "node C: ec_both, serves; SIGKILLed during D's first pass (--kill-after)",
+    "C": "node C: ec_both, serves; SIGKILLed during D's first pass, as D logs its first fetch from C",
     "D": "node D: ec_consumer, peers [C], its peer killed mid-pass",
 }
 
 
 def table(runs):
     rows = [
-        "| engine | exit | tokens = stock | encoder items per pass | hits / lookups per pass | loaded | tracebacks |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | exit | tokens = stock | encoder items per pass | hits / lookups per pass | of which fetched from a peer | loaded | tracebacks |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         hits = ", ".join(f"{h}/{n}" for h, n in zip(r.get("ec_hits") or [], r.get("lookups") or []))
         rows.append(
             f"| {WHAT.get(r['engine'], r['engine'])} | {r['rc']} | {r.get('tokens_equal_stock')} | "
-            f"{r.get('encoded')} | {hits} | {r.get('loaded')} | {r['tracebacks']} |"
+            f"{r.get('encoded')} | {hits} | {r.get('fetched')} | {r.get('loaded')} | {r['tracebacks']} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -102,7 +116,12 @@ def main():
     ap.add_argument("--python", required=True)
     ap.add_argument("--out", type=Path, default=Path("e2e-remote"))
     ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--kill-after", type=float, default=2.5, help="seconds after D's engine is built that C dies")
+    ap.add_argument(
+        "--kill-after",
+        type=float,
+        default=None,
+        help="seconds after D's engine is built that C dies (default: as D logs its first fetch from C)",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
@@ -160,7 +179,10 @@ def main():
     d = start(args.python, model, out, "D", ec_d, 2, None, ns, ready_d)
     while not ready_d.exists() and d["proc"].poll() is None:
         time.sleep(0.05)  # polling another process's progress
-    time.sleep(args.kill_after)
+    if args.kill_after is not None:
+        time.sleep(args.kill_after)
+    else:
+        wait_line(d, FIRST_FETCH)
     os.killpg(c["proc"].pid, signal.SIGKILL)  # node C dies during D's first pass
     wait_result(d)
     for e in (c, d):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from _ec_vllm import MODEL, Engine, digest, encode, install
+from _ec_vllm import MODEL, ROWS, Engine, digest, encode, install
 
 # 256 KiB hold about a dozen 16 KiB outputs.
 SIZE = "256k"
@@ -74,8 +74,8 @@ def engines(stand_in):
             e.kill()
 
 
-def want(images):
-    return {h: digest(encode(h)) for h in images}
+def want(images, rows=ROWS):
+    return {h: digest(encode(h, rows)) for h in images}
 
 
 def run_with_installed_vllm(code, why_skipped):

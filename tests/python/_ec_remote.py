@@ -30,7 +30,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def producer_main(conn, extra, images):
+def producer_main(conn, extra, images, rows=None):
     """A producer node: an ec_both engine whose scheduler serves its store;
     saves `images`, then obeys the test ("save" more, "stats", "stop")."""
     import multiprocessing
@@ -40,7 +40,7 @@ def producer_main(conn, extra, images):
     os.setpgid(0, 0)  # a node: killed with its workers (ProducerNode.kill)
     e = Engine(multiprocessing.get_context("fork"), "ec_both", extra)
     try:
-        e.step(images)
+        e.step(images) if rows is None else e.step(images, rows)
         conn.send(("ready",))
         while True:
             msg = conn.recv()
@@ -61,10 +61,10 @@ class ProducerNode:
     """A producer node in a spawned process (its own NIXL agent, as a node
     of its own would have)."""
 
-    def __init__(self, extra, images):
+    def __init__(self, extra, images, rows=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=producer_main, args=(child, extra, list(images)))
+        self.proc = ctx.Process(target=producer_main, args=(child, extra, list(images), rows))
         self.proc.start()
         self._expect("ready")
 

@@ -8,6 +8,7 @@ UCX TCP on 127.0.0.1. Skipped where NIXL is not installed (unless
 PINSHM_REQUIRE_NIXL=1)."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -37,9 +38,10 @@ def nodes(unique_name, stand_in):  # noqa: F811 - a fixture
     assert left == [], f"left in /dev/shm: {left}"
 
 
-def producer(nodes, images=IMAGES, **extra):
+def producer(nodes, images=IMAGES, rows=None, **extra):
     a, _, port, made = nodes
-    node = ProducerNode(dict({"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}, **extra), images)
+    extra = dict({"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}, **extra)
+    node = ProducerNode(extra, images, rows)
     made.append(node)
     return node
 
@@ -231,6 +233,28 @@ def test_a_peer_killed_during_the_read_costs_a_miss(nodes, engines):
     assert r.computed == ["img-b"] and r.digests == [want(["img-b"])]
     assert c.scheduler._scheduler.remote.fetched == 0
     assert c.wrong_answers() == {}
+
+
+def test_a_peer_killed_while_its_read_is_in_flight_costs_a_miss(nodes, engines):
+    # 32 MiB outputs: a READ over UCX TCP on 127.0.0.1 takes tens of ms,
+    # and the producer node dies 2 ms after it is posted.
+    rows, big = 128 * 1024, "80m"
+    node = producer(nodes, images=["img-big"], rows=rows, size=big)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, size=big, remote_size=big, remote_timeout_s=3))
+    c.step([])
+    completed = []
+    fetch.before_read = lambda key: threading.Timer(0.002, node.kill).start()
+    fetch.after_read = completed.append
+    t0 = time.monotonic()
+    r = c.step(["img-big"], rows=rows)
+    took = time.monotonic() - t0
+    os.unlink("/dev/shm/" + nodes[0])  # a killed node leaves its store
+    assert completed == [], "the READ completed before the kill: nothing was in flight"
+    assert r.computed == ["img-big"] and r.loads == []
+    assert r.digests == [want(["img-big"], rows)], "the encoder's own output"
+    assert took < 3 + 10, f"a miss within the bound (remote_timeout_s 3 s), not {took:.1f} s"
+    assert c.scheduler._scheduler.remote.fetched == 0
+    assert c.wrong_answers() == {} and c.failed == set()
 
 
 NODE_A = """

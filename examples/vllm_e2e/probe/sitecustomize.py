@@ -149,9 +149,13 @@ def _probe_connector(c):
     """Wraps one connector instance's methods (vLLM calls them on it)."""
     has, load, save = c.has_cache_item, c.start_load_caches, c.save_caches
 
+    def fetches():  # pinshm's scheduler side: outputs fetched from peers so far
+        return getattr(getattr(c, "_scheduler", None), "remote_hits", 0)
+
     def has_cache_item(identifier):
+        before = fetches()
         hit = has(identifier)
-        _record(what="ec_lookup", hit=bool(hit), t=time.time())
+        _record(what="ec_lookup", hit=bool(hit), fetched=fetches() > before, t=time.time())
         return hit
 
     def start_load_caches(encoder_cache, **kwargs):

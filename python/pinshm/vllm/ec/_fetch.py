@@ -61,6 +61,7 @@ class Peer:
     skip_until: float = 0.0
     backoff: float = 0.0
     failures: int = 0
+    fetched: int = 0
     said: set[str] = field(default_factory=set)
 
     @property
@@ -242,6 +243,9 @@ class RemoteTier:
             return None
         handle = self.store.publish(res)
         self.fetched += 1
+        if not peer.fetched:
+            logger.info("pinshm encoder cache: first output fetched from peer %s (%d bytes)", peer.address, size)
+        peer.fetched += 1
         reader = self.reader.for_epoch(handle.epoch)
         return None if reader is None else reader.lease(handle)
 

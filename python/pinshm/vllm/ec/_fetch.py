@@ -85,10 +85,12 @@ class RemoteTier:
         self._absent: OrderedDict[str, float] = OrderedDict()
         self.fetched = self.not_found = self.unstable = self.peer_failures = 0
         if self.store is not None:
+            # The agent first: NIXL and the extra's other modules, or an
+            # ImportError that says what to install.
+            self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", progress=False)
             import zmq
 
             self._ctx = zmq.Context()
-            self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", progress=False)
         self.reader.get()
 
     def _create(self) -> Optional[ObjectStore]:

@@ -41,12 +41,14 @@ class Server:
     """Serves `settings.store` on `settings.serve` until :meth:`close`."""
 
     def __init__(self, settings: ECSettings) -> None:
-        import zmq
-
         assert settings.serve is not None
         self.settings = settings
         host, port = settings.serve
+        # The agent first: NIXL and the extra's other modules, or an
+        # ImportError that says what to install.
         self._agent = agent(f"pinshm-serve-{os.getpid()}-{port}", progress=True)
+        import zmq
+
         self.agent_name = self._agent.name
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

@@ -125,15 +125,25 @@ def nixl() -> Any:
     on first use. ImportError saying what to install where there is none."""
     global _NIXL
     if _NIXL is None:
+        import importlib
         import os
+
+        # The extra's other modules, checked here too, so that a missing one
+        # stops the engine at start with this advice, not at every lookup.
+        for name in ("msgpack", "zmq"):
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ImportError(
+                    "pinshm's remote encoder cache (ec_connector_extra_config 'serve' or 'peers') needs "
+                    f"{name}: pip install 'pinshm[nixl]' ({e})"
+                ) from None
 
         # On hosts without RDMA, UCX's TCP transport (set before UCX loads).
         os.environ.setdefault("UCX_TLS", "tcp")
         errors = []
         for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
             try:
-                import importlib
-
                 _NIXL = importlib.import_module(name)
                 break
             except Exception as e:  # noqa: BLE001 - a variant's import may raise anything

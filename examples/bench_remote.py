@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -148,8 +149,10 @@ def main():
                 copy_s.append(time.perf_counter() - t0)
             assert dst.tobytes() == bytes(buf), "NIXL and the socket read the same bytes"
             tier._ask(peer, {"op": "done", "lease": reply["lease"]}, time.monotonic() + 10)
-            # A consumer's hit: remote (fetched now) and local (fetched before).
-            remote_s, local_s = [], []
+            # A consumer's hit: remote (fetched now) and local (fetched
+            # before); and remote with the slot registered for each READ
+            # (the tier where its data region cannot be registered once).
+            remote_s, local_s, per_read_s = [], [], []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 lease = tier.fetch(key(n))
@@ -162,6 +165,15 @@ def main():
                 assert lease is not None
                 lease.release()
                 tier.store.clear()  # the next fetch is remote again
+                nx.deregister_memory(tier._region)
+                tier._region = None
+                t0 = time.perf_counter()
+                lease = tier.fetch(key(n))
+                per_read_s.append(time.perf_counter() - t0)
+                assert lease is not None
+                lease.release()
+                tier.store.clear()
+                tier._region = tier._register_region()
             rows.append(
                 {
                     "bytes": n,
@@ -170,6 +182,7 @@ def main():
                     "memcpy_s": med(copy_s),
                     "nixl_over_tcp": med(nixl_s) / med(tcp_s),
                     "remote_hit_s": med(remote_s),
+                    "remote_hit_register_per_read_s": med(per_read_s),
                     "local_hit_s": med(local_s),
                     "remote_over_local": med(remote_s) / med(local_s),
                     "remote_over_memcpy": med(remote_s) / med(copy_s),
@@ -213,21 +226,17 @@ def main():
 
 
 def table(res):
+    """The figure docs/remote.md shows (tools/figures.py's renderer), under
+    a line saying where it was measured."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import figures  # noqa: E402 - the repository's tools/
+
     s = res["stamp"]
-    out = [
+    head = (
         f"pinshm {s['pinshm']} (commit {s['commit']}), {s['where']}, UCX_TLS={s['ucx_tls']}, "
-        f"{s['cpus']} CPUs, medians of {s['repeats']}",
-        "",
-        "| size | NIXL READ | TCP socket | NIXL / TCP | remote hit | local hit | remote / local | memcpy |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        out.append(
-            f"| {r['bytes'] >> 10} KiB | {r['nixl_read_s'] * 1e6:.0f} µs | {r['tcp_socket_s'] * 1e6:.0f} µs | "
-            f"{r['nixl_over_tcp']:.2f}x | {r['remote_hit_s'] * 1e6:.0f} µs | {r['local_hit_s'] * 1e6:.1f} µs | "
-            f"{r['remote_over_local']:.0f}x | {r['memcpy_s'] * 1e6:.0f} µs |"
-        )
-    return "\n".join(out)
+        f"{s['cpus']} CPUs, medians of {s['repeats']}"
+    )
+    return head + "\n\n" + figures.r_remote(res)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ mod common;
 
 use common::{pattern, peek, scribble, slot, store, Name, Rng};
 use pinshm::testing as layout;
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{DType, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -255,5 +255,35 @@ fn data_region_spans_the_capacity_and_holds_every_payload_a_guard_shows() {
             "payload {i} outside the region"
         );
         assert_eq!(&g[..], &pattern(i as u64, n)[..]);
+    }
+}
+
+#[test]
+fn the_writers_data_region_holds_every_reservation_at_the_offset_readers_see() {
+    let name = Name::new("writer_region");
+    let mut w = store(&name, 256 * KIB, 64 * KIB, 2);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let (wbase, wlen) = w.data_region().unwrap();
+    let (rbase, rlen) = r.data_region().unwrap();
+    assert_eq!((wlen, rlen), (w.handle().capacity, w.handle().capacity));
+    for (i, n) in [100usize, 4 * KIB, 60 * KIB].into_iter().enumerate() {
+        let mut res = w
+            .reserve_tensor(&format!("k{i}"), DType::U8, &[n as u64])
+            .unwrap();
+        let at = res.as_mut_ptr() as usize;
+        assert!(
+            at >= wbase && at + res.len() <= wbase + wlen as usize,
+            "reservation {i} outside"
+        );
+        res.bytes_mut().copy_from_slice(&pattern(i as u64, n));
+        let h = w.publish(res).unwrap();
+        let g = r.get_tensor(h).unwrap();
+        let data = g.bytes();
+        assert_eq!(
+            data.as_ptr() as usize - rbase,
+            at - wbase,
+            "the same offset in both mappings"
+        );
+        assert_eq!(data, &pattern(i as u64, n)[..]);
     }
 }

@@ -395,6 +395,13 @@ class ObjectStore:
         InvalidArgumentError for `n_readers` outside 1..=64."""
     def handle(self) -> StoreHandle:
         """What a reader process needs to attach (picklable: send it)."""
+    def data_region(self) -> tuple[int, int]:
+        """The writer's mapping of the store's data region as (address of
+        its first byte, length in bytes): to register once with a transfer
+        library (NIXL) that writes into reserved slots. A reservation lies
+        inside it, at its buffer's address minus this one; write only the
+        bytes of a reservation held, until it is published or aborted.
+        PinshmError in a forked child."""
     @property
     def name(self) -> str:
         """The segment's name in /dev/shm."""

@@ -600,6 +600,14 @@ impl ObjectStore {
         Ok(pinshm::StoreConfig::largest_object(capacity, n_readers))
     }
 
+    /// The writer's mapping of the data region: (address of its first
+    /// byte, length in bytes), to register once with a transfer library
+    /// that writes into reserved slots. A reservation's offset in it is
+    /// its buffer's address minus this one.
+    fn data_region(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        self.with(py, false, |s| s.data_region())?.map_err(to_py)
+    }
+
     /// What a reader process needs to attach (picklable).
     fn handle(&self, py: Python<'_>) -> PyResult<StoreHandle> {
         Ok(StoreHandle(self.with(py, false, |s| s.handle())?))

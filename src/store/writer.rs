@@ -560,6 +560,18 @@ impl ObjectStore {
         self.map.seg().name()
     }
 
+    /// The writer's mapping of the data region, as (address of its first
+    /// byte, length in bytes = the capacity), for registering it once with
+    /// a transfer library (NIXL) that writes payloads into reserved slots:
+    /// a reservation's bytes lie inside it. Only the bytes of a reservation
+    /// this writer holds may be written, and only until it is committed or
+    /// aborted. The address stays valid while the store lives. `Forked` in
+    /// a forked child.
+    pub fn data_region(&self) -> Result<(usize, u64)> {
+        self.check_owner()?;
+        Ok((self.space.geo.data() as usize, self.space.geo.capacity))
+    }
+
     /// The mapping, for copies in flight to hold.
     pub(crate) fn mapping(&self) -> crate::copy::KeepAlive {
         self.map.clone()

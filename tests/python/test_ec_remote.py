@@ -89,6 +89,25 @@ def test_a_consumer_engine_fetches_from_its_first_step(nodes, engines):
     assert c.wrong_answers() == {} and c.failed == set()
 
 
+def test_the_consumers_data_region_is_registered_once_and_per_read_only_where_it_cannot_be(nodes, engines):
+    producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes), tp=2)
+    c.step([])
+    remote = c.scheduler._scheduler.remote
+    assert remote._region is not None, "registered when the tier started"
+    calls = []
+    register = remote._agent.register_memory
+    remote._agent.register_memory = lambda *a, **k: calls.append(a) or register(*a, **k)
+    assert c.step(IMAGES[:2]).loads == IMAGES[:2]
+    assert calls == [], "no registration per READ"
+    # Where the region could not be registered: each READ registers its slot.
+    remote._agent.deregister_memory(remote._region)
+    remote._region = None
+    r = c.step(IMAGES[2:])
+    assert r.loads == IMAGES[2:] and r.digests == [want(IMAGES[2:])] * 2
+    assert len(calls) == 1 and remote.fetched == 3
+
+
 def test_a_second_consumer_engine_of_the_node_hits_what_the_first_fetched(nodes, engines):
     node = producer(nodes)
     first = engines("fork", "ec_consumer", consumer_extra(nodes))

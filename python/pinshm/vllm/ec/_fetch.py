@@ -81,6 +81,9 @@ class RemoteTier:
         self.peers = [Peer(h, p) for h, p in settings.peers]
         self._ctx: Any = None
         self._agent: Any = None
+        # The store's data region, registered with NIXL once (None: each
+        # READ registers its slot, as where the whole region cannot be).
+        self._region: Any = None
         self._stuck: list[tuple[Any, Any, TensorReservation]] = []
         self._absent: OrderedDict[str, float] = OrderedDict()
         self.fetched = self.not_found = self.unstable = self.peer_failures = 0
@@ -91,6 +94,7 @@ class RemoteTier:
             import zmq
 
             self._ctx = zmq.Context()
+            self._region = self._register_region()
         self.reader.get()
 
     def _create(self) -> Optional[ObjectStore]:
@@ -119,6 +123,23 @@ class RemoteTier:
             return None
         self._tracked.add(s.remote_store)
         return store
+
+    def _register_region(self) -> Any:
+        """Registers the writer's mapping of the data region with NIXL, for
+        every READ into one of its slots; None if NIXL refuses it."""
+        assert self.store is not None
+        base, length = self.store.data_region()
+        try:
+            return self._agent.register_memory([(base, length, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001 - NIXL's errors: register per READ instead
+            logger.info(
+                "pinshm encoder cache: registering store %r's data region (%d bytes) failed (%r): "
+                "each READ registers its slot instead",
+                self.settings.remote_store,
+                length,
+                e,
+            )
+            return None
 
     # ---- local hits of what was fetched ----------------------------
 
@@ -210,7 +231,8 @@ class RemoteTier:
         try:
             if size != place.nbytes:
                 raise PeerError(f"a slot of {size} bytes for {place.nbytes}")
-            reg = self._agent.register_memory([(addr, size, 0, "")], "DRAM")
+            if self._region is None:
+                reg = self._agent.register_memory([(addr, size, 0, "")], "DRAM")
             local = self._agent.get_xfer_descs([(addr, size, 0)], "DRAM")
             remote = self._agent.get_xfer_descs([(peer.base + place.offset, size, 0)], "DRAM")
             xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name)
@@ -367,6 +389,12 @@ class RemoteTier:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        region, self._region = self._region, None
+        if region is not None and not self._stuck:
+            try:
+                self._agent.deregister_memory(region)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("pinshm encoder cache: deregistering the data region: %r", e)
         self.reader.close()
         store, self.store = self.store, None
         if store is not None and not self._stuck:

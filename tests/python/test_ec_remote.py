@@ -108,6 +108,18 @@ def test_the_consumers_data_region_is_registered_once_and_per_read_only_where_it
     assert len(calls) == 1 and remote.fetched == 3
 
 
+def test_the_store_of_fetched_outputs_follows_reserve_so_that_gpu_hosts_pin_it(nodes, engines):
+    producer(nodes)
+    for reserve in (False, True):
+        c = engines("fork", "ec_consumer", consumer_extra(nodes, reserve=reserve, remote_size="64m"))
+        c.step([])
+        st = os.stat("/dev/shm/" + nodes[1] + "_remote")
+        backed = st.st_blocks * 512 >= st.st_size
+        assert backed == reserve, f"reserve={reserve}: {st.st_blocks * 512} of {st.st_size} bytes backed"
+        assert c.step(IMAGES[:1]).loads == IMAGES[:1]
+        c.close()
+
+
 def test_a_second_consumer_engine_of_the_node_hits_what_the_first_fetched(nodes, engines):
     node = producer(nodes)
     first = engines("fork", "ec_consumer", consumer_extra(nodes))

@@ -108,7 +108,8 @@ class ECSettings:
     - ``reserve``: the writer reserves and pre-faults the whole store at
       creation (a full /dev/shm fails then), and so, with a CUDA driver,
       its mapping and the workers' are pinned: saves and loads are DMA
-      from and into the slots. Default: sparse, unpinned.
+      from and into the slots. Default: sparse, unpinned. ``remote_store``
+      follows it (its writer, the engine core, never pins its own mapping).
     - ``serve``: ``"HOST:PORT"``: this engine's scheduler serves the
       node's store to other nodes (a NIXL agent and a ZMQ endpoint there).
     - ``peers``: ``["HOST:PORT", ...]``: producers of other nodes that a

@@ -111,7 +111,14 @@ class RemoteTier:
                 name=s.remote_store,
                 cache=True,
                 key_index=min(MAX_INDEX_KEYS, max(MIN_INDEX_KEYS, capacity // INDEX_BYTES_PER_KEY)),
-                shm_headroom=shm_headroom() if s.shm_headroom is None else s.shm_headroom,
+                # `reserve` as the node's store: reserved and pre-faulted,
+                # so the workers' mappings are pinned on a GPU host. Never
+                # pinned here: this is the engine core, which must not
+                # make a CUDA context (the workers pin their own mappings).
+                reserve=s.reserve,
+                prefault=s.reserve,
+                pin="off",
+                shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
         except (PinshmError, OSError, ValueError) as e:
             logger.warning(

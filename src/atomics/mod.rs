@@ -80,6 +80,7 @@ pub(crate) use slot::{SlotMeta, SlotPtr};
 /// # Safety
 /// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
 /// live mapping, and that mapping outlives `'a`.
+#[inline]
 pub(crate) unsafe fn field<'a, A: word::Word>(base: *mut u8, off: usize) -> &'a A {
     // SAFETY: the caller's contract, which is `Word::at`'s.
     unsafe { A::at(base.add(off)) }

@@ -347,6 +347,7 @@ impl FingerprintKey {
     /// who has not mapped the segment can make two keys collide but by a
     /// 2^-128 accident per pair (an online search would need about 2^64
     /// puts and lookups).
+    #[inline]
     pub fn fingerprint(&self, key: &str) -> [u64; 2] {
         use siphasher::sip128::SipHasher13;
         let d = SipHasher13::new_with_keys(self.0, self.1).hash(key.as_bytes());

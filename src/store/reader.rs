@@ -308,6 +308,7 @@ impl StoreReader {
 
     /// A zero-copy view of `key`'s object, found through the shared key
     /// index and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    #[inline(always)]
     pub fn get_key(&self, key: &str) -> Result<Option<ReadGuard>> {
         Ok(self
             .hold_key(key)?
@@ -403,6 +404,7 @@ impl StoreReader {
 
     /// Looks `key` up in the shared key index and takes a hold on what it
     /// names, if that is `key`'s object. A miss counts no stale read.
+    #[inline(always)]
     fn hold_key(&self, key: &str) -> Result<Option<(ObjectHandle, SlotPtr, Valid)>> {
         self.at.check_owner()?;
         let Some((h, fp)) = self.probe(key)? else {
@@ -431,6 +433,7 @@ impl StoreReader {
 
     /// The index entry for `key`: a handle to check, and the key's
     /// fingerprint to check it with.
+    #[inline]
     fn probe(&self, key: &str) -> Result<Option<(ObjectHandle, [u64; 2])>> {
         let index = self.at.geo.index().ok_or_else(|| Error::NoKeyIndex {
             name: self.at.map.seg().name().to_owned(),

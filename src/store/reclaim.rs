@@ -113,10 +113,51 @@ impl Judge<'_> {
         } else {
             None
         };
+        // The two passes a reclaim makes, each its own loop with nothing
+        // decided per reader that is the same for all: the read check
+        // (per-reader accounting, no stuck-reader timeout) and the hold
+        // check after `invalidate`. The same loads, in the same order, as
+        // the general loop below.
+        match (owed, holds) {
+            (false, false) => return false,
+            (true, false) if short.is_none() && self.reader_timeout_ns.is_none() => {
+                return self.owed_by_any(e, slot)
+            }
+            (false, true) => return self.held_by_any(e.id, slot),
+            _ => {}
+        }
         (0..self.geo.n_readers).any(|i| {
             let word = self.geo.reader(i).word();
             (owed && self.owes(i, word, e, slot, short))
                 || (holds && self.holds(i, word, e.id, slot))
+        })
+    }
+
+    /// [`Judge::owes`] for any reader, per-reader accounting and no
+    /// timeout: a reader attaching, or attached and counted for `e`, that
+    /// has read it fewer times than it is referenced.
+    #[inline]
+    fn owed_by_any(&self, e: &Entry, slot: SlotPtr) -> bool {
+        (0..self.geo.n_readers).any(|i| {
+            let r = self.geo.reader(i);
+            let counted = match reader_state::state(r.word()) {
+                reader_state::VACANT | reader_state::ATTACHING => true,
+                reader_state::ATTACHED => e.id >= r.counted_from(),
+                _ => false,
+            };
+            counted && slot.reads_acquire(i) < e.refs
+        })
+    }
+
+    /// [`Judge::holds`] for any reader: the writer's half of the hold
+    /// protocol, after `invalidate`.
+    #[inline]
+    fn held_by_any(&self, id: u64, slot: SlotPtr) -> bool {
+        (0..self.geo.n_readers).any(|i| {
+            let r = self.geo.reader(i);
+            let word = r.word();
+            reader_state::state(word) != reader_state::LEFT
+                && (r.has_hazard_on(id) || slot.held_by(i, reader_state::generation(word)))
         })
     }
 

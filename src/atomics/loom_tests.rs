@@ -385,3 +385,57 @@ fn a_tag_worked_out_before_the_hazard_validates_only_the_header_under_it() {
         drop((slot_mem, reader_mem));
     });
 }
+
+/// The writer's hold scan of `Judge::held_by_any`: the hazard and the hold
+/// word after the fence, the state word only when one of them may keep
+/// the slot. Against a reader that takes a guard, reads, drops it and
+/// leaves its entry (state `LEFT`, as `Attached`'s drop), its read counted
+/// before, a reuse never comes before the guard's read, whichever word the
+/// scan loads when.
+#[test]
+fn a_hold_scan_that_loads_the_state_last_never_reuses_a_held_slot() {
+    use crate::layout::{hold, reader_state};
+    loom::model(|| {
+        let w = World::published();
+        let attached = reader_state::word(GEN, reader_state::ATTACHED);
+        w.me.set_word(attached);
+        // The read was counted earlier: only the hazard and the hold
+        // protect the guard.
+        assert!(w.slot.acknowledge(0));
+        let r = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let v = w.reader_guard();
+                w.me.clear_hazard();
+                w.me.transition(attached, reader_state::word(GEN, reader_state::LEFT));
+                v
+            })
+        };
+        let mut reused = false;
+        for _ in 0..2 {
+            if reused || w.slot.reads_acquire(0) < REFS {
+                continue;
+            }
+            let tag = w.slot.invalidate();
+            let hazard = w.me.has_hazard_on(OLD);
+            let word = w.slot.hold_word_acquire(0);
+            let held = (hazard || word as u32 != 0) && {
+                let state = w.me.word();
+                reader_state::state(state) != reader_state::LEFT
+                    && (hazard || hold::count_for(word, reader_state::generation(state)) != 0)
+            };
+            if held {
+                w.slot.restore(OLD, tag);
+            } else {
+                w.slot.begin_write();
+                // SAFETY (model): loom checks that no reader access races this.
+                w.payload.with_mut(|p| unsafe { *p = 200 });
+                w.slot.publish(NEW, 0, 8, 128, 0, ONE_REF);
+                reused = true;
+            }
+        }
+        if let Some(v) = r.join().unwrap() {
+            assert_eq!(v, 100, "the guard read the old bytes");
+        }
+    });
+}

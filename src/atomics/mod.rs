@@ -27,6 +27,10 @@
 //! `LEFT`, load its hazard (Acquire) and its hold word in S (Acquire). A
 //! hazard equal to the old id, or a hold count of the reader's current
 //! generation, means a guard may be reading: store the old id back and stop.
+//! (The scan a put makes loads the hazard and the hold word first and the
+//! state word only when one of them may keep the slot: the state discards
+//! leftovers of an ended attachment, which it may do as well after as
+//! before, see `Judge::held_by_any`.)
 //!
 //! Taking a hold (reader `get`): store the id in the hazard word, then a
 //! SeqCst fence, then load `id` (Acquire); a mismatch clears the hazard and

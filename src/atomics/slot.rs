@@ -122,8 +122,11 @@ impl SlotPtr {
         self.u32_at(offset_of!(SlotHeader, refs))
             .store(meta.refs, r);
         self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
+        // Two runs of words side by side (counters, then hold words).
         for i in 0..self.n_readers {
             self.reads(i).store(0, r);
+        }
+        for i in 0..self.n_readers {
             self.hold_word(i).store(0, r);
         }
         self.id().store(id, Ordering::Release);
@@ -179,6 +182,14 @@ impl SlotPtr {
     #[inline]
     pub(crate) fn held_by(&self, i: u32, generation: u64) -> bool {
         hold::count_for(self.hold_word(i).load(Ordering::Acquire), generation) != 0
+    }
+
+    /// Reader `i`'s hold word, generation and count (Acquire, as
+    /// [`SlotPtr::held_by`]'s load), for a scan that reads the reader's
+    /// state only when this word or its hazard may keep the slot.
+    #[inline]
+    pub(crate) fn hold_word_acquire(&self, i: u32) -> u64 {
+        self.hold_word(i).load(Ordering::Acquire)
     }
 
     /// Reader `i`'s hold count for `generation` (relaxed, for inspection).

@@ -261,6 +261,7 @@ impl StoreReader {
     /// read to acknowledge (a scheduler keeping what it has promised to
     /// its workers). As a guard's hold, a dead leaseholder's leases count
     /// for nothing.
+    #[inline]
     pub fn lease(&self, h: ObjectHandle) -> Result<Lease> {
         let (slot, _) = self.hold(h)?;
         Ok(Lease::new(self.share(), slot, h))
@@ -317,6 +318,7 @@ impl StoreReader {
 
     /// A [`Lease`] on `key`'s object, found through the shared key index
     /// and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    #[inline(always)]
     pub fn lease_key(&self, key: &str) -> Result<Option<Lease>> {
         Ok(self
             .hold_key(key)?
@@ -433,7 +435,7 @@ impl StoreReader {
 
     /// The index entry for `key`: a handle to check, and the key's
     /// fingerprint to check it with.
-    #[inline]
+    #[inline(always)]
     fn probe(&self, key: &str) -> Result<Option<(ObjectHandle, [u64; 2])>> {
         let index = self.at.geo.index().ok_or_else(|| Error::NoKeyIndex {
             name: self.at.map.seg().name().to_owned(),

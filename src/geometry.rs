@@ -56,11 +56,13 @@ impl StoreGeometry {
         }
     }
 
+    #[inline]
     pub(crate) fn header(&self) -> HeaderPtr {
         // SAFETY: the mapping starts with a page-aligned 256-byte header.
         unsafe { HeaderPtr::new(self.base) }
     }
 
+    #[inline]
     pub(crate) fn reader(&self, i: u32) -> ReaderPtr {
         debug_assert!(i < self.n_readers);
         // SAFETY: i < n_readers and the header spans header_len(n_readers)
@@ -70,6 +72,7 @@ impl StoreGeometry {
     }
 
     /// The shared key index, if the store has one.
+    #[inline]
     pub(crate) fn index(&self) -> Option<IndexPtr> {
         if self.index_entries == 0 {
             return None;
@@ -85,11 +88,13 @@ impl StoreGeometry {
     /// The first byte of the data region in this mapping (`capacity`
     /// bytes from there are the region; handle addresses are offsets
     /// into it).
+    #[inline]
     pub(crate) fn data(&self) -> *const u8 {
         self.data
     }
 
     /// The slot at `address`, if a slot prefix fits there.
+    #[inline]
     pub(crate) fn slot(&self, address: u64) -> Option<SlotPtr> {
         if address % layout::SLOT_ALIGN as u64 != 0
             || address.checked_add(self.prefix_len)? > self.capacity
@@ -103,6 +108,7 @@ impl StoreGeometry {
     }
 
     /// The payload of `size` bytes of the slot at `address`, if it fits.
+    #[inline]
     pub(crate) fn payload(&self, address: u64, size: u64) -> Option<*mut u8> {
         let start = address.checked_add(self.prefix_len)?;
         if start.checked_add(size)? > self.capacity {

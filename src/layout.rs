@@ -143,11 +143,13 @@ pub mod reader_state {
     pub const LEFT: u32 = 3;
 
     /// The state of a state word.
+    #[inline]
     pub const fn state(word: u64) -> u32 {
         (word & 0xff) as u32
     }
 
     /// The generation of a state word.
+    #[inline]
     pub const fn generation(word: u64) -> u64 {
         word >> 8
     }
@@ -159,6 +161,7 @@ pub mod reader_state {
     }
 
     /// The state word of `state` in `generation`.
+    #[inline]
     pub const fn word(generation: u64, state: u32) -> u64 {
         (generation << 8) | (state as u64 & 0xff)
     }
@@ -344,6 +347,7 @@ impl FingerprintKey {
     /// who has not mapped the segment can make two keys collide but by a
     /// 2^-128 accident per pair (an online search would need about 2^64
     /// puts and lookups).
+    #[inline]
     pub fn fingerprint(&self, key: &str) -> [u64; 2] {
         use siphasher::sip128::SipHasher13;
         let d = SipHasher13::new_with_keys(self.0, self.1).hash(key.as_bytes());
@@ -364,6 +368,7 @@ pub fn key_fingerprint(secret: &[u8; 32], key: &str) -> [u64; 2] {
 }
 
 /// Byte offset of reader `i`'s entry in the header.
+#[inline]
 pub const fn reader_entry_offset(i: u32) -> usize {
     size_of::<SegmentHeader>() + i as usize * size_of::<ReaderEntry>()
 }
@@ -374,6 +379,7 @@ pub const fn header_len(n_readers: u32) -> usize {
 }
 
 /// Bytes from a slot's start to its hold words (after the read counters).
+#[inline]
 pub const fn holds_offset(n_readers: u32) -> usize {
     round_up(size_of::<SlotHeader>() + 4 * n_readers as usize, 8)
 }
@@ -388,11 +394,13 @@ pub const fn slot_prefix_len(n_readers: u32) -> usize {
 /// holder's leftover and counts as no hold.
 pub mod hold {
     /// The word of `count` holds in `generation`.
+    #[inline]
     pub const fn word(generation: u64, count: u32) -> u64 {
         ((generation & 0xffff_ffff) << 32) | count as u64
     }
 
     /// Holds this word counts for a reader of `generation`.
+    #[inline]
     pub const fn count_for(word: u64, generation: u64) -> u32 {
         if word >> 32 == generation & 0xffff_ffff {
             word as u32
@@ -414,6 +422,7 @@ pub const fn round_up(v: usize, to: usize) -> usize {
 
 /// splitmix64's finaliser: a bijection of 64-bit words that spreads every
 /// input bit over the output.
+#[inline]
 const fn splitmix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -424,6 +433,7 @@ const fn splitmix(mut x: u64) -> u64 {
 /// what layout version 5 stored as the tag. Everything in it is in a
 /// handle (or follows from one), so whoever builds a payload from a
 /// handle can compute it; the stored tag is [`keyed_slot_tag`].
+#[inline]
 pub fn slot_tag(id: u64, address: u64, epoch: u64, size: u64, kind: u32) -> u64 {
     let a = splitmix(id ^ address.rotate_left(23) ^ epoch.rotate_left(41) ^ MAGIC);
     splitmix(a ^ size.rotate_left(7) ^ ((kind as u64) << 57))
@@ -449,6 +459,7 @@ pub fn tag_key(secret: &[u8; 32]) -> u64 {
 /// and reads its secret, a party that could write the bytes it wants
 /// anyway. So a reader that checks the tag, at the start of a read and
 /// again after an optimistic copy, never takes payload bytes for a header.
+#[inline]
 pub fn keyed_slot_tag(key: u64, id: u64, address: u64, epoch: u64, size: u64, kind: u32) -> u64 {
     splitmix(slot_tag(id, address, epoch, size, kind) ^ key)
 }

@@ -76,6 +76,7 @@ impl HeaderPtr {
     }
 
     /// Current epoch.
+    #[inline]
     pub(crate) fn epoch(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, epoch))
             .load(Ordering::Acquire)
@@ -108,6 +109,7 @@ impl HeaderPtr {
     /// (smaller) answer only makes a read of a new object fail `Stale`: a
     /// reader that learned of the object through a synchronising channel
     /// (any real one) sees at least the value stored before its publish.
+    #[inline]
     pub(crate) fn backed(&self) -> u64 {
         self.u64_at(offset_of!(SegmentHeader, backed))
             .load(Ordering::Acquire)
@@ -132,6 +134,7 @@ impl HeaderPtr {
     }
 
     /// The key index's sequence word (see `crate::atomics::index`).
+    #[inline]
     pub(crate) fn index_seq(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(SegmentHeader, index_seq))
     }

@@ -55,10 +55,12 @@ impl IndexPtr {
     }
 
     /// How many entries the table has (a power of two).
+    #[inline]
     pub(crate) fn entries(&self) -> u64 {
         self.entries
     }
 
+    #[inline]
     fn word(&self, i: u64, off: usize) -> &AtomicU64 {
         debug_assert!(i < self.entries);
         // SAFETY: `new`'s contract: entry `i & (entries - 1)` lies inside the
@@ -73,6 +75,7 @@ impl IndexPtr {
 
     /// Entry `i` as (fingerprint, id, address), Relaxed: between the
     /// sequence loads for a reader; the writer reads back its own stores.
+    #[inline]
     pub(crate) fn read(&self, i: u64) -> ([u64; 2], u64, u64) {
         let r = Ordering::Relaxed;
         (
@@ -120,12 +123,14 @@ impl IndexPtr {
     // ---- reader ----
 
     /// The sequence word before a probe (Acquire).
+    #[inline]
     pub(crate) fn seq_begin(&self) -> u64 {
         self.header.index_seq().load(Ordering::Acquire)
     }
 
     /// The sequence word after a probe: an Acquire fence, then Relaxed. Equal
     /// to an even [`IndexPtr::seq_begin`], the probe saw no change.
+    #[inline]
     pub(crate) fn seq_end(&self) -> u64 {
         fence(Ordering::Acquire);
         self.header.index_seq().load(Ordering::Relaxed)

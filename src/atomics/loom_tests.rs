@@ -306,3 +306,136 @@ fn reaping_a_dead_reader_never_marks_the_one_that_took_its_entry() {
         assert_eq!(state(mine), ATTACHED);
     });
 }
+
+/// A slot and a reader entry, sent to the reader thread of a model.
+struct Ptrs(SlotPtr, ReaderPtr);
+
+// SAFETY: the pointers point into boxes the model keeps until the thread
+// is joined; every access through them is an atomic (loom's).
+unsafe impl Send for Ptrs {}
+
+/// A stand-in for the keyed tag of the model's objects: what a reader
+/// expects for an id and a size (the model's kind is always 0).
+fn model_tag(id: u64, size: u64) -> u64 {
+    (id << 32) | size
+}
+
+/// `StoreReader::hold`'s order since the tag is worked out ahead: the
+/// size and kind are loaded (Relaxed) before the hazard, the expected tag
+/// computed from them, and after the hazard and the id's load the header
+/// is loaded again; the guess is used only for the very size and kind
+/// loaded then, else the tag is worked out again from those. Against a
+/// writer that reclaims and republishes the slot as another object of
+/// another size, a guard taken on the old id has validated the old
+/// object's header (its size and tag), never a mix of the two.
+#[test]
+fn a_tag_worked_out_before_the_hazard_validates_only_the_header_under_it() {
+    loom::model(|| {
+        table::reset();
+        let mut slot_mem = Box::new(Mem([0; 80]));
+        let mut reader_mem = Box::new(Mem([0; 80]));
+        // SAFETY: as `World::published`.
+        let (slot, me) = unsafe {
+            (
+                SlotPtr::new(slot_mem.0.as_mut_ptr().cast(), 1),
+                ReaderPtr::new(reader_mem.0.as_mut_ptr().cast()),
+            )
+        };
+        slot.publish(OLD, model_tag(OLD, 8), 8, 128, 0, ONE_REF);
+        let _ = me.has_hazard_on(OLD);
+        let _ = slot.held_by(0, GEN);
+        let _ = slot.meta();
+        let ptrs = Ptrs(slot, me);
+        let reader = thread::spawn(move || {
+            let Ptrs(slot, me) = ptrs;
+            let (_, pre_size, pre_kind) = slot.meta();
+            let guess = model_tag(OLD, pre_size);
+            me.set_hazard(OLD);
+            let mut taken = None;
+            if slot.id_acquire() == OLD {
+                let (tag, size, kind) = slot.meta();
+                let want = if (size, kind) == (pre_size, pre_kind) {
+                    guess
+                } else {
+                    model_tag(OLD, size)
+                };
+                if tag == want {
+                    slot.hold(0, GEN);
+                    taken = Some((tag, size));
+                }
+            }
+            me.clear_hazard();
+            if taken.is_some() {
+                slot.unhold(0);
+            }
+            taken
+        });
+        // The writer: the reader owes nothing (a cache), so it reclaims
+        // if no hazard or hold is seen, and republishes as NEW, size 16.
+        let tag = slot.invalidate();
+        if me.has_hazard_on(OLD) || slot.held_by(0, GEN) {
+            slot.restore(OLD, tag);
+        } else {
+            slot.begin_write();
+            slot.publish(NEW, model_tag(NEW, 16), 16, 128, 0, ONE_REF);
+        }
+        if let Some((tag, size)) = reader.join().unwrap() {
+            assert_eq!((tag, size), (model_tag(OLD, 8), 8), "the old header, whole");
+        }
+        drop((slot_mem, reader_mem));
+    });
+}
+
+/// The writer's hold scan of `Judge::held_by_any`: the hazard and the hold
+/// word after the fence, the state word only when one of them may keep
+/// the slot. Against a reader that takes a guard, reads, drops it and
+/// leaves its entry (state `LEFT`, as `Attached`'s drop), its read counted
+/// before, a reuse never comes before the guard's read, whichever word the
+/// scan loads when.
+#[test]
+fn a_hold_scan_that_loads_the_state_last_never_reuses_a_held_slot() {
+    use crate::layout::{hold, reader_state};
+    loom::model(|| {
+        let w = World::published();
+        let attached = reader_state::word(GEN, reader_state::ATTACHED);
+        w.me.set_word(attached);
+        // The read was counted earlier: only the hazard and the hold
+        // protect the guard.
+        assert!(w.slot.acknowledge(0));
+        let r = {
+            let w = w.clone();
+            thread::spawn(move || {
+                let v = w.reader_guard();
+                w.me.clear_hazard();
+                w.me.transition(attached, reader_state::word(GEN, reader_state::LEFT));
+                v
+            })
+        };
+        let mut reused = false;
+        for _ in 0..2 {
+            if reused || w.slot.reads_acquire(0) < REFS {
+                continue;
+            }
+            let tag = w.slot.invalidate();
+            let hazard = w.me.has_hazard_on(OLD);
+            let word = w.slot.hold_word_acquire(0);
+            let held = (hazard || word as u32 != 0) && {
+                let state = w.me.word();
+                reader_state::state(state) != reader_state::LEFT
+                    && (hazard || hold::count_for(word, reader_state::generation(state)) != 0)
+            };
+            if held {
+                w.slot.restore(OLD, tag);
+            } else {
+                w.slot.begin_write();
+                // SAFETY (model): loom checks that no reader access races this.
+                w.payload.with_mut(|p| unsafe { *p = 200 });
+                w.slot.publish(NEW, 0, 8, 128, 0, ONE_REF);
+                reused = true;
+            }
+        }
+        if let Some(v) = r.join().unwrap() {
+            assert_eq!(v, 100, "the guard read the old bytes");
+        }
+    });
+}

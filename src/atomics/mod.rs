@@ -27,6 +27,10 @@
 //! `LEFT`, load its hazard (Acquire) and its hold word in S (Acquire). A
 //! hazard equal to the old id, or a hold count of the reader's current
 //! generation, means a guard may be reading: store the old id back and stop.
+//! (The scan a put makes loads the hazard and the hold word first and the
+//! state word only when one of them may keep the slot: the state discards
+//! leftovers of an ended attachment, which it may do as well after as
+//! before, see `Judge::held_by_any`.)
 //!
 //! Taking a hold (reader `get`): store the id in the hazard word, then a
 //! SeqCst fence, then load `id` (Acquire); a mismatch clears the hazard and
@@ -80,6 +84,7 @@ pub(crate) use slot::{SlotMeta, SlotPtr};
 /// # Safety
 /// `base + off` is aligned for `A`, lies with `size_of::<A>()` bytes inside a
 /// live mapping, and that mapping outlives `'a`.
+#[inline]
 pub(crate) unsafe fn field<'a, A: word::Word>(base: *mut u8, off: usize) -> &'a A {
     // SAFETY: the caller's contract, which is `Word::at`'s.
     unsafe { A::at(base.add(off)) }

@@ -16,15 +16,18 @@ impl ReaderPtr {
     /// # Safety
     /// `ptr` is 8-aligned and `size_of::<ReaderEntry>()` bytes from it lie in
     /// a live shared mapping.
+    #[inline]
     pub(crate) unsafe fn new(ptr: *mut u8) -> Self {
         ReaderPtr { ptr }
     }
 
+    #[inline]
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract; `off` is an 8-aligned offset inside the entry.
         unsafe { field(self.ptr, off) }
     }
 
+    #[inline]
     fn state_word(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(ReaderEntry, state))
     }
@@ -34,22 +37,26 @@ impl ReaderPtr {
         unsafe { field(self.ptr, offset_of!(ReaderEntry, pid)) }
     }
 
+    #[inline]
     fn hazard(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(ReaderEntry, hazard))
     }
 
     /// The entry's state word, `reader_state::word(generation, state)`
     /// (SeqCst: pairs with the writer's reclaim scan).
+    #[inline]
     pub(crate) fn word(&self) -> u64 {
         self.state_word().load(Ordering::SeqCst)
     }
 
     /// The entry's state (see [`layout::reader_state`]).
+    #[inline]
     pub(crate) fn state(&self) -> u32 {
         layout::reader_state::state(self.word())
     }
 
     /// How many attaches this entry has seen.
+    #[inline]
     pub(crate) fn generation(&self) -> u64 {
         layout::reader_state::generation(self.word())
     }
@@ -79,6 +86,7 @@ impl ReaderPtr {
     }
 
     /// First id this reader is counted for.
+    #[inline]
     pub(crate) fn counted_from(&self) -> u64 {
         self.u64_at(offset_of!(ReaderEntry, counted_from))
             .load(Ordering::Acquire)
@@ -121,6 +129,7 @@ impl ReaderPtr {
     }
 
     /// Records an acknowledgement time.
+    #[inline]
     pub(crate) fn set_last_ack_ns(&self, t: u64) {
         self.u64_at(offset_of!(ReaderEntry, last_ack_ns))
             .store(t, Ordering::Relaxed);
@@ -136,17 +145,20 @@ impl ReaderPtr {
     /// it visible before the hold, so the writer would synchronize with
     /// nothing and could reuse a held slot. Release costs nothing on x86
     /// (a plain `mov`) and an `stlr` on AArch64.
+    #[inline]
     pub(crate) fn set_hazard(&self, id: u64) {
         self.hazard().store(id, Ordering::Release);
         fence(Ordering::SeqCst);
     }
 
     /// Clears the hazard (Release: the guard's reads happen before reuse).
+    #[inline]
     pub(crate) fn clear_hazard(&self) {
         self.hazard().store(0, Ordering::Release);
     }
 
     /// Whether the hazard names `id` (after the writer's `invalidate`).
+    #[inline]
     pub(crate) fn has_hazard_on(&self, id: u64) -> bool {
         self.hazard().load(Ordering::Acquire) == id
     }

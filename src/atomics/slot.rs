@@ -25,43 +25,51 @@ impl SlotPtr {
     /// # Safety
     /// 1. `ptr` is 64-byte aligned and points into a live shared mapping.
     /// 2. `slot_prefix_len(n_readers)` bytes from `ptr` lie inside it.
+    #[inline]
     pub(crate) unsafe fn new(ptr: *mut u8, n_readers: u32) -> Self {
         SlotPtr { ptr, n_readers }
     }
 
+    #[inline]
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         // SAFETY: `new`'s contract: the prefix is mapped and 64-aligned, `off`
         // is an 8-aligned offset inside it (a SlotHeader field or a hold word).
         unsafe { field(self.ptr, off) }
     }
 
+    #[inline]
     fn u32_at(&self, off: usize) -> &AtomicU32 {
         // SAFETY: as `u64_at`, with a 4-aligned offset (header or counters).
         unsafe { field(self.ptr, off) }
     }
 
     /// The id word.
+    #[inline]
     fn id(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(SlotHeader, id))
     }
 
     /// The tag word.
+    #[inline]
     fn tag(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(SlotHeader, tag))
     }
 
     /// The touched word (v8).
+    #[inline]
     fn touched(&self) -> &AtomicU64 {
         self.u64_at(offset_of!(SlotHeader, touched))
     }
 
     /// Reader `i`'s acknowledged-read counter.
+    #[inline]
     fn reads(&self, i: u32) -> &AtomicU32 {
         debug_assert!(i < self.n_readers);
         self.u32_at(size_of::<SlotHeader>() + 4 * i as usize)
     }
 
     /// Reader `i`'s hold word ([`layout::hold`]).
+    #[inline]
     fn hold_word(&self, i: u32) -> &AtomicU64 {
         debug_assert!(i < self.n_readers);
         // Inside the prefix (`new`'s contract): holds_offset + 8 * n_readers
@@ -114,8 +122,11 @@ impl SlotPtr {
         self.u32_at(offset_of!(SlotHeader, refs))
             .store(meta.refs, r);
         self.u32_at(offset_of!(SlotHeader, kind)).store(kind, r);
+        // Two runs of words side by side (counters, then hold words).
         for i in 0..self.n_readers {
             self.reads(i).store(0, r);
+        }
+        for i in 0..self.n_readers {
             self.hold_word(i).store(0, r);
         }
         self.id().store(id, Ordering::Release);
@@ -129,6 +140,7 @@ impl SlotPtr {
 
     /// Reader `i`'s acknowledged reads; Acquire pairs with the reader's
     /// Release so its reads of the payload happen before any reuse.
+    #[inline]
     pub(crate) fn reads_acquire(&self, i: u32) -> u32 {
         self.reads(i).load(Ordering::Acquire)
     }
@@ -167,8 +179,17 @@ impl SlotPtr {
     /// slot: after [`SlotPtr::invalidate`] and the hazard scan, the
     /// writer's last check (Acquire: pairs with the Release of
     /// [`SlotPtr::unhold`], so the holder's reads happen before any reuse).
+    #[inline]
     pub(crate) fn held_by(&self, i: u32, generation: u64) -> bool {
         hold::count_for(self.hold_word(i).load(Ordering::Acquire), generation) != 0
+    }
+
+    /// Reader `i`'s hold word, generation and count (Acquire, as
+    /// [`SlotPtr::held_by`]'s load), for a scan that reads the reader's
+    /// state only when this word or its hazard may keep the slot.
+    #[inline]
+    pub(crate) fn hold_word_acquire(&self, i: u32) -> u64 {
+        self.hold_word(i).load(Ordering::Acquire)
     }
 
     /// Reader `i`'s hold count for `generation` (relaxed, for inspection).
@@ -180,6 +201,7 @@ impl SlotPtr {
 
     /// The id (Acquire): the start of an optimistic read (seqlock begin),
     /// or the check after a hazard was published (after its SeqCst fence).
+    #[inline]
     pub(crate) fn id_acquire(&self) -> u64 {
         self.id().load(Ordering::Acquire)
     }
@@ -195,6 +217,7 @@ impl SlotPtr {
     /// no payload spells it but by a 2^-64 accident (see
     /// [`layout::keyed_slot_tag`]). The tag covers size and kind (it mixes
     /// them), so it is the slot's whole identity.
+    #[inline]
     pub(crate) fn identity_recheck(&self) -> (u64, u64) {
         fence(Ordering::Acquire);
         let r = Ordering::Relaxed;
@@ -202,6 +225,7 @@ impl SlotPtr {
     }
 
     /// Tag, size and kind; meaningful only between two equal id loads.
+    #[inline]
     pub(crate) fn meta(&self) -> (u64, u64, u32) {
         let r = Ordering::Relaxed;
         (
@@ -230,6 +254,7 @@ impl SlotPtr {
     /// between two equal id loads, or while the reader holds the slot (it
     /// is written before the id's Release publish and never while the
     /// slot is held).
+    #[inline]
     pub(crate) fn key_fp(&self) -> [u64; 2] {
         let r = Ordering::Relaxed;
         [
@@ -243,6 +268,7 @@ impl SlotPtr {
     /// validated hazard keeps the slot from reuse (a `lookup`), so the
     /// mark is never written into a slot that has become another object's
     /// (the writer zeroes the word at each publish).
+    #[inline]
     pub(crate) fn touch(&self) {
         if self.touched().load(Ordering::Relaxed) == 0 {
             self.touched().store(1, Ordering::Relaxed);
@@ -264,6 +290,7 @@ impl SlotPtr {
     /// Counts one read in the slot's aggregate counter (`reads[0]`), from
     /// any reader, under a hazard on the slot (RMW: readers race on it;
     /// Release: the read happens before the writer's reuse).
+    #[inline]
     pub(crate) fn acknowledge_aggregate(&self) {
         // Saturating: a hot object read 2^32 times must not look unread.
         let _ = self
@@ -278,6 +305,7 @@ impl SlotPtr {
     /// that sees the hazard gone. A word of another generation (a dead
     /// holder's) is replaced. RMWs: threads of one reader process may
     /// race here (the Python binding lets any thread drop a view).
+    #[inline]
     pub(crate) fn hold(&self, i: u32, generation: u64) {
         let w = self.hold_word(i);
         let mut cur = w.load(Ordering::Relaxed);
@@ -295,6 +323,7 @@ impl SlotPtr {
     /// Gives one hold of reader `i` back (Release: this holder's reads of
     /// the payload happen before a writer that sees the count drop reuses
     /// the slot). The hold keeps the slot from reuse until this store.
+    #[inline]
     pub(crate) fn unhold(&self, i: u32) {
         let _ = self
             .hold_word(i)
@@ -311,6 +340,7 @@ impl SlotPtr {
     /// on several threads at once (a guard owns its share of the reader and
     /// is `Send`), and none of their counts may be lost. Returns whether a
     /// read was counted.
+    #[inline]
     pub(crate) fn acknowledge(&self, i: u32) -> bool {
         let refs = self
             .u32_at(offset_of!(SlotHeader, refs))

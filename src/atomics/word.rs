@@ -73,6 +73,7 @@ pub(crate) trait Word: Sized {
 macro_rules! word {
     ($($t:ty),*) => {$(
         impl Word for $t {
+            #[inline]
             unsafe fn at<'a>(ptr: *mut u8) -> &'a Self {
                 // SAFETY: the caller's contract; atomics have no invalid bit
                 // patterns and the same layout as their integer.

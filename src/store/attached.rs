@@ -46,10 +46,12 @@ unsafe impl Sync for Attached {}
 
 impl Attached {
     /// Whether this is the process that attached (not a forked child).
+    #[inline]
     pub(super) fn is_owner(&self) -> bool {
         fork::current() == self.fork_gen
     }
 
+    #[inline]
     pub(super) fn check_owner(&self) -> Result<()> {
         if self.is_owner() {
             Ok(())
@@ -88,6 +90,7 @@ impl Attached {
     /// `Err(ReaderLeft)` if our reader entry is no longer ours: the writer
     /// marks an entry left only once the kernel has released its lock, which
     /// ours never is while we live, so this catches a scribbled table.
+    #[inline]
     pub(super) fn check_entry(&self) -> Result<()> {
         if self.entry_is_ours() {
             Ok(())
@@ -97,6 +100,7 @@ impl Attached {
     }
 
     /// This reader's attach generation (what its hold words carry).
+    #[inline]
     pub(super) fn generation(&self) -> u64 {
         reader_state::generation(self.word)
     }
@@ -113,7 +117,7 @@ impl Attached {
     /// hold back (as [`Self::ack_held`] then [`Self::release_hold`], the
     /// fork generation checked once). In a forked child, nothing: the hold
     /// and the read are the parent's.
-    #[inline]
+    #[inline(always)]
     pub(super) fn drop_guard(&self, slot: &SlotPtr, h: ObjectHandle) {
         if !self.is_owner() {
             return;
@@ -125,6 +129,7 @@ impl Attached {
     }
 
     /// Acknowledges a read of a slot this reader holds (hazard or hold).
+    #[inline]
     pub(super) fn ack_held(&self, slot: &SlotPtr, h: ObjectHandle) {
         if self.check_attached().is_err() {
             return;

@@ -91,6 +91,7 @@ impl AsRef<[u8]> for ReadGuard {
 }
 
 impl Drop for ReadGuard {
+    #[inline(always)]
     fn drop(&mut self) {
         self.reader.drop_guard(&self.slot, self.handle);
     }

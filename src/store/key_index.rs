@@ -141,6 +141,7 @@ const RETRIES: usize = 32;
 /// sequence word (still to be checked against its slot: the writer may
 /// change the table right after), or `None` if the table had no such
 /// entry then (or the writer kept changing it through every retry).
+#[inline]
 pub(super) fn probe(ptr: &IndexPtr, fp: [u64; 2]) -> Option<(u64, u64)> {
     let mask = ptr.entries() - 1;
     for _ in 0..RETRIES {

@@ -217,6 +217,7 @@ impl StoreReader {
     /// may hold any number of guards, on one object or many, for as long
     /// as it likes: each is one count in the slot, and the writer allocates
     /// around held objects.
+    #[inline(always)]
     pub fn get(&self, h: ObjectHandle) -> Result<ReadGuard> {
         let (
             slot,
@@ -260,6 +261,7 @@ impl StoreReader {
     /// read to acknowledge (a scheduler keeping what it has promised to
     /// its workers). As a guard's hold, a dead leaseholder's leases count
     /// for nothing.
+    #[inline]
     pub fn lease(&self, h: ObjectHandle) -> Result<Lease> {
         let (slot, _) = self.hold(h)?;
         Ok(Lease::new(self.share(), slot, h))
@@ -307,6 +309,7 @@ impl StoreReader {
 
     /// A zero-copy view of `key`'s object, found through the shared key
     /// index and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    #[inline(always)]
     pub fn get_key(&self, key: &str) -> Result<Option<ReadGuard>> {
         Ok(self
             .hold_key(key)?
@@ -315,12 +318,14 @@ impl StoreReader {
 
     /// A [`Lease`] on `key`'s object, found through the shared key index
     /// and held in one step (`None`: a miss, as [`StoreReader::lookup`]).
+    #[inline(always)]
     pub fn lease_key(&self, key: &str) -> Result<Option<Lease>> {
         Ok(self
             .hold_key(key)?
             .map(|(h, slot, _)| Lease::new(self.share(), slot, h)))
     }
 
+    #[inline(always)]
     fn guard(
         &self,
         h: ObjectHandle,
@@ -359,7 +364,7 @@ impl StoreReader {
 
     /// Takes a hold on `h` (the hold protocol of crate::atomics): the slot
     /// stays until the hold is given back.
-    #[inline]
+    #[inline(always)]
     fn hold(&self, h: ObjectHandle) -> Result<(SlotPtr, Valid)> {
         // Before the hazard word is written: in a forked child it is the
         // parent's.
@@ -370,8 +375,9 @@ impl StoreReader {
             Ok(slot) => slot,
             Err(why) => return Err(self.stale(h, why)),
         };
+        let pre = self.expect(h, &slot);
         self.at.me.set_hazard(h.monotonic_id);
-        let checked = self.check_slot(h, &slot, slot.id_acquire());
+        let checked = self.check_held(h, &slot, slot.id_acquire(), pre);
         let entry_ours = self.at.entry_is_ours();
         if let (Ok(v), true) = (&checked, entry_ours) {
             // The hazard keeps the slot valid under this write (the hold
@@ -400,6 +406,7 @@ impl StoreReader {
 
     /// Looks `key` up in the shared key index and takes a hold on what it
     /// names, if that is `key`'s object. A miss counts no stale read.
+    #[inline(always)]
     fn hold_key(&self, key: &str) -> Result<Option<(ObjectHandle, SlotPtr, Valid)>> {
         self.at.check_owner()?;
         let Some((h, fp)) = self.probe(key)? else {
@@ -408,11 +415,12 @@ impl StoreReader {
         let Ok(slot) = self.find_slot(h) else {
             return Ok(None);
         };
+        let pre = self.expect(h, &slot);
         self.at.me.set_hazard(h.monotonic_id);
         // Under the validated hazard the slot cannot be reused, so the key
         // fingerprint read after the id is the object's own.
         let checked = self
-            .check_slot(h, &slot, slot.id_acquire())
+            .check_held(h, &slot, slot.id_acquire(), pre)
             .ok()
             .filter(|_| slot.key_fp() == fp);
         let entry = self.at.check_entry();
@@ -427,6 +435,7 @@ impl StoreReader {
 
     /// The index entry for `key`: a handle to check, and the key's
     /// fingerprint to check it with.
+    #[inline(always)]
     fn probe(&self, key: &str) -> Result<Option<(ObjectHandle, [u64; 2])>> {
         let index = self.at.geo.index().ok_or_else(|| Error::NoKeyIndex {
             name: self.at.map.seg().name().to_owned(),
@@ -631,9 +640,67 @@ impl StoreReader {
             return Err("id mismatch");
         }
         let (tag, size, kind) = slot.meta();
-        if tag
-            != layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
-        {
+        self.check_meta(h, tag, size, kind, self.tag_for(h, size, kind))
+    }
+
+    /// The tag a slot of `h` holds if its size and kind are these.
+    #[inline]
+    fn tag_for(&self, h: ObjectHandle, size: u64, kind: u32) -> u64 {
+        layout::keyed_slot_tag(self.tag_key, h.monotonic_id, h.address, h.epoch, size, kind)
+    }
+
+    /// The tag `h`'s slot should hold for the size and kind it shows
+    /// before the hazard is published: a guess, worked out ahead so that
+    /// its arithmetic overlaps the hazard's fence instead of following
+    /// the id's load. Trusted for nothing: [`StoreReader::check_held`]
+    /// uses it only for the very size and kind it loads after the id.
+    #[inline]
+    fn expect(&self, h: ObjectHandle, slot: &SlotPtr) -> Expected {
+        let (_, size, kind) = slot.meta();
+        Expected {
+            size,
+            kind,
+            tag: self.tag_for(h, size, kind),
+        }
+    }
+
+    /// As [`StoreReader::check_slot`] (the same checks of the same words,
+    /// loaded after the id), with the tag worked out ahead by
+    /// [`StoreReader::expect`] where the size and kind are the ones it saw.
+    #[inline]
+    fn check_held(
+        &self,
+        h: ObjectHandle,
+        slot: &SlotPtr,
+        id: u64,
+        pre: Expected,
+    ) -> std::result::Result<Valid, &'static str> {
+        if id != h.monotonic_id {
+            return Err("id mismatch");
+        }
+        let (tag, size, kind) = slot.meta();
+        let want = if (size, kind) == (pre.size, pre.kind) {
+            pre.tag
+        } else {
+            self.tag_for(h, size, kind)
+        };
+        self.check_meta(h, tag, size, kind, want)
+    }
+
+    /// The checks of a slot's header words, loaded after an id that
+    /// matched `h`: its tag against `want` (the keyed tag of `h` with this
+    /// size and kind), its size against the data region and the backed
+    /// extent, its kind.
+    #[inline]
+    fn check_meta(
+        &self,
+        h: ObjectHandle,
+        tag: u64,
+        size: u64,
+        kind: u32,
+        want: u64,
+    ) -> std::result::Result<Valid, &'static str> {
+        if tag != want {
             return Err("tag mismatch (other epoch or segment, or a corrupted slot header)");
         }
         let data = self
@@ -685,6 +752,15 @@ struct Valid {
     data: *const u8,
     len: usize,
     kind: ObjectKind,
+    tag: u64,
+}
+
+/// What [`StoreReader::expect`] worked out before a hazard: the size and
+/// kind a slot showed, and the tag a slot of the handle with them holds.
+#[derive(Clone, Copy)]
+struct Expected {
+    size: u64,
+    kind: u32,
     tag: u64,
 }
 

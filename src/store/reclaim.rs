@@ -113,10 +113,87 @@ impl Judge<'_> {
         } else {
             None
         };
+        // The two passes a reclaim makes, each its own loop with nothing
+        // decided per reader that is the same for all: the read check
+        // (per-reader accounting, no stuck-reader timeout) and the hold
+        // check after `invalidate`. The same loads, in the same order, as
+        // the general loop below.
+        match (owed, holds) {
+            (false, false) => return false,
+            (true, false) if short.is_none() && self.reader_timeout_ns.is_none() => {
+                return self.owed_by_any(e, slot)
+            }
+            (false, true) => return self.held_by_any(e.id, slot),
+            _ => {}
+        }
         (0..self.geo.n_readers).any(|i| {
             let word = self.geo.reader(i).word();
             (owed && self.owes(i, word, e, slot, short))
                 || (holds && self.holds(i, word, e.id, slot))
+        })
+    }
+
+    /// [`Judge::owes`] for any reader, per-reader accounting and no
+    /// timeout: a reader attaching, or attached and counted for `e`, that
+    /// has read it fewer times than it is referenced.
+    ///
+    /// The slot's read counters first, the reader table only for a reader
+    /// short of `refs`: the counters lie side by side in the slot (a line
+    /// for 16 readers), each entry's state in a line of its own that its
+    /// reader dirties at every get (the hazard beside it), and a reader
+    /// that has read the object owes nothing whatever its state. The
+    /// answer is the conjunction `owes` computes, of the same words with
+    /// the same orderings; only the loads it cannot change are skipped. A
+    /// count at or above `refs` is never a previous holder's for an object
+    /// the entry's holder is counted for: those were published, and their
+    /// counters zeroed, after the holder took its first counted id.
+    #[inline]
+    fn owed_by_any(&self, e: &Entry, slot: SlotPtr) -> bool {
+        (0..self.geo.n_readers).any(|i| {
+            slot.reads_acquire(i) < e.refs && {
+                let r = self.geo.reader(i);
+                match reader_state::state(r.word()) {
+                    reader_state::VACANT | reader_state::ATTACHING => true,
+                    reader_state::ATTACHED => e.id >= r.counted_from(),
+                    _ => false,
+                }
+            }
+        })
+    }
+
+    /// [`Judge::holds`] for any reader: the writer's half of the hold
+    /// protocol, after `invalidate`.
+    ///
+    /// The hazard and the hold word first (in that order, both Acquire
+    /// after the SeqCst fence, as the protocol of crate::atomics has
+    /// them), the state word only for a reader whose hazard names `id` or
+    /// whose hold word counts anything: a reader with neither holds
+    /// nothing, whatever its state, which only tells a live holder from a
+    /// leftover. So an idle reader costs two loads, one of them in the
+    /// slot, beside the other readers' words.
+    ///
+    /// Why the state may be loaded last: the Dekker pair rests on the
+    /// hazard load and the hold load alone (a get whose fence came first
+    /// is seen there; one whose fence came later sees id 0 and takes no
+    /// hold). The state then only discards what an ended attachment left:
+    /// an entry becomes `LEFT`, or of a newer generation, only after its
+    /// holder has given back every hold and cleared its hazard, or has
+    /// died (the kernel released its lock), so a word seen before that
+    /// change keeps nothing alive. A hazard on `id` under a newer live
+    /// generation still counts, as it does with the state loaded first.
+    #[inline]
+    fn held_by_any(&self, id: u64, slot: SlotPtr) -> bool {
+        (0..self.geo.n_readers).any(|i| {
+            let r = self.geo.reader(i);
+            let hazard = r.has_hazard_on(id);
+            let hold = slot.hold_word_acquire(i);
+            (hazard || hold as u32 != 0) && {
+                let word = r.word();
+                reader_state::state(word) != reader_state::LEFT
+                    && (hazard
+                        || crate::layout::hold::count_for(hold, reader_state::generation(word))
+                            != 0)
+            }
         })
     }
 

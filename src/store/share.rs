@@ -45,6 +45,7 @@ impl<T> Share<T> {
         }
     }
 
+    #[inline]
     fn inner(&self) -> &Inner<T> {
         // SAFETY: this share keeps the allocation alive (the count is at
         // least one while it lives).
@@ -54,6 +55,7 @@ impl<T> Share<T> {
     /// Adds `n` shares at once, owned by the caller until it makes them
     /// into [`Share`]s ([`Share::prepaid`]) or gives them back
     /// ([`Share::unprepay`]).
+    #[inline]
     pub(super) fn prepay(&self, n: usize) {
         let old = self.inner().shares.fetch_add(n, Ordering::Relaxed);
         if old > MAX_SHARES - n {
@@ -66,6 +68,7 @@ impl<T> Share<T> {
     /// # Safety
     /// 1. The caller prepaid a share on this value that it has neither
     ///    made into a `Share` nor given back: this one becomes that share.
+    #[inline]
     pub(super) unsafe fn prepaid(&self) -> Share<T> {
         Share { ptr: self.ptr }
     }
@@ -97,16 +100,27 @@ impl<T> Clone for Share<T> {
 
 impl<T> Deref for Share<T> {
     type Target = T;
+    #[inline]
     fn deref(&self) -> &T {
         &self.inner().value
     }
 }
 
 impl<T> Drop for Share<T> {
+    #[inline(always)]
     fn drop(&mut self) {
         if self.inner().shares.fetch_sub(1, Ordering::Release) != 1 {
             return;
         }
+        self.drop_last();
+    }
+}
+
+impl<T> Share<T> {
+    /// What the last share's drop does, out of the line of every drop.
+    #[cold]
+    #[inline(never)]
+    fn drop_last(&mut self) {
         // The last share: every use through the others happened before
         // their Release give-backs, which this Acquire fence pairs with.
         fence(Ordering::Acquire);

@@ -190,6 +190,7 @@ pub(crate) fn register() -> u64 {
 
 /// The fork generation now: differs from [`register`]'s answer in a
 /// process forked since.
+#[inline]
 pub(crate) fn current() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }

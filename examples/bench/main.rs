@@ -328,14 +328,22 @@ fn stamp(json: bool) {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
     };
-    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    let dirty =
-        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
-    let commit = if dirty {
-        format!("{commit}+dirty")
-    } else {
-        commit
-    };
+    // PINSHM_COMMIT: where the binary runs away from its checkout (the GPU
+    // kit's run.sh sets it from the kit's COMMIT file).
+    let commit = std::env::var("PINSHM_COMMIT")
+        .ok()
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| {
+            let commit =
+                git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{commit}+dirty")
+            } else {
+                commit
+            }
+        });
     let layout = pinshm::testing::LAYOUT_VERSION;
     if json {
         println!("{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}}}");

@@ -85,7 +85,7 @@ if [ "${#failed[@]}" -eq 0 ]; then
   step "tests/gpu.rs" 90 "$here/gpu" --include-ignored --test-threads=1 --nocapture --skip bandwidth_table --skip preflight_reports
   step "tests/device.rs" 40 "$here/device" --include-ignored --test-threads=1 --nocapture
   step "bandwidth table" 70 "$here/gpu" --exact bandwidth_table --include-ignored --test-threads=1 --nocapture
-  step "bench --quick" 30 "$here/bench" --quick
+  step "bench --quick" 30 env PINSHM_COMMIT="$(cat "$here/COMMIT" 2>/dev/null)" "$here/bench" --quick
   if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
     step "python: encoder cache save (D2H into the slot) and load" 40 env PYTHONPATH="$here/py" python3 "$here/py_encoder_cache.py"

@@ -199,16 +199,24 @@ LIES = {
     [b"\xc1garbage", b"\x93\x01\x02\x03", "bad metadata", *LIES],  # b"\x93...": a list, not a map
 )
 def test_a_peer_that_sends_garbage_or_lies_costs_a_miss(nodes, engines, reply, caplog):
+    from pinshm.vllm.ec._wire import agent, release
+
+    # A real agent's metadata, so that a lie about the place is what is refused.
+    liar = agent("liar", progress=True) if reply in LIES else None
+    meta = liar.get_agent_metadata() if liar is not None else b"not nixl"
+    try:
+        _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta)
+    finally:
+        if liar is not None:
+            release(liar)
+
+
+def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):
     import logging
 
     import msgpack
 
-    from pinshm.vllm.ec._wire import agent
-
     _, _, port, made = nodes
-    # A real agent's metadata, so that a lie about the place is what is refused.
-    liar = agent("liar", progress=True) if reply in LIES else None
-    meta = liar.get_agent_metadata() if liar is not None else b"not nixl"
 
     def answer(request):
         if isinstance(reply, bytes):

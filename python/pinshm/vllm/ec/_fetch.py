@@ -32,7 +32,7 @@ from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
-from ._wire import PeerError, Place, agent, check_place, pack, unpack
+from ._wire import PeerError, Place, agent, check_place, pack, release, unpack
 from ._wire import field as wire_field
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -410,3 +410,8 @@ class RemoteTier:
             except (PinshmError, OSError) as e:
                 logger.debug("pinshm encoder cache: closing store %r: %s", self.settings.remote_store, e)
         self._tracked.clear()
+        # Destroyed now, not whenever the collector gets to it; kept while
+        # a READ may still land (see _wire.release).
+        agent_, self._agent = self._agent, None
+        if agent_ is not None:
+            release(agent_, safe=not self._stuck)

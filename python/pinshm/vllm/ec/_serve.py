@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ..._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import ECSettings
-from ._wire import ITEMSIZE, PeerError, agent, field, pack, unpack
+from ._wire import ITEMSIZE, PeerError, agent, field, pack, release, unpack
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -212,6 +212,10 @@ class Server:
         self._sock.close(0)
         self._ctx.term()
         self._named.close()
+        # Destroyed now (see _wire.release), unless the serving thread
+        # outlived its join.
+        release(self._agent, safe=not self._thread.is_alive())
+        self._agent = None
 
 
 def _place(reader: StoreReader, handle: ObjectHandle, base: int, length: int) -> tuple[int, int, str, tuple[int, ...]]:

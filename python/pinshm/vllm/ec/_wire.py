@@ -21,7 +21,9 @@ answer against the region and the consumer's own limits.
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -126,7 +128,6 @@ def nixl() -> Any:
     global _NIXL
     if _NIXL is None:
         import importlib
-        import os
 
         # The extra's other modules, checked here too, so that a missing one
         # stops the engine at start with this advice, not at every lookup.
@@ -163,11 +164,59 @@ def nixl() -> Any:
 PROGRESS_DELAY_US = 200
 
 
+#: The NIXL agents this process made and has not released, by id, with
+#: the pid that made each: held here so that none waits in a reference
+#: cycle for the garbage collector, which would run its destructor at any
+#: moment, in a forked child too. There, UCX closes connections whose
+#: sockets and epoll set the parent shares, and the parent's own teardown
+#: of them later aborts it (``uct_tcp_ep_mod_events``: seen in the test
+#: suite, an agent of an earlier test collected after a fork). So an agent
+#: is destroyed by :func:`release` alone, in the process that made it.
+_LIVE: dict[int, tuple[Any, int]] = {}
+
+
+def _keep_forever(a: Any) -> None:
+    """Makes agent `a` immortal: a reference never given back, so neither
+    the collector nor the interpreter's exit runs its destructor."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(a))
+
+
+@atexit.register
+def _keep_all_forever() -> None:
+    """At exit, every agent not released is made immortal: the process ends
+    without their destructors, as a SIGKILLed one does (its peers see the
+    connections drop), and a forked child that exits never runs its
+    parent's."""
+    for a, _ in _LIVE.values():
+        _keep_forever(a)
+    _LIVE.clear()
+
+
+def release(a: Any, safe: bool = True) -> None:
+    """Destroys agent `a` once the caller drops it: now, in the process that
+    made it, while its connections are its own. Kept for the life of the
+    process instead where `safe` is False (a transfer may still be in
+    flight, or another thread may still use it) or in a forked child.
+    Nothing for an agent released already."""
+    entry = _LIVE.pop(id(a), None)
+    if entry is not None and (not safe or entry[1] != os.getpid()):
+        _keep_forever(a)
+
+
 def agent(name: str, progress: bool) -> Any:
-    """A NIXL agent with the UCX backend. `progress`: with a progress
-    thread (the producer: a READ over TCP needs the side read from to make
-    progress), sleeping PROGRESS_DELAY_US between polls; without, the
-    agent progresses when its transfers are checked (the consumer)."""
+    """A NIXL agent with the UCX backend, destroyed only through
+    :func:`release`. `progress`: with a progress thread (the producer: a
+    READ over TCP needs the side read from to make progress), sleeping
+    PROGRESS_DELAY_US between polls; without, the agent progresses when its
+    transfers are checked (the consumer)."""
+    a = _make_agent(name, progress)
+    _LIVE[id(a)] = (a, os.getpid())
+    return a
+
+
+def _make_agent(name: str, progress: bool) -> Any:
     api = nixl()
     cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
     if not progress:

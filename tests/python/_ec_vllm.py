@@ -94,6 +94,13 @@ class Request:
 def worker_main(conn, role, extra, rank, model=MODEL, tp=1):
     """A vLLM worker: its connector (WORKER role), its encoder cache, and
     the model runner's calls, one step per message."""
+    # Dies with the test's process, as vLLM's workers do with their
+    # engine: a test process that crashes leaves no worker blocked on its
+    # pipe (holding the output of whatever ran the tests).
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.environ["STAND_IN_TP_RANK"] = str(rank)
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 

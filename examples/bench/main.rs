@@ -345,11 +345,32 @@ fn stamp(json: bool) {
             }
         });
     let layout = pinshm::testing::LAYOUT_VERSION;
+    let cpu = cpu_model();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     if json {
-        println!("{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}}}");
+        println!(
+            "{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}, \"cpu\": {}, \"cores\": {cores}}}",
+            serde_json::Value::from(cpu)
+        );
     } else {
-        println!("commit {commit}, layout version {layout}");
+        println!("commit {commit}, layout version {layout}, {cpu}, {cores} cores");
     }
+}
+
+/// The processor's model name, as /proc/cpuinfo gives it: ratios such as
+/// `get_guard` over the read floor depend on it (a locked instruction
+/// costs several times more on some cores than on others).
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name")?
+                    .split_once(':')
+                    .map(|(_, v)| v.trim().to_owned())
+            })
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// The 4 KiB put with 1, 8 and 32 readers, each acknowledging every

@@ -70,7 +70,7 @@ def load(path: Path) -> tuple[dict, Any]:
     except json.JSONDecodeError:
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         stamp = dict(rows[0]["stamp"]) if rows and "stamp" in rows[0] else {}
-        data, run, layouts = [], -1, set()
+        data, run, layouts, machines = [], -1, set(), set()
         for r in rows:
             if "stamp" in r:
                 continue
@@ -80,11 +80,14 @@ def load(path: Path) -> tuple[dict, Any]:
                 stamp.setdefault("commit", r.get("commit"))
                 if r.get("cpu"):
                     # The machine, where the bench names it (ratios depend on the CPU).
-                    stamp.setdefault("machine", f"{r['cpu']}, {r.get('cores', '?')} cores")
+                    machines.add(f"{r['cpu']}, {r.get('cpus', '?')} CPUs")
                 continue
             if isinstance(r.get("layout", r.get("layout_version")), int):
                 layouts.add(r.get("layout", r.get("layout_version")))  # a row that names its own layout
             data.append({**r, "_run": max(run, 0)} if run >= 0 else r)
+        if machines:
+            # Runs of one file on several machines say so, as layouts do.
+            stamp["machine"] = ("mixed " if len(machines) > 1 else "") + " / ".join(sorted(machines))
         if layouts:
             if len(layouts) > 1 or stamp.get("layout_version", next(iter(layouts))) not in layouts:
                 mixed = sorted({str(v) for v in layouts} | {str(stamp.get("layout_version"))} - {"None"})

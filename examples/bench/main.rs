@@ -346,31 +346,36 @@ fn stamp(json: bool) {
         });
     let layout = pinshm::testing::LAYOUT_VERSION;
     let cpu = cpu_model();
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    // The logical CPUs this process may run on (affinity, cgroups); 0 if
+    // unknown.
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     if json {
         println!(
-            "{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}, \"cpu\": {}, \"cores\": {cores}}}",
+            "{{\"op\": \"stamp\", \"commit\": \"{commit}\", \"layout_version\": {layout}, \"cpu\": {}, \"cpus\": {cpus}}}",
             serde_json::Value::from(cpu)
         );
     } else {
-        println!("commit {commit}, layout version {layout}, {cpu}, {cores} cores");
+        println!("commit {commit}, layout version {layout}, {cpu}, {cpus} CPUs");
     }
 }
 
-/// The processor's model name, as /proc/cpuinfo gives it: ratios such as
-/// `get_guard` over the read floor depend on it (a locked instruction
-/// costs several times more on some cores than on others).
+/// The processor's model name, as /proc/cpuinfo gives it on x86_64 (on
+/// aarch64, which has none, the architecture and the first core's part
+/// number): ratios such as `get_guard` over the read floor depend on it (a
+/// locked instruction costs several times more on some cores than on
+/// others).
 fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("model name")?
-                    .split_once(':')
-                    .map(|(_, v)| v.trim().to_owned())
-            })
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == name).then(|| v.trim().to_owned())
         })
-        .unwrap_or_else(|| "unknown CPU".into())
+    };
+    field("model name").unwrap_or_else(|| {
+        let part = field("CPU part").map_or(String::new(), |p| format!(", part {p}"));
+        format!("{} CPU{part}", std::env::consts::ARCH)
+    })
 }
 
 /// The 4 KiB put with 1, 8 and 32 readers, each acknowledging every

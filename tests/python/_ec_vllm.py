@@ -101,6 +101,8 @@ def worker_main(conn, role, extra, rank, model=MODEL, tp=1):
     import signal
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(1)  # the test process died before the line above
     os.environ["STAND_IN_TP_RANK"] = str(rank)
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 

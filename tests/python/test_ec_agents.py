@@ -1,11 +1,14 @@
 """The remote tier's NIXL agents are destroyed when released, in the
-process that made them, and never by the garbage collector of a forked
-child or at exit: UCX's teardown of connections a forked child shares
+process that made them, and never by the garbage collector, a forked
+child or the exit: UCX's teardown of connections a forked child shares
 with its parent aborted the parent (pinshm.vllm.ec._wire.release). A
 stand-in agent records its destructor, so NIXL is not needed."""
 
 import gc
 import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 from _fork import in_child
@@ -24,68 +27,79 @@ class StandIn:
         os.write(self.fd, b"%d\n" % os.getpid())
 
 
+class Owner:
+    """What holds an agent, as the remote tier's server and fetcher do."""
+
+    def __init__(self):
+        self._agent = _wire.agent("a", progress=False)
+        self._agent.cycle = None  # from here on, only the owner holds it
+
+
 @pytest.fixture
-def made(monkeypatch):
+def destroyed(monkeypatch):
+    """Makes agents stand-ins; returns the pids that destroyed one so far."""
     r, w = os.pipe()
     os.set_blocking(r, False)
     monkeypatch.setattr(_wire, "_make_agent", lambda name, progress: StandIn(w))
 
-    def destroyed_by():
+    def pids():
         try:
             return [int(p) for p in os.read(r, 4096).split()]
         except BlockingIOError:
             return []
 
-    yield destroyed_by
+    yield pids
     os.close(r)
     os.close(w)
 
 
-def test_a_released_agent_is_destroyed_at_once_in_the_process_that_made_it(made):
+def test_an_agent_is_held_until_released_then_destroyed_at_once_in_its_process(destroyed):
     a = _wire.agent("a", progress=False)
+    key = id(a)
     del a
     gc.collect()
-    assert made() == [], "held until released, cycle or not"
-    a = next(x for x, _ in _wire._LIVE.values() if isinstance(x, StandIn))
-    a.cycle = None
-    _wire.release(a)
-    _wire.release(a)  # twice: nothing more
-    del a
-    assert made() == [os.getpid()]
+    assert destroyed() == [], "held until released, in a cycle or not"
+    owner = SimpleNamespace(_agent=_wire._LIVE[key][0])
+    owner._agent.cycle = None
+    _wire.release(owner)
+    assert owner._agent is None
+    _wire.release(owner)  # twice: nothing more
+    assert destroyed() == [os.getpid()]
+    assert key not in _wire._LIVE
 
 
-def test_a_forked_child_never_destroys_its_parents_agents(made):
-    a = _wire.agent("a", progress=False)
+def test_a_forked_child_never_destroys_its_parents_agents(destroyed):
+    owner = Owner()
+    assert _wire.made_here(owner._agent)
 
     def child():
-        nonlocal a
-        _wire.release(a)  # in the child: kept, not destroyed
-        del a
+        if _wire.made_here(owner._agent):
+            return 1
+        _wire.release(owner)  # in the child: kept, not destroyed
         gc.collect()
         return 0
 
     assert in_child(child) == 0
-    assert made() == [], "the child ran the parent's destructor"
-    a.cycle = None
-    _wire.release(a)
-    del a
-    assert made() == [os.getpid()]
+    assert destroyed() == [], "the child ran the parent's destructor"
+    _wire.release(owner)
+    assert destroyed() == [os.getpid()]
 
 
-def test_an_agent_released_while_a_transfer_may_be_in_flight_is_never_destroyed(made):
-    a = _wire.agent("a", progress=False)
-    a.cycle = None
-    _wire.release(a, safe=False)
-    del a
+def test_an_agent_still_referred_to_or_maybe_in_use_is_never_destroyed(destroyed):
+    owner = Owner()
+    other, keys = owner._agent, [id(owner._agent)]
+    _wire.release(owner)  # `other` still refers to it
+    del other
     gc.collect()
-    assert made() == []
-    assert not any(isinstance(x, StandIn) for x, _ in _wire._LIVE.values())
+    owner = Owner()
+    keys.append(id(owner._agent))
+    _wire.release(owner, safe=False)  # a transfer may still be in flight
+    gc.collect()
+    assert destroyed() == []
+    assert not any(k in _wire._LIVE for k in keys)
 
 
-def test_agents_never_released_are_not_destroyed_at_exit(tmp_path):
-    import subprocess
-    import sys
-
+def test_agents_never_released_are_not_destroyed_at_exit():
     code = (
         "import os\n"
         "from pinshm.vllm.ec import _wire\n"

@@ -10,6 +10,7 @@ PINSHM_REQUIRE_NIXL=1)."""
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
@@ -17,6 +18,7 @@ from _ec_remote import BadPeer, ProducerNode, free_port, nixl_or_skip
 
 import pinshm
 import pinshm.vllm.ec._fetch as fetch
+from pinshm.vllm.ec import _wire
 
 IMAGES = ["img-a", "img-b", "img-c"]
 
@@ -32,6 +34,8 @@ def nodes(unique_name, stand_in):  # noqa: F811 - a fixture
     for p in made:
         p.close()
     fetch.before_read = fetch.after_read = None
+    # Every agent of this process was released when its owner closed.
+    assert not _wire._LIVE, f"agents never released: {list(_wire._LIVE.values())}"
     left = [n for n in (a, b, a + "_remote", b + "_remote") if os.path.exists("/dev/shm/" + n)]
     for n in left:
         os.unlink("/dev/shm/" + n)
@@ -202,13 +206,12 @@ def test_a_peer_that_sends_garbage_or_lies_costs_a_miss(nodes, engines, reply, c
     from pinshm.vllm.ec._wire import agent, release
 
     # A real agent's metadata, so that a lie about the place is what is refused.
-    liar = agent("liar", progress=True) if reply in LIES else None
-    meta = liar.get_agent_metadata() if liar is not None else b"not nixl"
+    liar = SimpleNamespace(_agent=agent("liar", progress=True) if reply in LIES else None)
+    meta = liar._agent.get_agent_metadata() if liar._agent is not None else b"not nixl"
     try:
         _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta)
     finally:
-        if liar is not None:
-            release(liar)
+        release(liar)
 
 
 def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):

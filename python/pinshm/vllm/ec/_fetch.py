@@ -32,7 +32,7 @@ from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
-from ._wire import PeerError, Place, agent, check_place, pack, release, unpack
+from ._wire import PeerError, Place, agent, check_place, made_here, pack, release, unpack
 from ._wire import field as wire_field
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -91,10 +91,14 @@ class RemoteTier:
             # The agent first: NIXL and the extra's other modules, or an
             # ImportError that says what to install.
             self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", progress=False)
-            import zmq
+            try:
+                import zmq
 
-            self._ctx = zmq.Context()
-            self._region = self._register_region()
+                self._ctx = zmq.Context()
+                self._region = self._register_region()
+            except BaseException:
+                release(self)
+                raise
         self.reader.get()
 
     def _create(self) -> Optional[ObjectStore]:
@@ -299,7 +303,8 @@ class RemoteTier:
         return True
 
     def _unstick(self) -> None:
-        self._stuck = [s for s in self._stuck if not self._let_go(*s)]
+        if self._agent is not None:  # None once closed: what is stuck stays
+            self._stuck = [s for s in self._stuck if not self._let_go(*s)]
 
     def _tell_done(self, peer: Peer, place: Place, deadline: float) -> None:
         try:
@@ -386,7 +391,12 @@ class RemoteTier:
         )
 
     def close(self) -> None:
-        """Detaches, closes the sockets and the store it writes. Twice is fine."""
+        """Detaches, closes the sockets and the store it writes. Twice is fine.
+        In a forked child, nothing but letting go of its copy: the agent's
+        connections and the sockets are the parent's."""
+        if self._agent is not None and not made_here(self._agent):
+            release(self)
+            return
         self._unstick()
         for peer in self.peers:
             self._drop_agent(peer)
@@ -412,6 +422,4 @@ class RemoteTier:
         self._tracked.clear()
         # Destroyed now, not whenever the collector gets to it; kept while
         # a READ may still land (see _wire.release).
-        agent_, self._agent = self._agent, None
-        if agent_ is not None:
-            release(agent_, safe=not self._stuck)
+        release(self, safe=not self._stuck)

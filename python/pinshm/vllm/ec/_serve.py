@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ..._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import ECSettings
-from ._wire import ITEMSIZE, PeerError, agent, field, pack, release, unpack
+from ._wire import ITEMSIZE, PeerError, agent, field, made_here, pack, release, unpack
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -47,15 +47,20 @@ class Server:
         # The agent first: NIXL and the extra's other modules, or an
         # ImportError that says what to install.
         self._agent = agent(f"pinshm-serve-{os.getpid()}-{port}", progress=True)
-        import zmq
+        try:
+            import zmq
 
-        self.agent_name = self._agent.name
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-        self._sock.bind(f"tcp://{host}:{port}")
-        self._named = NamedReader(settings.store, settings.retry_s, pin="off")
+            self.agent_name = self._agent.name
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+            self._sock.bind(f"tcp://{host}:{port}")
+            self._named = NamedReader(settings.store, settings.retry_s, pin="off")
+        except BaseException:
+            # A port taken, say: no agent (and its progress thread) left behind.
+            release(self)
+            raise
         self._registered: Optional[tuple[StoreReader, Any, int, int]] = None
         self._gen = 0
         self._ids = itertools.count(1)
@@ -199,7 +204,11 @@ class Server:
                 del self._leases[lid]
 
     def close(self) -> None:
-        """Stops serving; every lease ends. Twice is fine."""
+        """Stops serving; every lease ends. Twice is fine. In a forked child,
+        nothing but letting go of its copy (the connections are the parent's)."""
+        if self._agent is not None and not made_here(self._agent):
+            release(self)
+            return
         if self._stop.is_set():
             return
         self._stop.set()
@@ -214,8 +223,7 @@ class Server:
         self._named.close()
         # Destroyed now (see _wire.release), unless the serving thread
         # outlived its join.
-        release(self._agent, safe=not self._thread.is_alive())
-        self._agent = None
+        release(self, safe=not self._thread.is_alive())
 
 
 def _place(reader: StoreReader, handle: ObjectHandle, base: int, length: int) -> tuple[int, int, str, tuple[int, ...]]:

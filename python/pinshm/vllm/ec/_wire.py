@@ -22,8 +22,10 @@ answer against the region and the consumer's own limits.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -178,30 +180,42 @@ _LIVE: dict[int, tuple[Any, int]] = {}
 def _keep_forever(a: Any) -> None:
     """Makes agent `a` immortal: a reference never given back, so neither
     the collector nor the interpreter's exit runs its destructor."""
-    import ctypes
-
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(a))
 
 
 @atexit.register
 def _keep_all_forever() -> None:
-    """At exit, every agent not released is made immortal: the process ends
-    without their destructors, as a SIGKILLed one does (its peers see the
-    connections drop), and a forked child that exits never runs its
-    parent's."""
-    for a, _ in _LIVE.values():
+    """At exit, every agent not released is made immortal: its destructor
+    never runs (a forked child that exits never runs its parent's)."""
+    while _LIVE:
+        _, (a, _) = _LIVE.popitem()
         _keep_forever(a)
-    _LIVE.clear()
 
 
-def release(a: Any, safe: bool = True) -> None:
-    """Destroys agent `a` once the caller drops it: now, in the process that
-    made it, while its connections are its own. Kept for the life of the
-    process instead where `safe` is False (a transfer may still be in
-    flight, or another thread may still use it) or in a forked child.
-    Nothing for an agent released already."""
-    entry = _LIVE.pop(id(a), None)
-    if entry is not None and (not safe or entry[1] != os.getpid()):
+def made_here(a: Any) -> bool:
+    """Whether agent `a` is one this process made and has not released (in a
+    forked child, its parent's are not: leave their connections alone)."""
+    entry = _LIVE.get(id(a))
+    return entry is not None and entry[0] is a and entry[1] == os.getpid()
+
+
+def release(owner: Any, attr: str = "_agent", safe: bool = True) -> None:
+    """Takes the agent out of ``owner.attr`` (None after) and destroys it
+    now, in the process that made it, while its connections are its own.
+    It is kept for the life of the process instead where `safe` is False
+    (a transfer may still be in flight, or another thread may still use
+    it), in a forked child, and where anything else still refers to it
+    (its destructor would run whenever that reference goes). Nothing where
+    the attribute is None or the agent was released already."""
+    a = getattr(owner, attr, None)
+    setattr(owner, attr, None)
+    entry = _LIVE.pop(id(a), None) if a is not None else None
+    if entry is None:
+        return
+    mine = entry[1] == os.getpid()
+    del entry
+    # References: `a` here and getrefcount's argument, nothing else.
+    if not safe or not mine or sys.getrefcount(a) > 2:
         _keep_forever(a)
 
 

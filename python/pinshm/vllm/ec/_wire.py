@@ -195,8 +195,8 @@ def _keep_all_forever() -> None:
 def made_here(a: Any) -> bool:
     """Whether agent `a` is one this process made and has not released (in a
     forked child, its parent's are not: leave their connections alone)."""
-    entry = _LIVE.get(id(a))
-    return entry is not None and entry[0] is a and entry[1] == os.getpid()
+    entry = _LIVE.get(id(a))  # two live objects never share an id
+    return entry is not None and entry[1] == os.getpid()
 
 
 def release(owner: Any, attr: str = "_agent", safe: bool = True) -> None:

@@ -132,3 +132,82 @@ fn a_reader_whose_messages_come_back_to_back_spins_and_one_between_steps_does_no
         "a long gap: it sleeps at once"
     );
 }
+
+#[test]
+fn readiness_is_a_peek_that_takes_nothing_and_holds_no_slot() {
+    let name = Name::new("wait-ready-peek");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 2, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    assert!(!rx.is_ready().unwrap());
+    assert!(
+        !rx.wait_ready(Duration::from_millis(1)).unwrap(),
+        "nothing sent: the time is up"
+    );
+    tx.send(b"one").unwrap();
+    // Asked many times, still one message, and the message is still there.
+    for _ in 0..100 {
+        assert!(rx.is_ready().unwrap());
+        assert!(rx.wait_ready(Duration::ZERO).unwrap());
+    }
+    assert_eq!(
+        &*rx.try_recv().unwrap().expect("the peeked message"),
+        b"one"
+    );
+    assert!(!rx.is_ready().unwrap(), "taken: nothing more is ready");
+    // The peeks held no slot: both slots take a message each.
+    tx.send(b"two").unwrap();
+    tx.send_timeout(b"three", Duration::ZERO).unwrap();
+    assert_eq!(&*rx.recv().unwrap(), b"two");
+    assert_eq!(&*rx.recv().unwrap(), b"three");
+}
+
+#[test]
+fn a_reader_waiting_for_readiness_wakes_for_a_message_sent_from_another_thread() {
+    let name = Name::new("wait-ready-wake");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let rx = BroadcastReader::attach(&tx.handle()).unwrap();
+    let (started_tx, started) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        started_tx.send(()).unwrap();
+        let woke = rx.wait_ready(DEADLINE).unwrap();
+        (woke, rx.try_recv().unwrap().map(|m| m.to_vec()))
+    });
+    started.recv().unwrap();
+    tx.send(b"late").unwrap();
+    let (woke, got) = t.join().unwrap();
+    assert!(
+        woke,
+        "a lost wake-up would end only at the deadline, with false"
+    );
+    assert_eq!(got.as_deref(), Some(&b"late"[..]));
+}
+
+#[test]
+fn readiness_after_the_writer_goes_or_a_cancel_says_so_at_once() {
+    let name = Name::new("wait-ready-end");
+    let tx = Broadcast::create(BroadcastConfig::new(2, 4, 64).name(&*name)).unwrap();
+    let h = tx.handle();
+    let rx = BroadcastReader::attach_as(&h, 0).unwrap();
+    let cancelled = BroadcastReader::attach_as(&h, 1).unwrap();
+    // A wait in progress ends with Cancelled when another thread cancels.
+    let canceller = cancelled.canceller();
+    let (started_tx, started) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        started_tx.send(()).unwrap();
+        cancelled.wait_ready(DEADLINE)
+    });
+    started.recv().unwrap();
+    canceller.cancel();
+    assert!(matches!(
+        t.join().unwrap(),
+        Err(Error::Cancelled {
+            op: "wait_ready",
+            ..
+        })
+    ));
+    // The writer gone: ready (a recv would end at once, with WriterGone).
+    drop(tx);
+    assert!(rx.is_ready().unwrap());
+    assert!(rx.wait_ready(DEADLINE).unwrap());
+    assert!(matches!(rx.recv(), Err(Error::WriterGone { .. })));
+}

@@ -831,6 +831,14 @@ class BroadcastReader:
         ...
     def try_recv(self) -> Optional[MessageView]:
         """The next message in place (as `recv`) if one is there, else None."""
+    def ready(self) -> bool:
+        """Whether `recv` would return at once (a message this reader has
+        not received, or the writer closed the channel). A peek: takes
+        nothing."""
+    def wait_ready(self, timeout: float) -> bool:
+        """Waits (GIL released, on the channel's futex, never spinning)
+        until `ready()` would say True, for at most `timeout` seconds;
+        False when the time is up. Takes nothing."""
     def try_recv_bytes(self) -> Optional[bytes]:
         """The next message as a copy if one is there, else None."""
     def cancel(self) -> None:

@@ -263,6 +263,49 @@ def check_vllm() -> list[Check]:
     out.append(_target("cache", _targets.CACHE_MODULE, _targets.REBOUND, True))
     for i, module in enumerate(_targets.QUEUE_MODULES):
         out.append(_target("queue", module, ("MessageQueue",), i == 0))
+    return out + check_fit(version)
+
+
+def check_fit(version: str) -> list[Check]:
+    """Whether each drop-in fits the installed vLLM's class: the check
+    the plugin makes before it binds anything (:mod:`pinshm.vllm._fit`).
+    A misfit is a problem: that part would run on vLLM's class."""
+    from .vllm import _fit, _targets
+
+    out = []
+    if version not in _fit.TESTED:
+        out.append(
+            Check(
+                "vllm",
+                WARN,
+                f"vLLM {version} is not one pinshm is tested with ({', '.join(_fit.TESTED)}): "
+                "the fit checks below decide what pinshm replaces",
+            )
+        )
+    found: list[tuple[str, Optional[_fit.Fit], str]] = []
+    try:
+        cache = importlib.import_module(_targets.CACHE_MODULE)
+        found += [("cache", f, "vLLM's multimodal shm cache stays") for f in _fit.cache_fits(cache)]
+    except Exception as e:  # noqa: BLE001 - reported by _target above
+        found.append(("cache", None, f"{type(e).__name__}: {e}"))
+    try:
+        queue = importlib.import_module(_targets.QUEUE_MODULES[0]).MessageQueue
+        found.append(("queue", _fit.queue_fit(getattr(queue, "vllm", queue)), "vLLM's MessageQueue stays in use"))
+    except Exception as e:  # noqa: BLE001 - reported by _target above
+        found.append(("queue", None, f"{type(e).__name__}: {e}"))
+    try:
+        connector = _fit.connector_fit(importlib.import_module)
+        if connector is not None:
+            found.append(("ec", connector, "an engine configured with it may fail"))
+    except Exception as e:  # noqa: BLE001 - the connector's own import
+        found.append(("ec", None, f"{type(e).__name__}: {e}"))
+    for topic, fit, stays in found:
+        if fit is None:
+            out.append(Check(topic, FAIL, f"the fit with vLLM {version} could not be checked: {stays}"))
+        elif fit.ok:
+            out.append(Check(topic, OK, f"pinshm's {fit.what} fits vLLM {version}'s"))
+        else:
+            out.append(Check(topic, FAIL, _fit.not_fit_line(fit, version, stays)))
     return out
 
 

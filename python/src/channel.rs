@@ -347,6 +347,42 @@ impl BroadcastReader {
         Ok(held.map(MessageView::new))
     }
 
+    /// Whether `recv` would return at once: a message is there that this
+    /// reader has not received, or the writer closed the channel. A peek
+    /// at the writer's sequence number: it takes nothing (no slot held, no
+    /// release owed). pinshm.CancelledError after `cancel()`.
+    fn ready(&self, py: Python<'_>) -> PyResult<bool> {
+        let shared = self.shared()?;
+        // The GIL is released only if another call holds the reader.
+        let ready = match shared.try_lock() {
+            Some(r) => r.is_ready(),
+            None => crate::gil::released(py, || shared.lock().is_ready()),
+        };
+        ready.map_err(to_py)
+    }
+
+    /// Waits, with the GIL released, until `ready()` would say True, for
+    /// at most `timeout` seconds, taking nothing: True once a message is
+    /// there or the writer is gone (closed or dead), False when the time
+    /// is up. Sleeps on the channel's futex (a message sent meanwhile
+    /// always wakes it); never spins. pinshm.CancelledError after, or
+    /// during, `cancel()`.
+    fn wait_ready(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = duration(Some(timeout))?.unwrap_or_default();
+        let shared = self.shared()?;
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            let d = deadline.map_or(STEP, |end| {
+                end.saturating_duration_since(Instant::now()).min(STEP)
+            });
+            let ready = crate::gil::released(py, || shared.lock().wait_ready(d)).map_err(to_py)?;
+            if ready || deadline.is_some_and(|end| Instant::now() >= end) {
+                return Ok(ready);
+            }
+            py.check_signals()?;
+        }
+    }
+
     /// The next message as `bytes` (a copy) if one is there, else None.
     fn try_recv_bytes<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let shared = self.shared()?;

@@ -72,6 +72,7 @@ fn receive(r: &mut ReaderCore, n: u64) -> u64 {
             Recv::WriterGone => break,
             Recv::TimedOut => unreachable!("no deadline"),
             Recv::Cancelled => unreachable!("nobody cancels"),
+            Recv::Ready => unreachable!("a receive never peeks"),
         }
     }
     got
@@ -83,6 +84,22 @@ fn a_sleeping_reader_always_wakes_for_a_message() {
         let chan = ChannelPtr::heap(geo(1, 2));
         let mut r = ReaderCore::claim(chan.clone(), 0);
         let w = thread::spawn(move || send(&mut WriterCore::new(chan), 1, &|_| true));
+        assert_eq!(receive(&mut r, 1), 1);
+        w.join().unwrap();
+    });
+}
+
+#[test]
+fn a_reader_waiting_for_readiness_always_wakes_and_takes_nothing() {
+    // The peek's sleep (vLLM 0.34's `spin_until_readable`) follows the
+    // receive's announce, re-check, sleep protocol: a message sent at any
+    // point wakes it, and the message is still there to receive after.
+    model(|| {
+        let chan = ChannelPtr::heap(geo(1, 2));
+        let mut r = ReaderCore::claim(chan.clone(), 0);
+        let w = thread::spawn(move || send(&mut WriterCore::new(chan), 1, &|_| true));
+        assert_eq!(r.wait_ready(None, &|| true).unwrap(), Recv::Ready);
+        assert!(r.ready().unwrap());
         assert_eq!(receive(&mut r, 1), 1);
         w.join().unwrap();
     });

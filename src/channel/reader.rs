@@ -33,6 +33,9 @@ pub(crate) enum Recv {
     TimedOut,
     /// The reader's [`CancelFlag`] is set (a `Canceller` was used).
     Cancelled,
+    /// A message is there, not taken (the outcome of
+    /// [`ReaderCore::wait_ready`], never of a receive).
+    Ready,
 }
 
 /// Shared memory that contradicts the protocol (scribbled): which word,
@@ -173,6 +176,46 @@ impl ReaderCore {
         &self.releases
     }
 
+    /// Whether a message is published that this reader has not received:
+    /// a peek at the writer's sequence number, which takes nothing (no
+    /// slot, no release owed) and changes no word of shared memory.
+    pub(crate) fn ready(&self) -> Result<bool, Corrupt> {
+        let published = self.chan.published();
+        if published < self.next {
+            return Err(Corrupt {
+                field: "write_seq",
+                detail: format!("went back to {published}, this reader is at {}", self.next),
+            });
+        }
+        Ok(published > self.next)
+    }
+
+    /// The next message, taken ([`Recv::Message`]), or with `peek` only
+    /// seen ([`Recv::Ready`]); `None` if nothing is published.
+    fn look(&mut self, peek: bool) -> Result<Option<Recv>, Corrupt> {
+        if peek {
+            return Ok(self.ready()?.then_some(Recv::Ready));
+        }
+        Ok(self.poll()?.map(Recv::Message))
+    }
+
+    /// Waits until a message is there without taking it: [`Recv::Ready`]
+    /// (a later poll takes it), or the end, a timeout or a cancel, as
+    /// [`ReaderCore::wait`]. It sleeps on the message futex with the same
+    /// announce, re-check, sleep steps as a receive, so a message sent
+    /// meanwhile always wakes it; it never spins.
+    pub(crate) fn wait_ready(
+        &mut self,
+        deadline: Option<Instant>,
+        writer_alive: &dyn Fn() -> bool,
+    ) -> Result<Recv, Corrupt> {
+        if self.ready()? {
+            return Ok(Recv::Ready);
+        }
+        let r = self.sleep(deadline, None, writer_alive, &mut false, true)?;
+        Ok(r.expect("an untimed sleep ends with an outcome"))
+    }
+
     /// The next message, if one is published.
     pub(crate) fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
         let published = self.chan.published();
@@ -261,7 +304,9 @@ impl ReaderCore {
         if let Some((wake, until)) = plan.window {
             trace.caught = Caught::Early;
             let slept = Instant::now() < wake;
-            if let Some(r) = self.sleep(deadline, Some(wake), writer_alive, &mut trace.slept)? {
+            if let Some(r) =
+                self.sleep(deadline, Some(wake), writer_alive, &mut trace.slept, false)?
+            {
                 return Ok((r, trace));
             }
             if slept {
@@ -273,7 +318,7 @@ impl ReaderCore {
             }
         }
         trace.caught = Caught::Sleep;
-        let r = self.sleep(deadline, None, writer_alive, &mut trace.slept)?;
+        let r = self.sleep(deadline, None, writer_alive, &mut trace.slept, false)?;
         Ok((r.expect("an untimed sleep ends with an outcome"), trace))
     }
 
@@ -296,17 +341,19 @@ impl ReaderCore {
     /// Sleeps on the message futex until an outcome, or until `until`
     /// (`None`: no such limit) with `Ok(None)`. Announce, re-check, sleep,
     /// withdraw: the one protocol every sleep of a reader follows. Sets
-    /// `slept` once it has waited on the futex.
+    /// `slept` once it has waited on the futex. With `peek`, a message is
+    /// seen ([`Recv::Ready`]), not taken.
     fn sleep(
         &mut self,
         deadline: Option<Instant>,
         until: Option<Instant>,
         writer_alive: &dyn Fn() -> bool,
         slept: &mut bool,
+        peek: bool,
     ) -> Result<Option<Recv>, Corrupt> {
         loop {
             let seen = self.chan.reader_announce();
-            let outcome = self.check(deadline, writer_alive);
+            let outcome = self.check(deadline, writer_alive, peek);
             let Ok(None) = outcome else {
                 self.chan.reader_awake(seen);
                 return outcome;
@@ -323,18 +370,19 @@ impl ReaderCore {
             self.chan.reader_sleep(seen, Some(timeout));
             *slept = true;
             self.chan.reader_awake(seen);
-            if let Some(m) = self.poll()? {
-                return Ok(Some(Recv::Message(m)));
+            if let Some(r) = self.look(peek)? {
+                return Ok(Some(r));
             }
         }
     }
 
-    /// One look after announcing: a message, the end, a timeout, or
-    /// `None` (sleep).
+    /// One look after announcing: a message (taken, or with `peek` seen),
+    /// the end, a timeout, or `None` (sleep).
     fn check(
         &mut self,
         deadline: Option<Instant>,
         writer_alive: &dyn Fn() -> bool,
+        peek: bool,
     ) -> Result<Option<Recv>, Corrupt> {
         // After the announce's fence: the Dekker pair with a canceller.
         if self.cancel.is_set() {
@@ -342,18 +390,15 @@ impl ReaderCore {
         }
         // `closed` first: a poll after seeing it sees every message sent.
         let closed = self.chan.is_closed();
-        if let Some(m) = self.poll()? {
-            return Ok(Some(Recv::Message(m)));
+        if let Some(r) = self.look(peek)? {
+            return Ok(Some(r));
         }
         if closed {
             return Ok(Some(Recv::WriterGone));
         }
         if !writer_alive() {
             // Dead: nothing more will be published; drain what was.
-            return Ok(Some(match self.poll()? {
-                Some(m) => Recv::Message(m),
-                None => Recv::WriterGone,
-            }));
+            return Ok(Some(self.look(peek)?.unwrap_or(Recv::WriterGone)));
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(Some(Recv::TimedOut));
@@ -616,19 +661,80 @@ mod shell {
             self.is_owner() && self.at.seg.held_by_other(WRITER_SLOT)
         }
 
-        fn recv_deadline(&self, timeout: Option<Duration>, op: &'static str) -> Result<Message> {
+        /// Whether [`BroadcastReader::recv`] would return at once: a
+        /// message is there that this reader has not received, or the
+        /// writer closed the channel (`recv` then ends with
+        /// [`Error::WriterGone`] at once). A peek at the writer's sequence
+        /// number: it takes nothing and writes nothing to shared memory,
+        /// so asking in a loop costs a few loads. A writer that died
+        /// without closing is noticed by [`BroadcastReader::wait_ready`]
+        /// and `recv` (a system call), not here. After a cancel:
+        /// [`Error::Cancelled`].
+        pub fn is_ready(&self) -> Result<bool> {
+            self.may_wait("is_ready")?;
+            let core = self.core.borrow();
+            let ready = core.ready().map_err(|c| self.corrupt(c))?;
+            Ok(ready || core.chan().is_closed())
+        }
+
+        /// Waits until [`BroadcastReader::is_ready`] would say `true`, for
+        /// at most `timeout`, taking nothing: `Ok(true)` once a message is
+        /// there or the writer is gone (closed, or dead: `recv` then
+        /// returns at once), `Ok(false)` when the time is up. It sleeps on
+        /// the channel's futex with the protocol of a receive, so a
+        /// message sent meanwhile always wakes it, and never spins.
+        /// [`Error::Cancelled`] once cancelled (a wait in progress ends at
+        /// once).
+        pub fn wait_ready(&self, timeout: Duration) -> Result<bool> {
+            self.may_wait("wait_ready")?;
+            let deadline = Instant::now().checked_add(timeout);
+            let alive = || self.writer_alive_recently();
+            let got = self.core.borrow_mut().wait_ready(deadline, &alive);
+            match got.map_err(|c| self.corrupt(c))? {
+                Recv::Ready | Recv::WriterGone | Recv::Message(_) => Ok(true),
+                Recv::TimedOut => Ok(false),
+                Recv::Cancelled => Err(Error::Cancelled {
+                    op: "wait_ready",
+                    name: self.at.seg.name().to_owned(),
+                }),
+            }
+        }
+
+        /// `Forked` in a forked child; `Cancelled` (as `op`) once cancelled:
+        /// no wait starts, whether or not a message is there.
+        fn may_wait(&self, op: &'static str) -> Result<()> {
             if !self.is_owner() {
                 return Err(Error::Forked {
                     name: self.at.seg.name().to_owned(),
                 });
             }
-            // Cancelled: no wait starts, whether or not a message is there.
             if self.core.borrow().cancel_flag().is_set() {
                 return Err(Error::Cancelled {
                     op,
                     name: self.at.seg.name().to_owned(),
                 });
             }
+            Ok(())
+        }
+
+        /// Whether the writer is alive, asking the kernel at most once per
+        /// [`LIVENESS_RECHECK`]: a dead writer is noticed within about two
+        /// periods (the last "alive" answer is trusted for one), so a
+        /// reader that sleeps and wakes often asks rarely.
+        fn writer_alive_recently(&self) -> bool {
+            let fresh = self
+                .writer_seen
+                .get()
+                .is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
+            fresh || {
+                let alive = self.writer_alive();
+                self.writer_seen.set(alive.then(Instant::now));
+                alive
+            }
+        }
+
+        fn recv_deadline(&self, timeout: Option<Duration>, op: &'static str) -> Result<Message> {
+            self.may_wait(op)?;
             let t0 = Instant::now();
             // A timeout too long to add to the clock is no deadline.
             let deadline = timeout.and_then(|t| t0.checked_add(t));
@@ -643,20 +749,7 @@ mod shell {
             if self.core.borrow().held() >= slots {
                 return Err(Error::TooManyGuards { limit: slots });
             }
-            // A dead writer is noticed within about two re-check periods
-            // (the last "alive" answer is trusted for one period), so a
-            // reader that sleeps and wakes often asks the kernel rarely.
-            let alive = || {
-                let fresh = self
-                    .writer_seen
-                    .get()
-                    .is_some_and(|t| t.elapsed() < LIVENESS_RECHECK);
-                fresh || {
-                    let alive = self.writer_alive();
-                    self.writer_seen.set(alive.then(Instant::now));
-                    alive
-                }
-            };
+            let alive = || self.writer_alive_recently();
             let got = self.core.borrow_mut().wait_planned(deadline, plan, &alive);
             let (got, trace) = got.map_err(|c| self.corrupt(c))?;
             if timeout != Some(Duration::ZERO) {
@@ -669,7 +762,7 @@ mod shell {
                         policy.gave_up();
                         policy.forget();
                     }
-                    Recv::WriterGone => {}
+                    Recv::WriterGone | Recv::Ready => {}
                 }
                 self.spin.set(policy);
             }
@@ -690,6 +783,11 @@ mod shell {
                 Recv::WriterGone => Err(Error::WriterGone {
                     name: self.at.seg.name().to_owned(),
                 }),
+                // A receive takes what it finds; only `wait_ready` peeks.
+                Recv::Ready => Err(self.corrupt(Corrupt {
+                    field: "reader",
+                    detail: "a receive ended with a peek".to_owned(),
+                })),
                 Recv::TimedOut => Err(Error::Timeout {
                     op,
                     after: timeout.unwrap_or_default(),

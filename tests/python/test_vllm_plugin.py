@@ -352,8 +352,8 @@ class MessageQueue:
         return MessageQueue.recv("local", None)
 
     @staticmethod
-    def create_from_process_group(n_local_reader, max_chunk_bytes, max_chunks):
-        writer = MessageQueue(n_local_reader, n_local_reader, None, max_chunk_bytes, max_chunks)
+    def create_from_process_group(pg, max_chunk_bytes, max_chunks):  # pg: the group's size
+        writer = MessageQueue(pg, pg, None, max_chunk_bytes, max_chunks)
         return writer, MessageQueue.create_from_handle(writer.export_handle(), 0)
 """
 

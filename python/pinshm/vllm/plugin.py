@@ -23,7 +23,13 @@ other still happens.
 
 vLLM's own ``VLLM_PLUGINS`` allowlist switches the plugin off (list the
 plugins you want without ``pinshm``). A vLLM whose modules lack the names
-pinshm replaces is left alone, with a warning.
+pinshm replaces is left alone, with a warning. So is a vLLM whose classes
+pinshm's do not fit (:mod:`pinshm.vllm._fit`: a public method vLLM's
+class has and pinshm's lacks, a parameter pinshm's would not take): that
+part runs on vLLM's own class, with one WARNING naming what is missing and
+the vLLM version. The encoder-cache connector, which the user names in
+``ec_transfer_config``, is checked against vLLM's ``ECConnectorBase`` the
+same way and a misfit is warned about.
 
 The status line (the "in use" line, held back until vLLM's logging is
 configured, and the warnings) is :mod:`pinshm.vllm._status`'s.
@@ -38,7 +44,7 @@ import threading
 from types import ModuleType
 from typing import Any, Optional
 
-from . import _status
+from . import _fit, _status
 
 # What the plugin rebinds lives in a leaf module, so that `python -m
 # pinshm doctor` can check it without importing the plugin.
@@ -58,6 +64,11 @@ def _rebind_cache(module: Optional[ModuleType]) -> str:
         raise RuntimeError(
             f"{module.__name__} has no {', '.join(missing)}: not the vLLM 0.33 "
             f"layout pinshm.vllm was built for; vLLM's own classes stay"
+        )
+    bad = [f for f in _fit.cache_fits(module) if not f.ok]
+    if bad:
+        raise _fit.NotFit(
+            "; ".join(_fit.not_fit_line(f, _fit.vllm_version(), "vLLM's multimodal shm cache stays") for f in bad)
         )
     for name in REBOUND:
         setattr(module, name, getattr(storage, name))
@@ -103,9 +114,13 @@ def _rebind_queue(modules: tuple[str, ...], mode: str = "1") -> tuple[list[str],
     required."""
     done, failed = [], []
     try:
+        current = importlib.import_module(modules[0]).MessageQueue
+        fit = _fit.queue_fit(_vllm_queue or getattr(current, "vllm", current))
         MessageQueue, Handle = _queue_classes(mode)
     except Exception as e:  # noqa: BLE001 - the required module, as below
         raise RuntimeError(f"{modules[0]}: {type(e).__name__}: {e}") from e
+    if not fit.ok:
+        raise _fit.NotFit(_fit.not_fit_line(fit, _fit.vllm_version(), "vLLM's MessageQueue stays in use"))
     for i, modname in enumerate(modules):
         try:
             mod: Any = importlib.import_module(modname)
@@ -147,6 +162,9 @@ def register(module: Optional[ModuleType] = None) -> None:
     try:
         rebound["cache"] = [_rebind_cache(module)]
         parts.append("the shm multimodal cache (--mm-processor-cache-type shm)")
+    except _fit.NotFit as e:
+        rebound.pop("cache", None)
+        problems.append(str(e))
     except Exception as e:  # noqa: BLE001 - see the docstring
         rebound.pop("cache", None)
         problems.append(f"the shm multimodal cache stays vLLM's: {type(e).__name__}: {e}")
@@ -155,9 +173,23 @@ def register(module: Optional[ModuleType] = None) -> None:
         try:
             install_message_queue(mode)
             parts.append("MessageQueue" if mode == "1" else "MessageQueue where vLLM's would not fit /dev/shm (auto)")
+        except _fit.NotFit as e:
+            rebound.pop("queue", None)
+            problems.append(str(e))
         except Exception as e:  # noqa: BLE001
             rebound.pop("queue", None)
             problems.append(f"MessageQueue stays vLLM's: {type(e).__name__}: {e}")
+    try:
+        connector = _fit.connector_fit(importlib.import_module)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: never stops the rest
+        connector = None
+        logging.getLogger("vllm.plugins.pinshm").debug("pinshm: the connector's fit was not checked: %r", e)
+    if connector is not None and not connector.ok:
+        problems.append(
+            _fit.not_fit_line(
+                connector, _fit.vllm_version(), "an engine configured with it fails; remove it from ec_transfer_config"
+            )
+        )
     for p in problems:
         _status.warn("pinshm: %s", p)
     if not parts:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -28,8 +29,6 @@ def _warning_interval() -> float:
     value vLLM's queue module uses where it is imported (it reads the
     variable once, into a module constant that vLLM's own tests patch),
     else the environment's."""
-    import sys
-
     vllm_queue = sys.modules.get("vllm.distributed.device_communicators.shm_broadcast")
     value = getattr(vllm_queue, "VLLM_RINGBUFFER_WARNING_INTERVAL", None)
     if value is None:
@@ -38,6 +37,20 @@ def _warning_interval() -> float:
         return float(value)
     except (TypeError, ValueError):
         return 60.0
+
+
+def remote_poll_wait_ms() -> float:
+    """vLLM 0.34's ``REMOTE_POLL_WAIT_MS`` (how long a remote reader's
+    ``spin_until_readable`` sleeps in its socket's poll), read from vLLM's
+    queue module where it is imported; 1 ms where the constant is missing
+    (vLLM 0.33 and older) or not a positive number."""
+    vllm_queue = sys.modules.get("vllm.distributed.device_communicators.shm_broadcast")
+    value = getattr(vllm_queue, "REMOTE_POLL_WAIT_MS", 1)
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        return 1.0
+    return ms if ms > 0 else 1.0
 
 
 def deadline_after(timeout: Optional[float]) -> Optional[float]:

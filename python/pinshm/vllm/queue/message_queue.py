@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -50,7 +51,7 @@ from . import _groups
 from ._overflow import OverflowReader, OverflowWriter
 from ._pieces import Detours, assemble, send_in_pieces
 from ._remote import Remote
-from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger
+from ._wait import LONG_WAIT_TIME_LOG_MSG, Wait, deadline_after, logger, remote_poll_wait_ms
 
 __all__ = ["Handle", "MessageQueue", "LONG_WAIT_TIME_LOG_MSG"]
 
@@ -331,6 +332,56 @@ class MessageQueue:
             return self._remote.recv(timeout, self._cancelled)
         raise RuntimeError("Only readers can dequeue")
 
+    def readable(self) -> bool:
+        """Whether :meth:`dequeue` would return without waiting (vLLM
+        0.34): a message is there, or the writer has gone (``dequeue`` then
+        raises at once). Never consumes one. A local reader peeks at the
+        channel's sequence number (nothing is taken, no slot held); a
+        remote one polls its socket with a zero timeout.
+        RuntimeError("cancelled") after :meth:`shutdown`; RuntimeError for
+        a writer."""
+        if self.shutting_down:
+            raise RuntimeError("cancelled")
+        if self._rx is not None:
+            try:
+                return self._rx.ready()
+            except pinshm.CancelledError:
+                raise RuntimeError("cancelled") from None
+        if self._is_remote_reader and self._remote is not None:
+            return bool(self._remote.socket.poll(timeout=0))
+        raise RuntimeError("Only readers can check readability")
+
+    def spin_until_readable(self, pending: Sized, deadline: float) -> None:
+        """Returns once a message is ready (see :meth:`readable`),
+        `pending` is non-empty, or ``time.monotonic()`` reaches `deadline`
+        (vLLM 0.34's engine waits for its workers' outputs with it, while
+        its input thread fills `pending`); callers re-check ``readable()``.
+
+        vLLM's spins with the GIL held; here a local reader sleeps on the
+        channel's futex, GIL released, in steps of ``REMOTE_POLL_WAIT_MS``
+        (1 ms), looking at `pending` between them: a message wakes it at
+        once, new input within a step, and a step costs a wake-up, not a
+        core. A remote reader sleeps one step in its socket's poll."""
+        step_s = remote_poll_wait_ms() / 1000.0
+        if self.shutting_down:
+            raise RuntimeError("cancelled")
+        if self._is_remote_reader and self._remote is not None:
+            self._remote.socket.poll(timeout=max(1, round(step_s * 1000)))
+            return
+        rx = self._rx
+        if rx is None:
+            raise RuntimeError("Only readers can wait for readability")
+        monotonic = time.monotonic
+        try:
+            while not pending and not self.shutting_down:
+                left = deadline - monotonic()
+                if left <= 0 or rx.wait_ready(min(left, step_s)):
+                    return
+        except pinshm.CancelledError:
+            raise RuntimeError("cancelled") from None
+        if self.shutting_down:
+            raise RuntimeError("cancelled")
+
     def broadcast_object(self, obj: Any = None) -> Any:
         if self._is_writer:
             self.enqueue(obj)
@@ -441,8 +492,7 @@ class MessageQueue:
                 wait.warn_if_due(lambda: f"the writer (pid {self.handle.writer_pid}) to send")
 
     def _recv(self, timeout: Optional[float], indefinite: bool) -> bytes:
-        """The next channel message, copied (the small ones of the
-        ready handshake)."""
+        """The next channel message, copied (the ready handshake's)."""
         view = self._recv_view(timeout, indefinite)
         try:
             return bytes(view)

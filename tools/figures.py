@@ -115,10 +115,18 @@ def stamp_line(stamp: dict, source: str) -> str:
 
 def r_upstream(data: Any) -> str:
     out = []
-    for suite, what in (("storage", "tests/distributed/test_shm_storage.py"), ("queue", "tests/distributed/test_shm_broadcast.py")):
-        s = data.get(suite)
-        if not s:
-            continue
+    files = {
+        "storage": "tests/distributed/test_shm_storage.py",
+        "buffer": "tests/distributed/test_shm_buffer.py",
+        "queue": "tests/distributed/test_shm_broadcast.py",
+    }
+    # Keys are "<suite> <vLLM version of the tests>" (a bare suite name in
+    # older files): by version, then in the order above.
+    keys = [k for k in data if k.split(" ", 1)[0] in files]
+    keys.sort(key=lambda k: (k.split(" ", 1)[1] if " " in k else "", list(files).index(k.split(" ", 1)[0])))
+    for key in keys:
+        s, suite = data[key], key.split(" ", 1)[0]
+        what = files[suite]
         by_fn: dict[str, list[str]] = {}
         for t, why in sorted(s["differ"].items()):
             by_fn.setdefault(t.split("[", 1)[0], []).append(why)
@@ -131,6 +139,40 @@ def r_upstream(data: Any) -> str:
             f"installed): **{s['passed']} of {s['total']} pass**, {len(s['differ'])} differ by design{failed}"
             + (f": {differ}" if differ else "")
             + "."
+        )
+    return "\n".join(out) + "\n"
+
+
+def r_engine_loop(data: Any) -> str:
+    """Rows of examples/vllm_e2e/engine_loop.py (one per run), the medians
+    of each (mode, /dev/shm) over its runs, as ratios to vLLM's own queue
+    (mode 0, full /dev/shm) in the same file."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in data["runs"]:
+        groups.setdefault((r["mode"], r.get("shm_mib")), []).append(r)
+
+    def med(rows: list[dict], k: str) -> float:
+        v = sorted(r[k] for r in rows)
+        return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+    base = groups.get(("0", None))
+    out = [
+        "| queue (`PINSHM_VLLM_MESSAGE_QUEUE`) | /dev/shm | queues built | runs | steps right | inputs handled "
+        "during steps | step, median | slow step, median | engine CPU per wall second |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, shm), rows in sorted(groups.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+        kinds = sorted({q.rsplit(".", 1)[0].split(".")[0] for r in rows for q in r["queues"].values()})
+        steps = f"{sum(r['steps'] for r in rows if r['ok'])} of {sum(r['steps'] for r in rows)}"
+        inputs = f"{sum(r['inputs_handled'] for r in rows)} of {sum(r['inputs'] for r in rows)}"
+        cells = []
+        for k in ("step_ms_median", "slow_step_ms_median", "engine_cpu_per_wall"):
+            m = med(rows, k)
+            ratio = f" ({m / med(base, k):.2f}x)" if base and rows is not base else ""
+            cells.append(f"{m:.2f}{' ms' if k != 'engine_cpu_per_wall' else ''}{ratio}")
+        out.append(
+            f"| {mode} | {f'{shm} MiB' if shm else 'the host' + chr(39) + 's'} | {', '.join(kinds)} | {len(rows)} "
+            f"| {steps} | {inputs} | " + " | ".join(cells) + " |"
         )
     return "\n".join(out) + "\n"
 
@@ -280,6 +322,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "remote": r_remote,
     "ec-timing": r_ec_timing,
     "upstream": r_upstream,
+    "engine-loop": r_engine_loop,
     "ec-faults": r_ec_faults,
     "bench-keys": r_bench_keys,
     "serving": r_serving,

@@ -1,7 +1,8 @@
-"""Runs vLLM 0.33.0's own queue tests (tests/distributed/test_shm_broadcast.py)
-against pinshm's MessageQueue, in a venv with vLLM and torch (never in CI).
+"""Runs vLLM's own queue tests (tests/distributed/test_shm_broadcast.py of
+0.33.0 or 0.34.0) against pinshm's MessageQueue, in a venv with vLLM and
+torch (never in CI).
 
-    V/bin/python examples/vllm_e2e/upstream_queue_tests.py vllm-0.33.0.tar.gz [--json OUT] [pytest args]
+    V/bin/python examples/vllm_e2e/upstream_queue_tests.py vllm-0.34.0.tar.gz [--json OUT] [pytest args]
 
 The test file comes from vLLM's source distribution (PyPI's
 vllm-0.33.0.tar.gz; a source checkout's tests/ directory works too) and is
@@ -128,7 +129,9 @@ def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], a
         import pinshm
         import vllm
 
-        results[suite] = {
+        # One entry per suite and per vLLM version whose tests ran.
+        m = re.search(r"vllm-(\d+\.\d+\.\d+)", os.path.basename(os.path.normpath(source)))
+        results[f"{suite} {m.group(1) if m else 'source'}"] = {
             "passed": len(passed),
             "differ": {t: differs[_fn(t)] for t in failed if _fn(t) in differs},
             "failed": unexpected,

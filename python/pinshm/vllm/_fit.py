@@ -15,8 +15,8 @@ check compares vLLM's class with pinshm's:
   takes (a new argument vLLM passes would raise ``TypeError``), and
   pinshm's must require no argument vLLM's does not have;
 - for the encoder-cache connector, which subclasses vLLM's base: every
-  abstract method of ``ECConnectorBase`` is pinshm's own, with the
-  parameters above.
+  abstract method of ``ECConnectorBase`` is pinshm's own, and it and every
+  method of the base that pinshm's overrides take the base's parameters.
 
 Where a class does not fit, the plugin leaves vLLM's in place with one
 WARNING naming what is missing and the vLLM version (the engine then runs
@@ -159,7 +159,11 @@ def compare_connector(base: Any, ours: Any) -> Fit:
     """How `ours` (a subclass of vLLM's connector `base`) fits: each of the
     base's abstract methods must be ours, taking what vLLM passes."""
     fit = Fit(ours.__name__)
-    for name in sorted(getattr(base, "__abstractmethods__", ())):
+    abstract = set(getattr(base, "__abstractmethods__", ()))
+    # The abstract methods, and every method of the base that ours overrides
+    # (vLLM calls those the base's way too).
+    overridden = {n for n in vars(ours) if not n.startswith("_") and callable(getattr(base, n, None))}
+    for name in sorted(abstract | overridden):
         mine = inspect.getattr_static(ours, name, None)
         if mine is None or getattr(mine, "__isabstractmethod__", False):
             fit.missing.append(name)

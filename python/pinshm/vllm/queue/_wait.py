@@ -41,16 +41,12 @@ def _warning_interval() -> float:
 
 def remote_poll_wait_ms() -> float:
     """vLLM 0.34's ``REMOTE_POLL_WAIT_MS`` (how long a remote reader's
-    ``spin_until_readable`` sleeps in its socket's poll), read from vLLM's
-    queue module where it is imported; 1 ms where the constant is missing
+    ``spin_until_readable`` sleeps in its socket's poll), as vLLM's queue
+    module has it where it is imported; 1 ms where the constant is missing
     (vLLM 0.33 and older) or not a positive number."""
     vllm_queue = sys.modules.get("vllm.distributed.device_communicators.shm_broadcast")
     value = getattr(vllm_queue, "REMOTE_POLL_WAIT_MS", 1)
-    try:
-        ms = float(value)
-    except (TypeError, ValueError):
-        return 1.0
-    return ms if ms > 0 else 1.0
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 1
 
 
 def deadline_after(timeout: Optional[float]) -> Optional[float]:

@@ -342,13 +342,13 @@ class MessageQueue:
         a writer."""
         if self.shutting_down:
             raise RuntimeError("cancelled")
-        if self._rx is not None:
+        if self._is_local_reader and self._rx is not None:
             try:
                 return self._rx.ready()
             except pinshm.CancelledError:
                 raise RuntimeError("cancelled") from None
-        if self._is_remote_reader and self._remote is not None:
-            return bool(self._remote.socket.poll(timeout=0))
+        if self._is_remote_reader:
+            return bool(self.remote_socket.poll(timeout=0))
         raise RuntimeError("Only readers can check readability")
 
     def spin_until_readable(self, pending: Sized, deadline: float) -> None:
@@ -362,16 +362,13 @@ class MessageQueue:
         (1 ms), looking at `pending` between them: a message wakes it at
         once, new input within a step, and a step costs a wake-up, not a
         core. A remote reader sleeps one step in its socket's poll."""
-        step_s = remote_poll_wait_ms() / 1000.0
-        if self.shutting_down:
-            raise RuntimeError("cancelled")
-        if self._is_remote_reader and self._remote is not None:
-            self._remote.socket.poll(timeout=max(1, round(step_s * 1000)))
+        if self._is_remote_reader:
+            self.remote_socket.poll(timeout=remote_poll_wait_ms())
             return
-        rx = self._rx
+        rx = self._rx if self._is_local_reader else None
         if rx is None:
             raise RuntimeError("Only readers can wait for readability")
-        monotonic = time.monotonic
+        step_s, monotonic = remote_poll_wait_ms() / 1000.0, time.monotonic
         try:
             while not pending and not self.shutting_down:
                 left = deadline - monotonic()

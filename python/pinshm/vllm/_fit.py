@@ -111,11 +111,12 @@ def signature_gaps(ours: Any, theirs: Any) -> list[str]:
     for name, p in t.parameters.items():
         if name in _SELF or p.kind in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD) or name in op:
             continue
-        taken = {
-            _P.KEYWORD_ONLY: var_kw,
-            _P.POSITIONAL_ONLY: var_pos,
-            _P.POSITIONAL_OR_KEYWORD: var_kw and var_pos,
-        }[p.kind]
+        if p.kind is _P.KEYWORD_ONLY:
+            taken = var_kw
+        elif p.kind is _P.POSITIONAL_ONLY:
+            taken = var_pos
+        else:
+            taken = var_kw and var_pos
         if not taken:
             gaps.append(name)
     if any(p.kind in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD) for p in t.parameters.values()):

@@ -157,3 +157,34 @@ def test_a_remote_reader_polls_its_socket_and_never_consumes(unique_name, closin
     assert rd.readable() is True and rd.readable() is True
     assert rd.dequeue(timeout=LONG) == {"remote": 1}
     assert rd.readable() is False
+
+
+ENGINE_LOOP = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples/vllm_e2e/engine_loop.py"
+
+
+@pytest.mark.parametrize("mode, shm_mib", [("1", None), ("1", 64), ("auto", 64)])
+def test_vllm_034s_own_engine_loop_runs_over_pinshms_queue(mode, shm_mib):
+    """vLLM 0.34's real collective_rpc(non_block=True) and
+    EngineCoreProc._wait_for_output, forked workers, every response checked
+    (examples/vllm_e2e/engine_loop.py); in a container's 64 MiB /dev/shm,
+    auto must build pinshm's queue. Where vLLM 0.34 is installed only."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm", reason="vLLM is not installed (never in CI)")
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if not hasattr(shm_broadcast.MessageQueue, "readable"):
+        pytest.skip("the installed vLLM is older than 0.34 (no readable(): its engine never calls it)")
+    if shm_mib and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a mount namespace here (needs root and unshare)")
+    cmd = [sys.executable, str(ENGINE_LOOP), "--mode", mode, "--steps", "40"]
+    if shm_mib:
+        cmd += ["--shm-mib", str(shm_mib)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["inputs_handled"] == result["inputs"], result
+    assert set(result["queues"].values()) == {"pinshm.vllm.queue.message_queue"}, result

@@ -278,7 +278,7 @@ def check_fit(version: str) -> list[Check]:
             Check(
                 "vllm",
                 WARN,
-                f"vLLM {version} is not one pinshm is tested with ({', '.join(_fit.TESTED)}): "
+                f"pinshm is tested with vLLM {', '.join(_fit.TESTED)}, not {version}: "
                 "the fit checks below decide what pinshm replaces",
             )
         )

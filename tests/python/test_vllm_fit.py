@@ -88,7 +88,7 @@ def test_doctor_reports_the_misfit_as_a_problem_and_never_says_can_start(tmp_pat
     lines = out.stdout.splitlines()
     fail = [x for x in lines if x.startswith("[FAIL]") and "does not fit" in x]
     assert len(fail) == 1 and "MessageQueue" in fail[0] and "brand_new" in fail[0], out.stdout
-    assert any("0.99.0 is not one pinshm is tested with" in x for x in lines), out.stdout
+    assert any("pinshm is tested with vLLM 0.32.0, 0.33.0, 0.34.0, not 0.99.0" in x for x in lines), out.stdout
     assert "can start" not in lines[-1], lines[-1]
 
 

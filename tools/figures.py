@@ -170,8 +170,9 @@ def r_engine_loop(data: Any) -> str:
             m = med(rows, k)
             ratio = f" ({m / med(base, k):.2f}x)" if base and rows is not base else ""
             cells.append(f"{m:.2f}{' ms' if k != 'engine_cpu_per_wall' else ''}{ratio}")
+        where = f"{shm} MiB" if shm else "the host's"
         out.append(
-            f"| {mode} | {f'{shm} MiB' if shm else 'the host' + chr(39) + 's'} | {', '.join(kinds)} | {len(rows)} "
+            f"| {mode} | {where} | {', '.join(kinds)} | {len(rows)} "
             f"| {steps} | {inputs} | " + " | ".join(cells) + " |"
         )
     return "\n".join(out) + "\n"

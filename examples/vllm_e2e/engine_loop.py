@@ -43,7 +43,7 @@ def output(step: int, size: int) -> bytes:
     return (step.to_bytes(8, "little") * (size // 8 + 1))[:size]
 
 
-def worker(rank: int, rpc_handle, conn, mode: str) -> None:
+def worker(rank: int, rpc_handle, conn) -> None:
     """vLLM's WorkerProc, reduced to its queues: make the response queue
     (``MessageQueue(1, 1)``), attach the executor's broadcast, then serve."""
     from vllm.v1.executor import multiproc_executor as mpe
@@ -109,7 +109,7 @@ def main() -> None:
     pipes, procs = [], []
     for rank in range(a.tp):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker, args=(rank, rpc.export_handle(), child, a.mode), daemon=True)
+        p = ctx.Process(target=worker, args=(rank, rpc.export_handle(), child), daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)

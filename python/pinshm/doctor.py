@@ -285,27 +285,26 @@ def check_fit(version: str) -> list[Check]:
     found: list[tuple[str, Optional[_fit.Fit], str]] = []
     try:
         cache = importlib.import_module(_targets.CACHE_MODULE)
-        found += [("cache", f, "vLLM's multimodal shm cache stays") for f in _fit.cache_fits(cache)]
+        found += [("cache", f, "") for f in _fit.cache_fits(cache)]
     except Exception as e:  # noqa: BLE001 - reported by _target above
         found.append(("cache", None, f"{type(e).__name__}: {e}"))
     try:
-        queue = importlib.import_module(_targets.QUEUE_MODULES[0]).MessageQueue
-        found.append(("queue", _fit.queue_fit(getattr(queue, "vllm", queue)), "vLLM's MessageQueue stays in use"))
+        found.append(("queue", _fit.queue_fit(importlib.import_module(_targets.QUEUE_MODULES[0]).MessageQueue), ""))
     except Exception as e:  # noqa: BLE001 - reported by _target above
         found.append(("queue", None, f"{type(e).__name__}: {e}"))
     try:
         connector = _fit.connector_fit(importlib.import_module)
         if connector is not None:
-            found.append(("ec", connector, "an engine configured with it may fail"))
+            found.append(("ec", connector, ""))
     except Exception as e:  # noqa: BLE001 - the connector's own import
         found.append(("ec", None, f"{type(e).__name__}: {e}"))
-    for topic, fit, stays in found:
+    for topic, fit, why in found:
         if fit is None:
-            out.append(Check(topic, FAIL, f"the fit with vLLM {version} could not be checked: {stays}"))
+            out.append(Check(topic, FAIL, f"the fit with vLLM {version} could not be checked: {why}"))
         elif fit.ok:
             out.append(Check(topic, OK, f"pinshm's {fit.what} fits vLLM {version}'s"))
         else:
-            out.append(Check(topic, FAIL, _fit.not_fit_line(fit, version, stays)))
+            out.append(Check(topic, FAIL, _fit.not_fit_line(fit, version)))
     return out
 
 

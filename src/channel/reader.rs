@@ -180,6 +180,12 @@ impl ReaderCore {
     /// a peek at the writer's sequence number, which takes nothing (no
     /// slot, no release owed) and changes no word of shared memory.
     pub(crate) fn ready(&self) -> Result<bool, Corrupt> {
+        Ok(self.published()? > self.next)
+    }
+
+    /// The writer's sequence number, which never goes back past this
+    /// reader's position (else the segment was scribbled).
+    fn published(&self) -> Result<u64, Corrupt> {
         let published = self.chan.published();
         if published < self.next {
             return Err(Corrupt {
@@ -187,7 +193,7 @@ impl ReaderCore {
                 detail: format!("went back to {published}, this reader is at {}", self.next),
             });
         }
-        Ok(published > self.next)
+        Ok(published)
     }
 
     /// The next message, taken ([`Recv::Message`]), or with `peek` only
@@ -218,14 +224,8 @@ impl ReaderCore {
 
     /// The next message, if one is published.
     pub(crate) fn poll(&mut self) -> Result<Option<Received>, Corrupt> {
-        let published = self.chan.published();
-        if published <= self.next {
-            if published < self.next {
-                return Err(Corrupt {
-                    field: "write_seq",
-                    detail: format!("went back to {published}, this reader is at {}", self.next),
-                });
-            }
+        let published = self.published()?;
+        if published == self.next {
             return Ok(None);
         }
         let g = self.chan.geometry();

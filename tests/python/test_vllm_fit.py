@@ -4,7 +4,6 @@ Against stand-ins of vLLM always (a vLLM that gained a method, a
 parameter, an abstract method), and against vLLM itself where installed."""
 
 import abc
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ from pinshm import doctor
 from pinshm.vllm import _fit
 from pinshm.vllm.cache import storage
 from pinshm.vllm.queue import MessageQueue
+from _vllm_stand_in import write_stand_in
 
 # A stand-in vLLM as files on sys.path: its MessageQueue has every public
 # name pinshm's has, plus `brand_new`, a method a newer vLLM's engine calls.
@@ -21,28 +21,17 @@ PLANTED = "    def brand_new(self, pending, deadline):\n        pass\n"
 
 
 def stand_in_vllm(tmp_path, queue_body=PLANTED):
-    names = [n for n in _fit.public_names(MessageQueue)]
+    names = _fit.public_names(MessageQueue)
     body = "".join(f"    def {n}(self, *a, **k):\n        pass\n" for n in names) + queue_body
-    files = {
-        "vllm/__init__.py": "__version__ = '0.99.0'\n",
-        "vllm/multimodal/__init__.py": "",
-        "vllm/multimodal/cache/__init__.py": "",
-        "vllm/multimodal/cache/shm.py": (
-            "class SingleWriterShmRingBuffer: pass\n"
-            "class SingleWriterShmObjectStorage: pass\n"
-            "class MsgpackSerde: pass\n"
-        ),
-        "vllm/distributed/__init__.py": "",
-        "vllm/distributed/device_communicators/__init__.py": "",
-        "vllm/distributed/device_communicators/shm_broadcast.py": "class Handle: pass\nclass MessageQueue:\n" + body,
-    }
-    for rel, text in files.items():
-        f = tmp_path / rel
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(text)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    return env
+    return write_stand_in(
+        tmp_path,
+        {
+            "vllm/__init__.py": "__version__ = '0.99.0'\n",
+            "vllm/distributed/device_communicators/shm_broadcast.py": (
+                "class Handle: pass\nclass MessageQueue:\n" + body
+            ),
+        },
+    )
 
 
 PROBE = """

@@ -13,6 +13,7 @@ import pytest
 from pinshm.vllm import _status, plugin
 from pinshm.vllm.cache import storage
 from _small_shm import run_in_small_dev_shm
+from _vllm_stand_in import write_stand_in
 
 
 def stand_in():
@@ -85,31 +86,6 @@ def test_a_queue_that_cannot_be_rebound_leaves_the_cache_rebound(caplog, monkeyp
     assert len(in_use) == 1 and "cache" in in_use[0] and "MessageQueue" not in in_use[0], msgs
 
 
-# A stand-in for vLLM, as files on sys.path: the cache module, the queue's
-# modules, and an executor module that raises NameError on import (vLLM
-# 0.33's ray_executor_v2 without ray).
-STAND_IN = {
-    "vllm/__init__.py": "",
-    "vllm/multimodal/__init__.py": "",
-    "vllm/multimodal/cache/__init__.py": "",
-    "vllm/multimodal/cache/shm.py": (
-        "class SingleWriterShmRingBuffer: pass\n"
-        "class SingleWriterShmObjectStorage: pass\n"
-        "class MsgpackSerde: pass\n"
-    ),
-    "vllm/distributed/__init__.py": "",
-    "vllm/distributed/device_communicators/__init__.py": "",
-    "vllm/distributed/device_communicators/shm_broadcast.py": (
-        "class Handle: pass\nclass MessageQueue: pass\n"
-    ),
-    "vllm/v1/__init__.py": "",
-    "vllm/v1/executor/__init__.py": "",
-    "vllm/v1/executor/multiproc_executor.py": (
-        "from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue\n"
-    ),
-    "vllm/v1/executor/ray_executor_v2.py": "def f(x: ObjectRef): pass\n",
-}
-
 PROBE_STAND_IN = """
 import logging, sys, warnings
 if sys.argv[1] == "configured":
@@ -129,14 +105,8 @@ print("REBOUND", sorted(plugin.rebound.get("queue", [])))
 
 
 def run_stand_in(tmp_path, mode, broken=None):
-    for rel, text in STAND_IN.items():
-        f = tmp_path / rel
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(text)
-    if broken is not None:
-        (tmp_path / broken).write_text("def f(x: ObjectRef): pass\n")
-    env = dict(os.environ, PINSHM_VLLM_MESSAGE_QUEUE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    env = write_stand_in(tmp_path, {broken: "def f(x: ObjectRef): pass\n"} if broken else None)
+    env["PINSHM_VLLM_MESSAGE_QUEUE"] = "1"
     out = subprocess.run(
         [sys.executable, "-c", PROBE_STAND_IN, mode], env=env, capture_output=True, text=True, timeout=120
     )
@@ -384,15 +354,7 @@ for q in (big, w, r):
 def test_auto_uses_pinshms_queue_where_vllms_would_not_fit_a_container(tmp_path):
     # A stand-in for vLLM whose queue refuses, as
     # vLLM's does, what /dev/shm cannot hold, on a container's 64 MiB.
-    for rel, text in STAND_IN.items():
-        f = tmp_path / rel
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(text)
-    (tmp_path / "vllm/distributed/device_communicators/shm_broadcast.py").write_text(AUTO_STAND_IN_QUEUE)
-    (tmp_path / "vllm/v1/executor/multiproc_executor.py").write_text(
-        "from vllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue\n"
-    )
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = write_stand_in(tmp_path, {"vllm/distributed/device_communicators/shm_broadcast.py": AUTO_STAND_IN_QUEUE})
     env["PINSHM_VLLM_MESSAGE_QUEUE"] = ""
     out = run_in_small_dev_shm(PROBE_AUTO, size="64m", env=env)
     text = out.stdout + out.stderr

@@ -70,6 +70,8 @@ class Fit:
     """How pinshm's class for `what` fits vLLM's."""
 
     what: str
+    #: What happens instead where it does not fit (the warning's tail).
+    stays: str = "vLLM's class stays"
     #: Public names of vLLM's class that pinshm's lacks.
     missing: list[str] = dataclasses.field(default_factory=list)
     #: Methods whose parameters differ: "name(what differs)".
@@ -132,11 +134,11 @@ def public_names(cls: Any) -> list[str]:
     return sorted(n for n in dir(cls) if not n.startswith("_"))
 
 
-def compare(what: str, vllm_class: Any, ours: Any, internal: Optional[dict[str, str]] = None) -> Fit:
+def compare(what: str, vllm_class: Any, ours: Any, internal: Optional[dict[str, str]] = None, stays: str = "") -> Fit:
     """How `ours` fits `vllm_class` (see the module doc); `internal`:
     :data:`INTERNAL`'s entry for `what` unless given."""
     skip = INTERNAL.get(what, {}) if internal is None else internal
-    fit = Fit(what)
+    fit = Fit(what, stays or Fit.stays)
     if vllm_class is ours:
         return fit
     for name in public_names(vllm_class) + ["__init__"]:
@@ -159,7 +161,7 @@ def compare(what: str, vllm_class: Any, ours: Any, internal: Optional[dict[str, 
 def compare_connector(base: Any, ours: Any) -> Fit:
     """How `ours` (a subclass of vLLM's connector `base`) fits: each of the
     base's abstract methods must be ours, taking what vLLM passes."""
-    fit = Fit(ours.__name__)
+    fit = Fit(ours.__name__, "an engine configured with it may fail; leave it out of ec_transfer_config")
     abstract = set(getattr(base, "__abstractmethods__", ()))
     # The abstract methods, and every method of the base that ours overrides
     # (vLLM calls those the base's way too).
@@ -189,19 +191,25 @@ def vllm_version() -> str:
             return "unknown"
 
 
-def not_fit_line(fit: Fit, version: str, stays: str) -> str:
+def not_fit_line(fit: Fit, version: str) -> str:
     """The one WARNING (and doctor's problem) for a drop-in that does not
     fit: what differs, the vLLM version, what happens instead."""
     return (
-        f"pinshm's {fit.what} does not fit vLLM {version}: {fit.describe()}; {stays} "
+        f"pinshm's {fit.what} does not fit vLLM {version}: {fit.describe()}; {fit.stays} "
         f"(pinshm is tested with vLLM {', '.join(TESTED)})"
     )
+
+
+def vllm_queue_class(bound: Any) -> Any:
+    """vLLM's own MessageQueue behind what is bound to the name (``auto``'s
+    chooser keeps it as ``.vllm``)."""
+    return getattr(bound, "vllm", bound)
 
 
 def queue_fit(vllm_class: Any) -> Fit:
     from .queue import MessageQueue
 
-    return compare("MessageQueue", vllm_class, MessageQueue)
+    return compare("MessageQueue", vllm_queue_class(vllm_class), MessageQueue, stays="vLLM's MessageQueue stays in use")
 
 
 def cache_fits(module: Any) -> list[Fit]:
@@ -211,7 +219,8 @@ def cache_fits(module: Any) -> list[Fit]:
     from .cache import storage
 
     names = ("SingleWriterShmRingBuffer", "SingleWriterShmObjectStorage")
-    return [compare(n, getattr(module, n), getattr(storage, n)) for n in names if hasattr(module, n)]
+    stays = "vLLM's multimodal shm cache stays"
+    return [compare(n, getattr(module, n), getattr(storage, n), stays=stays) for n in names if hasattr(module, n)]
 
 
 def connector_fit(import_module: Callable[[str], Any]) -> Optional[Fit]:

@@ -67,9 +67,7 @@ def _rebind_cache(module: Optional[ModuleType]) -> str:
         )
     bad = [f for f in _fit.cache_fits(module) if not f.ok]
     if bad:
-        raise _fit.NotFit(
-            "; ".join(_fit.not_fit_line(f, _fit.vllm_version(), "vLLM's multimodal shm cache stays") for f in bad)
-        )
+        raise _fit.NotFit("; ".join(_fit.not_fit_line(f, _fit.vllm_version()) for f in bad))
     for name in REBOUND:
         setattr(module, name, getattr(storage, name))
     return module.__name__
@@ -102,7 +100,7 @@ def _queue_classes(mode: str) -> tuple[type, Optional[type]]:
         current = importlib.import_module(QUEUE_MODULES[0]).MessageQueue
         # Rebinding again (vLLM loads plugins more than once) keeps the
         # first: vLLM's own class, not a chooser or pinshm's.
-        _vllm_queue = getattr(current, "vllm", current)
+        _vllm_queue = _fit.vllm_queue_class(current)
         if _vllm_queue is MessageQueue:
             raise RuntimeError("MessageQueue is pinshm's already (PINSHM_VLLM_MESSAGE_QUEUE=1 earlier)")
     return _auto.make(_vllm_queue), None
@@ -114,13 +112,12 @@ def _rebind_queue(modules: tuple[str, ...], mode: str = "1") -> tuple[list[str],
     required."""
     done, failed = [], []
     try:
-        current = importlib.import_module(modules[0]).MessageQueue
-        fit = _fit.queue_fit(_vllm_queue or getattr(current, "vllm", current))
+        fit = _fit.queue_fit(_vllm_queue or importlib.import_module(modules[0]).MessageQueue)
         MessageQueue, Handle = _queue_classes(mode)
     except Exception as e:  # noqa: BLE001 - the required module, as below
         raise RuntimeError(f"{modules[0]}: {type(e).__name__}: {e}") from e
     if not fit.ok:
-        raise _fit.NotFit(_fit.not_fit_line(fit, _fit.vllm_version(), "vLLM's MessageQueue stays in use"))
+        raise _fit.NotFit(_fit.not_fit_line(fit, _fit.vllm_version()))
     for i, modname in enumerate(modules):
         try:
             mod: Any = importlib.import_module(modname)
@@ -185,11 +182,7 @@ def register(module: Optional[ModuleType] = None) -> None:
         connector = None
         logging.getLogger("vllm.plugins.pinshm").debug("pinshm: the connector's fit was not checked: %r", e)
     if connector is not None and not connector.ok:
-        problems.append(
-            _fit.not_fit_line(
-                connector, _fit.vllm_version(), "an engine configured with it fails; remove it from ec_transfer_config"
-            )
-        )
+        problems.append(_fit.not_fit_line(connector, _fit.vllm_version()))
     for p in problems:
         _status.warn("pinshm: %s", p)
     if not parts:

@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--work-ms", type=float, default=5.0, help="a slow step's worker time")
     ap.add_argument("--large", type=int, default=2 * MIB, help="a large output's bytes")
     ap.add_argument("--shm-mib", type=int, help="run in a private /dev/shm of this size")
+    ap.add_argument("--all-reply", action="store_true", help="every rank replies (no unique_reply_rank)")
     ap.add_argument("--json", help="append the result line to this file")
     a = ap.parse_args()
     if a.shm_mib and os.environ.get("ENGINE_LOOP_IN_NS") != "1":
@@ -137,15 +138,17 @@ def main() -> None:
         if feeder is not None:
             feeder.start()
         t0, c0 = time.perf_counter(), time.process_time()
-        fut = ex.collective_rpc("step", args=(step, size, work_s), non_block=True, unique_reply_rank=step % a.tp)
+        reply = None if a.all_reply else step % a.tp
+        fut = ex.collective_rpc("step", args=(step, size, work_s), non_block=True, unique_reply_rank=reply)
         assert hasattr(fut, "poll") and hasattr(fut, "wait_briefly"), "not vLLM 0.34's FutureWrapper"
         feeding.set()
-        rank, data = EngineCoreProc._wait_for_output(core, fut)
+        got = EngineCoreProc._wait_for_output(core, fut)
         t1, c1 = time.perf_counter(), time.process_time()
         feeding.clear()
         if feeder is not None:
             feeder.join()
-        assert rank == step % a.tp and data == output(step, size), f"step {step}: wrong response"
+        want = [(r, output(step, size)) for r in range(a.tp)] if reply is None else (reply, output(step, size))
+        assert got == want, f"step {step}: wrong response"
         times.append(t1 - t0)
         cpu += c1 - c0
         wall += t1 - t0
@@ -164,6 +167,7 @@ def main() -> None:
         "mode": a.mode,
         "shm_mib": a.shm_mib,
         "tp": a.tp,
+        "all_reply": a.all_reply,
         "queues": kinds,
         "steps": a.steps,
         "ok": all(p.exitcode == 0 for p in procs),

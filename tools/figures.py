@@ -119,6 +119,8 @@ def r_upstream(data: Any) -> str:
         "storage": "tests/distributed/test_shm_storage.py",
         "buffer": "tests/distributed/test_shm_buffer.py",
         "queue": "tests/distributed/test_shm_broadcast.py",
+        "cache": "tests/multimodal/test_cache.py, -k shm",
+        "cache-stock": "tests/multimodal/test_cache.py, -k shm, vLLM's own classes: the baseline",
     }
     # Keys are "<suite> <vLLM version of the tests>" (a bare suite name in
     # older files): by version, then in the order above.

@@ -95,17 +95,19 @@ def _fn(test_id: str) -> str:
     return test_id.split("[", 1)[0]
 
 
-def run_and_report(suite: str, source: str, tmp: str, differs: dict[str, str], args: list[str]) -> int:
-    """Runs pytest over `tmp`, prints each failure as DIFFERS (listed in
-    `differs`, with why) or FAILED (unexpected); with ``--json OUT`` in
-    `args`, merges this suite's counts into OUT. Exit 1 on an unexpected
-    failure."""
+def run_and_report(
+    suite: str, source: str, tmp: str, differs: dict[str, str], args: list[str], target: str = ""
+) -> int:
+    """Runs pytest in `tmp` over `target` (default: `tmp`), prints each
+    failure as DIFFERS (listed in `differs`, with why) or FAILED
+    (unexpected); with ``--json OUT`` in `args`, merges this suite's counts
+    into OUT. Exit 1 on an unexpected failure."""
     out_json = None
     if "--json" in args:
         i = args.index("--json")
         out_json, args = args[i + 1], args[:i] + args[i + 2 :]
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-q", *args, tmp],
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-q", *args, target or tmp],
         cwd=tmp,
         capture_output=True,
         text=True,

@@ -84,7 +84,8 @@ class KeyIndex(Mapping[str, tuple[int, int]]):
         return isinstance(key, str) and self._store.is_cached(key)
 
     def __iter__(self) -> Iterator[str]:
-        return iter([k for k, _ in self._store.keys()])
+        # In the order the keys were put, as vLLM's dict: ids only grow.
+        return iter([k for k, _ in sorted(self._store.keys(), key=lambda kh: kh[1].monotonic_id)])
 
     def __len__(self) -> int:
         return len(self._store)

@@ -280,6 +280,20 @@ def test_key_index_is_a_live_read_only_mapping(make):
         w.get_signature("zz")
 
 
+def test_key_index_lists_keys_in_the_order_they_were_put_as_vllms_dict(make):
+    w, _ = make()
+    # Names whose hashes scatter them, put in an order that is not sorted.
+    order = ["image_C", "image_A", "zeta", "image_B", "alpha", "m"]
+    for k in order:
+        w.put(k, k.encode())
+    assert list(w.key_index) == order
+    # A key put again after it was cleared goes to the end, as in a dict.
+    w.clear()
+    for k in ("b", "a"):
+        w.put(k, k.encode())
+    assert list(w.key_index) == ["b", "a"]
+
+
 def test_the_raw_ring_api_is_not_offered_and_missing_segments_are_not_found(unique_name):
     ring = S.SingleWriterShmRingBuffer(MIB, name=unique_name(), create=True)
     try:

@@ -8,6 +8,11 @@ model, TP=2, offline (offline.py).
 - node B (another namespace): an ``ec_consumer`` engine B1 listing A as
   its peer, two passes, then held; node A is SIGKILLed; then a second
   consumer engine B2 in node B, one pass.
+- node C serving and node D fetching from it, C SIGKILLed as D fetches;
+- ``E``: a producer that serves without a secret, which must refuse to
+  start (docs/security.md).
+
+Every node shares one secret file (``secret_file``), made here, mode 0600.
 
     PYTHONPATH=/path/with/pinshm-and-nixl python ec_remote.py --python /venv/bin/python --out DIR
 
@@ -94,6 +99,7 @@ WHAT = {
     "B2": "node B: a second ec_consumer, started after A was killed",
     "C": "node C: ec_both, serves; SIGKILLed during D's first pass, as D logs its first fetch from C",
     "D": "node D: ec_consumer, peers [C], its peer killed mid-pass",
+    "E": "node E: ec_both, serves without a secret (must refuse to start)",
 }
 
 
@@ -105,7 +111,8 @@ def table(runs):
     for r in runs:
         hits = ", ".join(f"{h}/{n}" for h, n in zip(r.get("ec_hits") or [], r.get("lookups") or []))
         rows.append(
-            f"| {WHAT.get(r['engine'], r['engine'])} | {r['rc']} | {r.get('tokens_equal_stock')} | "
+            f"| {WHAT.get(r['engine'], r['engine'])} | {r['rc']} | "
+            f"{'refused at start' if r.get('refused') else r.get('tokens_equal_stock')} | "
             f"{r.get('encoded')} | {hits} | {r.get('fetched')} | {r.get('loaded')} | {r['tracebacks']} |"
         )
     return "\n".join(rows) + "\n"
@@ -135,17 +142,32 @@ def main():
     runs.append(summary(stock, None))
     stock_tokens = runs[0].pop("_tokens", None)
     store = f"pinshm_ec_remote_{os.getpid()}"
+    secret = out / "ec-secret"
+    secret.unlink(missing_ok=True)
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
     ec_a = {
         "ec_connector": "PinshmECConnector",
         "ec_connector_module_path": MODULE,
         "ec_role": "ec_both",
-        "ec_connector_extra_config": {"store": store, "size": "64m", "serve": f"127.0.0.1:{port}"},
+        "ec_connector_extra_config": {
+            "store": store,
+            "size": "64m",
+            "serve": f"127.0.0.1:{port}",
+            "secret_file": str(secret),
+        },
     }
     ec_b = {
         "ec_connector": "PinshmECConnector",
         "ec_connector_module_path": MODULE,
         "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"store": store, "size": "64m", "peers": [f"127.0.0.1:{port}"]},
+        "ec_connector_extra_config": {
+            "store": store,
+            "size": "64m",
+            "peers": [f"127.0.0.1:{port}"],
+            "secret_file": str(secret),
+        },
     }
     hold_a, hold_b = out / "hold-A", out / "hold-B"
     hold_a.write_text("")
@@ -169,8 +191,9 @@ def main():
         s.bind(("127.0.0.1", 0))
         port_c = s.getsockname()[1]
     store_c = f"{store}_c"
-    ec_c = {**ec_a, "ec_connector_extra_config": {"store": store_c, "size": "64m", "serve": f"127.0.0.1:{port_c}"}}
-    ec_d = {**ec_b, "ec_connector_extra_config": {"store": store_c, "size": "64m", "peers": [f"127.0.0.1:{port_c}"]}}
+    extra_c = {"store": store_c, "size": "64m", "secret_file": str(secret)}
+    ec_c = {**ec_a, "ec_connector_extra_config": {**extra_c, "serve": f"127.0.0.1:{port_c}"}}
+    ec_d = {**ec_b, "ec_connector_extra_config": {**extra_c, "peers": [f"127.0.0.1:{port_c}"]}}
     hold_c, ready_d = out / "hold-C", out / "ready-D"
     hold_c.write_text("")
     ready_d.unlink(missing_ok=True)
@@ -188,6 +211,14 @@ def main():
     for e in (c, d):
         runs.append(summary(e, stock_tokens))
         runs[-1].pop("_tokens", None)
+    # E: serves without a secret: refused at start, saying what to set.
+    ec_e = {**ec_a, "ec_connector_extra_config": {"store": f"{store}_e", "size": "64m", "serve": f"127.0.0.1:{port}"}}
+    e = start_ns(ns, args.python, model, out, "E", ec_e, 1)
+    e["proc"].wait(600)
+    said = e["log"].read_text(errors="replace")
+    runs.append(
+        dict(engine="E", rc=e["proc"].returncode, tracebacks=said.count("Traceback"), refused="secret_file" in said)
+    )
     (out / "remote-summary.json").write_text(json.dumps(runs, indent=1, default=str))
     code = "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"
     versions = subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -24,6 +24,23 @@ def nixl_or_skip():
     pytest.skip("NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1 numpy)")
 
 
+def make_secret(directory, mode=0o600, size=32):
+    """A secret file for the remote tier (docs/security.md)."""
+    path = os.path.join(str(directory), "ec-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, os.urandom(size))
+    os.close(fd)
+    os.chmod(path, mode)
+    return path
+
+
+def peer_keys():
+    """The derived keys of the secret the test's environment names."""
+    from pinshm.vllm.ec._secret import derive, read_secret
+
+    return derive(read_secret(os.environ["PINSHM_EC_SECRET_FILE"]))
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,14 +122,19 @@ class ProducerNode:
 
 class BadPeer:
     """A ZMQ endpoint that reads requests and answers with `answer(request)`
-    (None: never answers, a peer that hangs)."""
+    (None: never answers, a peer that hangs). It holds the deployment's
+    secret (a peer that lies, not a stranger) unless `keys` is False."""
 
-    def __init__(self, port, answer):
+    def __init__(self, port, answer, keys=True):
         import zmq
+
+        from pinshm.vllm.ec._secret import secure_server
 
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys:
+            secure_server(self.sock, peer_keys())
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.answer = answer
         self.requests = 0

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
-from _ec_remote import BadPeer, ProducerNode, free_port, nixl_or_skip
+from _ec_remote import BadPeer, ProducerNode, free_port, make_secret, nixl_or_skip
 
 import pinshm
 import pinshm.vllm.ec._fetch as fetch
@@ -24,10 +24,13 @@ IMAGES = ["img-a", "img-b", "img-c"]
 
 
 @pytest.fixture
-def nodes(unique_name, stand_in):  # noqa: F811 - a fixture
+def nodes(unique_name, stand_in, tmp_path, monkeypatch):  # noqa: F811 - a fixture
     """Names of a producer node's store and a consumer node's, and a port;
-    every segment of both is gone at the end, whatever happened."""
+    every segment of both is gone at the end, whatever happened. Both
+    nodes share a secret (PINSHM_EC_SECRET_FILE, which their processes
+    inherit)."""
     nixl_or_skip()
+    monkeypatch.setenv("PINSHM_EC_SECRET_FILE", make_secret(tmp_path))
     a, b = unique_name("ec-a"), unique_name("ec-b")
     made = []
     yield a, b, free_port(), made
@@ -226,10 +229,12 @@ def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):
             return reply
         op = msgpack.unpackb(request)["op"]
         if op == "hello":
-            return msgpack.packb({"agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1})
+            return msgpack.packb(
+                {"v": 2, "agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1}
+            )
         if op == "done":
             return msgpack.packb({"stable": True})
-        return msgpack.packb(dict({"found": True, "lease": 1, "gen": 1}, **LIES[reply]))
+        return msgpack.packb(dict({"found": True, "lease": bytes(16), "gen": 1}, **LIES[reply]))
 
     peer = BadPeer(port, answer)
     made.append(peer)

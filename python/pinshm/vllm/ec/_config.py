@@ -7,6 +7,7 @@ hands it; the tests build settings straight from a dict.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +35,11 @@ MAX_INDEX_KEYS = 1 << 20
 KNOWN_KEYS = frozenset(
     {"store", "size", "n_readers", "key_index", "max_object_size", "key_prefix", "shm_headroom", "retry_s", "reserve"}
     | {"serve", "peers", "remote_store", "remote_size", "remote_timeout_s", "lease_ttl_s", "peer_backoff_s"}
+    | {"secret_file", "insecure"}
 )
+#: Names the remote tier's secret file where the config has no
+#: ``secret_file`` (as in :mod:`._secret`, which this leaf does not import).
+SECRET_FILE_ENV = "PINSHM_EC_SECRET_FILE"
 #: The remote tier's defaults (docs/remote.md): the most a lookup waits on
 #: the peers in all, a producer's lease on what a consumer READs, and how
 #: long a peer that failed is left alone.
@@ -119,6 +124,12 @@ class ECSettings:
     - ``remote_timeout_s``: the most one lookup waits on the peers in all;
       ``peer_backoff_s``: how long a peer that failed is skipped;
       ``lease_ttl_s``: how long a producer holds what a consumer READs.
+    - ``secret_file``: the remote tier's shared secret (a file of at least
+      32 random bytes, mode 0600 or 0400, owned by the engine's user;
+      default: the file ``PINSHM_EC_SECRET_FILE`` names). ``serve`` and
+      ``peers`` refuse to start without one, unless ``insecure`` is true
+      (a trusted lab network: no authentication, a WARNING at every start).
+      docs/security.md.
     """
 
     store: str = DEFAULT_STORE
@@ -137,6 +148,8 @@ class ECSettings:
     remote_timeout_s: float = REMOTE_TIMEOUT_S
     lease_ttl_s: float = LEASE_TTL_S
     peer_backoff_s: float = PEER_BACKOFF_S
+    secret_file: Optional[str] = None
+    insecure: bool = False
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], fingerprint: str = "") -> ECSettings:
@@ -164,11 +177,8 @@ class ECSettings:
         retry = extra.get("retry_s", 1.0)
         if isinstance(retry, bool) or not isinstance(retry, (int, float)) or retry < 0:
             raise ValueError(f"retry_s must be a number of seconds >= 0, not {retry!r}")
-        reserve = extra.get("reserve", False)
-        if isinstance(reserve, str):
-            reserve = reserve.strip().lower() in ("1", "true", "yes")
-        if not isinstance(reserve, bool):
-            raise ValueError(f"reserve must be true or false, not {reserve!r}")
+        reserve = _flag(extra, "reserve")
+        insecure = _flag(extra, "insecure")
         serve = None if extra.get("serve") in (None, "") else parse_address(extra["serve"], "serve")
         peers_value = extra.get("peers") or []
         if isinstance(peers_value, str):
@@ -180,7 +190,19 @@ class ECSettings:
         if "/" in remote_store or len(remote_store) > 200 or remote_store == store:
             raise ValueError(f"remote_store must be a name for /dev/shm other than store, not {remote_store!r}")
         remote_size = parse_size(extra.get("remote_size", size), "remote_size")
+        secret = extra.get("secret_file") or os.environ.get(SECRET_FILE_ENV) or None
+        if secret is not None and not isinstance(secret, str):
+            raise ValueError(f"secret_file must be a path, not {secret!r}")
+        if (serve is not None or peers) and secret is None and not insecure:
+            raise ValueError(
+                f"{'serve' if serve is not None else 'peers'} needs a shared secret: set ec_connector_extra_config "
+                f"'secret_file' (or {SECRET_FILE_ENV}) to a file of 32 random bytes that only the engine's user "
+                "reads (head -c 32 /dev/urandom > F; chmod 600 F), the same file on every node. "
+                "('insecure': true serves without one, on a trusted lab network only: docs/security.md)"
+            )
         return cls(
+            secret_file=secret,
+            insecure=insecure,
             serve=serve,
             peers=peers,
             remote_store=remote_store,
@@ -218,6 +240,15 @@ def parse_address(value: object, what: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} takes 'HOST:PORT' addresses, not {value!r}")
     return host.strip("[]"), int(port)
+
+
+def _flag(extra: Mapping[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if isinstance(value, str):
+        value = value.strip().lower() in ("1", "true", "yes")
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, not {value!r}")
+    return value
 
 
 def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -32,7 +33,8 @@ from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
-from ._wire import PeerError, Place, agent, check_place, made_here, pack, release, unpack
+from ._secret import keys_for, secure_client
+from ._wire import VERSION, PeerError, Place, agent, check_place, made_here, pack, release, unpack
 from ._wire import field as wire_field
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -75,6 +77,15 @@ class RemoteTier:
     def __init__(self, settings: ECSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
+        # Before anything is made: a missing or open secret stops the
+        # engine here, saying what to fix.
+        self._keys = keys_for(settings.secret_file, settings.insecure) if settings.peers else None
+        if self._keys is None and settings.peers:
+            logger.warning(
+                "pinshm encoder cache: asking peers %s WITHOUT authentication ('insecure': true): whoever "
+                "answers on those addresses is believed; use 'secret_file' anywhere but a trusted lab network",
+                ", ".join(f"{h}:{p}" for h, p in settings.peers),
+            )
         self._tracked = Tracked()
         self.store = self._create()
         self.reader = NamedReader(settings.remote_store, settings.retry_s, pin="off")
@@ -325,6 +336,11 @@ class RemoteTier:
             sock.setsockopt(zmq.REQ_RELAXED, 1)
             sock.setsockopt(zmq.REQ_CORRELATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+            # The producer binds leases to this id: random, the same across
+            # reconnects, and sent only inside the encrypted handshake.
+            sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))
+            if self._keys is not None:
+                secure_client(sock, self._keys)
             sock.connect(f"tcp://{peer.host}:{peer.port}")
             peer.sock = sock
         return peer.sock
@@ -349,6 +365,8 @@ class RemoteTier:
 
     def _hello(self, peer: Peer, deadline: float) -> None:
         reply = self._ask(peer, {"op": "hello"}, deadline)
+        if reply.get("v") != VERSION:
+            raise PeerError(f"protocol version {str(reply.get('v'))[:20]}, not {VERSION} (another pinshm release)")
         name = wire_field(reply, "agent", str)
         meta = wire_field(reply, "meta", bytes)
         base, length = wire_field(reply, "base", int), wire_field(reply, "length", int)

@@ -1,148 +1,314 @@
-"""A producer's half of the remote tier: a thread in the producer engine's
-scheduler process that serves the node's store to consumers of other
-nodes (``ec_connector_extra_config: {"serve": "HOST:PORT"}``).
+"""A producer's half of the remote tier (``ec_connector_extra_config:
+{"serve": "HOST:PORT", "secret_file": ...}``), in the producer engine's
+scheduler process, and the serving process it starts and watches.
 
-It reads the store through a reader of its own, registers that reader's
-mapping of the data region with a NIXL agent once (again only when the
-name names another segment), and answers on a ZMQ ROUTER socket (the
-messages: :mod:`._wire`). A lookup leases the key's object and names the
-place of its elements; the lease ends when the consumer says done (after
-its READ), or after ``lease_ttl_s``. Done re-checks the handle (the slot's
-id and tag): an object whose slot was reused meanwhile is answered
+What other nodes reach is not this process: it is a small process of its
+own (:mod:`._served`) with the endpoint, the NIXL agent and a read-only
+mapping of the store's data region, and nothing of the engine
+(docs/security.md). This side keeps what must be trusted: a reader of the
+store, the leases, their budgets. The serving process forwards each
+peer's ``lookup`` and ``done`` here over a socket pair, with the peer's
+connection id; this side checks every field of it (that process is the
+one a peer could subvert), leases the key's object and answers where its
+elements lie in the data region. A lease ends when its peer says done
+(after its READ), or after ``lease_ttl_s``; done re-checks the handle (the
+slot's id and tag): an object whose slot was reused meanwhile is answered
 unstable, and the consumer drops what it read.
+
+Leases are budgeted: a peer (a connection) holds at most
+:data:`PEER_LEASES` at once, all peers :data:`MAX_LEASES`; an expired lease
+stops counting at once. Lease ids are 16 random bytes, valid only from the
+peer that took them. A serving process that dies (a peer's WRITE into the
+read-only region kills it) is started again after a backoff; meanwhile
+lookups go unanswered, which consumers count as misses.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import ECSettings
-from ._wire import ITEMSIZE, PeerError, agent, field, made_here, pack, release, unpack
+from ._secret import keys_for
+from ._served import LOCAL_MESSAGE, MAX_KEY, devices_for
+from ._wire import DEFAULT_UCX_TLS, ITEMSIZE, LEASE_BYTES, PeerError, field, pack, unpack
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
-#: Leases out at once; a consumer that never says done is let go by the TTL.
+#: Leases out at once, all peers together; a peer's share of them.
 MAX_LEASES = 4096
+PEER_LEASES = 64
 #: A lease whose TTL passed is remembered (its handle, not its hold) this
-#: long after, so that a late done is still answered by a re-check.
+#: long after, and at most this many, so that a late done is still
+#: answered by a re-check.
 REMEMBER_S = 30.0
-POLL_MS = 50
+MAX_REMEMBERED = 4096
+POLL_S = 0.05
+#: How long the serving process may take to start (NIXL's import).
+START_S = 120.0
+#: A dead serving process is started again after this, doubling to the most.
+RESTART_S, MAX_RESTART_S = 0.5, 30.0
+
+
+class ServeError(RuntimeError):
+    """The serving process could not start (the port taken, say)."""
+
+
+@dataclass
+class _Held:
+    """A lease a peer holds (`lease` None once its TTL passed)."""
+
+    peer: bytes
+    lease: Optional[Lease]
+    handle: ObjectHandle
+    reader: StoreReader
+    deadline: float
 
 
 class Server:
     """Serves `settings.store` on `settings.serve` until :meth:`close`."""
 
-    def __init__(self, settings: ECSettings) -> None:
+    def __init__(self, settings: ECSettings, nofile: Optional[int] = None) -> None:
         assert settings.serve is not None
         self.settings = settings
-        host, port = settings.serve
-        # The agent first: NIXL and the extra's other modules, or an
-        # ImportError that says what to install.
-        self._agent = agent(f"pinshm-serve-{os.getpid()}-{port}", progress=True)
-        try:
-            import zmq
-
-            self.agent_name = self._agent.name
-            self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.ROUTER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-            self._sock.bind(f"tcp://{host}:{port}")
-            self._named = NamedReader(settings.store, settings.retry_s, pin="off")
-        except BaseException:
-            # A port taken, say: no agent (and its progress thread) left behind.
-            release(self)
-            raise
-        self._registered: Optional[tuple[StoreReader, Any, int, int]] = None
+        self._keys = keys_for(settings.secret_file, settings.insecure)
+        if self._keys is None:
+            logger.warning(
+                "pinshm encoder cache: serving store %r WITHOUT authentication ('insecure': true): any host that "
+                "reaches %s:%d reads its outputs; use 'secret_file' anywhere but a trusted lab network",
+                settings.store,
+                *settings.serve,
+            )
+        self._nofile = nofile
+        self._pid = os.getpid()
+        self._named = NamedReader(settings.store, settings.retry_s, pin="off")
+        self._reader: Optional[StoreReader] = None
         self._gen = 0
-        self._ids = itertools.count(1)
-        # lease id -> (lease or None once its TTL passed, handle, reader, deadline)
-        self._leases: dict[int, tuple[Optional[Lease], ObjectHandle, StoreReader, float]] = {}
+        self._leases: dict[bytes, _Held] = {}
+        self._remembered: OrderedDict[bytes, _Held] = OrderedDict()
+        self._held: dict[bytes, int] = {}
+        self.lookups = self.found = self.stable = self.unstable = self.busy = 0
+        self.restarts = 0
+        self._proc: Optional[subprocess.Popen[bytes]] = None
+        self._sock: Optional[socket.socket] = None
+        self._started_at = 0.0
+        self._restart_at = 0.0
+        self._backoff = 0.0
+        self._start()  # at start: a port taken or NIXL missing stops the engine here
         self._stop = threading.Event()
-        self.lookups = self.found = self.stable = self.unstable = 0
         self._thread = threading.Thread(target=self._run, name="pinshm-ec-serve", daemon=True)
         self._thread.start()
-        logger.info("pinshm encoder cache: serving store %r on %s:%d over NIXL", settings.store, host, port)
+        host, port = settings.serve
+        logger.info(
+            "pinshm encoder cache: serving store %r on %s:%d over NIXL (serving process %d%s)",
+            settings.store,
+            host,
+            port,
+            self.pid,
+            "" if self._keys is None else ", authenticated",
+        )
 
-    # ---- the region -------------------------------------------------
+    @property
+    def pid(self) -> Optional[int]:
+        """The serving process's pid (None while there is none)."""
+        return None if self._proc is None else self._proc.pid
 
-    def _region(self) -> Optional[tuple[StoreReader, int, int]]:
-        """The reader and its registered region, registered anew when the
-        name names another segment."""
-        reader = self._named.get()
-        if reader is None:
-            return None
-        if self._registered is not None and self._registered[0] is reader:
-            _, _, base, length = self._registered
-            return reader, base, length
-        self._unregister()
-        base, length = reader.data_region()
-        descs = self._agent.register_memory([(base, length, 0, "")], "DRAM")
-        self._registered = (reader, descs, base, length)
+    # ---- the serving process ----------------------------------------
+
+    def _start(self) -> None:
+        """Starts the serving process and waits for it to say ready;
+        ServeError (ImportError for a missing extra) if it cannot."""
+        import pinshm
+
+        assert self.settings.serve is not None
+        host, port = self.settings.serve
+        env = {"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS}
+        devices = None if "UCX_NET_DEVICES" in os.environ else devices_for(host)
+        if devices is not None:
+            env["UCX_NET_DEVICES"] = devices
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
+        path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pinshm.vllm.ec._served", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                cwd="/",
+                env=dict(os.environ, PYTHONPATH=path),
+            )
+        finally:
+            theirs.close()
         self._gen += 1
-        return reader, base, length
+        cfg = {
+            "parent": os.getpid(),
+            "host": host,
+            "port": port,
+            "agent": f"pinshm-serve-{os.getpid()}-{port}-{self._gen}",
+            "keys": None if self._keys is None else {k: getattr(self._keys, k) for k in _KEY_FIELDS},
+            "env": env,
+            "nofile": self._nofile,
+        }
+        try:
+            ours.sendall(pack(cfg))
+            ready, _, _ = select.select([ours], [], [], START_S)
+            said = unpack(ours.recv(LOCAL_MESSAGE)) if ready else {"error": f"no answer in {START_S:g} s"}
+        except (OSError, PeerError) as e:
+            said = {"error": f"the serving process died at start ({e})"}
+        if "ready" not in said:
+            _stop(proc, ours)
+            why = str(said.get("error"))[:2000]
+            if why.startswith("ImportError: "):
+                raise ImportError(why[len("ImportError: ") :])
+            raise ServeError(f"pinshm encoder cache: cannot serve on {host}:{port}: {why}")
+        self._proc, self._sock = proc, ours
+        self._started_at = time.monotonic()
 
-    def _unregister(self) -> None:
-        if self._registered is not None:
-            _, descs, _, _ = self._registered
-            self._registered = None
-            try:
-                self._agent.deregister_memory(descs)
-            except Exception as e:  # noqa: BLE001 - NIXL's errors
-                logger.debug("pinshm encoder cache: deregistering the served region: %r", e)
+    def _died(self) -> None:
+        """The serving process is gone: every lease ends; another starts
+        after the backoff."""
+        assert self._proc is not None and self._sock is not None
+        rc = self._proc.returncode
+        why = f"signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}"
+        now = time.monotonic()
+        if now - self._started_at > 60:
+            self._backoff = 0.0
+        self._backoff = min(MAX_RESTART_S, max(RESTART_S, self._backoff * 2))
+        self._restart_at = now + self._backoff
+        logger.warning(
+            "pinshm encoder cache: the serving process %d ended (%s%s): lookups are misses until another "
+            "starts in %.3g s",
+            self._proc.pid,
+            why,
+            ": a peer wrote into the read-only region, or read outside it" if rc == -signal.SIGSEGV else "",
+            self._backoff,
+        )
+        _stop(self._proc, self._sock)
+        self._proc = self._sock = None
+        self._end_all()
+
+    def _end_all(self) -> None:
+        for held in self._leases.values():
+            if held.lease is not None:
+                _release(held.lease)
+        self._leases.clear()
+        self._remembered.clear()
+        self._held.clear()
 
     # ---- the loop ---------------------------------------------------
 
     def _run(self) -> None:
-        import zmq
-
         while not self._stop.is_set():
             try:
-                if self._sock.poll(POLL_MS, zmq.POLLIN):
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    if len(frames) >= 2:
-                        reply = self._answer(frames[-1])
-                        self._sock.send_multipart([*frames[:-1], pack(reply)])
-                self._expire()
+                self._once()
             except Exception as e:  # noqa: BLE001 - the server outlives any one request
                 logger.warning("pinshm encoder cache: serving a request: %r", e)
+                time.sleep(POLL_S)
 
-    def _answer(self, data: bytes) -> dict[str, Any]:
-        try:
-            msg = unpack(data)
-            op = field(msg, "op", str)
-            if op == "hello":
-                return self._hello()
-            if op == "lookup":
-                return self._lookup(field(msg, "key", str))
-            if op == "done":
-                return self._done(field(msg, "lease", int))
-            raise PeerError(f"no such op {op!r}")
-        except PeerError as e:
-            return {"error": str(e)}
+    def _once(self) -> None:
+        sock, proc = self._sock, self._proc
+        if sock is None or proc is None:
+            if time.monotonic() >= self._restart_at:
+                try:
+                    self._start()
+                    self.restarts += 1
+                except (ServeError, ImportError, OSError) as e:
+                    self._backoff = min(MAX_RESTART_S, max(RESTART_S, self._backoff * 2))
+                    self._restart_at = time.monotonic() + self._backoff
+                    logger.warning("pinshm encoder cache: %s (again in %.3g s)", e, self._backoff)
+            else:
+                self._stop.wait(POLL_S)
+            self._expire()
+            return
+        ready, _, _ = select.select([sock], [], [], POLL_S)
+        data = b""
+        if ready:
+            try:
+                data = sock.recv(LOCAL_MESSAGE)
+            except OSError:
+                data = b""
+            if data:
+                try:
+                    reply, fd = self._serve(unpack(data))
+                except (PeerError, ValueError, TypeError) as e:
+                    # Only a subverted serving process sends what fails here.
+                    logger.warning("pinshm encoder cache: the serving process asked %r: stopped", e)
+                    proc.kill()
+                    reply, fd = None, None
+                if reply is not None:
+                    try:
+                        socket.send_fds(sock, [pack(reply)], [] if fd is None else [fd])
+                    finally:
+                        if fd is not None:
+                            os.close(fd)
+        self._expire()
+        if proc.poll() is not None or (ready and not data):
+            proc.wait()
+            self._died()
 
-    def _hello(self) -> dict[str, Any]:
-        region = self._region()
-        if region is None:
-            return {"error": f"store {self.settings.store!r} is not there yet"}
-        _, base, length = region
-        meta = self._agent.get_agent_metadata()
-        return {"agent": self.agent_name, "meta": meta, "base": base, "length": length, "gen": self._gen}
+    def _serve(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
+        """The answer to the serving process's request (and an fd to pass)."""
+        op = field(msg, "op", str)
+        if op == "region":
+            return self._region_for(msg.get("have"))
+        peer = field(msg, "peer", bytes)
+        if not 0 < len(peer) <= 256:
+            raise PeerError(f"a peer id of {len(peer)} bytes")
+        if op == "lookup":
+            key = field(msg, "key", str)
+            if len(key) > MAX_KEY:
+                raise PeerError(f"a key of {len(key)} characters")
+            return self._lookup(peer, key), None
+        if op == "done":
+            return self._done(peer, field(msg, "lease", bytes)), None
+        raise PeerError(f"no such op {op[:40]!r}")
 
-    def _lookup(self, key: str) -> dict[str, Any]:
+    # ---- the region -------------------------------------------------
+
+    def _region(self) -> Optional[StoreReader]:
+        """The reader of the store's segment now; a new one bumps `gen`."""
+        reader = self._named.get()
+        if reader is not None and reader is not self._reader:
+            self._reader = reader
+            self._gen += 1
+        return reader
+
+    def _region_for(self, have: object) -> tuple[dict[str, Any], Optional[int]]:
+        reader = self._region()
+        if reader is None:
+            return {"gen": None}, None
+        if have == self._gen:
+            return {"gen": self._gen}, None
+        exported = _region_file(reader)
+        if exported is None:
+            return {"gen": None}, None
+        fd, offset, length = exported
+        return {"gen": self._gen, "offset": offset, "length": length}, fd
+
+    # ---- leases -----------------------------------------------------
+
+    def _lookup(self, peer: bytes, key: str) -> dict[str, Any]:
         self.lookups += 1
-        region = self._region()
-        if region is None or len(self._leases) >= MAX_LEASES:
+        reader = self._region()
+        if reader is None:
             return {"found": False}
-        reader, base, length = region
+        if self._held.get(peer, 0) >= PEER_LEASES or len(self._leases) - len(self._remembered) >= MAX_LEASES:
+            self.busy += 1
+            return {"found": False}
         try:
             lease = reader.lease_key(key)
         except PinshmError:
@@ -151,15 +317,15 @@ class Server:
             return {"found": False}
         handle = lease.handle
         try:
-            place = _place(reader, handle, base, length)
+            offset, nbytes, dtype, shape = _place(reader, handle)
         except Exception as e:  # noqa: BLE001 - not a tensor, gone: a miss
             logger.debug("pinshm encoder cache: serving %s: %r", key, e)
             lease.release()
             return {"found": False}
-        lid = next(self._ids)
-        self._leases[lid] = (lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
+        lid = secrets.token_bytes(LEASE_BYTES)
+        self._leases[lid] = _Held(peer, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
+        self._held[peer] = self._held.get(peer, 0) + 1
         self.found += 1
-        offset, nbytes, dtype, shape = place
         return {
             "found": True,
             "lease": lid,
@@ -172,64 +338,123 @@ class Server:
             "gen": self._gen,
         }
 
-    def _done(self, lid: int) -> dict[str, Any]:
-        entry = self._leases.pop(lid, None)
-        if entry is None:
+    def _done(self, peer: bytes, lid: bytes) -> dict[str, Any]:
+        held = self._leases.get(lid)
+        if held is None or held.peer != peer:
+            # Never leased, forgotten, or another peer's (left alone).
             self.unstable += 1
-            return {"stable": False}  # never leased, or forgotten: cannot tell
-        lease, handle, reader, _ = entry
+            return {"stable": False}
+        del self._leases[lid]
+        self._remembered.pop(lid, None)
         try:
             # The slot's id and tag re-checked after the READ: the same
             # object all along (a slot reused has another id for good).
-            reader.validate(handle)
+            held.reader.validate(held.handle)
             stable = True
         except PinshmError:
             stable = False
-        if lease is not None:
-            _release(lease)
+        if held.lease is not None:
+            self._let_go(held)
         if stable:
             self.stable += 1
         else:
             self.unstable += 1
         return {"stable": stable}
 
+    def _let_go(self, held: _Held) -> None:
+        assert held.lease is not None
+        _release(held.lease)
+        held.lease = None
+        left = self._held.get(held.peer, 1) - 1
+        if left > 0:
+            self._held[held.peer] = left
+        else:
+            self._held.pop(held.peer, None)
+
     def _expire(self) -> None:
         now = time.monotonic()
+        for lid, held in list(self._leases.items()):
+            if held.lease is not None and held.deadline <= now:
+                self._let_go(held)  # stops counting against its peer at once
+                self._remembered[lid] = held
         forget = now - REMEMBER_S
-        for lid, (lease, handle, reader, deadline) in list(self._leases.items()):
-            if lease is not None and deadline <= now:
-                _release(lease)
-                self._leases[lid] = (None, handle, reader, deadline)
-            elif lease is None and deadline <= forget:
-                del self._leases[lid]
+        while self._remembered:
+            lid, held = next(iter(self._remembered.items()))
+            if held.deadline > forget and len(self._remembered) <= MAX_REMEMBERED:
+                break
+            self._remembered.popitem(last=False)
+            self._leases.pop(lid, None)
+
+    # ---- closing ----------------------------------------------------
 
     def close(self) -> None:
-        """Stops serving; every lease ends. Twice is fine. In a forked child,
-        nothing but letting go of its copy (the connections are the parent's)."""
-        if self._agent is not None and not made_here(self._agent):
-            release(self)
-            return
-        if self._stop.is_set():
+        """Stops serving (the serving process ends); every lease ends. Twice
+        is fine. In a forked child, nothing: the serving process and the
+        thread are the parent's."""
+        if os.getpid() != self._pid or self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(5)
-        for lease, _, _, _ in self._leases.values():
-            if lease is not None:
-                _release(lease)
-        self._leases.clear()
-        self._unregister()
-        self._sock.close(0)
-        self._ctx.term()
+        if self._proc is not None and self._sock is not None:
+            _stop(self._proc, self._sock)
+            self._proc = self._sock = None
+        self._end_all()
         self._named.close()
-        # Destroyed now (see _wire.release), unless the serving thread
-        # outlived its join.
-        release(self, safe=not self._thread.is_alive())
 
 
-def _place(reader: StoreReader, handle: ObjectHandle, base: int, length: int) -> tuple[int, int, str, tuple[int, ...]]:
-    """(offset in the region, bytes, dtype, shape) of a tensor's elements."""
+_KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
+
+
+def _stop(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    """Ends the serving process: its socket closed (it exits), then killed
+    if it has not within a few seconds."""
+    sock.close()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _region_file(reader: StoreReader) -> Optional[tuple[int, int, int]]:
+    """A read-only descriptor of the file under `reader`'s data region, and
+    the region's offset and length in it; None where the name no longer
+    names that file (replaced, unlinked). The mapping's file and offset
+    come from /proc/self/maps; the file opened by its name is checked to be
+    that one (device and inode) before it is handed on."""
+    base, length = reader.data_region()
+    found = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= base < hi:
+                if base + length <= hi and len(parts) == 6:
+                    found = parts
+                break
+    if found is None:
+        return None
+    path = found[5].rstrip("\n")
+    if not path.startswith("/dev/shm/") or path.endswith(" (deleted)"):
+        return None
+    offset = int(found[2], 16) + base - lo
+    major, minor = (int(x, 16) for x in found[3].split(":"))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_ino != int(found[4]) or (os.major(st.st_dev), os.minor(st.st_dev)) != (major, minor):
+        os.close(fd)
+        return None
+    return fd, offset, int(length)
+
+
+def _place(reader: StoreReader, handle: ObjectHandle) -> tuple[int, int, str, tuple[int, ...]]:
+    """(offset in the data region, bytes, dtype, shape) of a tensor's elements."""
     import numpy as np
 
+    base, length = reader.data_region()
     guard = reader.get(handle)
     try:
         dtype, shape, at = guard.tensor_meta()

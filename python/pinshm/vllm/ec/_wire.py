@@ -3,29 +3,36 @@ lazily. A leaf: no store, no vLLM.
 
 Every message is one msgpack map. A consumer asks, a producer answers:
 
-- ``{"op": "hello"}`` → ``{"agent", "meta", "base", "length", "gen"}``: the
-  producer's NIXL agent (name and metadata) and its registration of the
-  store's data region (address and length in the producer's mapping;
-  `gen` changes when it registers another segment);
+- ``{"op": "hello"}`` → ``{"v", "agent", "meta", "base", "length", "gen"}``:
+  the protocol's version (:data:`VERSION`), the producer's NIXL agent (name
+  and metadata) and its registration of the store's data region (address
+  and length in the serving process's read-only mapping; `gen` changes
+  when it registers another segment, or the serving process restarts);
 - ``{"op": "lookup", "key"}`` → ``{"found": False}`` or ``{"found": True,
   "lease", "offset", "nbytes", "dtype", "shape", "id", "epoch", "gen"}``:
   the tensor's elements lie at `offset` in the region, held by `lease`
-  until done or the producer's TTL;
+  (random bytes, bound to the asking connection) until done or the
+  producer's TTL;
 - ``{"op": "done", "lease"}`` → ``{"stable": bool}``: whether the slot still
   held the same object (id and tag re-checked) after the READ; the lease
   ends.
 
-Nothing a peer sends is trusted: :func:`check_place` checks a lookup's
-answer against the region and the consumer's own limits.
+Messages travel only over ZeroMQ connections authenticated and encrypted
+with keys derived from the deployment's secret (:mod:`._secret`), unless
+the config says ``insecure``. Even so, nothing a peer sends is trusted:
+:func:`check_place` checks a lookup's answer against the region and the
+consumer's own limits.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import math
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,6 +53,14 @@ ITEMSIZE = {
 MAX_DIMS = 8
 #: The largest message a peer may send (a hello carries NIXL's metadata).
 MAX_MESSAGE = 1 << 20
+#: The messages' version, in a hello's answer: 2 has random lease ids.
+VERSION = 2
+#: A lease id's bytes (random: unguessable, so one peer cannot name another's).
+LEASE_BYTES = 16
+#: UCX's transports where the environment names none: TCP, on hosts
+#: without RDMA as on this project's machines. Set for pinshm's own agents
+#: only (:func:`ucx_env`), never in the environment other libraries read.
+DEFAULT_UCX_TLS = "tcp"
 
 
 class PeerError(Exception):
@@ -87,7 +102,7 @@ def field(msg: dict[str, Any], name: str, kind: type) -> Any:
 class Place:
     """Where a producer says an output's elements are, checked."""
 
-    lease: int
+    lease: bytes
     offset: int
     nbytes: int
     dtype: str
@@ -99,7 +114,9 @@ def check_place(msg: dict[str, Any], region: int, max_bytes: int) -> Place:
     """The place a lookup's answer names, checked against the region's
     length (`region`) and the most this node takes (`max_bytes`):
     PeerError for anything off (a malformed or lying peer is a miss)."""
-    lease = field(msg, "lease", int)
+    lease = field(msg, "lease", bytes)
+    if len(lease) != LEASE_BYTES:
+        raise PeerError(f"a lease id of {len(lease)} bytes")
     offset = field(msg, "offset", int)
     nbytes = field(msg, "nbytes", int)
     dtype = field(msg, "dtype", str)
@@ -142,8 +159,6 @@ def nixl() -> Any:
                     f"{name}: pip install 'pinshm[nixl]' ({e})"
                 ) from None
 
-        # On hosts without RDMA, UCX's TCP transport (set before UCX loads).
-        os.environ.setdefault("UCX_TLS", "tcp")
         errors = []
         for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
             try:
@@ -230,8 +245,36 @@ def agent(name: str, progress: bool) -> Any:
     return a
 
 
+@contextlib.contextmanager
+def ucx_env(extra: Optional[Mapping[str, str]] = None) -> Iterator[None]:
+    """UCX's settings for an agent being made, and only for it: UCX reads
+    its transports (``UCX_TLS``) and devices from the environment when an
+    agent's backend is made, so they are set for that moment and put back
+    after, and the process's other libraries (vLLM's own NIXL connectors)
+    never see them. ``UCX_TLS`` becomes :data:`DEFAULT_UCX_TLS` where the
+    environment names none; `extra` adds others (a serving process's
+    devices). Not a lock: another thread reading the environment at that
+    moment sees them."""
+    want = {"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS, **(extra or {})}
+    before = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _make_agent(name: str, progress: bool) -> Any:
     api = nixl()
+    with ucx_env():
+        return _make_in_env(api, name, progress)
+
+
+def _make_in_env(api: Any, name: str, progress: bool) -> Any:
     cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"])
     if not progress:
         return api.nixl_agent(name, cfg)

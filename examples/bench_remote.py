@@ -9,8 +9,10 @@
    remote hit: lookup at the peer, a slot reserved, the READ, done,
    publish, lease), with a memcpy of the same bytes as the baseline.
 
-The producer is a process of its own: a store, pinshm's serving thread
-(`pinshm.vllm.ec._serve.Server`) and a socket server over the same bytes.
+The producer is a process of its own: a store, pinshm's server
+(`pinshm.vllm.ec._serve.Server`, with its serving process, the channel
+authenticated with a secret as deployments run it) and a socket server
+over the same bytes.
 Needs NIXL (``pip install --no-deps nixl-cu12==1.5.1``) and pyzmq.
 
     python examples/bench_remote.py --json RESULTS-remote.json
@@ -27,6 +29,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,7 +46,7 @@ def key(n):
     return f"bench-{n}"
 
 
-def producer(conn, store, serve, tcp_port):
+def producer(conn, store, serve, tcp_port, secret):
     from pinshm.vllm.ec._serve import Server
 
     s = pinshm.ObjectStore(96 << 20, 32 << 20, 4, name=store, cache=True, key_index=64)
@@ -52,7 +55,7 @@ def producer(conn, store, serve, tcp_port):
         arr = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
         s.put_tensor(key(n), arr)
         data[n] = arr.tobytes()
-    server = Server(ECSettings.from_extra({"store": store, "serve": serve, "retry_s": 0}))
+    server = Server(ECSettings.from_extra({"store": store, "serve": serve, "retry_s": 0, "secret_file": secret}))
     lsock = socket.socket()
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("127.0.0.1", tcp_port))
@@ -103,12 +106,24 @@ def main():
     zport, tport = free_port(), free_port()
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(b, tag + "-a", f"127.0.0.1:{zport}", tport))
+    # The deployment's secret (docs/security.md): the channel authenticated
+    # and encrypted, as a deployment runs it.
+    secret = os.path.join(tempfile.mkdtemp(), "ec-secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    proc = ctx.Process(target=producer, args=(b, tag + "-a", f"127.0.0.1:{zport}", tport, secret))
     proc.start()
     assert a.recv() == "ready"
     rows = []
     settings = ECSettings.from_extra(
-        {"store": tag + "-b", "size": "96m", "peers": [f"127.0.0.1:{zport}"], "remote_timeout_s": 10}
+        {
+            "store": tag + "-b",
+            "size": "96m",
+            "peers": [f"127.0.0.1:{zport}"],
+            "remote_timeout_s": 10,
+            "secret_file": secret,
+        }
     )
     tier = RemoteTier(settings)
     try:
@@ -191,6 +206,8 @@ def main():
         sock.close()
     finally:
         tier.close()
+        os.unlink(secret)
+        os.rmdir(os.path.dirname(secret))
         a.send("stop")
         proc.join(30)
         if proc.is_alive():

@@ -108,7 +108,11 @@ class Server:
         self._started_at = 0.0
         self._restart_at = 0.0
         self._backoff = 0.0
-        self._start()  # at start: a port taken or NIXL missing stops the engine here
+        try:
+            self._start()  # at start: a port taken or NIXL missing stops the engine here
+        except BaseException:
+            self._named.close()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pinshm-ec-serve", daemon=True)
         self._thread.start()

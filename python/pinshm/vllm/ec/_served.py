@@ -228,6 +228,9 @@ class Gate:
             raise PeerError(f"no such op {op[:40]!r}")
         except PeerError as e:
             return {"error": str(e)}
+        except Exception as e:  # noqa: BLE001 - NIXL's and mmap's: said to the peer, and here
+            print(f"pinshm serving process: {e!r}", file=sys.stderr)
+            return {"error": f"the serving process cannot serve: {type(e).__name__}"}
 
     def _authenticate(self) -> None:
         import hmac

@@ -191,6 +191,17 @@ pub enum Error {
         name: String,
     },
 
+    /// A segment opened by name that this process must not trust: another
+    /// user's, writable by others, or not a regular file (a FIFO). See
+    /// `PINSHM_TRUSTED_UIDS` to read another user's segments on purpose.
+    #[error("segment '{name}' is not trusted: {detail}")]
+    Untrusted {
+        /// The name.
+        name: String,
+        /// Whose it is, its mode, and what to do.
+        detail: String,
+    },
+
     /// Open found no segment of that name.
     #[error("no shared memory segment named '{name}' (has its writer exited?)")]
     NotFound {

@@ -23,6 +23,7 @@ use crate::geometry::validate_store;
 use crate::layout;
 use crate::sys::liveness;
 use crate::sys::segment::{remove_if_abandoned, Segment};
+use crate::sys::trust::{self, Trust};
 
 /// A segment whose writer is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,6 +36,8 @@ pub struct Abandoned {
     pub bytes: u64,
     /// The dead writer's pid, where the segment records it (stores).
     pub writer_pid: Option<u32>,
+    /// Whose file it is (its owner's uid).
+    pub owner_uid: u32,
     /// Whether this call removed it (false for a dry run, or when it was
     /// replaced or removed by someone else meanwhile).
     pub removed: bool,
@@ -81,7 +84,9 @@ fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
     // The magic is read with pread, not through a mapping: a read fault on
     // a hole of a sparse file would allocate a page (SIGBUS on a full
     // /dev/shm); pread of a hole reads zeros.
-    let file = std::fs::File::open(&path).map_err(io("open"))?;
+    // Never blocking (a FIFO), never through a symlink; anyone's file.
+    let file = trust::open_to_read(&path).map_err(io("open"))?;
+    let owner_uid = trust::check(&file, name, Trust::AnyOwner)?.uid;
     let mut magic = [0u8; 8];
     if file.read_at(&mut magic, 0).map_err(io("pread"))? < 8 || !is_magic(u64::from_le_bytes(magic))
     {
@@ -89,7 +94,7 @@ fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
     }
     let bytes = file.metadata().map_err(io("fstat"))?.blocks() * 512;
     drop(file);
-    let seg = Segment::open(name, false)?;
+    let seg = Segment::open_as(name, false, Trust::AnyOwner)?;
     if seg.held_by_other(liveness::WRITER_SLOT) {
         return Ok(None); // its writer lives (or we cannot tell)
     }
@@ -108,6 +113,7 @@ fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
         kind,
         bytes,
         writer_pid,
+        owner_uid,
         removed: false,
     };
     if !dry_run {
@@ -137,6 +143,32 @@ fn magic_of(seg: &Segment) -> u64 {
     // SAFETY: the mapping is page aligned and at least 8 bytes; the header
     // page of a stamped segment is backed (the magic was written to it).
     unsafe { crate::atomics::stamped_magic(seg.as_ptr()) }
+}
+
+/// Removes segment `name` if the name still names the file (`dev`,
+/// `ino`) and no live writer holds it; whether that file left the name.
+///
+/// What a process's reaper runs, after that process died, for each segment
+/// it made: never another segment of the same name (another engine's live
+/// store made after the death), never one whose writer lives.
+pub fn remove_if_abandoned_file(name: &str, dev: u64, ino: u64) -> Result<bool> {
+    let path = format!("/dev/shm/{name}");
+    let same = || {
+        std::fs::symlink_metadata(&path)
+            .map(|m| (m.dev(), m.ino()) == (dev, ino))
+            .unwrap_or(false)
+    };
+    if !same() {
+        return Ok(false);
+    }
+    remove_if_abandoned(name, &|s: &Segment| {
+        if s.identity() == Some((dev, ino)) {
+            Ok(String::new())
+        } else {
+            Err("the segment this process made".to_owned())
+        }
+    })?;
+    Ok(!same())
 }
 
 fn inode(path: &str) -> Option<u64> {

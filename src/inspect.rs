@@ -11,6 +11,7 @@ use crate::layout::{self, reader_state};
 use crate::sys::clock;
 use crate::sys::liveness;
 use crate::sys::segment::Segment;
+use crate::sys::trust::Trust;
 
 /// One reader table entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,6 +76,10 @@ pub struct Snapshot {
     pub aggregate_reads: bool,
     /// Writer pid (0 after a clean exit).
     pub writer_pid: u32,
+    /// The file's owner (uid) and permission bits: whose segment it is.
+    pub owner_uid: u32,
+    /// Permission bits of the file (`0o600`).
+    pub mode: u32,
     /// Whether the writer still runs (holds its lock, has not closed).
     pub writer_alive: bool,
     /// The id the next put will get.
@@ -91,7 +96,7 @@ pub struct Snapshot {
 
 /// Reads segment `name` (read-only).
 pub fn inspect(name: &str) -> Result<Snapshot> {
-    let seg = Segment::open_read_only(name)?;
+    let seg = Segment::open_read_only(name, Trust::AnyOwner)?;
     let geo = validate_store(&seg, name)?;
     let hp = geo.header();
     let h = hp.read();
@@ -187,7 +192,10 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     }
     // Oldest first: ids grow with age.
     slots.sort_by_key(|s| s.monotonic_id);
+    let own = seg.ownership()?;
     Ok(Snapshot {
+        owner_uid: own.uid,
+        mode: own.mode,
         name: name.to_owned(),
         layout_version: h.layout_version,
         epoch: hp.epoch(),
@@ -300,6 +308,11 @@ impl Snapshot {
 impl fmt::Display for Snapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "segment   /dev/shm/{}", self.name)?;
+        writeln!(
+            f,
+            "owner     uid {}, mode {:04o}",
+            self.owner_uid, self.mode
+        )?;
         writeln!(f, "layout    version {}", self.layout_version)?;
         writeln!(f, "epoch     {:#018x}", self.epoch)?;
         writeln!(

@@ -45,7 +45,7 @@ pub use copy::{
 };
 pub use dtype::{DType, Element};
 pub use error::{Blocker, BoxError, Error, Result};
-pub use gc::{gc, Abandoned};
+pub use gc::{gc, remove_if_abandoned_file, Abandoned};
 pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
 pub use layout::ObjectKind;
 pub use pin::PinMode;

@@ -28,6 +28,7 @@ __all__ = [
     "KeyNotFoundError",
     "WrongKindError",
     "InvalidArgumentError",
+    "UntrustedError",
     "WriterGoneError",
     "CancelledError",
     "ObjectHandle",
@@ -97,6 +98,11 @@ class InvalidArgumentError(PinshmError, ValueError):
     `max_object_size` or a message larger than `slot_size`, a bad
     configuration or segment name, a reader index out of range, a
     malformed tensor. Fix the argument; nothing was changed."""
+
+class UntrustedError(PinshmError):
+    """A segment opened by name that this process must not trust: another
+    user's (PINSHM_TRUSTED_UIDS names the uids to trust on purpose),
+    writable by others, or not a regular file (a FIFO)."""
 
 class WriterGoneError(PinshmError):
     """The writer of the segment has exited or died. What it published or
@@ -907,6 +913,12 @@ def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = No
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and
     `driver_version` (`major * 1000 + minor * 10`, or None)."""
+
+def _remove_if_abandoned_file(name: str, dev: int, ino: int) -> bool:
+    """Removes segment `name` if the name still names the file (`dev`,
+    `ino`) and no live writer holds it: whether that file left the name.
+    What a process's reaper runs for the segments the process made, after
+    it died: never another segment of the same name."""
 
 def gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
     """The segments in /dev/shm whose name starts with `prefix` and whose

@@ -124,6 +124,13 @@ create_exception!(
     "A blocking send or receive ended because cancel() was called (a shutdown)."
 );
 
+create_exception!(
+    pinshm,
+    UntrustedError,
+    PinshmError,
+    "A segment opened by name that this process must not trust: another user's (see PINSHM_TRUSTED_UIDS), writable by others, or not a regular file."
+);
+
 /// The Python exception for a pinshm error, with its message. Builds the
 /// error lazily: callable with the GIL released.
 pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
@@ -136,6 +143,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::Timeout { .. } => PyErr::new::<WaitTimeoutError, _>(msg),
         E::WriterGone { .. } => WriterGoneError::new_err(msg),
         E::Cancelled { .. } => CancelledError::new_err(msg),
+        E::Untrusted { .. } => UntrustedError::new_err(msg),
         E::KeyNotFound { .. } => PyErr::new::<KeyNotFoundError, _>(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyErr::new::<WrongKindError, _>(msg),
         E::DuplicateKey { .. }
@@ -164,5 +172,6 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("WriterGoneError", py.get_type::<WriterGoneError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
+    m.add("UntrustedError", py.get_type::<UntrustedError>())?;
     Ok(())
 }

@@ -155,6 +155,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(tools::gc_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::remove_if_abandoned_file, m)?)?;
     m.add_function(wrap_pyfunction!(gil::exit_door_passing, m)?)?;
     py.import("atexit")?
         .call_method1("register", (wrap_pyfunction!(gil::at_exit, m)?,))?;

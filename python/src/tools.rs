@@ -27,6 +27,8 @@ pub(crate) fn inspect_segment<'py>(
     d.set_item("max_object_size", snap.max_object_size)?;
     d.set_item("aggregate_reads", snap.aggregate_reads)?;
     d.set_item("writer_pid", snap.writer_pid)?;
+    d.set_item("owner_uid", snap.owner_uid)?;
+    d.set_item("mode", snap.mode)?;
     d.set_item("writer_alive", snap.writer_alive)?;
     d.set_item("next_id", snap.next_id)?;
     d.set_item("cleared_below", snap.cleared_below)?;
@@ -84,6 +86,20 @@ pub(crate) fn inspect_segment<'py>(
     Ok(d)
 }
 
+/// Removes segment `name` if the name still names the file (`dev`, `ino`)
+/// and no live writer holds it (`pinshm::remove_if_abandoned_file`):
+/// whether that file left the name. What a process's reaper runs for the
+/// segments the process made, after it died.
+#[pyfunction(name = "_remove_if_abandoned_file")]
+pub(crate) fn remove_if_abandoned_file(
+    py: Python<'_>,
+    name: &str,
+    dev: u64,
+    ino: u64,
+) -> PyResult<bool> {
+    crate::gil::released(py, || pinshm::remove_if_abandoned_file(name, dev, ino)).map_err(to_py)
+}
+
 /// The segments in /dev/shm whose name starts with `prefix` and whose
 /// writer is gone (`pinshm::gc`): listed with `dry_run`, else removed, each
 /// under the dead writer's liveness lock.
@@ -102,6 +118,7 @@ pub(crate) fn gc_segments<'py>(
         d.set_item("kind", a.kind)?;
         d.set_item("bytes", a.bytes)?;
         d.set_item("writer_pid", a.writer_pid)?;
+        d.set_item("owner_uid", a.owner_uid)?;
         d.set_item("removed", a.removed)?;
         out.append(d)?;
     }

@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::geometry::validate_store;
 use crate::layout;
 use crate::sys::segment::Segment;
+use crate::sys::trust::Trust;
 
 /// Where an object lives: what travels from the writer to the readers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -39,7 +40,7 @@ pub struct StoreHandle {
 impl StoreHandle {
     /// The handle of the live segment `name`, read from its validated header.
     pub fn of(name: &str) -> Result<StoreHandle> {
-        let seg = Segment::open_read_only(name)?;
+        let seg = Segment::open_read_only(name, Trust::Owner)?;
         let geo = validate_store(&seg, name)?;
         Ok(StoreHandle {
             name: seg.name().to_owned(),

@@ -17,6 +17,8 @@ use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
 use crate::error::{Error, Result};
+use crate::sys::shm_free_bytes;
+use crate::sys::trust::{self, Trust};
 use crate::sys::{fork, liveness};
 
 /// A mapped shared-memory object.
@@ -119,9 +121,15 @@ impl Segment {
         })
     }
 
-    /// Opens an existing segment and maps all of it.
+    /// Opens an existing segment of this user's (see [`trust`]) and maps
+    /// all of it.
     pub(crate) fn open(name: &str, prefault: bool) -> Result<Segment> {
-        let (pname, file, len) = open_file(name, OFlag::O_RDWR)?;
+        Self::open_as(name, prefault, Trust::Owner)
+    }
+
+    /// Opens an existing segment whose file `trust` accepts; maps all of it.
+    pub(crate) fn open_as(name: &str, prefault: bool, trust: Trust) -> Result<Segment> {
+        let (pname, file, len) = open_file(name, OFlag::O_RDWR, trust)?;
         let map = map(&file, len, prefault, name)?;
         Ok(Segment {
             name: pname,
@@ -132,9 +140,10 @@ impl Segment {
         })
     }
 
-    /// Opens an existing segment read-only (for inspection: loads only).
-    pub(crate) fn open_read_only(name: &str) -> Result<Segment> {
-        let (pname, file, len) = open_file(name, OFlag::O_RDONLY)?;
+    /// Opens an existing segment read-only (loads only), if `trust`
+    /// accepts its file.
+    pub(crate) fn open_read_only(name: &str, trust: Trust) -> Result<Segment> {
+        let (pname, file, len) = open_file(name, OFlag::O_RDONLY, trust)?;
         let map =
             Listed::map(|| MmapOptions::new().len(len).map_raw_read_only(&*file)).map_err(|e| {
                 Error::Os {
@@ -150,6 +159,17 @@ impl Segment {
             owner: AtomicBool::new(false),
             fork_gen: fork::register(),
         })
+    }
+
+    /// The (device, inode) of the segment's file.
+    pub(crate) fn identity(&self) -> Option<(u64, u64)> {
+        let st = nix::sys::stat::fstat(self.file.as_raw_fd()).ok()?;
+        Some((st.st_dev, st.st_ino))
+    }
+
+    /// Whose the segment's file is ([`trust::check`] of anyone's).
+    pub(crate) fn ownership(&self) -> Result<trust::Ownership> {
+        trust::check(&self.file, &self.name, Trust::AnyOwner)
     }
 
     /// A second mapping of the whole segment, read-only (the same pages):
@@ -374,7 +394,9 @@ pub(crate) fn remove_if_abandoned(
         name: name.to_owned(),
         detail,
     };
-    let seg = match Segment::open(name, false) {
+    // Anyone's: a dead segment is removed whoever made it (where this
+    // process may unlink it), a live one never.
+    let seg = match Segment::open_as(name, false, Trust::AnyOwner) {
         Ok(s) => s,
         Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
         // Empty: its creator is still sizing it (a live one, or it would
@@ -437,9 +459,12 @@ impl Drop for Segment {
     }
 }
 
-/// Opens `name` with `flags`; its POSIX name, file and (non-zero) size.
-fn open_file(name: &str, flags: OFlag) -> Result<(String, Listed<File>, usize)> {
+/// Opens `name` with `flags` (never blocking, never through a symlink:
+/// glibc's shm_open adds `O_NOFOLLOW`) and checks its file against `trust`;
+/// its POSIX name, file and (non-zero) size.
+fn open_file(name: &str, flags: OFlag, trust: Trust) -> Result<(String, Listed<File>, usize)> {
     let pname = posix_name(name)?;
+    let flags = flags | OFlag::O_NONBLOCK | OFlag::O_NOFOLLOW;
     let file =
         Listed::file(|| shm_open(pname.as_str(), flags, Mode::empty())).map_err(|e| match e {
             Errno::ENOENT => Error::NotFound {
@@ -447,6 +472,7 @@ fn open_file(name: &str, flags: OFlag) -> Result<(String, Listed<File>, usize)> 
             },
             e => sys_err("shm_open", name, e),
         })?;
+    trust::check(&file, name, trust)?;
     let len = file
         .metadata()
         .map_err(|e| Error::Os {
@@ -765,34 +791,6 @@ fn page_size() -> usize {
         .unwrap_or(4096) as usize
 }
 
-/// Free bytes in /dev/shm, for error messages (0 if unknown).
-pub(crate) fn shm_free_bytes() -> u64 {
-    nix::sys::statvfs::statvfs("/dev/shm")
-        .map(|s| s.blocks_available() * s.fragment_size())
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What `PinMode::Auto` goes by in a reader: a reserved segment's
-    /// blocks cover its size, a sparse one's do not, and pre-faulting a
-    /// mapping (read faults) reads every page without changing a byte.
-    #[test]
-    fn a_reader_tells_a_reserved_segment_from_a_sparse_one() {
-        let len = 4 << 20;
-        let dense = format!("pinshm-unit-dense-{}", std::process::id());
-        let sparse = format!("pinshm-unit-sparse-{}", std::process::id());
-        let d = Segment::create(&dense, len, false, true).unwrap();
-        let s = Segment::create(&sparse, len, false, false).unwrap();
-        assert!(d.is_reserved());
-        assert!(!s.is_reserved());
-        let opened = Segment::open(&sparse, false).unwrap();
-        assert!(!opened.is_reserved(), "as a reader sees it");
-        d.prefault();
-        opened.prefault();
-        // SAFETY: in bounds of the live mapping; nobody else writes it.
-        assert_eq!(unsafe { d.as_ptr().add(len - 1).read() }, 0);
-    }
-}
+#[path = "segment_tests.rs"]
+mod tests;

@@ -239,9 +239,10 @@ from _ec_vllm import config
 
 def worker(extra, conn):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from pinshm.vllm import _tracker
     from pinshm.vllm.ec_connector import PinshmECConnector
     c = PinshmECConnector(config("ec_both", extra), ECConnectorRole.WORKER)
-    conn.send(c._worker.store is not None)
+    conn.send((c._worker.store is not None, _tracker.reaper_pid()))
     signal.pause()
 
 if __name__ == "__main__":
@@ -251,10 +252,11 @@ if __name__ == "__main__":
     a, b = ctx.Pipe()
     p = ctx.Process(target=worker, args=({"store": name, "size": "256k"}, b))
     p.start()
-    print("WROTE", a.recv(), os.path.exists("/dev/shm/" + name), flush=True)
+    wrote, reaper = a.recv()
+    print("WROTE", wrote, os.path.exists("/dev/shm/" + name), flush=True)
     os.kill(p.pid, signal.SIGKILL)
     p.join()
-    print("TRACKER", resource_tracker._resource_tracker._pid, flush=True)
+    print("REAPER", reaper, flush=True)
 """
 
 
@@ -273,7 +275,7 @@ def test_the_store_is_unlinked_after_its_writers_process_is_sigkilled(stand_in, 
     )
     lines = dict(x.split(" ", 1) for x in out.stdout.splitlines() if " " in x)
     assert lines.get("WROTE") == "True True", out.stdout + out.stderr[-3000:]
-    wait_exit(int(lines["TRACKER"]))
+    wait_exit(int(lines["REAPER"]))
     assert not os.path.exists("/dev/shm/" + store), "left in /dev/shm after SIGKILL"
 
 
@@ -290,7 +292,7 @@ def test_sizes_are_ints_or_strings_with_units():
 
 def test_settings_fill_in_defaults_and_refuse_bad_values():
     s = ECSettings.from_extra({}, "f00d")
-    assert (s.store, s.size, s.n_readers, s.max_object_size, s.reserve) == ("pinshm_ec", 1 << 30, 64, None, False)
+    assert (s.store, s.size, s.n_readers, s.max_object_size, s.reserve) == (f"pinshm_ec.u{os.geteuid()}", 1 << 30, 64, None, False)
     assert s.key("abc") == "f00d:abc" and s.key_index == (1 << 30) // (32 << 10)
     assert ECSettings.from_extra({"size": "48k"}).key_index == 64, "at least 64 keys"
     assert ECSettings.from_extra({"reserve": "true"}).reserve is True

@@ -45,6 +45,15 @@ def nodes(unique_name, stand_in, tmp_path, monkeypatch):  # noqa: F811 - a fixtu
     assert left == [], f"left in /dev/shm: {left}"
 
 
+def gone_after_kill(name, timeout=30):
+    """A node SIGKILLed whole leaves no store: its reaper (its own session)
+    removes what the node made."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists("/dev/shm/" + name):
+        assert time.monotonic() < deadline, f"{name} left in /dev/shm by a SIGKILLed node"
+        time.sleep(0.05)
+
+
 def producer(nodes, images=IMAGES, rows=None, **extra):
     a, _, port, made = nodes
     extra = dict({"store": a, "size": SIZE, "n_readers": 8, "serve": f"127.0.0.1:{port}"}, **extra)
@@ -272,8 +281,7 @@ def test_a_peer_killed_during_the_read_costs_a_miss(nodes, engines):
     c.step([])
     fetch.before_read = lambda key: node.kill()
     r = c.step(["img-a"])
-    # A node killed leaves its store (the next writer of the name replaces it).
-    os.unlink("/dev/shm/" + nodes[0])
+    gone_after_kill(nodes[0])
     assert r.computed == ["img-a"] and r.digests == [want(["img-a"])]
     fetch.before_read = None
     r = c.step(["img-b"])  # the peer is skipped now, or down: a miss either way
@@ -295,7 +303,7 @@ def test_a_peer_killed_while_its_read_is_in_flight_costs_a_miss(nodes, engines):
     t0 = time.monotonic()
     r = c.step(["img-big"], rows=rows)
     took = time.monotonic() - t0
-    os.unlink("/dev/shm/" + nodes[0])  # a killed node leaves its store
+    gone_after_kill(nodes[0])
     assert completed == [], "the READ completed before the kill: nothing was in flight"
     assert r.computed == ["img-big"] and r.loads == []
     assert r.digests == [want(["img-big"], rows)], "the encoder's own output"

@@ -19,9 +19,9 @@ from pinshm.vllm.queue import MessageQueue
 # SIGKILLed itself.
 SCRIPT = r"""
 import multiprocessing as mp, os, signal, sys
-from multiprocessing import resource_tracker
 
 def writer(name, conn):
+    from pinshm.vllm import _tracker
     from pinshm.vllm.queue import MessageQueue
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=name)
     rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
@@ -29,7 +29,7 @@ def writer(name, conn):
     assert rd.dequeue() == b"x" * (1 << 20)
     mq.enqueue(b"y" * (1 << 20))  # left unread in the store
     names = [mq._tx.name] + ([mq._overflow.store.name] if mq._overflow.store is not None else [])
-    conn.send(names)
+    conn.send((names, _tracker.reaper_pid()))
     signal.pause()
 
 if __name__ == "__main__":
@@ -38,13 +38,13 @@ if __name__ == "__main__":
     a, b = ctx.Pipe()
     p = ctx.Process(target=writer, args=(name, b))
     p.start()
-    names = a.recv()
+    names, reaper = a.recv()
     print("NAMES", *names, flush=True)
     exists = all(os.path.exists("/dev/shm/" + n) for n in names)
     print("EXISTED", exists, flush=True)
     os.kill(p.pid, signal.SIGKILL)
     p.join()
-    print("TRACKER", resource_tracker._resource_tracker._pid, flush=True)
+    print("REAPER", reaper, flush=True)
     if how == "kill-a":
         os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -72,12 +72,12 @@ def test_a_sigkilled_writer_leaves_no_segment(tmp_path, unique_name, how):
         [sys.executable, str(script), unique_name(), how], capture_output=True, text=True, timeout=120
     )
     lines = dict(x.split(" ", 1) for x in out.stdout.splitlines() if " " in x)
-    assert "TRACKER" in lines, out.stdout + out.stderr[-3000:]
+    assert "REAPER" in lines, out.stdout + out.stderr[-3000:]
     names = lines["NAMES"].split()
     try:
         assert len(names) == 2, names  # the channel and the queue's store
         assert lines["EXISTED"] == "True"
-        wait_exit(int(lines["TRACKER"]))
+        wait_exit(int(lines["REAPER"]))
         left = [n for n in names if os.path.exists("/dev/shm/" + n)]
         assert left == [], f"left in /dev/shm after SIGKILL: {left}"
     finally:
@@ -87,8 +87,6 @@ def test_a_sigkilled_writer_leaves_no_segment(tmp_path, unique_name, how):
 
 
 def test_a_queue_closed_cleanly_is_no_longer_tracked(unique_name):
-    from multiprocessing import resource_tracker
-
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=unique_name())
     rd = MessageQueue.create_from_handle(mq.export_handle(), 0)
     assert mq._tracked.names == [mq._tx.name]
@@ -98,7 +96,6 @@ def test_a_queue_closed_cleanly_is_no_longer_tracked(unique_name):
     rd.close()
     mq.close()
     assert mq._tracked.names == []
-    del resource_tracker  # (the tracker itself is checked by the test above)
 
 
 def test_shutdown_ends_a_writer_blocked_on_a_reader_that_is_gone(unique_name):

@@ -1,41 +1,105 @@
-"""Segment names registered with multiprocessing's resource tracker, as
-vLLM's ``SharedMemory`` segments are: a process killed without closing
-(vLLM SIGKILLs its engine core and workers) leaves its names to the
-tracker, which unlinks them. Used by the cache and the queue alike."""
+"""The segments a process made, removed after it dies: vLLM SIGKILLs its
+engine core and workers, whose segments would otherwise stay in
+/dev/shm. Used by the cache, the queue and the encoder cache alike.
+
+Not multiprocessing's resource tracker: it unlinks by name, so a process
+killed after another engine made a live segment of the same name removed
+that engine's segment. Here a reaper of the process's own (a small
+process, ``python -m pinshm.vllm._reaper``, started at the first segment,
+shared with forked children as the tracker is) is told each segment's
+name and file (device, inode); when every process that could tell it
+more is gone (its pipe's end), it removes each segment that is still
+that file under that name and that no live writer holds
+(``pinshm.remove_if_abandoned_file``). Nothing else.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from typing import Optional
+
+#: (pid that started it, its pid, the pipe's write end) of this process
+#: tree's reaper; a forked child writes to its parent's.
+_REAPER: Optional[tuple[int, int, int]] = None
+#: name -> (device, inode) of each segment told to the reaper, this process.
+_TOLD: dict[str, tuple[int, int]] = {}
+
+
+def reaper_pid() -> Optional[int]:
+    """The pid of the reaper this process tells (None before its first segment)."""
+    return None if _REAPER is None else _REAPER[1]
+
+
+def _pipe() -> Optional[int]:
+    global _REAPER
+    if _REAPER is not None:
+        return _REAPER[2]
+    read, write = os.pipe()
+    import pinshm
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
+    path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pinshm.vllm._reaper"],
+            stdin=read,
+            stdout=subprocess.DEVNULL,
+            cwd="/",
+            env=dict(os.environ, PYTHONPATH=path),
+            # Its own session: a signal to the engine's process group (a
+            # node killed whole) leaves it to clean up after them.
+            start_new_session=True,
+        )
+    except OSError:
+        os.close(write)
+        return None
+    finally:
+        os.close(read)
+    _REAPER = (os.getpid(), proc.pid, write)
+    return write
+
+
+def _tell(line: str) -> None:
+    fd = _pipe()
+    if fd is None:
+        return
+    data = line.encode()
+    try:
+        os.write(fd, data)  # one write under PIPE_BUF: never interleaved
+    except OSError:
+        pass
 
 
 def track(name: str) -> None:
-    """Registers segment `name` (best effort, as in the stdlib)."""
+    """Tells the reaper segment `name`, the file that is under it now (best
+    effort: a segment it was not told of is left to ``pinshm gc``)."""
     try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.register("/" + name, "shared_memory")
-    except Exception:  # noqa: BLE001
-        pass
+        st = os.stat(os.path.join("/dev/shm", name), follow_symlinks=False)
+    except OSError:
+        return
+    if len(name) > 1000 or "\n" in name:
+        return
+    _TOLD[name] = (st.st_dev, st.st_ino)
+    _tell(f"+ {st.st_dev} {st.st_ino} {name}\n")
 
 
 def untrack(name: str) -> None:
     """Takes `name` back (it was removed, or will be by its owner)."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister("/" + name, "shared_memory")
-    except Exception:  # noqa: BLE001
-        pass
+    told = _TOLD.pop(name, None)
+    if told is not None:
+        _tell(f"- {told[0]} {told[1]} {name}\n")
 
 
 class Tracked:
     """The names one object registered, taken back one by one or all at
     once (when it closes, or when it is collected: its segments go with
-    it, and the tracker must not unlink a name again)."""
+    it)."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
-        # A forked child shares its parent's tracker: its copy of this
+        # A forked child shares its parent's reaper: its copy of this
         # object must not take back the parent's names (a child that closes
         # or drops it would leave a SIGKILLed parent's segments behind).
         self._pid = os.getpid()

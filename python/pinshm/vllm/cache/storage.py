@@ -29,9 +29,10 @@ vLLM's; what differs underneath:
   segment a second time read-only for them, so an in-place write by model
   code faults (SIGSEGV) instead of changing the other ranks' inputs. The
   read is held, and the slot kept, until the tensors are gone.
-- The writer registers its segment with multiprocessing's resource
-  tracker, as vLLM's ``SharedMemory`` does: a killed API server does not
-  leave it behind.
+- The writer tells its segment to pinshm's reaper (:mod:`.._tracker`),
+  as vLLM's ``SharedMemory`` tells the resource tracker: a killed API
+  server does not leave it behind, and another engine's live segment of
+  the same name is never removed.
 
 Handles travel as vLLM's ``(address, monotonic_id)``: see :mod:`._wire`.
 The handle-signing secret never leaves Rust, so ``get_auth_secret()`` is

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable, Literal, Optional
 
-from ..._pinshm import PinshmError, StoreHandle, StoreReader
+from ..._pinshm import PinshmError, StoreHandle, StoreReader, UntrustedError
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -92,9 +92,14 @@ class NamedReader:
             nonce = StoreHandle.of(self.name).nonce
             reader = StoreReader.attach_by_name(self.name, pin=self._pin)
         except (OSError, PinshmError) as e:
-            self.last_error = str(e)
+            said_before, self.last_error = self.last_error, str(e)
             self.no_entry = "reader entries are taken" in self.last_error
-            if not self._said_missing:
+            if isinstance(e, UntrustedError):
+                # Another user's file under the name (a squatter, or a
+                # store shared without PINSHM_TRUSTED_UIDS): never read.
+                if self.last_error != said_before:
+                    logger.warning("pinshm encoder cache: store %r is not read: %s", self.name, e)
+            elif not self._said_missing:
                 self._said_missing = True
                 logger.info("pinshm encoder cache: store %r not readable yet (%s); retrying", self.name, e)
             return None

@@ -10,11 +10,20 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-#: The store the engines of a node share when none is named.
+#: The store the engines of a node share when none is named, followed by
+#: ``.u<uid>`` (the engines' effective uid: :func:`default_store`), so that
+#: two users of one host never meet under one name.
 DEFAULT_STORE = "pinshm_ec"
+
+
+def default_store() -> str:
+    """The store's name when the config names none: ``pinshm_ec.u<euid>``."""
+    return f"{DEFAULT_STORE}.u{os.geteuid()}"
+
+
 #: Bytes of the store when no size is given: a sparse segment, so this is
 #: what it may grow to, not what it takes at start.
 DEFAULT_SIZE = 1 << 30
@@ -95,8 +104,9 @@ def model_fingerprint(model: object, revision: object = None) -> str:
 class ECSettings:
     """What ``ec_connector_extra_config`` says, with the defaults filled in.
 
-    - ``store``: the segment's name (``/dev/shm/<store>``), shared by the
-      engines of a node: a producer (``ec_producer``, ``ec_both``) writes
+    - ``store``: the segment's name (``/dev/shm/<store>``; default
+      ``pinshm_ec.u<uid>``, the engines' user's), shared by the engines of
+      a node: a producer (``ec_producer``, ``ec_both``) writes
       it, a consumer attaches to it.
     - ``size``: the store's capacity in bytes (an int, or ``"256m"``,
       ``"1g"``); sparse, so memory is what the outputs touch.
@@ -132,7 +142,7 @@ class ECSettings:
       docs/security.md.
     """
 
-    store: str = DEFAULT_STORE
+    store: str = field(default_factory=default_store)
     size: int = DEFAULT_SIZE
     n_readers: int = DEFAULT_READERS
     key_index: int = MIN_INDEX_KEYS
@@ -157,7 +167,7 @@ class ECSettings:
         is not what its key takes; unknown keys are returned by
         :func:`unknown_keys` for the caller to warn about."""
         extra = dict(extra or {})
-        store = str(extra.get("store", DEFAULT_STORE)).lstrip("/")
+        store = str(extra.get("store") or default_store()).lstrip("/")
         if not store or "/" in store or len(store) > 200:
             raise ValueError(f"store must be a name for /dev/shm (no '/'), not {extra.get('store')!r}")
         size = parse_size(extra.get("size", DEFAULT_SIZE), "size")

@@ -45,7 +45,7 @@ What vLLM calls, and what happens:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -120,6 +120,7 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
                 ranks=_loading_ranks(vllm_config),
                 evict=self._evict,
                 refs=self._refs,
+                widths=_widths(vllm_config),
             )
             where = "scheduler, reads" if self.is_consumer else "scheduler"
             if self.settings.serve is not None:
@@ -337,6 +338,20 @@ def _device() -> Optional[str]:
         return device
     except Exception:  # noqa: BLE001 - no platform (a stand-in): the host
         return None
+
+
+def _widths(vllm_config: Any) -> Callable[[], frozenset[int]]:
+    """Every width an encoder output of this model may have (what producers
+    measured, per modality, and the model's input embedding width)."""
+    width = _width_of(vllm_config)
+
+    def widths() -> frozenset[int]:
+        measured = getattr(vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+        known = {int(w) for w in measured.values()}
+        default = width("")
+        return frozenset(known | ({default} if default is not None else set()))
+
+    return widths
 
 
 def _width_of(vllm_config: Any) -> WidthOf:

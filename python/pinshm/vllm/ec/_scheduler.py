@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..._pinshm import Lease, PinshmError
+from ..._pinshm import Lease, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import MAX_READERS, ECSettings
 from ._meta import LoadReport, LoadSpec, RankState
@@ -82,8 +82,11 @@ class SchedulerSide:
         evict: Optional[Evict] = None,
         refs: Optional[Refs] = None,
         remote: Optional[RemoteTier] = None,
+        widths: Optional[Callable[[], frozenset[int]]] = None,
     ) -> None:
         self.settings = settings
+        #: The widths an output of this model may have (empty: unknown).
+        self._widths = widths
         self.consumer = consumer
         self.ranks = max(1, ranks)
         self.evict = evict
@@ -112,6 +115,7 @@ class SchedulerSide:
         self.misses = 0
         self.not_ready = 0
         self.failed_loads = 0
+        self.wrong_shape = 0
         self.remote_hits = 0
         self.remote = remote
         if consumer:
@@ -176,9 +180,9 @@ class SchedulerSide:
             self.misses += 1
             return False
         key = self.settings.key(mm_hash)
-        lease = self._not_failed(key, remote.lease_local(key))
+        lease = self._fits(self._not_failed(key, remote.lease_local(key)), remote.reader.get(), mm_hash)
         if lease is None:
-            lease = remote.fetch(key)
+            lease = self._fits(remote.fetch(key), remote.reader.get(), mm_hash)
             if lease is not None:
                 self.remote_hits += 1
         if lease is None:
@@ -209,11 +213,43 @@ class SchedulerSide:
         except PinshmError as e:
             logger.debug("pinshm encoder cache: %s: no lease (%s)", mm_hash, e)
             lease = None
-        lease = self._not_failed(key, lease)
+        lease = self._fits(self._not_failed(key, lease), reader, mm_hash)
         if lease is None:
             return False
         self._probes[mm_hash] = lease
         return True
+
+    def _fits(self, lease: Optional[Lease], reader: Optional[StoreReader], mm_hash: str) -> Optional[Lease]:
+        """`lease`, or None (released, with a WARNING) if its object is not
+        an output this model's encoder gives: a 2-D float tensor whose
+        width is the model's. Another model's, a squatted store's or a lying
+        peer's output is a miss, never loaded into vLLM's cache. (Its rows
+        vLLM says only at allocation: the workers check those.)"""
+        if lease is None or reader is None:
+            return lease
+        widths = self._widths() if self._widths is not None else frozenset()
+        try:
+            guard = reader.get(lease.handle)
+            try:
+                dtype, shape, _ = guard.tensor_meta()
+            finally:
+                guard.release()
+        except (PinshmError, ValueError) as e:
+            dtype, shape = f"not a tensor ({e})", ()
+        if len(shape) == 2 and "float" in dtype and (not widths or shape[1] in widths):
+            return lease
+        _release(lease)
+        self.wrong_shape += 1
+        logger.warning(
+            "pinshm encoder cache: the output of %s in store %r is a %s tensor of shape %s, not this model's "
+            "(width %s): a miss",
+            mm_hash,
+            reader.name,
+            dtype,
+            tuple(shape),
+            "/".join(map(str, sorted(widths))) or "unknown",
+        )
+        return None
 
     def _not_failed(self, key: str, lease: Optional[Lease]) -> Optional[Lease]:
         """`lease`, or None (released) if it is on the object whose load

@@ -143,7 +143,7 @@ class WorkerSide:
             else:
                 logger.error("pinshm encoder cache: cannot create store %r (%s): nothing is saved", s.store, e)
             return None
-        # vLLM SIGKILLs its workers at shutdown: the resource tracker
+        # vLLM SIGKILLs its workers at shutdown: the reaper (_tracker)
         # unlinks the name then.
         self._tracked.add(s.store)
         return store
@@ -241,14 +241,26 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - StaleError and the like: reported, never raised
             logger.warning("pinshm encoder cache: output of %s not loaded: %r", spec.mm_hash, e)
             return None
+        # The whole shape, and a float dtype: an output of another width
+        # (another model's, a squatted store's, a lying peer's) would go
+        # into vLLM's encoder cache and fail or mislead the model.
         shape = tuple(getattr(value, "shape", ()))
-        rows = shape[0] if shape else None
-        if rows != spec.num_embeds:
+        width = self.width_of(spec.modality) if self.width_of is not None else None
+        want = (spec.num_embeds, "?" if width is None else width)
+        kind = str(getattr(value, "dtype", "?"))
+        if (
+            len(shape) != 2
+            or shape[0] != spec.num_embeds
+            or (width is not None and shape[1] != width)
+            or "float" not in kind
+        ):
             logger.warning(
-                "pinshm encoder cache: output of %s has %s rows, vLLM expects %d: not loaded",
+                "pinshm encoder cache: output of %s is a %s tensor of shape %s, vLLM expects (%d, %s) "
+                "floats: not loaded",
                 spec.mm_hash,
-                rows,
-                spec.num_embeds,
+                kind,
+                shape,
+                *want,
             )
             return None
         return convert(value, self.dtype)

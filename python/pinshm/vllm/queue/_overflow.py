@@ -25,6 +25,7 @@ handles is sent, and the queue sends it another way.
 from __future__ import annotations
 
 import pickle
+import secrets
 import time
 from typing import Any, Callable, Optional
 
@@ -35,10 +36,13 @@ from .._tracker import Tracked
 from ._encoding import STORED, STORED_ALIGN, STORED_HEAD, STORED_REF, inline_parts, inline_size, loads_inline
 from ._wait import Wait
 
+#: Names drawn for a new overflow store before its creation's error is raised.
+NAME_TRIES = 4
+
 
 class OverflowWriter:
-    """The writer's side: stores named ``{prefix}-big{generation}``, made at
-    the first message that needs one."""
+    """The writer's side: stores named ``{prefix}-big{generation}-{random}``,
+    made at the first message that needs one."""
 
     def __init__(self, prefix: str, n_readers: int, min_capacity: int, tracked: Tracked) -> None:
         self.prefix = prefix
@@ -122,7 +126,6 @@ class OverflowWriter:
                 store.clear()
             return store
         capacity = 1 << max(2 * need, self.min_capacity).bit_length()
-        name = f"{self.prefix}-big{self.generation + 1}"
         # Sparse: a full /dev/shm is NoSpaceError from that put. Made
         # before the old one is retired: if this fails, the old one stays
         # current, as it was. No pages backed ahead: the message that
@@ -130,15 +133,28 @@ class OverflowWriter:
         # later ones reuse its first pages (it is rewound when read).
         limit = pinshm.ObjectStore.largest_object(capacity, self.n_readers)
         size = _budget.shm_size() or 0
-        new = pinshm.ObjectStore(
-            capacity,
-            limit,
-            self.n_readers,
-            name=name,
-            reserve=False,
-            shm_headroom=_budget.vllm_reserve(size),
-            back_ahead=0,
-        )
+        for attempt in range(NAME_TRIES):
+            # A name nobody can predict (readers get it in the handle): a
+            # file another user made at a guessable one would stop every
+            # large message. A name taken all the same is never followed:
+            # another is drawn.
+            name = f"{self.prefix}-big{self.generation + 1}-{secrets.token_hex(6)}"
+            try:
+                new = pinshm.ObjectStore(
+                    capacity,
+                    limit,
+                    self.n_readers,
+                    name=name,
+                    reserve=False,
+                    shm_headroom=_budget.vllm_reserve(size),
+                    back_ahead=0,
+                )
+                break
+            except (pinshm.NoSpaceError, pinshm.InvalidArgumentError):
+                raise
+            except pinshm.PinshmError:
+                if attempt == NAME_TRIES - 1:
+                    raise
         if store is not None:
             self._retired.append((store, 0))
         self.generation += 1
@@ -148,7 +164,7 @@ class OverflowWriter:
         handle = pickle.dumps(new.handle(), protocol=5)
         self._head = STORED_HEAD.pack(STORED, len(handle)) + handle
         # Readers attach to it by name at their first large message: the
-        # name stays, covered by the resource tracker.
+        # name stays, covered by the reaper.
         self._tracked.add(name)
         return self.store
 

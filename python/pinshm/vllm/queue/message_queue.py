@@ -20,8 +20,8 @@ needs), so no send of a started queue fails for lack of /dev/shm. The
 overflow store is sparse; a message it cannot take for lack of /dev/shm
 goes through the slots in pieces (:mod:`._pieces`), whole. The
 channel's name is removed once every local reader has attached
-(``wait_until_ready``), and the store's is covered by multiprocessing's
-resource tracker, so a SIGKILLed writer leaves nothing in /dev/shm.
+(``wait_until_ready``), and the store's is covered by pinshm's
+reaper (pinshm.vllm._tracker), so a SIGKILLed writer leaves nothing in /dev/shm.
 
 Readers wait on the channel's futex, spinning first only while the recent
 gaps between messages say it pays. A ``shutdown()`` from another thread
@@ -120,7 +120,7 @@ class MessageQueue:
             self._tx = self._make_channel(n_local_reader, max_chunks, max_chunk_bytes, name)
             self._slot_bytes = self._tx.handle().slot_size
             # Until the name is unlinked (wait_until_ready), a writer killed
-            # without closing leaves it to the resource tracker.
+            # without closing leaves it to the reaper.
             self._tracked.add(self._tx.name)
             self._overflow = OverflowWriter(
                 self._tx.name, n_local_reader, max(2 * self._slot_bytes, 1 << 20), self._tracked

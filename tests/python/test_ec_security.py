@@ -184,17 +184,23 @@ def test_a_client_without_the_secret_gets_nothing_and_costs_the_server_nothing_l
             except (TimeoutError, ConnectionResetError, socket.timeout):
                 pass
             c.close()
-    for _ in range(4):
-        socks = [s.client(keys=strangers) for _ in range(100)]
+    # Half know the server's public key (it leaked, say) but not the
+    # client's: refused by the ZAP check; half know neither.
+
+    leaked = type(strangers)(
+        s.keys.server_public, b"", *zmq.curve_keypair(), source="a stranger who knows the server's public key"
+    )
+    for round_ in range(4):
+        socks = [s.client(keys=leaked if round_ % 2 else strangers) for _ in range(100)]
         for c in socks:
-            c.send(_wire.pack({"op": "hello"}))
+            c.send(_wire.pack({"op": "lookup" if round_ // 2 else "hello", "key": "k1"}))
         time.sleep(0.2)
         assert not any(c.poll(0, zmq.POLLIN) for c in socks), "an answer to a client of another secret"
         for c in socks:
             c.close(0)
             s.socks.remove(c)
     assert b"meta" not in heard and b"agent" not in heard, "no metadata to a stranger"
-    assert s.server.lookups == lookups, "no request of a stranger reached the server"
+    assert s.server.lookups == lookups, "no lookup of a stranger reached the server"
     time.sleep(3)  # past the handshake interval: every stranger's connection closed
     cpu = _cpu_s(pid)
     time.sleep(2)
@@ -477,3 +483,97 @@ def test_ucx_settings_stay_out_of_the_process_environment(served, monkeypatch):
     finally:
         holder = type("H", (), {"_agent": a})()
         _wire.release(holder)
+
+
+def test_many_connections_from_one_address_share_one_budget(served):
+    import zmq
+
+    s = served()
+    s.client()
+    greedy = []
+    for _ in range(20):  # 20 x 64 leases would be 1280
+        g = s.ctx.socket(zmq.DEALER)
+        g.setsockopt(zmq.LINGER, 0)
+        secure_client(g, s.keys)
+        g.connect(f"tcp://127.0.0.1:{s.port}")
+        s.socks.append(g)
+        greedy.append(g)
+    for g in greedy:
+        for _ in range(100):
+            g.send_multipart([b"", _wire.pack({"op": "lookup", "key": "k0"})])
+    found = 0
+    for g in greedy:
+        for _ in range(100):
+            assert g.poll(30_000)
+            found += bool(_wire.unpack(g.recv_multipart()[-1]).get("found"))
+    assert found == _serve.ADDRESS_LEASES, f"{found} leases to one address"
+    # A peer at another address is answered.
+    other = s.ctx.socket(zmq.REQ)
+    other.setsockopt(zmq.LINGER, 0)
+    secure_client(other, s.keys)
+    other.connect(f"tcp://127.0.0.2:0;127.0.0.1:{s.port}")
+    s.socks.append(other)
+    assert ask(other, {"op": "lookup", "key": "k1"})["found"]
+
+
+def test_the_serving_process_keeps_none_of_the_engines_environment_but_what_it_needs(served, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_for_the_serving_process")
+    monkeypatch.setenv("UCX_LOG_LEVEL", "warn")
+    s = served()
+    environ = open(f"/proc/{s.server.pid}/environ", "rb").read().split(b"\0")
+    assert not any(e.startswith(b"HF_TOKEN=") for e in environ), "the engine's token reached the serving process"
+    assert b"UCX_LOG_LEVEL=warn" in environ, "UCX's settings do"
+
+
+SERVER_IN_A_PROCESS = r"""
+import os, sys, threading, numpy as np, pinshm
+from pinshm.vllm.ec import _serve
+from pinshm.vllm.ec._config import ECSettings
+store = pinshm.ObjectStore(1 << 20, 1 << 16, 4, name=sys.argv[1], cache=True, key_index=64)
+made = []
+# Built in a thread that then ends, as an engine may build it.
+t = threading.Thread(target=lambda: made.append(_serve.Server(ECSettings.from_extra(
+    {"store": sys.argv[1], "serve": "127.0.0.1:" + sys.argv[2], "secret_file": sys.argv[3], "retry_s": 0}))))
+t.start(); t.join()
+print("SERVING", made[0].pid, flush=True)
+sys.stdin.readline()
+print("STILL", made[0].pid, made[0].restarts, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_serving_process_outlives_the_thread_that_built_it_and_dies_with_the_engine(unique_name, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from _ec_remote import make_secret
+
+    nixl_or_skip()
+    name = unique_name("ec-sec")
+    engine = subprocess.Popen(
+        [sys.executable, "-c", SERVER_IN_A_PROCESS, name, str(free_port()), make_secret(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = next(x for x in engine.stdout if x.startswith("SERVING")).split()
+        serving = int(line[1])
+        time.sleep(1)
+        engine.stdin.write("\n")
+        engine.stdin.flush()
+        still = next(x for x in engine.stdout if x.startswith("STILL")).split()
+        assert still[1:] == [str(serving), "0"], f"the serving process died with the thread that built it: {still}"
+        engine.send_signal(signal.SIGKILL)  # vLLM SIGKILLs its engine core
+        engine.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{serving}") and open(f"/proc/{serving}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the serving process outlived its engine"
+            time.sleep(0.05)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+        if os.path.exists("/dev/shm/" + name):
+            os.unlink("/dev/shm/" + name)

@@ -133,17 +133,3 @@ def secure_client(sock: Any, keys: Keys) -> None:
     sock.curve_secretkey = keys.client_secret
     sock.curve_publickey = keys.client_public
     sock.curve_serverkey = keys.server_public
-
-
-class ClientKeyCheck:
-    """pyzmq's ZAP credentials provider: admits the derived client key alone."""
-
-    def __init__(self, keys: Keys) -> None:
-        self._key = keys.client_public
-        self.refused = 0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = hmac.compare_digest(key, self._key)
-        if not ok:
-            self.refused += 1
-        return ok

@@ -49,9 +49,12 @@ from ._wire import DEFAULT_UCX_TLS, ITEMSIZE, LEASE_BYTES, PeerError, field, pac
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
-#: Leases out at once, all peers together; a peer's share of them.
+#: Leases out at once, all peers together; a peer's share of them (a
+#: connection's); and all connections from one address together (a peer
+#: chooses its connection id, not its address).
 MAX_LEASES = 4096
 PEER_LEASES = 64
+ADDRESS_LEASES = 512
 #: A lease whose TTL passed is remembered (its handle, not its hold) this
 #: long after, and at most this many, so that a late done is still
 #: answered by a re-check.
@@ -60,6 +63,8 @@ MAX_REMEMBERED = 4096
 POLL_S = 0.05
 #: How long the serving process may take to start (NIXL's import).
 START_S = 120.0
+#: How long either side of the socket pair waits to send or for an answer.
+LOCAL_TIMEOUT_S = 5.0
 #: A dead serving process is started again after this, doubling to the most.
 RESTART_S, MAX_RESTART_S = 0.5, 30.0
 
@@ -73,6 +78,7 @@ class _Held:
     """A lease a peer holds (`lease` None once its TTL passed)."""
 
     peer: bytes
+    addr: str
     lease: Optional[Lease]
     handle: ObjectHandle
     reader: StoreReader
@@ -101,6 +107,7 @@ class Server:
         self._leases: dict[bytes, _Held] = {}
         self._remembered: OrderedDict[bytes, _Held] = OrderedDict()
         self._held: dict[bytes, int] = {}
+        self._by_addr: dict[str, int] = {}
         self.lookups = self.found = self.stable = self.unstable = self.busy = 0
         self.restarts = 0
         self._proc: Optional[subprocess.Popen[bytes]] = None
@@ -108,14 +115,21 @@ class Server:
         self._started_at = 0.0
         self._restart_at = 0.0
         self._backoff = 0.0
-        try:
-            self._start()  # at start: a port taken or NIXL missing stops the engine here
-        except BaseException:
-            self._named.close()
-            raise
         self._stop = threading.Event()
+        # Every serving process is started by the serving thread, which
+        # lives as long as this: PR_SET_PDEATHSIG fires when the *thread*
+        # that started a process ends. The first start is waited for here:
+        # a port taken or NIXL missing stops the engine at start.
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="pinshm-ec-serve", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._stop.set()
+            self._thread.join(5)
+            self._named.close()
+            raise self._start_error
         host, port = settings.serve
         logger.info(
             "pinshm encoder cache: serving store %r on %s:%d over NIXL (serving process %d%s)",
@@ -147,14 +161,20 @@ class Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
         path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+        # Of the engine's environment, what Python, UCX and NIXL read, and
+        # nothing else (a token in it is not the serving process's to hold).
+        keep = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pinshm.vllm.ec._served", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 cwd="/",
-                env=dict(os.environ, PYTHONPATH=path),
+                env=dict(keep, PYTHONPATH=path),
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._gen += 1
@@ -168,11 +188,12 @@ class Server:
             "nofile": self._nofile,
         }
         try:
+            ours.settimeout(START_S)
             ours.sendall(pack(cfg))
-            ready, _, _ = select.select([ours], [], [], START_S)
-            said = unpack(ours.recv(LOCAL_MESSAGE)) if ready else {"error": f"no answer in {START_S:g} s"}
-        except (OSError, PeerError) as e:
-            said = {"error": f"the serving process died at start ({e})"}
+            said = unpack(ours.recv(LOCAL_MESSAGE))
+            ours.settimeout(LOCAL_TIMEOUT_S)
+        except (OSError, PeerError) as e:  # socket.timeout is an OSError
+            said = {"error": f"the serving process died at start, or said nothing in {START_S:g} s ({e!r})"}
         if "ready" not in said:
             _stop(proc, ours)
             why = str(said.get("error"))[:2000]
@@ -186,7 +207,7 @@ class Server:
         """The serving process is gone: every lease ends; another starts
         after the backoff."""
         assert self._proc is not None and self._sock is not None
-        rc = self._proc.returncode
+        rc = self._proc.poll()
         why = f"signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}"
         now = time.monotonic()
         if now - self._started_at > 60:
@@ -201,7 +222,6 @@ class Server:
             ": a peer wrote into the read-only region, or read outside it" if rc == -signal.SIGSEGV else "",
             self._backoff,
         )
-        _stop(self._proc, self._sock)
         self._proc = self._sock = None
         self._end_all()
 
@@ -212,10 +232,18 @@ class Server:
         self._leases.clear()
         self._remembered.clear()
         self._held.clear()
+        self._by_addr.clear()
 
     # ---- the loop ---------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._start()
+        except BaseException as e:  # noqa: BLE001 - raised by __init__, in the engine's thread
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
         while not self._stop.is_set():
             try:
                 self._once()
@@ -238,7 +266,9 @@ class Server:
                 self._stop.wait(POLL_S)
             self._expire()
             return
-        ready, _, _ = select.select([sock], [], [], POLL_S)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        ready = bool(poller.poll(int(POLL_S * 1000)))
         data = b""
         if ready:
             try:
@@ -246,23 +276,34 @@ class Server:
             except OSError:
                 data = b""
             if data:
-                try:
-                    reply, fd = self._serve(unpack(data))
-                except (PeerError, ValueError, TypeError) as e:
-                    # Only a subverted serving process sends what fails here.
-                    logger.warning("pinshm encoder cache: the serving process asked %r: stopped", e)
-                    proc.kill()
-                    reply, fd = None, None
-                if reply is not None:
-                    try:
-                        socket.send_fds(sock, [pack(reply)], [] if fd is None else [fd])
-                    finally:
-                        if fd is not None:
-                            os.close(fd)
+                self._answer_child(sock, proc, data)
         self._expire()
         if proc.poll() is not None or (ready and not data):
-            proc.wait()
+            _stop(proc, sock, wait_s=1)
             self._died()
+
+    def _answer_child(self, sock: socket.socket, proc: subprocess.Popen[bytes], data: bytes) -> None:
+        """Answers one request of the serving process. One that breaks the
+        protocol (only a subverted process sends it), or that does not take
+        its answer in time, gets the process killed (and another started)."""
+        fd: Optional[int] = None
+        try:
+            reply, fd = self._serve(unpack(data))
+        except (PeerError, ValueError, TypeError) as e:
+            logger.warning("pinshm encoder cache: the serving process asked %r: stopped", e)
+            proc.kill()
+            return
+        except Exception as e:  # noqa: BLE001 - ours, not the request's: said, and served on
+            logger.warning("pinshm encoder cache: answering the serving process: %r", e)
+            reply = {"error": f"the scheduler could not answer: {type(e).__name__}"}
+        try:
+            socket.send_fds(sock, [pack(reply)], [] if fd is None else [fd])
+        except OSError as e:  # its buffer full (it reads nothing), or gone
+            logger.warning("pinshm encoder cache: the serving process took no answer (%r): stopped", e)
+            proc.kill()
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _serve(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
         """The answer to the serving process's request (and an fd to pass)."""
@@ -273,10 +314,10 @@ class Server:
         if not 0 < len(peer) <= 256:
             raise PeerError(f"a peer id of {len(peer)} bytes")
         if op == "lookup":
-            key = field(msg, "key", str)
-            if len(key) > MAX_KEY:
-                raise PeerError(f"a key of {len(key)} characters")
-            return self._lookup(peer, key), None
+            key, addr = field(msg, "key", str), field(msg, "addr", str)
+            if len(key) > MAX_KEY or len(addr) > 64:
+                raise PeerError(f"a key of {len(key)} characters, an address of {len(addr)}")
+            return self._lookup(peer, addr, key), None
         if op == "done":
             return self._done(peer, field(msg, "lease", bytes)), None
         raise PeerError(f"no such op {op[:40]!r}")
@@ -305,12 +346,16 @@ class Server:
 
     # ---- leases -----------------------------------------------------
 
-    def _lookup(self, peer: bytes, key: str) -> dict[str, Any]:
+    def _lookup(self, peer: bytes, addr: str, key: str) -> dict[str, Any]:
         self.lookups += 1
         reader = self._region()
         if reader is None:
             return {"found": False}
-        if self._held.get(peer, 0) >= PEER_LEASES or len(self._leases) - len(self._remembered) >= MAX_LEASES:
+        if (
+            self._held.get(peer, 0) >= PEER_LEASES
+            or self._by_addr.get(addr, 0) >= ADDRESS_LEASES
+            or len(self._leases) - len(self._remembered) >= MAX_LEASES
+        ):
             self.busy += 1
             return {"found": False}
         try:
@@ -327,8 +372,9 @@ class Server:
             lease.release()
             return {"found": False}
         lid = secrets.token_bytes(LEASE_BYTES)
-        self._leases[lid] = _Held(peer, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
+        self._leases[lid] = _Held(peer, addr, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
         self._held[peer] = self._held.get(peer, 0) + 1
+        self._by_addr[addr] = self._by_addr.get(addr, 0) + 1
         self.found += 1
         return {
             "found": True,
@@ -369,11 +415,8 @@ class Server:
         assert held.lease is not None
         _release(held.lease)
         held.lease = None
-        left = self._held.get(held.peer, 1) - 1
-        if left > 0:
-            self._held[held.peer] = left
-        else:
-            self._held.pop(held.peer, None)
+        _less(self._held, held.peer)
+        _less(self._by_addr, held.addr)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -406,15 +449,22 @@ class Server:
         self._named.close()
 
 
-_KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
+#: The keys the serving process needs: its own pair, and the one client
+#: key it admits (never a client's secret key).
+_KEY_FIELDS = ("server_public", "server_secret", "client_public")
+#: What the serving process keeps of the engine's environment.
+_ENV_KEEP = frozenset(
+    {"PATH", "HOME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONHOME", "VIRTUAL_ENV", "SSL_CERT_FILE"}
+)
+_ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
 
 
-def _stop(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+def _stop(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: float = 5) -> None:
     """Ends the serving process: its socket closed (it exits), then killed
-    if it has not within a few seconds."""
+    if it has not within `wait_s`."""
     sock.close()
     try:
-        proc.wait(5)
+        proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -473,6 +523,15 @@ def _place(reader: StoreReader, handle: ObjectHandle) -> tuple[int, int, str, tu
     if not 0 <= start <= length - nbytes:
         raise ValueError(f"a payload at {start} outside the region of {length}")
     return start, nbytes, dtype, tuple(shape)
+
+
+def _less(counts: dict[Any, int], who: Any) -> None:
+    """One fewer for `who` (gone at none)."""
+    left = counts.get(who, 1) - 1
+    if left > 0:
+        counts[who] = left
+    else:
+        counts.pop(who, None)
 
 
 def _release(lease: Lease) -> None:

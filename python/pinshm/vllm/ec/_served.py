@@ -43,6 +43,10 @@ HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 5000, 15000
 #: Keys, lease ids and the like that a peer sends are at most this long.
 MAX_KEY = 1024
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+#: How long an answer of the scheduler may take (then this process exits,
+#: and the scheduler starts another).
+LOCAL_TIMEOUT_S = 10.0
 
 
 def devices_for(host: str) -> Optional[str]:
@@ -114,7 +118,6 @@ class Gate:
     def __init__(self, parent: socket.socket, cfg: dict[str, Any]) -> None:
         import zmq
 
-        from ._secret import Keys, secure_server
         from ._wire import agent
 
         self._parent = parent
@@ -125,16 +128,16 @@ class Gate:
         self._agent: Any = agent(str(cfg["agent"]), progress=True)
         self.agent_name = self._agent.name
         self._ctx = zmq.Context()
-        keys = None if cfg.get("keys") is None else Keys(source="", **cfg["keys"])
+        keys = cfg.get("keys")
         self._zap = None
         if keys is not None:
+            self._client_key = bytes(keys["client_public"])
             # ZAP (ZeroMQ RFC 27), answered here: a client's handshake that
             # does not prove the derived client key is refused before any
             # message of it is read.
             self._zap = self._ctx.socket(zmq.REP)
             self._zap.setsockopt(zmq.LINGER, 0)
             self._zap.bind("inproc://zeromq.zap.01")
-            self._client_key = keys.client_public
         self.refused = 0
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -144,7 +147,9 @@ class Gate:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.RCVHWM, 1000)
         if keys is not None:
-            secure_server(sock, keys)
+            sock.curve_secretkey = bytes(keys["server_secret"])
+            sock.curve_publickey = bytes(keys["server_public"])
+            sock.curve_server = True
             sock.setsockopt(zmq.ZAP_DOMAIN, b"pinshm-ec")
         sock.bind(f"tcp://{cfg['host']}:{int(cfg['port'])}")
         self._sock = sock
@@ -154,8 +159,11 @@ class Gate:
     def _ask(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         from ._wire import pack, unpack
 
-        self._parent.sendall(pack(msg))
-        data, fds, _, _ = socket.recv_fds(self._parent, LOCAL_MESSAGE, 1)
+        try:
+            self._parent.sendall(pack(msg))
+            data, fds, _, _ = socket.recv_fds(self._parent, LOCAL_MESSAGE, 1)
+        except OSError:  # no answer in time (socket.timeout), or gone
+            raise SystemExit(1) from None  # the scheduler starts another
         if not data:
             raise SystemExit(0)  # the scheduler is gone
         return unpack(data), fds
@@ -193,7 +201,7 @@ class Gate:
 
     # ---- peers ------------------------------------------------------
 
-    def answer(self, peer: bytes, data: bytes) -> dict[str, Any]:
+    def answer(self, peer: bytes, data: bytes, addr: str = "") -> dict[str, Any]:
         from ._wire import VERSION, PeerError, field, unpack
 
         try:
@@ -216,7 +224,7 @@ class Gate:
                 key = field(msg, "key", str)
                 if len(key) > MAX_KEY:
                     raise PeerError(f"a key of {len(key)} characters")
-                reply, _ = self._ask({"op": "lookup", "peer": peer, "key": key})
+                reply, _ = self._ask({"op": "lookup", "peer": peer, "addr": addr[:64], "key": key})
                 if reply.get("found") and reply.get("gen") != self._gen:
                     self._refresh()
                 return reply
@@ -269,13 +277,17 @@ class Gate:
             if self._sock in ready:
                 for _ in range(64):
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if len(frames) < 2 or not 0 < len(frames[0]) <= 256:
+                    if len(frames) < 2 or not 0 < len(frames[0].bytes) <= 256:
                         continue
-                    reply = self.answer(frames[0], frames[-1])
-                    self._sock.send_multipart([*frames[:-1], pack(reply)], zmq.NOBLOCK)
+                    try:
+                        addr = str(frames[-1].get("Peer-Address"))  # type: ignore[arg-type]  # a metadata name
+                    except zmq.ZMQError:
+                        addr = "?"
+                    reply = self.answer(frames[0].bytes, frames[-1].bytes, addr)
+                    self._sock.send_multipart([*(f.bytes for f in frames[:-1]), pack(reply)], zmq.NOBLOCK)
 
     def close(self) -> None:
         from ._wire import release
@@ -316,6 +328,12 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = unpack(data)
     _die_with(int(cfg["parent"]))
+    # No core file (a peer's WRITE kills this process: its keys and heap
+    # would go to disk each time), and no ptrace by the engine's other
+    # processes.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    parent.settimeout(LOCAL_TIMEOUT_S)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = int(cfg.get("nofile") or hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))

@@ -905,7 +905,9 @@ def flush_releases() -> int:
 
 def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
     """Segment `name` (as in /dev/shm/NAME), read-only, through the crate's
-    inspector (the Rust `pinshm-inspect`'s): header fields, `readers` and
+    inspector (the Rust `pinshm-inspect`'s), anyone's (a FIFO or other
+    special file is refused at once, UntrustedError): header fields,
+    `owner_uid` and `mode` (whose file, its permission bits), `readers` and
     `slots` (lists of dicts, with `holds` and `reads_owed` per slot), the
     oldest `blocker` (None: nothing in use), the text `report`, and in
     `explanations` what happened to each `(address, id)` of `handles`."""
@@ -923,6 +925,7 @@ def _remove_if_abandoned_file(name: str, dev: int, ino: int) -> bool:
 def gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
     """The segments in /dev/shm whose name starts with `prefix` and whose
     writer is gone: each a dict of `name`, `kind` ("store" or "channel"),
-    `bytes` (of /dev/shm it holds), `writer_pid` (None where unknown) and
-    `removed`. With `dry_run` (the default) nothing is removed; else each
+    `bytes` (of /dev/shm it holds), `writer_pid` (None where unknown),
+    `owner_uid` (whose file it is) and `removed`. Anyone's segments, never a
+    FIFO or other special file. With `dry_run` (the default) nothing is removed; else each
     is removed under the dead writer's liveness lock (`python -m pinshm gc`)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -111,7 +112,8 @@ def _gc(prefix: str, dry_run: bool, as_json: bool) -> int:
     for a in found:
         what = "would remove" if dry_run else "removed" if a["removed"] else "gone meanwhile:"
         pid = f", writer pid {a['writer_pid']} gone" if a["writer_pid"] else ", writer gone"
-        print(f"{what} /dev/shm/{a['name']} ({a['kind']}, {a['bytes'] / 2**20:.1f} MiB{pid})")
+        owner = "" if a.get("owner_uid") in (None, os.geteuid()) else f", uid {a['owner_uid']}'s"
+        print(f"{what} /dev/shm/{a['name']} ({a['kind']}, {a['bytes'] / 2**20:.1f} MiB{pid}{owner})")
     if not found:
         print("pinshm gc: no segment of a dead writer" + (f" under {prefix!r}" if prefix else ""))
     return 0

@@ -26,7 +26,6 @@ lookups go unanswered, which consumers count as misses.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import select
@@ -43,9 +42,10 @@ from typing import Any, Optional
 from ..._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import ECSettings
+from ._region import place, region_file
 from ._secret import keys_for
 from ._served import LOCAL_MESSAGE, MAX_KEY, devices_for
-from ._wire import DEFAULT_UCX_TLS, ITEMSIZE, LEASE_BYTES, PeerError, field, pack, unpack
+from ._wire import DEFAULT_UCX_TLS, LEASE_BYTES, PeerError, field, pack, unpack
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -338,7 +338,7 @@ class Server:
             return {"gen": None}, None
         if have == self._gen:
             return {"gen": self._gen}, None
-        exported = _region_file(reader)
+        exported = region_file(reader)
         if exported is None:
             return {"gen": None}, None
         fd, offset, length = exported
@@ -366,7 +366,7 @@ class Server:
             return {"found": False}
         handle = lease.handle
         try:
-            offset, nbytes, dtype, shape = _place(reader, handle)
+            offset, nbytes, dtype, shape = place(reader, handle)
         except Exception as e:  # noqa: BLE001 - not a tensor, gone: a miss
             logger.debug("pinshm encoder cache: serving %s: %r", key, e)
             lease.release()
@@ -468,61 +468,6 @@ def _stop(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: float = 5)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _region_file(reader: StoreReader) -> Optional[tuple[int, int, int]]:
-    """A read-only descriptor of the file under `reader`'s data region, and
-    the region's offset and length in it; None where the name no longer
-    names that file (replaced, unlinked). The mapping's file and offset
-    come from /proc/self/maps; the file opened by its name is checked to be
-    that one (device and inode) before it is handed on."""
-    base, length = reader.data_region()
-    found = None
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= base < hi:
-                if base + length <= hi and len(parts) == 6:
-                    found = parts
-                break
-    if found is None:
-        return None
-    path = found[5].rstrip("\n")
-    if not path.startswith("/dev/shm/") or path.endswith(" (deleted)"):
-        return None
-    offset = int(found[2], 16) + base - lo
-    major, minor = (int(x, 16) for x in found[3].split(":"))
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if st.st_ino != int(found[4]) or (os.major(st.st_dev), os.minor(st.st_dev)) != (major, minor):
-        os.close(fd)
-        return None
-    return fd, offset, int(length)
-
-
-def _place(reader: StoreReader, handle: ObjectHandle) -> tuple[int, int, str, tuple[int, ...]]:
-    """(offset in the data region, bytes, dtype, shape) of a tensor's elements."""
-    import numpy as np
-
-    base, length = reader.data_region()
-    guard = reader.get(handle)
-    try:
-        dtype, shape, at = guard.tensor_meta()
-        view = np.frombuffer(guard, dtype=np.uint8)
-        start = int(view.ctypes.data) + at - base
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if at + nbytes > len(guard):
-            raise ValueError(f"a {dtype} tensor of shape {shape} in an object of {len(guard)} bytes")
-        del view
-    finally:
-        guard.release()
-    if not 0 <= start <= length - nbytes:
-        raise ValueError(f"a payload at {start} outside the region of {length}")
-    return start, nbytes, dtype, tuple(shape)
 
 
 def _less(counts: dict[Any, int], who: Any) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "cuda_status",
     "gc_segments",
     "_exit_door_passing",
+    "_remove_if_abandoned_file",
 ]
 
 __version__: str

@@ -105,23 +105,35 @@ def test_a_consumer_engine_fetches_from_its_first_step(nodes, engines):
     assert c.wrong_answers() == {} and c.failed == set()
 
 
-def test_the_consumers_data_region_is_registered_once_and_per_read_only_where_it_cannot_be(nodes, engines):
+def test_the_consumers_engine_core_holds_no_nixl_agent_its_fetch_process_does(nodes, engines):
+    # UCX over TCP lets whoever reaches an agent's process read and write
+    # its memory: the consumer's agent lives in a fetch process of its own.
     producer(nodes)
     c = engines("fork", "ec_consumer", consumer_extra(nodes), tp=2)
     c.step([])
-    remote = c.scheduler._scheduler.remote
-    assert remote._region is not None, "registered when the tier started"
-    calls = []
-    register = remote._agent.register_memory
-    remote._agent.register_memory = lambda *a, **k: calls.append(a) or register(*a, **k)
     assert c.step(IMAGES[:2]).loads == IMAGES[:2]
-    assert calls == [], "no registration per READ"
-    # Where the region could not be registered: each READ registers its slot.
-    remote._agent.deregister_memory(remote._region)
-    remote._region = None
-    r = c.step(IMAGES[2:])
-    assert r.loads == IMAGES[2:] and r.digests == [want(IMAGES[2:])] * 2
-    assert len(calls) == 1 and remote.fetched == 3
+    remote = c.scheduler._scheduler.remote
+    assert remote.fetcher is not None and remote.fetcher.pid != os.getpid()
+    assert not _wire._LIVE, "no NIXL agent in the engine core (this process)"
+    maps = open(f"/proc/{remote.fetcher.pid}/maps").read()
+    assert "/dev/shm/" not in maps, "the fetch process maps no store"
+
+
+def test_bytes_changed_in_the_fetch_process_before_they_are_checked_are_a_miss(nodes, engines):
+    # What a stranger reaching the fetch process's UCX listener could do:
+    # write its staging buffer between the READ and the copy. The digest
+    # the producer's scheduler sent does not match: a miss, never loaded.
+    producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, peer_backoff_s=0))
+    c.step([])
+    remote = c.scheduler._scheduler.remote
+    fetch.after_read = lambda key: os.pwrite(remote.fetcher._fd, b"\xee" * 64, 0)
+    r = c.step(["img-a"])
+    assert r.computed == ["img-a"] and r.loads == [] and r.digests == [want(["img-a"])]
+    assert remote.corrupt == 1 and remote.fetched == 0
+    fetch.after_read = None
+    assert c.step(["img-b"]).loads == ["img-b"], "the next fetch is clean"
+    assert c.wrong_answers() == {}
 
 
 def test_the_store_of_fetched_outputs_follows_reserve_so_that_gpu_hosts_pin_it(nodes, engines):
@@ -239,11 +251,11 @@ def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):
         op = msgpack.unpackb(request)["op"]
         if op == "hello":
             return msgpack.packb(
-                {"v": 2, "agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1}
+                {"v": 3, "agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1}
             )
         if op == "done":
             return msgpack.packb({"stable": True})
-        return msgpack.packb(dict({"found": True, "lease": bytes(16), "gen": 1}, **LIES[reply]))
+        return msgpack.packb(dict({"found": True, "lease": bytes(16), "digest": bytes(32), "gen": 1}, **LIES[reply]))
 
     peer = BadPeer(port, answer)
     made.append(peer)

@@ -19,6 +19,7 @@ miss within the budget. See docs/remote.md.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets
@@ -28,13 +29,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..._pinshm import Lease, ObjectStore, PinshmError, TensorReservation
+from ..._pinshm import Lease, ObjectStore, PinshmError
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
+from ._fetcher import Fetcher
 from ._secret import keys_for, secure_client
-from ._wire import VERSION, PeerError, Place, agent, check_place, made_here, pack, release, unpack
+from ._wire import VERSION, PeerError, Place, check_place, digest, nixl, pack, unpack
 from ._wire import field as wire_field
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -57,6 +59,7 @@ class Peer:
     port: int
     sock: Any = None
     agent_name: Optional[str] = None
+    meta: bytes = b""
     base: int = 0
     length: int = 0
     gen: int = -1
@@ -77,6 +80,7 @@ class RemoteTier:
     def __init__(self, settings: ECSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
+        self._pid = os.getpid()
         # Before anything is made: a missing or open secret stops the
         # engine here, saying what to fix.
         self._keys = keys_for(settings.secret_file, settings.insecure) if settings.peers else None
@@ -91,25 +95,20 @@ class RemoteTier:
         self.reader = NamedReader(settings.remote_store, settings.retry_s, pin="off")
         self.peers = [Peer(h, p) for h, p in settings.peers]
         self._ctx: Any = None
-        self._agent: Any = None
-        # The store's data region, registered with NIXL once (None: each
-        # READ registers its slot, as where the whole region cannot be).
-        self._region: Any = None
-        self._stuck: list[tuple[Any, Any, TensorReservation]] = []
+        # The NIXL agent lives in a fetch process of its own, never in this
+        # one (the engine core): UCX over TCP lets whoever reaches an
+        # agent's process read and write its memory (docs/security.md).
+        self.fetcher: Optional[Fetcher] = None
         self._absent: OrderedDict[str, float] = OrderedDict()
-        self.fetched = self.not_found = self.unstable = self.peer_failures = 0
+        self.fetched = self.not_found = self.unstable = self.peer_failures = self.corrupt = 0
         if self.store is not None:
-            # The agent first: NIXL and the extra's other modules, or an
-            # ImportError that says what to install.
-            self._agent = agent(f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", progress=False)
-            try:
-                import zmq
+            # NIXL and the extra's other modules first, or an ImportError
+            # that says what to install.
+            nixl()
+            import zmq
 
-                self._ctx = zmq.Context()
-                self._region = self._register_region()
-            except BaseException:
-                release(self)
-                raise
+            self.fetcher = Fetcher(self.max_bytes, f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            self._ctx = zmq.Context()
         self.reader.get()
 
     def _create(self) -> Optional[ObjectStore]:
@@ -146,23 +145,6 @@ class RemoteTier:
         self._tracked.add(s.remote_store)
         return store
 
-    def _register_region(self) -> Any:
-        """Registers the writer's mapping of the data region with NIXL, for
-        every READ into one of its slots; None if NIXL refuses it."""
-        assert self.store is not None
-        base, length = self.store.data_region()
-        try:
-            return self._agent.register_memory([(base, length, 0, "")], "DRAM")
-        except Exception as e:  # noqa: BLE001 - NIXL's errors: register per READ instead
-            logger.info(
-                "pinshm encoder cache: registering store %r's data region (%d bytes) failed (%r): "
-                "each READ registers its slot instead",
-                self.settings.remote_store,
-                length,
-                e,
-            )
-            return None
-
     # ---- local hits of what was fetched ----------------------------
 
     def lease_local(self, key: str) -> Optional[Lease]:
@@ -187,7 +169,6 @@ class RemoteTier:
         published and leased; None (a miss) if no peer gives it in time."""
         if self.store is None or not self.peers:
             return None
-        self._unstick()
         now = self._clock()
         if self._absent.get(key, now) > now:
             return None
@@ -236,50 +217,37 @@ class RemoteTier:
     def _read(self, peer: Peer, key: str, place: Place, deadline: float) -> Optional[Lease]:
         import numpy as np
 
-        assert self.store is not None
+        assert self.store is not None and self.fetcher is not None
         try:
             res = self.store.reserve_tensor(key, place.dtype, list(place.shape))
         except (PinshmError, MemoryError, ValueError) as e:  # full, too large, being fetched
             logger.debug("pinshm encoder cache: no slot for %s: %r", key, e)
             self._tell_done(peer, place, deadline)
             return None
-        # The slot's address (the reservation keeps the slot; no export
-        # may be alive at publish).
-        view = np.frombuffer(res, dtype=np.uint8)
-        addr, size = int(view.ctypes.data), int(view.nbytes)
-        del view
-        xfer = reg = None
-        state = "ERR"
+        slot: Any = None
         try:
-            if size != place.nbytes:
-                raise PeerError(f"a slot of {size} bytes for {place.nbytes}")
-            if self._region is None:
-                reg = self._agent.register_memory([(addr, size, 0, "")], "DRAM")
-            local = self._agent.get_xfer_descs([(addr, size, 0)], "DRAM")
-            remote = self._agent.get_xfer_descs([(peer.base + place.offset, size, 0)], "DRAM")
-            xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name)
+            slot = np.frombuffer(res, dtype=np.uint8)
+            if slot.nbytes != place.nbytes:
+                raise PeerError(f"a slot of {slot.nbytes} bytes for {place.nbytes}")
             if before_read is not None:
                 before_read(key)
-            state = self._agent.transfer(xfer)
-            pause = 20e-6
-            while state == "PROC" and self._clock() < deadline:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(xfer)
-        finally:
-            if state != "DONE" and not self._let_go(xfer, reg, res):
-                # In flight still (NIXL could not cancel it): the slot is
-                # kept, never published nor reused, until it can let go.
-                self._stuck.append((xfer, reg, res))
-                self._drop_agent(peer)
-        if state != "DONE":
-            raise PeerError("READ " + ("failed" if state == "ERR" else "not done in time"))
-        self._let_go(xfer, reg, None)
-        if after_read is not None:
-            after_read(key)
-        try:
+            # Into the fetch process's staging buffer, then copied here and
+            # checked: the slot keeps only the bytes the producer's digest names.
+            left = deadline - self._clock()
+            msg = {"op": "read", "name": peer.agent_name, "addr": peer.base + place.offset}
+            state = self.fetcher.ask({**msg, "nbytes": place.nbytes, "timeout": left}, left)["state"]
+            if state != "DONE":
+                raise PeerError("READ " + ("failed" if state == "ERR" else "not done in time"))
+            if after_read is not None:
+                after_read(key)
+            np.copyto(slot, np.frombuffer(self.fetcher.staging, dtype=np.uint8, count=place.nbytes))
+            if not hmac.compare_digest(digest(slot), place.digest):
+                self.corrupt += 1
+                raise PeerError("the bytes read are not the ones the producer's digest names")
+            slot = None  # no export of the reservation is alive at publish
             stable = wire_field(self._ask(peer, {"op": "done", "lease": place.lease}, deadline), "stable", bool)
-        except PeerError:
+        except BaseException:
+            slot = None
             self.store.abort(res)
             raise
         if not stable:
@@ -290,32 +258,12 @@ class RemoteTier:
         handle = self.store.publish(res)
         self.fetched += 1
         if not peer.fetched:
-            logger.info("pinshm encoder cache: first output fetched from peer %s (%d bytes)", peer.address, size)
+            logger.info(
+                "pinshm encoder cache: first output fetched from peer %s (%d bytes)", peer.address, place.nbytes
+            )
         peer.fetched += 1
         reader = self.reader.for_epoch(handle.epoch)
         return None if reader is None else reader.lease(handle)
-
-    def _let_go(self, xfer: Any, reg: Any, res: Optional[TensorReservation]) -> bool:
-        """Ends a transfer and its registration; gives the slot back. False
-        if NIXL could not end the transfer (nothing else is let go)."""
-        if xfer is not None:
-            try:
-                self._agent.release_xfer_handle(xfer)
-            except Exception as e:  # noqa: BLE001 - still in flight
-                logger.debug("pinshm encoder cache: a READ could not be cancelled yet: %r", e)
-                return False
-        if reg is not None:
-            try:
-                self._agent.deregister_memory(reg)
-            except Exception as e:  # noqa: BLE001
-                logger.debug("pinshm encoder cache: deregistering a slot: %r", e)
-        if res is not None and self.store is not None:
-            self.store.abort(res)
-        return True
-
-    def _unstick(self) -> None:
-        if self._agent is not None:  # None once closed: what is stuck stays
-            self._stuck = [s for s in self._stuck if not self._let_go(*s)]
 
     def _tell_done(self, peer: Peer, place: Place, deadline: float) -> None:
         try:
@@ -374,19 +322,19 @@ class RemoteTier:
         if base <= 0 or length <= 0:
             raise PeerError(f"a region at {base} of {length} bytes")
         self._drop_agent(peer)
-        added = self._agent.add_remote_agent(meta)
-        added = added.decode() if isinstance(added, bytes) else str(added)
+        assert self.fetcher is not None
+        added = str(self.fetcher.ask({"op": "add", "meta": meta}, 5.0)["name"])
         if added != name:
-            self._agent.remove_remote_agent(added)
+            self.fetcher.ask({"op": "remove", "name": added}, 5.0)
             raise PeerError(f"its metadata names agent {added!r}, not {name!r}")
-        peer.agent_name, peer.base, peer.length, peer.gen = name, base, length, gen
+        peer.agent_name, peer.meta, peer.base, peer.length, peer.gen = name, meta, base, length, gen
 
     def _drop_agent(self, peer: Peer) -> None:
         name, peer.agent_name = peer.agent_name, None
-        if name is not None:
+        if name is not None and self.fetcher is not None:
             try:
-                self._agent.remove_remote_agent(name)
-            except Exception as e:  # noqa: BLE001
+                self.fetcher.ask({"op": "remove", "name": name}, 5.0)
+            except PeerError as e:
                 logger.debug("pinshm encoder cache: forgetting agent %s: %r", name, e)
 
     def _failed(self, peer: Peer, why: str) -> None:
@@ -409,13 +357,12 @@ class RemoteTier:
         )
 
     def close(self) -> None:
-        """Detaches, closes the sockets and the store it writes. Twice is fine.
-        In a forked child, nothing but letting go of its copy: the agent's
-        connections and the sockets are the parent's."""
-        if self._agent is not None and not made_here(self._agent):
-            release(self)
+        """Detaches, closes the sockets, the fetch process and the store it
+        writes. Twice is fine. In a forked child, nothing but letting go of
+        its copies: the sockets and the fetch process are the parent's."""
+        if os.getpid() != self._pid:
+            self.fetcher = None
             return
-        self._unstick()
         for peer in self.peers:
             self._drop_agent(peer)
             if peer.sock is not None:
@@ -424,20 +371,14 @@ class RemoteTier:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        region, self._region = self._region, None
-        if region is not None and not self._stuck:
-            try:
-                self._agent.deregister_memory(region)
-            except Exception as e:  # noqa: BLE001
-                logger.debug("pinshm encoder cache: deregistering the data region: %r", e)
+        fetcher, self.fetcher = self.fetcher, None
+        if fetcher is not None:
+            fetcher.close()
         self.reader.close()
         store, self.store = self.store, None
-        if store is not None and not self._stuck:
+        if store is not None:
             try:
                 store.close()
             except (PinshmError, OSError) as e:
                 logger.debug("pinshm encoder cache: closing store %r: %s", self.settings.remote_store, e)
         self._tracked.clear()
-        # Destroyed now, not whenever the collector gets to it; kept while
-        # a READ may still land (see _wire.release).
-        release(self, safe=not self._stuck)

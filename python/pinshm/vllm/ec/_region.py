@@ -9,7 +9,10 @@ import os
 from typing import Optional
 
 from ..._pinshm import ObjectHandle, StoreReader
-from ._wire import ITEMSIZE
+from ._wire import ITEMSIZE, digest
+
+#: Digests kept (the oldest go first).
+MAX_DIGESTS = 4096
 
 
 def region_file(reader: StoreReader) -> Optional[tuple[int, int, int]]:
@@ -46,8 +49,13 @@ def region_file(reader: StoreReader) -> Optional[tuple[int, int, int]]:
     return fd, offset, int(length)
 
 
-def place(reader: StoreReader, handle: ObjectHandle) -> tuple[int, int, str, tuple[int, ...]]:
-    """(offset in the data region, bytes, dtype, shape) of a tensor's elements."""
+def place(
+    reader: StoreReader, handle: ObjectHandle, digests: Optional[dict[tuple[int, int], bytes]] = None
+) -> tuple[int, int, str, tuple[int, ...], bytes]:
+    """(offset in the data region, bytes, dtype, shape, digest) of a
+    tensor's elements. The digest is taken here, from this (trusted)
+    process's reader, once per object: `digests` keeps them by (epoch, id),
+    an object's bytes never changing once published."""
     import numpy as np
 
     base, length = reader.data_region()
@@ -59,9 +67,15 @@ def place(reader: StoreReader, handle: ObjectHandle) -> tuple[int, int, str, tup
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if at + nbytes > len(guard):
             raise ValueError(f"a {dtype} tensor of shape {shape} in an object of {len(guard)} bytes")
+        known = None if digests is None else digests.get((handle.epoch, handle.monotonic_id))
+        sums = known if known is not None else digest(view[at : at + nbytes])
         del view
     finally:
         guard.release()
     if not 0 <= start <= length - nbytes:
         raise ValueError(f"a payload at {start} outside the region of {length}")
-    return start, nbytes, dtype, tuple(shape)
+    if digests is not None and known is None:
+        digests[(handle.epoch, handle.monotonic_id)] = sums
+        while len(digests) > MAX_DIGESTS:
+            del digests[next(iter(digests))]
+    return start, nbytes, dtype, tuple(shape), sums

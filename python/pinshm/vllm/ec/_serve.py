@@ -108,6 +108,7 @@ class Server:
         self._remembered: OrderedDict[bytes, _Held] = OrderedDict()
         self._held: dict[bytes, int] = {}
         self._by_addr: dict[str, int] = {}
+        self._digests: dict[tuple[int, int], bytes] = {}
         self.lookups = self.found = self.stable = self.unstable = self.busy = 0
         self.restarts = 0
         self._proc: Optional[subprocess.Popen[bytes]] = None
@@ -366,7 +367,7 @@ class Server:
             return {"found": False}
         handle = lease.handle
         try:
-            offset, nbytes, dtype, shape = place(reader, handle)
+            offset, nbytes, dtype, shape, sums = place(reader, handle, self._digests)
         except Exception as e:  # noqa: BLE001 - not a tensor, gone: a miss
             logger.debug("pinshm encoder cache: serving %s: %r", key, e)
             lease.release()
@@ -379,6 +380,7 @@ class Server:
         return {
             "found": True,
             "lease": lid,
+            "digest": sums,
             "offset": offset,
             "nbytes": nbytes,
             "dtype": dtype,

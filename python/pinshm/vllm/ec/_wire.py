@@ -12,7 +12,8 @@ Every message is one msgpack map. A consumer asks, a producer answers:
   "lease", "offset", "nbytes", "dtype", "shape", "id", "epoch", "gen"}``:
   the tensor's elements lie at `offset` in the region, held by `lease`
   (random bytes, bound to the asking connection) until done or the
-  producer's TTL;
+  producer's TTL; `digest` is their BLAKE2b, taken by the producer's
+  scheduler: the consumer publishes what it read only if it matches;
 - ``{"op": "done", "lease"}`` → ``{"stable": bool}``: whether the slot still
   held the same object (id and tag re-checked) after the READ; the lease
   ends.
@@ -53,8 +54,11 @@ ITEMSIZE = {
 MAX_DIMS = 8
 #: The largest message a peer may send (a hello carries NIXL's metadata).
 MAX_MESSAGE = 1 << 20
-#: The messages' version, in a hello's answer: 2 has random lease ids.
-VERSION = 2
+#: The messages' version, in a hello's answer: 2 has random lease ids, 3
+#: a lookup's digest of the elements.
+VERSION = 3
+#: A digest's bytes (BLAKE2b, hashlib's).
+DIGEST_BYTES = 32
 #: A lease id's bytes (random: unguessable, so one peer cannot name another's).
 LEASE_BYTES = 16
 #: UCX's transports where the environment names none: TCP, on hosts
@@ -103,6 +107,7 @@ class Place:
     """Where a producer says an output's elements are, checked."""
 
     lease: bytes
+    digest: bytes
     offset: int
     nbytes: int
     dtype: str
@@ -117,6 +122,9 @@ def check_place(msg: dict[str, Any], region: int, max_bytes: int) -> Place:
     lease = field(msg, "lease", bytes)
     if len(lease) != LEASE_BYTES:
         raise PeerError(f"a lease id of {len(lease)} bytes")
+    sums = field(msg, "digest", bytes)
+    if len(sums) != DIGEST_BYTES:
+        raise PeerError(f"a digest of {len(sums)} bytes")
     offset = field(msg, "offset", int)
     nbytes = field(msg, "nbytes", int)
     dtype = field(msg, "dtype", str)
@@ -135,7 +143,14 @@ def check_place(msg: dict[str, Any], region: int, max_bytes: int) -> Place:
         raise PeerError(f"an output of {nbytes} bytes (this node takes at most {max_bytes})")
     if offset < 0 or offset + nbytes > region:
         raise PeerError(f"bytes {offset}..{offset + nbytes} lie outside the region of {region}")
-    return Place(lease, offset, nbytes, dtype, shape, gen)
+    return Place(lease, sums, offset, nbytes, dtype, shape, gen)
+
+
+def digest(data: Any) -> bytes:
+    """The digest of a tensor's elements (any C-contiguous buffer)."""
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
 
 
 _NIXL: Optional[Any] = None

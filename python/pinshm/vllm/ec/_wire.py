@@ -12,7 +12,7 @@ Every message is one msgpack map. A consumer asks, a producer answers:
   "lease", "offset", "nbytes", "dtype", "shape", "id", "epoch", "gen"}``:
   the tensor's elements lie at `offset` in the region, held by `lease`
   (random bytes, bound to the asking connection) until done or the
-  producer's TTL; `digest` is their BLAKE2b, taken by the producer's
+  producer's TTL; `digest` is their SHA-256, taken by the producer's
   scheduler: the consumer publishes what it read only if it matches;
 - ``{"op": "done", "lease"}`` → ``{"stable": bool}``: whether the slot still
   held the same object (id and tag re-checked) after the READ; the lease
@@ -57,7 +57,8 @@ MAX_MESSAGE = 1 << 20
 #: The messages' version, in a hello's answer: 2 has random lease ids, 3
 #: a lookup's digest of the elements.
 VERSION = 3
-#: A digest's bytes (BLAKE2b, hashlib's).
+#: A digest's bytes (SHA-256, hashlib's: the CPU's SHA instructions where
+#: it has them, x86's SHA-NI and Arm's crypto extensions).
 DIGEST_BYTES = 32
 #: A lease id's bytes (random: unguessable, so one peer cannot name another's).
 LEASE_BYTES = 16
@@ -150,7 +151,7 @@ def digest(data: Any) -> bytes:
     """The digest of a tensor's elements (any C-contiguous buffer)."""
     import hashlib
 
-    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+    return hashlib.sha256(data).digest()
 
 
 _NIXL: Optional[Any] = None

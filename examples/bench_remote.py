@@ -6,8 +6,10 @@
    4 MiB and 16 MiB: medians, and NIXL's as a ratio of the socket's.
 2. A consumer's lookup that hits: in the node's store of fetched outputs
    (a local hit: lookup and lease) against a fetch from the producer (a
-   remote hit: lookup at the peer, a slot reserved, the READ, done,
-   publish, lease), with a memcpy of the same bytes as the baseline.
+   remote hit: lookup at the peer, a slot reserved, the READ in the
+   consumer's fetch process, the copy into the slot and its SHA-256
+   check, done, publish, lease), with a memcpy of the same bytes as the
+   baseline. The READ of (1) is from an agent of this process's own.
 
 The producer is a process of its own: a store, pinshm's server
 (`pinshm.vllm.ec._serve.Server`, with its serving process, the channel

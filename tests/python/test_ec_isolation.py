@@ -70,11 +70,15 @@ class Attacker:
         _wire.release(self, "agent", safe=False)
 
 
-def _wait_restarted(s, pid, timeout=30):
-    deadline = time.monotonic() + timeout
-    while s.server.pid in (None, pid):
-        assert time.monotonic() < deadline, "the serving process was not started again"
-        time.sleep(0.05)
+def _heap_of(pid):
+    """The bytes of process `pid`'s heap (root, or its own user: /proc/PID/mem)."""
+    for line in open(f"/proc/{pid}/maps"):
+        if line.rstrip().endswith("[heap]"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(lo)
+                return mem.read(hi - lo)
+    return b""
 
 
 def test_a_peer_that_widens_its_region_reads_and_writes_nothing_of_the_engine(served):
@@ -89,19 +93,27 @@ def test_a_peer_that_widens_its_region_reads_and_writes_nothing_of_the_engine(se
         place = ask(a.sock, {"op": "lookup", "key": "k2"})
         assert a.xfer("READ", a.base + place["offset"], place["nbytes"]) == "DONE"
         assert a.buf[: place["nbytes"]].tobytes() == s.arrays["k2"].tobytes()
-        # Outside it, the widening works: the serving process's heap reads.
-        pid = s.server.pid
+        # Outside it, the widening works: the NIXL process's heap reads,
+        # and holds no key of the deployment (those are in the serving
+        # process, which has no agent).
+        pid = s.server.nixl_pid
         heap = [line.split("-")[0] for line in open(f"/proc/{pid}/maps") if line.rstrip().endswith("[heap]")]
-        assert a.xfer("READ", int(heap[0], 16), 1 << 16) == "DONE", "a widened READ reaches the serving process"
+        assert a.xfer("READ", int(heap[0], 16), 1 << 16) == "DONE", "a widened READ reaches the NIXL process"
         assert want not in a.buf.tobytes()
-        # At the engine core's secret: the serving process's own memory
-        # there (or none, and it dies), never the engine's.
+        if os.geteuid() == 0:  # /proc/PID/mem of a process that is not dumpable: root's
+            from zmq.utils import z85
+
+            keys = [k for z in (s.keys.server_secret, s.keys.client_secret) for k in (z, z85.decode(z))]
+            mem = _heap_of(pid)
+            assert mem and not any(k in mem for k in keys), "a key of the deployment in the NIXL process's heap"
+        # At the engine core's secret: the NIXL process's own memory there
+        # (or none, and it dies), never the engine's.
         state = a.xfer("READ", at, len(want))
         assert want not in a.buf.tobytes(), f"the engine core's secret read ({state})"
-        if s.server.pid == pid:
+        if s.server.nixl_pid == pid:
             state = a.xfer("WRITE", at, len(want), b"X" * len(want))
         assert bytes(secret.raw) == want, "the engine core's memory changed"
-        print(f"widened READ and WRITE at the engine's secret: {state}, serving process {pid} -> {s.server.pid}")
+        print(f"widened READ and WRITE at the engine's secret: {state}, NIXL process {pid} -> {s.server.nixl_pid}")
     finally:
         a.close()
 
@@ -112,17 +124,17 @@ def test_a_write_into_the_served_region_changes_no_byte_a_rank_reads(served):
     a = Attacker(s)
     try:
         place = ask(a.sock, {"op": "lookup", "key": "k1"})
-        pid = s.server.pid
+        pid = s.server.nixl_pid
         state = a.xfer("WRITE", a.base + place["offset"], 4096, b"\xee" * 4096)
         assert state != "DONE", "a WRITE into the read-only region completed"
         assert np.array_equal(np.asarray(reader.get_tensor(reader.lookup("k1"))), s.arrays["k1"]), "a rank reads the output unchanged"
-        # Its serving process died on its read-only page; another serves.
-        _wait_restarted(s, pid)
-        assert s.server.restarts == 1
+        # Its NIXL process died on its read-only page; the next hello
+        # starts another (a new agent, a new generation).
         fresh = s.client()
         deadline = time.monotonic() + 30
         while (hello := ask(fresh, {"op": "hello"}, 2000)) is None or "error" in hello:
             assert time.monotonic() < deadline, hello
+        assert s.server.nixl_pid not in (None, pid) and s.server.restarts == 1
         assert ask(fresh, {"op": "lookup", "key": "k1"})["found"]
     finally:
         a.close()
@@ -157,7 +169,7 @@ def _listening(pid):
 def test_the_serving_process_listens_on_the_interface_serve_names_alone(served):
     s = served()
     ask(s.client(), {"op": "hello"})  # UCX's listener is up
-    where = _listening(s.server.pid)
+    where = _listening(s.server.pid) + _listening(s.server.nixl_pid)
     assert (("127.0.0.1", s.port)) in where
     assert len(where) >= 2, f"the endpoint and UCX's listener: {where}"
     assert all(addr == "127.0.0.1" for addr, _ in where), f"loopback stays loopback: {where}"
@@ -166,7 +178,8 @@ def test_the_serving_process_listens_on_the_interface_serve_names_alone(served):
 def test_the_serving_process_holds_no_writable_mapping_of_the_store(served):
     s = served()
     ask(s.client(), {"op": "hello"})
-    maps = [line.split() for line in open(f"/proc/{s.server.pid}/maps") if "/dev/shm/" in line]
+    assert not [line for line in open(f"/proc/{s.server.pid}/maps") if "/dev/shm/" in line], "the endpoint maps none"
+    maps = [line.split() for line in open(f"/proc/{s.server.nixl_pid}/maps") if "/dev/shm/" in line]
     assert maps, "the region is mapped"
     assert all(m[1].startswith("r--") for m in maps), f"only read-only mappings of shared memory: {maps}"
 
@@ -185,9 +198,10 @@ def test_the_serving_process_keeps_none_of_the_engines_environment_but_what_it_n
     monkeypatch.setenv("HF_TOKEN", "hf_not_for_the_serving_process")
     monkeypatch.setenv("UCX_LOG_LEVEL", "warn")
     s = served()
-    environ = open(f"/proc/{s.server.pid}/environ", "rb").read().split(b"\0")
-    assert not any(e.startswith(b"HF_TOKEN=") for e in environ), "the engine's token reached the serving process"
-    assert b"UCX_LOG_LEVEL=warn" in environ, "UCX's settings do"
+    for pid in (s.server.pid, s.server.nixl_pid):
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert not any(e.startswith(b"HF_TOKEN=") for e in environ), "the engine's token reached a child"
+        assert b"UCX_LOG_LEVEL=warn" in environ, "UCX's settings do"
 
 
 SERVER_IN_A_PROCESS = r"""

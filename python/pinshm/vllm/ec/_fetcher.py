@@ -61,13 +61,13 @@ class Fetcher:
 
         import pinshm
 
-        from ._serve import _ENV_KEEP, _ENV_PREFIXES
+        from ._spawn import ENV_KEEP, ENV_PREFIXES
         from ._wire import DEFAULT_UCX_TLS, PeerError, pack, unpack
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
         path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
-        keep = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+        keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
         keep.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
         try:
             proc = subprocess.Popen(

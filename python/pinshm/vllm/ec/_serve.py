@@ -32,7 +32,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -45,7 +44,8 @@ from ._config import ECSettings
 from ._region import place, region_file
 from ._secret import keys_for
 from ._served import LOCAL_MESSAGE, MAX_KEY, devices_for
-from ._wire import DEFAULT_UCX_TLS, LEASE_BYTES, PeerError, field, pack, unpack
+from ._spawn import KEY_FIELDS, ServeError, spawn, stop
+from ._wire import DEFAULT_UCX_TLS, LEASE_BYTES, VERSION, PeerError, field, pack, unpack
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -61,16 +61,8 @@ ADDRESS_LEASES = 512
 REMEMBER_S = 30.0
 MAX_REMEMBERED = 4096
 POLL_S = 0.05
-#: How long the serving process may take to start (NIXL's import).
-START_S = 120.0
-#: How long either side of the socket pair waits to send or for an answer.
-LOCAL_TIMEOUT_S = 5.0
 #: A dead serving process is started again after this, doubling to the most.
 RESTART_S, MAX_RESTART_S = 0.5, 30.0
-
-
-class ServeError(RuntimeError):
-    """The serving process could not start (the port taken, say)."""
 
 
 @dataclass
@@ -112,6 +104,9 @@ class Server:
         self.lookups = self.found = self.stable = self.unstable = self.busy = 0
         self.restarts = 0
         self._proc: Optional[subprocess.Popen[bytes]] = None
+        self._holder: Optional[tuple[subprocess.Popen[bytes], socket.socket]] = None
+        self._holders = 0
+        self._registered: Optional[tuple[StoreReader, str, bytes, int, int]] = None
         self._sock: Optional[socket.socket] = None
         self._started_at = 0.0
         self._restart_at = 0.0
@@ -146,63 +141,62 @@ class Server:
         """The serving process's pid (None while there is none)."""
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def nixl_pid(self) -> Optional[int]:
+        """The NIXL process's pid (None while there is none)."""
+        return None if self._holder is None else self._holder[0].pid
+
     # ---- the serving process ----------------------------------------
 
     def _start(self) -> None:
-        """Starts the serving process and waits for it to say ready;
-        ServeError (ImportError for a missing extra) if it cannot."""
-        import pinshm
+        """Starts the NIXL process (if none runs) and the serving process,
+        and waits for each to say ready; ServeError (ImportError for a
+        missing extra) if one cannot."""
+        assert self.settings.serve is not None
+        host, port = self.settings.serve
+        if self._holder is None:
+            self._start_holder()
+        self._gen += 1
+        cfg = {
+            "host": host,
+            "port": port,
+            "keys": None if self._keys is None else {k: getattr(self._keys, k) for k in KEY_FIELDS},
+            "nofile": self._nofile,
+        }
+        self._proc, self._sock = spawn([], cfg, f"cannot serve on {host}:{port}")
+        self._started_at = time.monotonic()
 
+    def _start_holder(self) -> None:
+        """Starts the NIXL process: the agent, with UCX's settings (the
+        interface `serve` names), and no key."""
         assert self.settings.serve is not None
         host, port = self.settings.serve
         env = {"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS}
         devices = None if "UCX_NET_DEVICES" in os.environ else devices_for(host)
         if devices is not None:
             env["UCX_NET_DEVICES"] = devices
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
-        path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
-        # Of the engine's environment, what Python, UCX and NIXL read, and
-        # nothing else (a token in it is not the serving process's to hold).
-        keep = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pinshm.vllm.ec._served", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                cwd="/",
-                env=dict(keep, PYTHONPATH=path),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        self._holders += 1
+        cfg = {"agent": f"pinshm-serve-{os.getpid()}-{port}-{self._holders}", "env": env}
+        self._holder = spawn(["nixl"], cfg, "cannot start its NIXL process")
+        self._registered = None
         self._gen += 1
-        cfg = {
-            "parent": os.getpid(),
-            "host": host,
-            "port": port,
-            "agent": f"pinshm-serve-{os.getpid()}-{port}-{self._gen}",
-            "keys": None if self._keys is None else {k: getattr(self._keys, k) for k in _KEY_FIELDS},
-            "env": env,
-            "nofile": self._nofile,
-        }
-        try:
-            ours.settimeout(START_S)
-            ours.sendall(pack(cfg))
-            said = unpack(ours.recv(LOCAL_MESSAGE))
-            ours.settimeout(LOCAL_TIMEOUT_S)
-        except (OSError, PeerError) as e:  # socket.timeout is an OSError
-            said = {"error": f"the serving process died at start, or said nothing in {START_S:g} s ({e!r})"}
-        if "ready" not in said:
-            _stop(proc, ours)
-            why = str(said.get("error"))[:2000]
-            if why.startswith("ImportError: "):
-                raise ImportError(why[len("ImportError: ") :])
-            raise ServeError(f"pinshm encoder cache: cannot serve on {host}:{port}: {why}")
-        self._proc, self._sock = proc, ours
-        self._started_at = time.monotonic()
+
+    def _holder_gone(self) -> None:
+        """The NIXL process died (a peer's WRITE into its read-only region,
+        say): its agent and registration are gone; another starts at the
+        next hello."""
+        assert self._holder is not None
+        proc, sock = self._holder
+        rc = proc.poll()
+        logger.warning(
+            "pinshm encoder cache: the NIXL process %d ended (%s): every fetch from it fails; another starts "
+            "at the next hello",
+            proc.pid,
+            f"signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}",
+        )
+        stop(proc, sock, wait_s=1)
+        self._holder, self._registered = None, None
+        self._gen += 1
 
     def _died(self) -> None:
         """The serving process is gone: every lease ends; another starts
@@ -279,8 +273,10 @@ class Server:
             if data:
                 self._answer_child(sock, proc, data)
         self._expire()
+        if self._holder is not None and self._holder[0].poll() is not None:
+            self._holder_gone()
         if proc.poll() is not None or (ready and not data):
-            _stop(proc, sock, wait_s=1)
+            stop(proc, sock, wait_s=1)
             self._died()
 
     def _answer_child(self, sock: socket.socket, proc: subprocess.Popen[bytes], data: bytes) -> None:
@@ -309,8 +305,8 @@ class Server:
     def _serve(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
         """The answer to the serving process's request (and an fd to pass)."""
         op = field(msg, "op", str)
-        if op == "region":
-            return self._region_for(msg.get("have"))
+        if op == "hello":
+            return self._hello(), None
         peer = field(msg, "peer", bytes)
         if not 0 < len(peer) <= 256:
             raise PeerError(f"a peer id of {len(peer)} bytes")
@@ -333,17 +329,38 @@ class Server:
             self._gen += 1
         return reader
 
-    def _region_for(self, have: object) -> tuple[dict[str, Any], Optional[int]]:
+    def _hello(self) -> dict[str, Any]:
+        """A hello's answer: the NIXL process's agent and its registration
+        of the store's region now (registered anew when the store's segment
+        or the NIXL process changed)."""
         reader = self._region()
         if reader is None:
-            return {"gen": None}, None
-        if have == self._gen:
-            return {"gen": self._gen}, None
-        exported = region_file(reader)
-        if exported is None:
-            return {"gen": None}, None
-        fd, offset, length = exported
-        return {"gen": self._gen, "offset": offset, "length": length}, fd
+            return {"error": "the store is not there yet"}
+        if self._holder is not None and self._holder[0].poll() is not None:
+            self._holder_gone()
+        if self._holder is None:
+            self._start_holder()
+            self.restarts += 1
+        assert self._holder is not None
+        if self._registered is None or self._registered[0] is not reader:
+            exported = region_file(reader)
+            if exported is None:
+                return {"error": "the store is being replaced"}
+            fd, offset, length = exported
+            proc, sock = self._holder
+            try:
+                socket.send_fds(sock, [pack({"op": "region", "offset": offset, "length": length})], [fd])
+                said = unpack(sock.recv(LOCAL_MESSAGE))
+            except (OSError, PeerError) as e:
+                proc.kill()
+                return {"error": f"the NIXL process did not register the region ({e!r})"}
+            finally:
+                os.close(fd)
+            if "error" in said:
+                return {"error": f"the NIXL process cannot register the region: {str(said['error'])[:300]}"}
+            self._registered = (reader, str(said["name"]), bytes(said["meta"]), int(said["base"]), length)
+        _, name, meta, base, length = self._registered
+        return {"v": VERSION, "agent": name, "meta": meta, "base": base, "length": length, "gen": self._gen}
 
     # ---- leases -----------------------------------------------------
 
@@ -445,31 +462,13 @@ class Server:
         self._stop.set()
         self._thread.join(5)
         if self._proc is not None and self._sock is not None:
-            _stop(self._proc, self._sock)
+            stop(self._proc, self._sock)
             self._proc = self._sock = None
+        if self._holder is not None:
+            stop(*self._holder)
+            self._holder = None
         self._end_all()
         self._named.close()
-
-
-#: The keys the serving process needs: its own pair, and the one client
-#: key it admits (never a client's secret key).
-_KEY_FIELDS = ("server_public", "server_secret", "client_public")
-#: What the serving process keeps of the engine's environment.
-_ENV_KEEP = frozenset(
-    {"PATH", "HOME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONHOME", "VIRTUAL_ENV", "SSL_CERT_FILE"}
-)
-_ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
-
-
-def _stop(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: float = 5) -> None:
-    """Ends the serving process: its socket closed (it exits), then killed
-    if it has not within `wait_s`."""
-    sock.close()
-    try:
-        proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _less(counts: dict[Any, int], who: Any) -> None:

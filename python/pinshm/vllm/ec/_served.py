@@ -1,25 +1,26 @@
-"""The serving process: what other nodes reach of a producer engine
-(docs/security.md). Started by the engine's scheduler (:mod:`._serve`)
-as ``python -m pinshm.vllm.ec._served FD``, and nothing else.
+"""The processes that other nodes reach of a producer engine
+(docs/security.md), started by the engine's scheduler (:mod:`._serve`)
+and nothing else, each holding what the other must not:
 
-It holds a NIXL agent, the control endpoint (ZeroMQ, CURVE-authenticated
-with the deployment's derived keys, refused at the handshake otherwise),
-a read-only mapping of the store's data region, and one socket to the
-scheduler. It holds no engine state, no model, no other secret than the
-one every peer already holds, and no writable mapping of anything a rank
-reads. UCX over TCP checks neither the bounds nor the access of a READ or
-WRITE: a peer's WRITE into the served region faults on its read-only
-pages and kills this process (the scheduler starts another; meanwhile
-lookups are misses); a READ or WRITE outside it reaches this process's
-memory alone. Leases, their budgets and ids live in the scheduler, which
-checks every request this process forwards.
+- the **serving process** (``python -m pinshm.vllm.ec._served FD``): the
+  control endpoint (ZeroMQ, CURVE-authenticated with the deployment's
+  derived keys, refused at the handshake otherwise) and one socket to the
+  scheduler, to which it forwards every ``hello``, ``lookup`` and
+  ``done``. No NIXL agent: UCX over TCP lets whoever reaches an agent's
+  process read its memory, and its keys must not be read;
+- the **NIXL process** (``... FD nixl``, :func:`hold`): the agent and a
+  read-only mapping of the store's data region, no key, no endpoint. UCX
+  over TCP checks neither the bounds nor the access of a READ or WRITE: a
+  peer's WRITE into the region faults on its read-only pages and kills
+  it (the scheduler starts another; meanwhile lookups are misses); a READ
+  or WRITE outside it reaches this process's memory alone.
 
-The scheduler sends, over the socket, one config message (keys included:
-never in argv or the environment, which other users may read); this
-process answers ``{"ready": agent name}`` or ``{"error": why}``, then
-asks the scheduler (``region``, ``lookup``, ``done``) as peers ask it.
-It exits when the scheduler's end of the socket closes, or with the
-scheduler (``PR_SET_PDEATHSIG``).
+Neither holds engine state or a writable mapping of anything a rank
+reads; leases, their budgets and ids live in the scheduler, which checks
+every request. The scheduler sends each one config message over its
+socket (keys included: never in argv or the environment); each answers
+``{"ready": ...}`` or ``{"error": why}``. They exit when the scheduler's
+end of the socket closes, or with the scheduler (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -113,20 +114,12 @@ def _interface_addresses() -> list[tuple[str, Any]]:
 
 
 class Gate:
-    """The endpoint, the agent and the read-only region, in this process."""
+    """The endpoint: ZeroMQ, ZAP, and the forwarding of requests to the scheduler."""
 
     def __init__(self, parent: socket.socket, cfg: dict[str, Any]) -> None:
         import zmq
 
-        from ._wire import agent
-
         self._parent = parent
-        self._gen: Optional[int] = None
-        self._view: Optional[mmap.mmap] = None
-        self._descs: Any = None
-        self._base = self._length = 0
-        self._agent: Any = agent(str(cfg["agent"]), progress=True)
-        self.agent_name = self._agent.name
         self._ctx = zmq.Context()
         keys = cfg.get("keys")
         self._zap = None
@@ -168,66 +161,23 @@ class Gate:
             raise SystemExit(0)  # the scheduler is gone
         return unpack(data), fds
 
-    def _refresh(self) -> None:
-        """The store's region as the scheduler has it now, mapped read-only
-        and registered (again only when it changed)."""
-        reply, fds = self._ask({"op": "region", "have": self._gen})
-        try:
-            gen = reply.get("gen")
-            if gen == self._gen:
-                return
-            self._unmap()
-            if gen is None or not fds:
-                return
-            offset, length = int(reply["offset"]), int(reply["length"])
-            page = mmap.ALLOCATIONGRANULARITY
-            start = offset - offset % page
-            view = mmap.mmap(fds[0], length + offset - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
-            base = _address(view) + offset - start
-            self._descs = self._agent.register_memory([(base, length, 0, "")], "DRAM")
-            self._view, self._base, self._length, self._gen = view, base, length, int(gen)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _unmap(self) -> None:
-        descs, self._descs = self._descs, None
-        if descs is not None:
-            self._agent.deregister_memory(descs)
-        view, self._view = self._view, None
-        if view is not None:
-            view.close()
-        self._gen = None
-
     # ---- peers ------------------------------------------------------
 
     def answer(self, peer: bytes, data: bytes, addr: str = "") -> dict[str, Any]:
-        from ._wire import VERSION, PeerError, field, unpack
+        from ._wire import PeerError, field, unpack
 
         try:
             msg = unpack(data)
             op = field(msg, "op", str)
             if op == "hello":
-                self._refresh()
-                if self._gen is None:
-                    return {"error": "the store is not there yet"}
-                meta = self._agent.get_agent_metadata()
-                return {
-                    "v": VERSION,
-                    "agent": self.agent_name,
-                    "meta": meta,
-                    "base": self._base,
-                    "length": self._length,
-                    "gen": self._gen,
-                }
+                # The NIXL process's agent and registration, which the
+                # scheduler keeps: none of it is in this process.
+                return self._ask({"op": "hello"})[0]
             if op == "lookup":
                 key = field(msg, "key", str)
                 if len(key) > MAX_KEY:
                     raise PeerError(f"a key of {len(key)} characters")
-                reply, _ = self._ask({"op": "lookup", "peer": peer, "addr": addr[:64], "key": key})
-                if reply.get("found") and reply.get("gen") != self._gen:
-                    self._refresh()
-                return reply
+                return self._ask({"op": "lookup", "peer": peer, "addr": addr[:64], "key": key})[0]
             if op == "done":
                 lease = field(msg, "lease", bytes)
                 if len(lease) > MAX_KEY:
@@ -236,7 +186,7 @@ class Gate:
             raise PeerError(f"no such op {op[:40]!r}")
         except PeerError as e:
             return {"error": str(e)}
-        except Exception as e:  # noqa: BLE001 - NIXL's and mmap's: said to the peer, and here
+        except Exception as e:  # noqa: BLE001 - said to the peer, and here
             print(f"pinshm serving process: {e!r}", file=sys.stderr)
             return {"error": f"the serving process cannot serve: {type(e).__name__}"}
 
@@ -290,14 +240,56 @@ class Gate:
                     self._sock.send_multipart([*(f.bytes for f in frames[:-1]), pack(reply)], zmq.NOBLOCK)
 
     def close(self) -> None:
-        from ._wire import release
-
-        self._unmap()
         self._sock.close(0)
         if self._zap is not None:
             self._zap.close(0)
         self._ctx.term()
-        release(self)
+
+
+def hold(parent: socket.socket, cfg: dict[str, Any]) -> int:
+    """The NIXL process: an agent and the read-only region, registered as
+    the scheduler hands it over (``{"op": "region"}`` with the file's
+    descriptor: answered with the agent's name, metadata and the region's
+    address here), and nothing else: no key, no endpoint, no store. UCX's
+    progress thread serves the READs."""
+    from ._wire import agent, pack, unpack
+
+    parent.settimeout(None)
+    try:
+        a = agent(str(cfg["agent"]), progress=True)
+    except BaseException as e:  # noqa: BLE001 - said to the scheduler, which raises it
+        parent.sendall(pack({"error": f"{type(e).__name__}: {e}"}))
+        return 1
+    parent.sendall(pack({"ready": a.name}))
+    view: Optional[mmap.mmap] = None
+    descs: Any = None
+    while True:
+        data, fds, _, _ = socket.recv_fds(parent, LOCAL_MESSAGE, 1)
+        if not data:
+            return 0  # the scheduler is gone
+        reply: dict[str, Any] = {}
+        try:
+            msg = unpack(data)
+            if descs is not None:
+                a.deregister_memory(descs)
+                descs = None
+            if view is not None:
+                view.close()
+                view = None
+            if fds:
+                offset, length = int(msg["offset"]), int(msg["length"])
+                page = mmap.ALLOCATIONGRANULARITY
+                start = offset - offset % page
+                view = mmap.mmap(fds[0], length + offset - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+                base = _address(view) + offset - start
+                descs = a.register_memory([(base, length, 0, "")], "DRAM")
+                reply = {"name": a.name, "meta": a.get_agent_metadata(), "base": base}
+        except Exception as e:  # noqa: BLE001 - NIXL's and mmap's: said to the scheduler
+            reply = {"error": repr(e)[:500]}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        parent.sendall(pack(reply))
 
 
 def _address(view: mmap.mmap) -> int:
@@ -339,12 +331,14 @@ def main(argv: list[str]) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
     # This process's own environment, read by UCX as the agent is made.
     os.environ.update({str(k): str(v) for k, v in (cfg.get("env") or {}).items()})
+    if len(argv) > 2 and argv[2] == "nixl":
+        return hold(parent, cfg)
     try:
         gate = Gate(parent, cfg)
     except BaseException as e:  # noqa: BLE001 - said to the scheduler, which raises it
         parent.sendall(pack({"error": f"{type(e).__name__}: {e}"}))
         return 1
-    parent.sendall(pack({"ready": gate.agent_name}))
+    parent.sendall(pack({"ready": True}))
     try:
         gate.run()
     except SystemExit:

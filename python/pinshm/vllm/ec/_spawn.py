@@ -1,0 +1,87 @@
+"""Starting the remote tier's processes (the serving and NIXL processes of
+:mod:`._serve`, the fetch process of :mod:`._fetcher`): what of the
+engine's environment they get, and the start itself. A leaf but for
+:mod:`._wire`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from ._wire import PeerError, pack, unpack
+
+#: How long a process may take to start (NIXL's import).
+START_S = 120.0
+#: How long either side of a socket pair waits to send or for an answer.
+LOCAL_TIMEOUT_S = 5.0
+#: The most one message over a socket pair takes.
+LOCAL_MESSAGE = 1 << 16
+
+
+class ServeError(RuntimeError):
+    """A process of the remote tier could not start (the port taken, say)."""
+
+
+#: The keys the serving process needs: its own pair, and the one client
+#: key it admits (never a client's secret key).
+KEY_FIELDS = ("server_public", "server_secret", "client_public")
+#: What the serving process keeps of the engine's environment.
+ENV_KEEP = frozenset(
+    {"PATH", "HOME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONHOME", "VIRTUAL_ENV", "SSL_CERT_FILE"}
+)
+ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
+
+
+def spawn(args: list[str], cfg: dict[str, Any], what: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """A process of ``pinshm.vllm.ec._served`` (with `args`), given `cfg`
+    over a socket pair, ready; ServeError saying `what` (ImportError for a
+    missing extra) if it is not."""
+    import pinshm
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
+    path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
+    # Of the engine's environment, what Python, UCX and NIXL read, and
+    # nothing else (a token in it is not these processes' to hold).
+    keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pinshm.vllm.ec._served", str(theirs.fileno()), *args],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            env=dict(keep, PYTHONPATH=path),
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    try:
+        ours.settimeout(START_S)
+        ours.sendall(pack(dict(cfg, parent=os.getpid())))
+        said = unpack(ours.recv(LOCAL_MESSAGE))
+        ours.settimeout(LOCAL_TIMEOUT_S)
+    except (OSError, PeerError) as e:  # socket.timeout is an OSError
+        said = {"error": f"it died at start, or said nothing in {START_S:g} s ({e!r})"}
+    if "ready" not in said:
+        stop(proc, ours)
+        why = str(said.get("error"))[:2000]
+        if why.startswith("ImportError: "):
+            raise ImportError(why[len("ImportError: ") :])
+        raise ServeError(f"pinshm encoder cache: {what}: {why}")
+    return proc, ours
+
+
+def stop(proc: subprocess.Popen[bytes], sock: socket.socket, wait_s: float = 5) -> None:
+    """Ends the serving process: its socket closed (it exits), then killed
+    if it has not within `wait_s`."""
+    sock.close()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -31,6 +31,10 @@ def test_serve_and_peers_refuse_to_start_without_a_secret_and_say_how_to_make_on
     # Insecure only when asked for, by name.
     assert ECSettings.from_extra({"serve": "127.0.0.1:7100", "insecure": True}).insecure
     assert ECSettings.from_extra({}).secret_file is None, "no remote tier, no secret needed"
+    # A served store is reserved whole: READs of a sparse one's holes would
+    # grow /dev/shm (anyone reaching UCX's port over TCP can make them).
+    assert ECSettings.from_extra({"serve": "127.0.0.1:7100", "insecure": True}).reserve is True
+    assert ECSettings.from_extra({"peers": ["127.0.0.1:7100"], "insecure": True}).reserve is False
 
 
 @pytest.mark.parametrize(

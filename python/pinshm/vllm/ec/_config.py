@@ -123,8 +123,9 @@ class ECSettings:
     - ``reserve``: the writer reserves and pre-faults the whole store at
       creation (a full /dev/shm fails then), and so, with a CUDA driver,
       its mapping and the workers' are pinned: saves and loads are DMA
-      from and into the slots. Default: sparse, unpinned. ``remote_store``
-      follows it (its writer, the engine core, never pins its own mapping).
+      from and into the slots. Default: sparse, unpinned; with ``serve``,
+      always reserved. ``remote_store`` follows it (its writer, the engine
+      core, never pins its own mapping).
     - ``serve``: ``"HOST:PORT"``: this engine's scheduler serves the
       node's store to other nodes (a NIXL agent and a ZMQ endpoint there).
     - ``peers``: ``["HOST:PORT", ...]``: producers of other nodes that a
@@ -189,6 +190,12 @@ class ECSettings:
             raise ValueError(f"retry_s must be a number of seconds >= 0, not {retry!r}")
         reserve = _flag(extra, "reserve")
         insecure = _flag(extra, "insecure")
+        if extra.get("serve") not in (None, ""):
+            # A served store is reserved whole at creation: a READ of a hole
+            # of a sparse one (any peer, or anyone who reaches UCX's port
+            # over TCP) would make the kernel allocate it, /dev/shm past
+            # every headroom (docs/security.md).
+            reserve = True
         serve = None if extra.get("serve") in (None, "") else parse_address(extra["serve"], "serve")
         peers_value = extra.get("peers") or []
         if isinstance(peers_value, str):

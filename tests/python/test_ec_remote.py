@@ -136,6 +136,27 @@ def test_bytes_changed_in_the_fetch_process_before_they_are_checked_are_a_miss(n
     assert c.wrong_answers() == {}
 
 
+def test_a_fetch_process_that_dies_is_started_again_and_fetches_again(nodes, engines):
+    import signal
+
+    producer(nodes)
+    c = engines("fork", "ec_consumer", consumer_extra(nodes, peer_backoff_s=0))
+    c.step([])
+    assert c.step(["img-a"]).loads == ["img-a"]
+    remote = c.scheduler._scheduler.remote
+    first = remote.fetcher.pid
+    os.kill(first, signal.SIGKILL)  # a stranger reaching its UCX port can do as much
+    r = c.step(["img-b"])
+    assert r.computed == ["img-b"] and r.digests == [want(["img-b"])], "a miss while it starts again"
+    deadline = time.monotonic() + 60
+    while not remote.fetcher.alive:
+        assert time.monotonic() < deadline, "the fetch process was not started again"
+        time.sleep(0.05)
+    assert remote.fetcher.pid != first
+    assert c.step(["img-c"]).loads == ["img-c"], "fetched through the new process (a new hello)"
+    assert c.wrong_answers() == {}
+
+
 def test_the_store_of_fetched_outputs_follows_reserve_so_that_gpu_hosts_pin_it(nodes, engines):
     producer(nodes)
     for reserve in (False, True):

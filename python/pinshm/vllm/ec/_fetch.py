@@ -59,6 +59,8 @@ class Peer:
     port: int
     sock: Any = None
     agent_name: Optional[str] = None
+    #: The start of the fetch process the agent was added to.
+    fetcher_start: int = -1
     meta: bytes = b""
     base: int = 0
     length: int = 0
@@ -200,7 +202,10 @@ class RemoteTier:
         return None
 
     def _from(self, peer: Peer, key: str, deadline: float) -> Optional[Lease]:
-        if peer.agent_name is None:
+        fetcher = self.fetcher
+        if peer.agent_name is None or (fetcher is not None and peer.fetcher_start != fetcher.starts):
+            # Never said hello, or the fetch process started again since
+            # (the new one knows no agent of the peer's): hello anew.
             self._hello(peer, deadline)
         reply = self._ask(peer, {"op": "lookup", "key": key}, deadline)
         if not wire_field(reply, "found", bool):
@@ -328,13 +333,16 @@ class RemoteTier:
             self.fetcher.ask({"op": "remove", "name": added}, 5.0)
             raise PeerError(f"its metadata names agent {added!r}, not {name!r}")
         peer.agent_name, peer.meta, peer.base, peer.length, peer.gen = name, meta, base, length, gen
+        peer.fetcher_start = self.fetcher.starts
 
     def _drop_agent(self, peer: Peer) -> None:
         name, peer.agent_name = peer.agent_name, None
-        if name is not None and self.fetcher is not None:
+        fetcher = self.fetcher
+        # Only the process that added it knows it (one started since has not).
+        if name is not None and fetcher is not None and fetcher.alive and peer.fetcher_start == fetcher.starts:
             try:
-                self.fetcher.ask({"op": "remove", "name": name}, 5.0)
-            except PeerError as e:
+                fetcher.ask({"op": "remove", "name": name}, 5.0)
+            except Exception as e:  # noqa: BLE001 - a miss at worst, never the scheduler's error
                 logger.debug("pinshm encoder cache: forgetting agent %s: %r", name, e)
 
     def _failed(self, peer: Peer, why: str) -> None:

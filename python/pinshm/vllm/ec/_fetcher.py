@@ -21,14 +21,18 @@ Requests, one msgpack map each over a socket pair, one answer each:
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import resource
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Optional
+
+logger = logging.getLogger("vllm.pinshm.ec")
 
 #: The largest message either side sends (an add carries NIXL's metadata).
 LOCAL_MESSAGE = 1 << 21
@@ -50,11 +54,44 @@ class Fetcher:
         os.ftruncate(self._fd, self.capacity)
         self.staging = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ)
         self.starts = 0
+        # A dead process is started again by a thread that lives as long as
+        # this (PR_SET_PDEATHSIG follows the thread that started it), in
+        # the background: a fetch meanwhile is a miss, never a wait.
+        self._wake = threading.Event()
+        self._restarter: Optional[threading.Thread] = None
+        self._closed = False
         self._start()
 
     @property
     def pid(self) -> Optional[int]:
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._sock is not None and self._proc is not None and self._proc.poll() is None
+
+    def _kick(self) -> None:
+        """Has the restarting thread start the process again."""
+        if self._restarter is None:
+            self._restarter = threading.Thread(target=self._restart_loop, name="pinshm-ec-fetch", daemon=True)
+            self._restarter.start()
+        self._wake.set()
+
+    def _restart_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            if not self.alive:
+                try:
+                    self._stop()
+                    self._start()
+                except Exception as e:  # noqa: BLE001 - said, and tried again at the next fetch
+                    logger.warning("pinshm encoder cache: the fetch process cannot start again: %r", e)
+                if self._closed:  # closed while it started: it goes too
+                    self._stop()
+                    return
 
     def _start(self) -> None:
         import subprocess
@@ -104,9 +141,9 @@ class Fetcher:
         SLACK_S (it is killed then, and started again at the next ask)."""
         from ._wire import PeerError, pack, unpack
 
-        if self._sock is None or self._proc is None or self._proc.poll() is not None:
-            self._stop()
-            self._start()
+        if not self.alive:
+            self._kick()
+            raise PeerError("the fetch process is starting again: a miss")
         assert self._sock is not None
         try:
             self._sock.settimeout(timeout + SLACK_S)
@@ -117,6 +154,7 @@ class Fetcher:
             reply = unpack(data)
         except (OSError, PeerError) as e:
             self._stop()
+            self._kick()
             raise PeerError(f"the fetch process failed ({e!r})") from None
         if "error" in reply:
             raise PeerError(str(reply["error"])[:300])
@@ -136,8 +174,17 @@ class Fetcher:
     def close(self) -> None:
         """Ends the process (in a forked child: lets go of its copy only)."""
         if os.getpid() != self._pid:
+            # A forked child's copies: its own descriptors go, the process
+            # (its parent's) stays.
             self._sock = self._proc = None
+            try:
+                self.staging.close()
+            except BufferError:
+                pass
+            os.close(self._fd)
             return
+        self._closed = True
+        self._wake.set()
         self._stop()
         try:
             self.staging.close()

@@ -156,7 +156,6 @@ class Server:
         host, port = self.settings.serve
         if self._holder is None:
             self._start_holder()
-        self._gen += 1
         cfg = {
             "host": host,
             "port": port,
@@ -179,7 +178,6 @@ class Server:
         cfg = {"agent": f"pinshm-serve-{os.getpid()}-{port}-{self._holders}", "env": env}
         self._holder = spawn(["nixl"], cfg, "cannot start its NIXL process")
         self._registered = None
-        self._gen += 1
 
     def _holder_gone(self) -> None:
         """The NIXL process died (a peer's WRITE into its read-only region,
@@ -236,6 +234,9 @@ class Server:
             self._start()
         except BaseException as e:  # noqa: BLE001 - raised by __init__, in the engine's thread
             self._start_error = e
+            if self._holder is not None:
+                stop(*self._holder)
+                self._holder = None
             return
         finally:
             self._started.set()

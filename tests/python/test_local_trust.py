@@ -209,12 +209,18 @@ signal.pause()
 """
 
 
-def test_a_killed_engines_reaper_never_removes_another_engines_live_store(unique_name):
-    name = unique_name("reaped")
+def _engine_with_store(name):
+    """An engine (KILLED_ENGINE) that made store `name`: (process, its
+    reaper's pid, the pid of its child that holds only the reaper's pipe)."""
     a = subprocess.Popen([sys.executable, "-c", KILLED_ENGINE, name], stdout=subprocess.PIPE, text=True)
     line = a.stdout.readline().split()
     assert line[:1] == ["READY"], line
-    reaper, child = int(line[1]), int(line[2])
+    return a, int(line[1]), int(line[2])
+
+
+def test_a_killed_engines_reaper_never_removes_another_engines_live_store(unique_name):
+    name = unique_name("reaped")
+    a, reaper, child = _engine_with_store(name)
     mine = None
     try:
         os.kill(a.pid, signal.SIGKILL)  # engine A dies; its reaper waits for the child's pipe end
@@ -245,10 +251,7 @@ def test_a_killed_engines_reaper_never_removes_another_engines_live_store(unique
 
 def test_a_killed_engines_reaper_removes_what_it_made(unique_name):
     name = unique_name("reaped")
-    a = subprocess.Popen([sys.executable, "-c", KILLED_ENGINE, name], stdout=subprocess.PIPE, text=True)
-    line = a.stdout.readline().split()
-    assert line[:1] == ["READY"], line
-    reaper, child = int(line[1]), int(line[2])
+    a, reaper, child = _engine_with_store(name)
     try:
         for pid in (a.pid, child):
             os.kill(pid, signal.SIGKILL)

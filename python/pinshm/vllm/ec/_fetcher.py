@@ -94,47 +94,19 @@ class Fetcher:
                     return
 
     def _start(self) -> None:
-        import subprocess
+        from ._spawn import spawn
+        from ._wire import DEFAULT_UCX_TLS
 
-        import pinshm
-
-        from ._spawn import ENV_KEEP, ENV_PREFIXES
-        from ._wire import DEFAULT_UCX_TLS, PeerError, pack, unpack
-
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        package = os.path.dirname(os.path.dirname(os.path.abspath(pinshm.__file__)))
-        path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
-        keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
-        keep.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pinshm.vllm.ec._fetcher", str(theirs.fileno()), str(self._fd)],
-                pass_fds=[theirs.fileno(), self._fd],
-                stdin=subprocess.DEVNULL,
-                cwd="/",
-                env=dict(keep, PYTHONPATH=path),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
         self.starts += 1
-        try:
-            ours.settimeout(120)
-            ours.sendall(pack({"parent": os.getpid(), "agent": f"{self.name}-{self.starts}", "size": self.capacity}))
-            said = unpack(ours.recv(LOCAL_MESSAGE))
-        except (OSError, PeerError) as e:
-            said = {"error": f"the fetch process died at start ({e!r})"}
-        if "ready" not in said:
-            ours.close()
-            proc.kill()
-            proc.wait()
-            why = str(said.get("error"))[:2000]
-            if why.startswith("ImportError: "):
-                raise ImportError(why[len("ImportError: ") :])
-            raise RuntimeError(f"pinshm encoder cache: the fetch process cannot start: {why}")
-        self._proc, self._sock = proc, ours
+        cfg = {"agent": f"{self.name}-{self.starts}", "size": self.capacity}
+        self._proc, self._sock = spawn(
+            [str(self._fd)],
+            cfg,
+            "the fetch process cannot start",
+            module="pinshm.vllm.ec._fetcher",
+            pass_fds=(self._fd,),
+            env={"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS},
+        )
 
     def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Its answer to `msg`; PeerError if it gives none in `timeout` +

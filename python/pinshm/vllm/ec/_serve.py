@@ -284,9 +284,8 @@ class Server:
         """Answers one request of the serving process. One that breaks the
         protocol (only a subverted process sends it), or that does not take
         its answer in time, gets the process killed (and another started)."""
-        fd: Optional[int] = None
         try:
-            reply, fd = self._serve(unpack(data))
+            reply = self._serve(unpack(data))
         except (PeerError, ValueError, TypeError) as e:
             logger.warning("pinshm encoder cache: the serving process asked %r: stopped", e)
             proc.kill()
@@ -295,19 +294,16 @@ class Server:
             logger.warning("pinshm encoder cache: answering the serving process: %r", e)
             reply = {"error": f"the scheduler could not answer: {type(e).__name__}"}
         try:
-            socket.send_fds(sock, [pack(reply)], [] if fd is None else [fd])
+            sock.sendall(pack(reply))
         except OSError as e:  # its buffer full (it reads nothing), or gone
             logger.warning("pinshm encoder cache: the serving process took no answer (%r): stopped", e)
             proc.kill()
-        finally:
-            if fd is not None:
-                os.close(fd)
 
-    def _serve(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Optional[int]]:
-        """The answer to the serving process's request (and an fd to pass)."""
+    def _serve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The answer to the serving process's request."""
         op = field(msg, "op", str)
         if op == "hello":
-            return self._hello(), None
+            return self._hello()
         peer = field(msg, "peer", bytes)
         if not 0 < len(peer) <= 256:
             raise PeerError(f"a peer id of {len(peer)} bytes")
@@ -315,9 +311,9 @@ class Server:
             key, addr = field(msg, "key", str), field(msg, "addr", str)
             if len(key) > MAX_KEY or len(addr) > 64:
                 raise PeerError(f"a key of {len(key)} characters, an address of {len(addr)}")
-            return self._lookup(peer, addr, key), None
+            return self._lookup(peer, addr, key)
         if op == "done":
-            return self._done(peer, field(msg, "lease", bytes)), None
+            return self._done(peer, field(msg, "lease", bytes))
         raise PeerError(f"no such op {op[:40]!r}")
 
     # ---- the region -------------------------------------------------

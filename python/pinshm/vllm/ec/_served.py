@@ -149,17 +149,17 @@ class Gate:
 
     # ---- the scheduler ----------------------------------------------
 
-    def _ask(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
         from ._wire import pack, unpack
 
         try:
             self._parent.sendall(pack(msg))
-            data, fds, _, _ = socket.recv_fds(self._parent, LOCAL_MESSAGE, 1)
+            data = self._parent.recv(LOCAL_MESSAGE)
         except OSError:  # no answer in time (socket.timeout), or gone
             raise SystemExit(1) from None  # the scheduler starts another
         if not data:
             raise SystemExit(0)  # the scheduler is gone
-        return unpack(data), fds
+        return unpack(data)
 
     # ---- peers ------------------------------------------------------
 
@@ -172,17 +172,17 @@ class Gate:
             if op == "hello":
                 # The NIXL process's agent and registration, which the
                 # scheduler keeps: none of it is in this process.
-                return self._ask({"op": "hello"})[0]
+                return self._ask({"op": "hello"})
             if op == "lookup":
                 key = field(msg, "key", str)
                 if len(key) > MAX_KEY:
                     raise PeerError(f"a key of {len(key)} characters")
-                return self._ask({"op": "lookup", "peer": peer, "addr": addr[:64], "key": key})[0]
+                return self._ask({"op": "lookup", "peer": peer, "addr": addr[:64], "key": key})
             if op == "done":
                 lease = field(msg, "lease", bytes)
                 if len(lease) > MAX_KEY:
                     raise PeerError(f"a lease id of {len(lease)} bytes")
-                return self._ask({"op": "done", "peer": peer, "lease": lease})[0]
+                return self._ask({"op": "done", "peer": peer, "lease": lease})
             raise PeerError(f"no such op {op[:40]!r}")
         except PeerError as e:
             return {"error": str(e)}

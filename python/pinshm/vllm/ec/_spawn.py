@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from ._wire import PeerError, pack, unpack
 
@@ -35,9 +35,17 @@ ENV_KEEP = frozenset(
 ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
 
 
-def spawn(args: list[str], cfg: dict[str, Any], what: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
-    """A process of ``pinshm.vllm.ec._served`` (with `args`), given `cfg`
-    over a socket pair, ready; ServeError saying `what` (ImportError for a
+def spawn(
+    args: list[str],
+    cfg: dict[str, Any],
+    what: str,
+    module: str = "pinshm.vllm.ec._served",
+    pass_fds: tuple[int, ...] = (),
+    env: Optional[dict[str, str]] = None,
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """A process of `module` (with `args`, then `pass_fds` kept open, `env`
+    added to the allowlisted environment), given `cfg` over a socket pair,
+    ready; ServeError saying `what` (ImportError for a
     missing extra) if it is not."""
     import pinshm
 
@@ -49,11 +57,11 @@ def spawn(args: list[str], cfg: dict[str, Any], what: str) -> tuple[subprocess.P
     keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pinshm.vllm.ec._served", str(theirs.fileno()), *args],
-            pass_fds=[theirs.fileno()],
+            [sys.executable, "-m", module, str(theirs.fileno()), *args],
+            pass_fds=[theirs.fileno(), *pass_fds],
             stdin=subprocess.DEVNULL,
             cwd="/",
-            env=dict(keep, PYTHONPATH=path),
+            env=dict(keep, **(env or {}), PYTHONPATH=path),
         )
     except BaseException:
         ours.close()

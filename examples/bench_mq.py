@@ -79,6 +79,13 @@ def shm_bytes():
     return total
 
 
+def wait_stats(mq):
+    """pinshm's reader counts of how its receives found their messages
+    (None for vLLM's queue)."""
+    rx = getattr(mq, "_rx", None)
+    return dict(rx.wait_stats()) if rx is not None and hasattr(rx, "wait_stats") else None
+
+
 def reader(impl, handle, rank, handles_out):
     MQ = queue_class(impl)
     rpc = MQ.create_from_handle(handle, rank)
@@ -87,17 +94,24 @@ def reader(impl, handle, rank, handles_out):
     handles_out.put((rank, resp.export_handle()))
     resp.wait_until_ready()
     c0 = w0 = 0.0
+    s0 = wait_stats(rpc)
     while True:
+        before = wait_stats(rpc) if s0 is not None else None
         cmd, t0, _payload = rpc.dequeue(indefinite=True)
         t1 = time.monotonic_ns()
         del _payload
         if cmd == "msg":
-            resp.enqueue(t1 - t0)
+            after = wait_stats(rpc) if before is not None else None
+            caught = next((k for k in after if after[k] != before[k]), None) if after else None
+            resp.enqueue((t1 - t0, caught))
         elif cmd == "begin":
             c0, w0 = time.process_time(), time.monotonic()
+            s0 = wait_stats(rpc)
             resp.enqueue(0)
         elif cmd == "end":
-            resp.enqueue((time.process_time() - c0, time.monotonic() - w0))
+            s1 = wait_stats(rpc)
+            caught = {k: s1[k] - s0[k] for k in s1} if s0 and s1 else None
+            resp.enqueue((time.process_time() - c0, time.monotonic() - w0, caught))
         elif cmd == "idle":
             resp.enqueue(0)
             c0, w0 = time.process_time(), time.monotonic()
@@ -110,14 +124,15 @@ def reader(impl, handle, rank, handles_out):
 
 
 def phase(rpc, resps, mode, size, n):
-    """One mode and size: (latencies in µs, reader CPU %, writer CPU %)."""
+    """One mode and size: (latencies in µs, reader CPU %, writer CPU %, how
+    pinshm's readers caught their messages (summed; None for vLLM's))."""
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     warm = max(n // 10, 2)
     rpc.enqueue(("begin", 0, None))
     for r in resps:
         r.dequeue()
     c0, w0 = time.process_time(), time.monotonic()
-    lat = []
+    lat, hows = [], []
     tick = time.monotonic()
     for k in range(n + warm):
         if mode == "cadence":
@@ -128,14 +143,24 @@ def phase(rpc, resps, mode, size, n):
             else:
                 tick = time.monotonic()  # a message slower than the cadence
         rpc.enqueue(("msg", time.monotonic_ns(), payload))
-        one = max(r.dequeue() for r in resps)
+        one, how = max((r.dequeue() for r in resps), key=lambda x: x[0])
         if k >= warm:
             lat.append(one / 1e3)
+            hows.append(how)
     wcpu, wwall = time.process_time() - c0, time.monotonic() - w0
     rpc.enqueue(("end", 0, None))
     ends = [r.dequeue() for r in resps]
-    rcpu = max(cpu / wall for cpu, wall in ends)
-    return lat, 100 * rcpu, 100 * wcpu / wwall
+    rcpu = max(cpu / wall for cpu, wall, _ in ends)
+    caught = [c for _, _, c in ends if c]
+    summed = {k: sum(c[k] for c in caught) for k in caught[0]} if caught else None
+    if summed:
+        # The slowest reader's catch, per message: the latency each way of
+        # catching costs (median, µs).
+        by = {}
+        for one, how in zip(lat, hows):
+            by.setdefault(how, []).append(one)
+        summed = {"counts": summed, "median_us": {k: statistics.median(v) for k, v in by.items() if k}}
+    return lat, 100 * rcpu, 100 * wcpu / wwall, summed
 
 
 def run(impl, n_readers, iters, idle_s):
@@ -154,7 +179,7 @@ def run(impl, n_readers, iters, idle_s):
     out = {"phases": {}}
     for size in SIZES:
         for mode in MODES:
-            lat, rcpu, wcpu = phase(rpc, resps, mode, size, count(iters[mode], size))
+            lat, rcpu, wcpu, caught = phase(rpc, resps, mode, size, count(iters[mode], size))
             q = statistics.quantiles(lat, n=100, method="inclusive")
             out["phases"][f"{mode} {size}"] = {
                 "median": statistics.median(lat),
@@ -162,6 +187,7 @@ def run(impl, n_readers, iters, idle_s):
                 "reader_cpu": rcpu,
                 "writer_cpu": wcpu,
                 "n": len(lat),
+                "caught": caught,
             }
         if size == KIB:
             out["shm_small"] = shm_bytes()
@@ -227,6 +253,16 @@ def report(res, impls):
                 row += f" {p['reader_cpu']:.1f} % | {v['reader_cpu']:.1f} % |" if v else f" {p['reader_cpu']:.1f} % | |"
                 row += f" {p['writer_cpu']:.1f} % | {v['writer_cpu']:.1f} % |" if v else f" {p['writer_cpu']:.1f} % | |"
                 print(row)
+    print()
+    for mode in MODES:
+        for size in SIZES:
+            for n in READERS:
+                c = res["pinshm", n]["phases"][f"{mode} {size}"].get("caught")
+                if c:
+                    print(f"pinshm readers' receives, {mode} {label(size)} x{n}: "
+                          + ", ".join(f"{k} {v}" for k, v in c["counts"].items() if v)
+                          + "; slowest reader's median by catch: "
+                          + ", ".join(f"{k} {us(v)}" for k, v in c["median_us"].items()))
     print()
     if len(impls) > 2 or "pinshm" not in impls:
         compare(res, impls)

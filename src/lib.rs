@@ -31,7 +31,7 @@ mod store;
 mod sys;
 
 pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
-pub use channel::{BroadcastConfig, BroadcastHandle};
+pub use channel::{BroadcastConfig, BroadcastHandle, WaitStats};
 pub use codec::{
     payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
     ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,

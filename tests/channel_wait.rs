@@ -211,3 +211,36 @@ fn readiness_after_the_writer_goes_or_a_cancel_says_so_at_once() {
     assert!(rx.wait_ready(DEADLINE).unwrap());
     assert!(matches!(rx.recv(), Err(Error::WriterGone { .. })));
 }
+
+#[test]
+fn wait_stats_count_how_each_receive_found_its_message() {
+    let name = Name::new("wait-stats");
+    let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
+    let h = tx.handle();
+    let mut rx = BroadcastReader::attach(&h).unwrap();
+    rx.set_spin(Duration::ZERO); // no spin: a wait is a futex sleep
+    assert_eq!(rx.wait_stats(), Default::default());
+    tx.send(b"there already").unwrap();
+    drop(rx.recv().unwrap());
+    assert!(matches!(
+        rx.recv_timeout(Duration::from_millis(20)),
+        Err(Error::Timeout { .. })
+    ));
+    let (go, went) = mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        went.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        tx.send(b"later").unwrap();
+        tx
+    });
+    go.send(()).unwrap();
+    assert_eq!(&*rx.recv_timeout(DEADLINE).unwrap(), b"later");
+    let s = rx.wait_stats();
+    assert_eq!((s.ready, s.sleep, s.gave_up), (1, 1, 1), "{s:?}");
+    assert_eq!((s.spin, s.early, s.window), (0, 0, 0), "{s:?}");
+    // try_recv is not a wait: not counted; a new spin keeps the counts.
+    assert!(rx.try_recv().unwrap().is_none());
+    rx.set_spin(Duration::from_micros(50));
+    assert_eq!(rx.wait_stats(), s);
+    drop(t.join().unwrap());
+}

@@ -621,6 +621,7 @@ class StoreReader:
         """Whether this process's mapping of the store is page-locked (CUDA
         host-registered): then a tensor over a slot is pinned memory, and
         `.to(device, non_blocking=True)` from it is a DMA."""
+
     def get_tensor(self, handle: ObjectHandle) -> Any:
         """A read-only numpy array over the slot (no copy) that holds the read
         until it is garbage collected. `torch.from_dlpack(array)` shares the
@@ -851,6 +852,11 @@ class BroadcastReader:
     def cancel(self) -> None:
         """Ends a blocked recv (another thread) at once, and every later one, with CancelledError."""
         ...
+    def wait_stats(self) -> dict[str, int]:
+        """How this reader's receives found their messages so far: counts
+        under "ready", "spin", "early", "window" (around a predicted
+        arrival), "sleep" (a futex wake-up) and "gave_up" (a timed-out or
+        cancelled step)."""
     @property
     def index(self) -> int:
         """This reader's index."""

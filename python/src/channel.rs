@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::buffer::Buffer;
 use crate::handles::BroadcastHandle;
@@ -394,6 +394,28 @@ impl BroadcastReader {
         }
         .map_err(to_py)?;
         Ok(msg.map(|m| PyBytes::new(py, &m)))
+    }
+
+    /// How this reader's receives found their messages so far, as a dict
+    /// of counts: "ready" (there already), "spin" (the short spin),
+    /// "early" and "window" (around a predicted arrival), "sleep" (a futex
+    /// wake-up), "gave_up" (timed out or cancelled; a wait in steps counts
+    /// each step). A receive blocked in another thread is waited for.
+    fn wait_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let shared = self.shared()?;
+        let s = crate::gil::released(py, || shared.lock().wait_stats());
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("ready", s.ready),
+            ("spin", s.spin),
+            ("early", s.early),
+            ("window", s.window),
+            ("sleep", s.sleep),
+            ("gave_up", s.gave_up),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
     }
 
     /// This reader's index.

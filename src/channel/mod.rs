@@ -37,6 +37,7 @@ mod loom_tests;
 use std::time::Duration;
 
 pub use reader::{BroadcastReader, Message};
+pub use spin::WaitStats;
 pub use writer::Broadcast;
 
 /// Longest a sleeping writer or reader sleeps before re-checking whether

@@ -14,6 +14,9 @@ const MAX_PERIOD: Duration = Duration::from_secs(1);
 const MIN_STREAK: u32 = 4;
 /// Added to every margin: a poll, a clock read.
 const SLACK: Duration = Duration::from_micros(10);
+/// The prediction window (spin) is at most this share of the period: a
+/// reader at a steady cadence spins at most 1/12 of its time (8 %).
+const WINDOW_SHARE: u32 = 12;
 /// The longest prediction window (spin) around one arrival.
 const MAX_WINDOW: Duration = Duration::from_millis(1);
 /// A timed wake-up's lateness counted at most this (a preempted reader).
@@ -41,8 +44,8 @@ const TIMER_SLACK: Duration = Duration::from_micros(50);
 /// a receive sleeps on the futex *with a timeout* until shortly before the
 /// next arrival is due, spins through a window around it, and then sleeps
 /// untimed as before. The window is `3 × jitter + 2 × overshoot spread +
-/// 10 µs` early and `3 × jitter + 10 µs` late, at most 1/25 of the period
-/// (a reader spins at most 4 % of its time) and at most 1 ms; the timed
+/// 10 µs` early and `3 × jitter + 10 µs` late, at most 1/12 of the period
+/// (a reader spins at most 8 % of its time) and at most 1 ms; the timed
 /// sleep ends `overshoot` earlier still, which it sleeps through. A message
 /// that comes outside the window costs what a sleeping reader pays today.
 ///
@@ -58,6 +61,31 @@ pub(crate) struct SpinPolicy {
     cap: Duration,
     estimate: Duration,
     rhythm: Rhythm,
+    stats: WaitStats,
+}
+
+/// How a reader's receives found their messages, counted since it
+/// attached ([`BroadcastReader::wait_stats`](crate::BroadcastReader::wait_stats)):
+/// whether the learned spin and the predicted window catch messages, or
+/// the reader sleeps through and pays a futex wake-up. A `try_recv` and a
+/// zero timeout are not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WaitStats {
+    /// The message was there already.
+    pub ready: u64,
+    /// Caught in the short spin at the start of a receive.
+    pub spin: u64,
+    /// Woke the reader from the timed sleep before the predicted window
+    /// (it came early).
+    pub early: u64,
+    /// Caught in the spin around the predicted arrival.
+    pub window: u64,
+    /// Woke the reader from an untimed sleep (no prediction, or the
+    /// message came after the window).
+    pub sleep: u64,
+    /// Receives that ended with no message (timed out or cancelled).
+    pub gave_up: u64,
 }
 
 /// The arrivals' period, as learned.
@@ -146,7 +174,20 @@ impl SpinPolicy {
             cap,
             estimate: Duration::ZERO,
             rhythm: Rhythm::new(),
+            stats: WaitStats::default(),
         }
+    }
+
+    /// The receives counted so far.
+    pub(crate) fn stats(&self) -> WaitStats {
+        self.stats
+    }
+
+    /// The same policy with the counts of `other` (a new spin keeps what
+    /// the reader counted).
+    pub(crate) fn with_stats(mut self, other: &SpinPolicy) -> SpinPolicy {
+        self.stats = other.stats;
+        self
     }
 
     /// How long the next receive spins at once before it sleeps.
@@ -174,8 +215,8 @@ impl SpinPolicy {
         let period = self.period()?;
         let r = &self.rhythm;
         let due = r.last? + period;
-        let budget = (period / 25).min(MAX_WINDOW);
-        let early = (r.jitter * 3 + r.overshoot_dev * 2 + SLACK).min(budget * 2 / 3);
+        let budget = (period / WINDOW_SHARE).min(MAX_WINDOW);
+        let early = (r.jitter * 3 + r.overshoot_dev * 2 + SLACK).min(budget * 3 / 4);
         let late = (r.jitter * 3 + SLACK).min(budget - early);
         let wake = due.checked_sub(early + r.overshoot)?;
         Some((wake, due, due + late))
@@ -206,6 +247,14 @@ impl SpinPolicy {
     /// next message would come before the window, and so on.
     pub(crate) fn learn(&mut self, start: Instant, now: Instant, trace: WaitTrace) {
         self.waited(now.saturating_duration_since(start));
+        let n = match trace.caught {
+            Caught::Ready => &mut self.stats.ready,
+            Caught::Spin => &mut self.stats.spin,
+            Caught::Early => &mut self.stats.early,
+            Caught::Window => &mut self.stats.window,
+            Caught::Sleep => &mut self.stats.sleep,
+        };
+        *n = n.saturating_add(1);
         if let Some(o) = trace.overshoot {
             self.overslept(o);
         }
@@ -287,6 +336,7 @@ impl SpinPolicy {
     /// no prediction until a new streak.
     pub(crate) fn gave_up(&mut self) {
         self.estimate = self.cap * 2;
+        self.stats.gave_up = self.stats.gave_up.saturating_add(1);
     }
 
     /// Forgets the period (what was learned of the timer stays).
@@ -449,7 +499,7 @@ mod tests {
         // No jitter: the window is the slack, plus the guessed overshoot
         // slept through before it.
         let spin = until - (wake + OVERSHOOT_GUESS);
-        assert!(spin <= 5 * MS / 25, "{spin:?}");
+        assert!(spin <= 5 * MS / WINDOW_SHARE, "{spin:?}");
         // Right after the arrival, the receive sleeps until `wake`.
         let plan = p.plan(last + 50 * US);
         assert_eq!(plan.spin, Duration::ZERO);
@@ -460,7 +510,7 @@ mod tests {
     }
 
     #[test]
-    fn jitter_widens_the_window_up_to_a_twenty_fifth_of_the_period() {
+    fn jitter_widens_the_window_up_to_a_twelfth_of_the_period() {
         let t0 = Instant::now();
         let wobble = |d: u32| {
             (0..16).map(move |k| 5 * MS + if k % 2 == 0 { d * US } else { Duration::ZERO })
@@ -476,7 +526,7 @@ mod tests {
         let (wild, _) = fed(t0, wobble(400));
         let (wake, _, until) = wild.predicted().expect("400 µs in 5 ms is steady");
         let spin = until - (wake + OVERSHOOT_GUESS);
-        assert!(spin <= wild.period().unwrap() / 25 + US, "{spin:?}");
+        assert!(spin <= wild.period().unwrap() / WINDOW_SHARE + US, "{spin:?}");
     }
 
     #[test]
@@ -492,7 +542,7 @@ mod tests {
         assert!(w1 + 200 * US < w0, "{:?} vs {:?}", due - w1, due - w0);
         // A steady overshoot has no spread: the spin after it is short.
         let spin = until1.saturating_duration_since(w1 + 300 * US);
-        assert!(spin <= 5 * MS / 25, "{spin:?}");
+        assert!(spin <= 5 * MS / WINDOW_SHARE, "{spin:?}");
         // An overshoot beyond the cap counts as the cap.
         for _ in 0..64 {
             p.overslept(Duration::from_secs(1));
@@ -545,6 +595,21 @@ mod tests {
         };
         p.learn(next - 300 * US, at, trace);
         assert_eq!(p.rhythm.last, Some(at));
+    }
+
+    #[test]
+    fn a_writer_whose_steps_shift_once_is_caught_in_the_window_again_within_a_few_arrivals() {
+        let t0 = Instant::now();
+        let (mut p, mut t) = fed(t0, [5 * MS; 8]);
+        t += 5 * MS + 400 * US; // one longer step: everything after it moves
+        p.arrived(t);
+        for _ in 0..4 {
+            t += 5 * MS;
+            p.arrived(t);
+        }
+        let (wake, _, until) = p.predicted().expect("still steady");
+        let next = t + 5 * MS;
+        assert!(wake + p.rhythm.overshoot < next && next < until);
     }
 
     #[test]

@@ -21,6 +21,18 @@ def test_messages_arrive_in_order_as_bytes(channel):
     assert tx.sent == 2
 
 
+def test_wait_stats_count_each_receive_by_how_it_found_its_message(channel):
+    tx, rx = channel
+    assert rx.wait_stats() == dict.fromkeys(["ready", "spin", "early", "window", "sleep", "gave_up"], 0)
+    tx.send(b"one")
+    assert rx.recv_bytes(timeout=10) == b"one"
+    with pytest.raises(pinshm.WaitTimeoutError):
+        rx.recv_bytes(timeout=0.01)
+    assert rx.try_recv() is None  # not a wait: not counted
+    s = rx.wait_stats()
+    assert (s["ready"], s["gave_up"], sum(s.values())) == (1, 1, 2)
+
+
 def test_a_full_channel_refuses_try_send_and_times_out_send(channel):
     tx, rx = channel
     assert tx.try_send(b"a") and tx.try_send(b"b")

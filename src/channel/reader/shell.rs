@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::{Corrupt, ReaderCore, Recv, Releases};
 use crate::channel::atomics::ChannelPtr;
-use crate::channel::spin::SpinPolicy;
+use crate::channel::spin::{SpinPolicy, WaitStats};
 use crate::channel::spin::WaitPlan;
 use crate::channel::validate::validate;
 use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
@@ -189,7 +189,15 @@ impl BroadcastReader {
     /// pays, and around the predicted arrival when messages come at a
     /// steady period (`channel::spin`). Zero: sleep at once, always.
     pub fn set_spin(&mut self, spin: Duration) {
-        self.spin.set(SpinPolicy::new(spin));
+        let counted = self.spin.get();
+        self.spin.set(SpinPolicy::new(spin).with_stats(&counted));
+    }
+
+    /// How this reader's receives found their messages so far: already
+    /// there, in the short spin, in the spin around a predicted arrival,
+    /// or after a futex sleep (see [`WaitStats`]).
+    pub fn wait_stats(&self) -> WaitStats {
+        self.spin.get().stats()
     }
 
     /// How long the next `recv` would spin at once before sleeping

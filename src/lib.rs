@@ -48,7 +48,7 @@ pub use error::{Blocker, BoxError, Error, Result};
 pub use gc::{gc, remove_if_abandoned_file, Abandoned};
 pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
 pub use layout::ObjectKind;
-pub use pin::PinMode;
+pub use pin::{PinMode, Pinning};
 pub use store::{
     Eviction, ItemGuard, Lease, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard,
     ReaderOptions, Reservation, Signature, StoreConfig, StoreHandle, StoreReader, StoreStats,

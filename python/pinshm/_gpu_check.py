@@ -7,7 +7,10 @@ installed wheel, on this machine's GPU, in about a minute.
   copy is a DMA from pinned memory), and device to host into a slot
   (:func:`pinshm.device.put_tensor`), every byte checked on the other side;
 - each copy timed against the same copy from or into pageable memory
-  (medians; the ratio below 1 is the pinned path's gain).
+  (medians; the ratio below 1 is the pinned path's gain);
+- how long the registration took (bytes, calls of at most 64 GiB,
+  seconds), and each GPU's NUMA node beside the nodes of the store's pages
+  (``move_pages`` in query mode), with a warning where they differ.
 
 Where there is no torch, no CUDA device, or a build without the ``cuda``
 feature, it says so and checks nothing more. Pinning can be switched off
@@ -18,9 +21,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections import Counter
+from typing import Any, Callable, Optional
 
-from . import _pinshm
+from . import _numa, _pinshm
 from .doctor import FAIL, INFO, OK, WARN, Check
 
 MIB = 1 << 20
@@ -70,6 +74,8 @@ def _checks(torch: Any) -> list[Check]:
     reader = StoreReader.attach(store.handle(), 0, pin="require")
     try:
         out.append(Check("pin", OK if reader.is_pinned else FAIL, f"the reader's mapping pinned: {reader.is_pinned}"))
+        out.append(pinning_check(reader.pinning))
+        out.append(numa_check(_gpu_nodes(torch), _store_nodes(reader)))
         h = store.put_tensor("x", x.numpy())
         view = torch.from_dlpack(reader.get_tensor(h))
         on_dev = view.to(dev, non_blocking=True)
@@ -99,6 +105,64 @@ def _checks(torch: Any) -> list[Check]:
     if any(c.status == FAIL for c in out):
         out.append(Check("gpu", FAIL, SWITCH_OFF))
     return out
+
+
+def pinning_check(p: Optional[dict[str, Any]]) -> Check:
+    """The reader's registration: size, calls and time."""
+    if not p:
+        return Check("pin", INFO, "the reader's mapping was not registered: no time to report")
+    gib = p["bytes"] / (1 << 30)
+    per = p["seconds"] / gib if gib else 0.0
+    calls = f"{p['chunks']} call" + ("" if p["chunks"] == 1 else "s")
+    return Check(
+        "pin",
+        INFO,
+        f"registering {p['bytes'] / MIB:.0f} MiB took {p['seconds']:.3f} s in {calls} ({per:.2f} s per GiB; "
+        "every process that maps a store pays this when it attaches)",
+    )
+
+
+def _gpu_nodes(torch: Any) -> dict[int, Optional[int]]:
+    """Each visible GPU's NUMA node, None where sysfs does not say."""
+    nodes: dict[int, Optional[int]] = {}
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        ids: list[int] = [
+            v for k in ("domain", "bus", "device") if (v := getattr(props, f"pci_{k}_id", None)) is not None
+        ]
+        nodes[i] = _numa.gpu_node(*ids) if len(ids) == 3 else None
+    return nodes
+
+
+def _store_nodes(reader: Any) -> Optional[Counter[int]]:
+    """The NUMA nodes of the reader's pages (sampled), None where the kernel
+    does not say."""
+    try:
+        return _numa.page_nodes(*reader.data_region())
+    except OSError:
+        return None
+
+
+def numa_check(gpus: dict[int, Optional[int]], pages: Optional[Counter[int]]) -> Check:
+    """Where the GPUs and the store's pages are; WARN where a GPU is on
+    another node than the pages (its copies cross the sockets' link)."""
+    if pages is None or not pages:
+        return Check("numa", INFO, "the store's pages' NUMA nodes are unknown (move_pages refused)")
+    where = ", ".join(f"node {n}: {c}" for n, c in sorted(pages.items()))
+    known = {i: n for i, n in gpus.items() if n is not None}
+    if not known:
+        return Check("numa", INFO, f"store pages sampled on {where}; the GPUs' NUMA nodes are unknown (sysfs)")
+    away = {i: n for i, n in known.items() if n not in pages}
+    gpus_at = ", ".join(f"GPU {i} on node {n}" for i, n in sorted(known.items()))
+    if away:
+        i, n = next(iter(sorted(away.items())))
+        return Check(
+            "numa",
+            WARN,
+            f"{gpus_at}; store pages sampled on {where}: GPU {i}'s copies cross to another node "
+            f"(a store per node, or the engine bound to node {n} with numactl, keeps them local)",
+        )
+    return Check("numa", OK, f"{gpus_at}; store pages sampled on {where}")
 
 
 def _timing(what: str, nbytes: int, slot_s: float, pageable_s: float) -> Check:

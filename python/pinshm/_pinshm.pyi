@@ -621,7 +621,11 @@ class StoreReader:
         """Whether this process's mapping of the store is page-locked (CUDA
         host-registered): then a tensor over a slot is pinned memory, and
         `.to(device, non_blocking=True)` from it is a DMA."""
-
+    @property
+    def pinning(self) -> Optional[dict[str, Any]]:
+        """How this process's mapping was pinned while attaching, or None:
+        "bytes", "chunks" (registration calls of at most 64 GiB) and
+        "seconds" (about 0.1 per GiB)."""
     def get_tensor(self, handle: ObjectHandle) -> Any:
         """A read-only numpy array over the slot (no copy) that holds the read
         until it is garbage collected. `torch.from_dlpack(array)` shares the

@@ -20,7 +20,10 @@ no-op that returns None. `ObjectStore.flush_pending()` waits for them all.
 Where the slot is not pinned memory (a sparse store), the copy goes to a
 pinned staging tensor instead (CUDA copies into pageable memory
 synchronously), which pinshm copies into the slot once the event has
-completed.
+completed. With `stream=copy_stream(device)` the copy runs on pinshm's own
+stream, ordered after the current stream's work by an event, so the
+engine's next kernels do not queue behind it (the encoder-cache
+connector's saves do this).
 
 `get_tensor` copies an object out to a device: a host-to-device copy
 queued from the slot itself (pinned where the reader's mapping is), the
@@ -41,6 +44,8 @@ functions taking the store or reader first.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 from typing import Any, Literal, Optional, Union, overload
@@ -54,7 +59,7 @@ from ._pinshm import (
     has_release_gate,
 )
 
-__all__ = ["get_tensor", "put_tensor"]
+__all__ = ["copy_stream", "get_tensor", "put_tensor"]
 
 
 def _is_torch(t: Any) -> bool:
@@ -82,15 +87,21 @@ def _torch_view(torch: Any, buffer: Any, dtype: Any, shape: tuple[int, ...]) -> 
 
 
 @overload
-def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: Literal[True] = ...) -> ObjectHandle: ...
+def put_tensor(
+    store: ObjectStore, key: str, tensor: Any, *, wait: Literal[True] = ..., stream: Any = ...
+) -> ObjectHandle: ...
 @overload
-def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: Literal[False]) -> Optional[PendingSave]: ...
+def put_tensor(
+    store: ObjectStore, key: str, tensor: Any, *, wait: Literal[False], stream: Any = ...
+) -> Optional[PendingSave]: ...
 @overload
-def put_tensor(store: ObjectStore, key: str, tensor: Any, *, wait: bool) -> Union[ObjectHandle, PendingSave, None]: ...
+def put_tensor(
+    store: ObjectStore, key: str, tensor: Any, *, wait: bool, stream: Any = ...
+) -> Union[ObjectHandle, PendingSave, None]: ...
 
 
 def put_tensor(
-    store: ObjectStore, key: str, tensor: Any, *, wait: bool = True
+    store: ObjectStore, key: str, tensor: Any, *, wait: bool = True, stream: Any = None
 ) -> Union[ObjectHandle, PendingSave, None]:
     """Stores `tensor` under `key`, copied once, straight into the slot.
 
@@ -108,6 +119,15 @@ def put_tensor(
     None, copying nothing, if a save of `key` is pending already. A CUDA
     tensor saved so is kept alive until its copy completes; it must not be
     written meanwhile from another stream than the current one.
+
+    `stream` (a `torch.cuda.Stream` of the tensor's device, `wait=False`
+    only): the copy runs there instead of on the current stream, after an
+    event recorded on the current stream (so after whatever produced the
+    tensor), and the current stream's later work never waits behind it;
+    `copy_stream(device)` gives pinshm's own stream per device. The tensor
+    is kept alive (a reference the poller drops once the copy's event has
+    completed), so the caching allocator cannot hand its memory to a new
+    tensor before the copy has read it.
     """
     if not wait and store.is_pending(key):
         return None
@@ -118,7 +138,7 @@ def put_tensor(
         r = store.reserve_tensor(key, name, list(shape))
         if not wait and tensor.is_cuda:
             try:
-                done, staged = _queue_d2h(torch, r, tensor, shape)
+                done, staged = _queue_d2h(torch, r, tensor, shape, stream)
             except BaseException:
                 store.abort(r)
                 raise
@@ -156,35 +176,65 @@ class _CopyDone:
         self._event.synchronize()
 
 
-def _queue_d2h(torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...]) -> tuple[_CopyDone, Any]:
-    """Queues the copy of CUDA `tensor` on the current stream of its
-    device and returns the event recorded after it (not waited for), and
-    what the copy writes if not the slot: where the slot is not pinned
-    memory (a sparse store, or no registration), a copy into it would not
-    be asynchronous (CUDA waits for a copy into pageable memory), so the
-    copy goes to a pinned staging tensor, which pinshm copies into the
-    slot once the event has completed. If queueing raises, waits for
-    whatever was queued, then raises (the slot is given back only once
-    nothing can write it)."""
+def _queue_d2h(
+    torch: Any, r: TensorReservation, tensor: Any, shape: tuple[int, ...], stream: Any = None
+) -> tuple[_CopyDone, Any]:
+    """Queues the copy of CUDA `tensor` on `stream` (None: the current
+    stream of its device; a side stream first waits for an event recorded
+    on the current one) and returns the event recorded after it (not
+    waited for), and what the copy writes if not the slot: where the slot
+    is not pinned memory (a sparse store, or no registration), a copy into
+    it would not be asynchronous (CUDA waits for a copy into pageable
+    memory), so the copy goes to a pinned staging tensor, which pinshm
+    copies into the slot once the event has completed. If queueing raises,
+    waits for whatever was queued, then raises (the slot is given back only
+    once nothing can write it)."""
     dst = _torch_view(torch, r, tensor.dtype, shape)
     try:
         with torch.cuda.device(tensor.device):
             src = tensor.detach()
             staging = None if _is_pinned(dst) else _pinned_empty(torch, shape, tensor.dtype)
-            try:
-                (dst if staging is None else staging).copy_(src, non_blocking=True)
-            except BaseException:
-                failed = torch.cuda.Event()
-                failed.record()
-                failed.synchronize()
-                raise
-            done = torch.cuda.Event()
-            done.record()
+            side = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+            if stream is not None:
+                produced = torch.cuda.Event()
+                produced.record(torch.cuda.current_stream())
+            with side:
+                if stream is not None:
+                    stream.wait_event(produced)
+                try:
+                    (dst if staging is None else staging).copy_(src, non_blocking=True)
+                except BaseException:
+                    failed = torch.cuda.Event()
+                    failed.record()
+                    failed.synchronize()
+                    raise
+                done = torch.cuda.Event()
+                done.record()
             staged = None if staging is None else staging.reshape(-1).view(torch.uint8).numpy()
             return _CopyDone(done, src), staged
     finally:
         # The view goes before the reservation is handed on.
         del dst
+
+
+_COPY_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def copy_stream(device: Any) -> Any:
+    """pinshm's own CUDA stream for device-to-host saves on `device` (a
+    torch device or index), made once per process and device (a forked
+    child, which cannot use its parent's CUDA, makes its own): pass it as
+    `put_tensor(..., wait=False, stream=...)` so that saves never queue
+    behind, nor ahead of, the engine's own work."""
+    torch = _torch()
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    key = (os.getpid(), index)
+    s = _COPY_STREAMS.get(key)
+    if s is None:
+        s = _COPY_STREAMS[key] = torch.cuda.Stream(device=index)
+    return s
 
 
 def _is_pinned(t: Any) -> bool:

@@ -441,6 +441,21 @@ impl StoreReader {
         self.with(py, |r| r.is_pinned())
     }
 
+    /// How this process's mapping was pinned while attaching, or None (not
+    /// pinned): a dict of "bytes", "chunks" (registration calls, at most
+    /// 64 GiB each) and "seconds".
+    #[getter]
+    fn pinning<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(p) = self.with(py, |r| r.pinning())? else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("bytes", p.bytes)?;
+        d.set_item("chunks", p.chunks)?;
+        d.set_item("seconds", p.elapsed.as_secs_f64())?;
+        Ok(Some(d))
+    }
+
     /// This process's mapping of the data region: (address of its first
     /// byte, length in bytes), to register once with a transfer library.
     /// A payload's offset in it is its guard's address minus this one.

@@ -526,7 +526,10 @@ mod tests {
         let (wild, _) = fed(t0, wobble(400));
         let (wake, _, until) = wild.predicted().expect("400 µs in 5 ms is steady");
         let spin = until - (wake + OVERSHOOT_GUESS);
-        assert!(spin <= wild.period().unwrap() / WINDOW_SHARE + US, "{spin:?}");
+        assert!(
+            spin <= wild.period().unwrap() / WINDOW_SHARE + US,
+            "{spin:?}"
+        );
     }
 
     #[test]

@@ -15,8 +15,11 @@
 
 use serde::{Deserialize, Serialize};
 
+mod chunks;
 #[cfg(feature = "cuda")]
 mod register;
+
+pub use chunks::Pinning;
 
 #[cfg(not(feature = "cuda"))]
 use crate::error::Error;
@@ -46,9 +49,16 @@ pub(crate) struct PinSpec {
 /// A registered range; unregistered on drop (before the unmap).
 #[derive(Debug)]
 pub(crate) struct Pinned {
+    /// How the mapping was pinned (size, calls, time).
+    pub(crate) report: Pinning,
     #[cfg(feature = "cuda")]
     _inner: register::Registration,
 }
+
+/// A registration at least this large is logged at info level with its
+/// time (a reader attaching a large store waits for it).
+#[cfg(feature = "cuda")]
+const LARGE: usize = 1 << 30;
 
 /// Whether `pin` might register a segment under `mode` in this process
 /// (whatever the segment): then pre-faulting at map time would fault the
@@ -86,8 +96,22 @@ pub(crate) fn pin(
     }
     #[cfg(feature = "cuda")]
     {
-        match register::Registration::new(ptr, len, spec.device) {
-            Ok(inner) => Ok(Some(Pinned { _inner: inner })),
+        match register::Registration::new(ptr, len, spec.device, chunks::chunk_size()) {
+            Ok(inner) => {
+                let r = inner.report;
+                if r.bytes >= LARGE {
+                    tracing::info!(
+                        gib = r.bytes as f64 / (1u64 << 30) as f64,
+                        chunks = r.chunks,
+                        secs = r.elapsed.as_secs_f64(),
+                        "pinned a large mapping (cuMemHostRegister faults in and locks every page)"
+                    );
+                }
+                Ok(Some(Pinned {
+                    report: r,
+                    _inner: inner,
+                }))
+            }
             Err(e) if spec.mode == PinMode::Auto => {
                 tracing::info!(%e, "shared memory not pinned; device copies will be staged by the driver");
                 Ok(None)

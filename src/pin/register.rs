@@ -8,6 +8,10 @@
 //! devices copy from it at DMA speed too. The calling thread's current
 //! context is left as it was (see [`crate::cuda::ContextGuard`]).
 //!
+//! One call covers at most 64 GiB (a single registration of 512 GiB or
+//! more fails): larger mappings are registered in chunks, and a failure
+//! part way unregisters what was registered.
+//!
 //! `cuMemHostRegister` page-locks the range: the driver faults in (and
 //! allocates, on tmpfs) every page and pins it, which takes about 0.1 to
 //! 0.3 s per GiB in each process that registers. A segment that is pinned
@@ -18,19 +22,24 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 
+use super::chunks::{register_in_chunks, Pinning};
 use crate::cuda::{context, driver_present, ContextGuard, Restoring};
 use crate::error::{Error, Result};
 
-/// A host range registered with `cuMemHostRegister` (portable, device-mapped).
+/// A host range registered with `cuMemHostRegister` (portable,
+/// device-mapped), in chunks of at most 64 GiB ([`super::chunks`]).
 #[derive(Debug)]
 pub(crate) struct Registration {
-    ptr: usize,
+    /// Where each chunk starts (what `cuMemHostUnregister` takes).
+    chunks: Vec<usize>,
     ctx: Restoring<Arc<CudaContext>>,
+    pub(crate) report: Pinning,
 }
 
 impl Registration {
-    /// Registers `len` bytes at `ptr` in device `ordinal`'s primary context.
-    pub(crate) fn new(ptr: *mut u8, len: usize, ordinal: usize) -> Result<Self> {
+    /// Registers `len` bytes at `ptr` in device `ordinal`'s primary context,
+    /// in chunks of `chunk` bytes at most.
+    pub(crate) fn new(ptr: *mut u8, len: usize, ordinal: usize, chunk: usize) -> Result<Self> {
         if !driver_present() {
             return Err(Error::pin_unavailable(
                 "no CUDA driver (libcuda.so) found",
@@ -44,26 +53,56 @@ impl Registration {
             .map_err(|e| Error::pin_unavailable("cannot bind the CUDA context", Some(e.into())))?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         let t = std::time::Instant::now();
-        // SAFETY: ptr..ptr+len is a live mapping of this process, which the
-        // owner keeps mapped until this registration is dropped.
-        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
-            .result()
-            .map_err(|e| {
-                Error::pin_unavailable(
-                    format!("cuMemHostRegister of {len} bytes on device {ordinal} failed"),
-                    Some(e.into()),
-                )
-            })?;
+        let chunks = register_in_chunks(
+            ptr as usize,
+            len,
+            chunk,
+            |start, n| {
+                // SAFETY: start..start+n lies inside ptr..ptr+len, a live
+                // mapping of this process, which the owner keeps mapped
+                // until this registration is dropped.
+                unsafe { sys::cuMemHostRegister_v2(start as *mut _, n, flags) }.result()
+            },
+            unregister,
+        )
+        .map_err(|(e, at)| {
+            Error::pin_unavailable(
+                format!(
+                    "cuMemHostRegister of {len} bytes on device {ordinal} failed \
+                     (the chunk at offset {} of at most {chunk} bytes)",
+                    at - ptr as usize
+                ),
+                Some(e.into()),
+            )
+        })?;
+        let report = Pinning {
+            bytes: len,
+            chunks: chunks.len(),
+            elapsed: t.elapsed(),
+        };
         tracing::debug!(
             len,
             ordinal,
-            secs = t.elapsed().as_secs_f64(),
+            chunks = report.chunks,
+            secs = report.elapsed.as_secs_f64(),
             "shared memory pinned"
         );
         Ok(Registration {
-            ptr: ptr as usize,
+            chunks,
             ctx,
+            report,
         })
+    }
+}
+
+/// Unregisters the chunk registered at `start`; a failure is logged (the
+/// mapping goes anyway).
+fn unregister(start: usize) {
+    // SAFETY: `start` is the start of a chunk registered by
+    // `Registration::new`, and the range is still mapped (the owner drops
+    // the registration before unmapping).
+    if let Err(e) = unsafe { sys::cuMemHostUnregister(start as *mut _) }.result() {
+        tracing::warn!(%e, "cuMemHostUnregister failed");
     }
 }
 
@@ -71,10 +110,8 @@ impl Drop for Registration {
     fn drop(&mut self) {
         let _g = ContextGuard::save().ok();
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: the range was registered by `new` and is still mapped (the
-        // owner drops the registration before unmapping).
-        if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr as *mut _) }.result() {
-            tracing::warn!(%e, "cuMemHostUnregister failed");
+        for &start in self.chunks.iter().rev() {
+            unregister(start);
         }
     }
 }

@@ -81,4 +81,9 @@ impl Mapping {
     pub(crate) fn is_pinned(&self) -> bool {
         self.pinned.is_some()
     }
+
+    /// How this process's mapping was pinned, if it was.
+    pub(crate) fn pinning(&self) -> Option<crate::pin::Pinning> {
+        self.pinned.as_ref().map(|p| p.report)
+    }
 }

@@ -15,6 +15,7 @@ use crate::atomics::{copy_racy, SlotPtr};
 use crate::error::{Error, Result};
 use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, reader_state, ObjectKind};
+use crate::pin::Pinning;
 
 use crate::sys::clock;
 use crate::sys::fork;
@@ -213,6 +214,12 @@ impl StoreReader {
     /// Whether this process's mapping is page-locked for DMA.
     pub fn is_pinned(&self) -> bool {
         self.at.map.is_pinned()
+    }
+
+    /// How this process's mapping was pinned (bytes, registration calls,
+    /// time taken while attaching), if it was.
+    pub fn pinning(&self) -> Option<Pinning> {
+        self.at.map.pinning()
     }
 
     /// A zero-copy view of the object. Its read is acknowledged when the

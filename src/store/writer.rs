@@ -8,6 +8,7 @@ use super::stats::StoreStats;
 use crate::error::{Error, Result};
 use crate::geometry::{validate_store, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
+use crate::pin::Pinning;
 use crate::ring::{Plan, Ring};
 
 use super::ahead::Ahead;
@@ -585,6 +586,12 @@ impl ObjectStore {
     /// Whether the mapping is page-locked (CUDA host-registered) for DMA.
     pub fn is_pinned(&self) -> bool {
         self.map.is_pinned()
+    }
+
+    /// How the mapping was pinned (bytes, registration calls, time taken
+    /// while creating), if it was.
+    pub fn pinning(&self) -> Option<Pinning> {
+        self.map.pinning()
     }
 
     /// Counters and the ring's state, with what blocks reclamation. In a

@@ -55,6 +55,7 @@ done
 cp tests/gpu/run.sh "$kit/run.sh"
 cp tests/gpu/py_pinned.py "$kit/py_pinned.py"
 cp tests/gpu/py_encoder_cache.py "$kit/py_encoder_cache.py"
+cp tests/gpu/py_chunked_pin.py "$kit/py_chunked_pin.py"
 # The wheel itself (to pip install on the GPU machine), and unpacked (a
 # wheel is a zip): run.sh puts that on PYTHONPATH.
 cp "$wheel" "$kit/"

@@ -11,7 +11,10 @@
 #      py_encoder_cache.py: an encoder output (bf16 [4096, 4096]) saved D2H
 #      straight into a slot against .cpu() plus a put, and loaded H2D from
 #      the slot against pageable memory; and a step timed alone, after a
-#      blocking save, and with a non-blocking save (wait=False) in flight.
+#      blocking save, and with a non-blocking save (wait=False) in flight
+#      (on the current stream, on a side stream, and the connector's own:
+#      put_tensor(stream=copy_stream(device)), with the save call's host
+#      time); py_chunked_pin.py: a registration in several 64 MiB chunks.
 # Under 5 minutes (every step has a timeout); ends on one summary line.
 # Exit: 0 all passed, 1 something failed, 2 no GPU here (one line, at once).
 set -uo pipefail
@@ -89,6 +92,7 @@ if [ "${#failed[@]}" -eq 0 ]; then
   if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "python: pinned slot vs vLLM's path, gated release" 40 env PYTHONPATH="$here/py" python3 "$here/py_pinned.py"
     step "python: encoder cache save (D2H into the slot) and load" 40 env PYTHONPATH="$here/py" python3 "$here/py_encoder_cache.py"
+    step "python: registration in 64 MiB chunks, copies across a boundary" 40 env PYTHONPATH="$here/py" python3 "$here/py_chunked_pin.py"
     # What a user with a GPU runs from the wheel (python -m pinshm doctor --gpu).
     step "python: doctor --gpu from the wheel" 40 env PYTHONPATH="$here/py" python3 -m pinshm doctor --gpu
   else

@@ -9,6 +9,7 @@ waits on the event it tests, with a generous bound."""
 
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -335,7 +336,7 @@ class _RecordedEvent(StandInEvent):
         self._log = log
 
     def record(self, stream=None):
-        self._log.append(("record", self))
+        self._log.append(("record", self, stream if stream is not None else _current[-1]))
 
     def synchronize(self):
         self._log.append(("synchronize", self))
@@ -350,6 +351,19 @@ def _stand_in_cuda(monkeypatch, torch, pinned=True):
     log = []
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _RecordedEvent(log))
     monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_a: _current[-1])
+
+    @contextlib.contextmanager
+    def on(stream):
+        _current.append(stream)
+        log.append(("enter", stream))
+        try:
+            yield
+        finally:
+            _current.pop()
+            log.append(("leave", stream))
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(pinshm.device, "_is_pinned", lambda _t: pinned)
 
     def staging(torch_, shape, dtype):
@@ -358,6 +372,23 @@ def _stand_in_cuda(monkeypatch, torch, pinned=True):
 
     monkeypatch.setattr(pinshm.device, "_pinned_empty", staging)
     return log
+
+
+class _StandInStream:
+    """A stand-in for torch.cuda.Stream: `wait_event` is noted."""
+
+    def __init__(self, name, log=None):
+        self.name = name
+        self._log = log
+
+    def wait_event(self, event):
+        self._log.append(("wait_event", self, event))
+
+    def __repr__(self):
+        return self.name
+
+
+_current = [_StandInStream("current")]
 
 
 class _AsIfOnCuda:
@@ -388,7 +419,7 @@ def test_a_cuda_save_without_waiting_queues_its_copy_and_is_published_by_its_eve
     t = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
     save = pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False)
     queued = ["record"] if pinned else ["staging", "record"]
-    assert [what for what, _ in log] == queued, "the save waited for its copy"
+    assert [what for what, *_ in log] == queued, "the save waited for its copy"
     assert save.state == "pending" and store.is_pending("k") and reader.lookup("k") is None
     assert pinshm.device.put_tensor(store, "k", _AsIfOnCuda(t), wait=False) is None
     assert len(log) == len(queued), "a second save of a pending key queued a copy"
@@ -408,7 +439,72 @@ def test_a_cuda_save_whose_copy_raises_waits_for_what_was_queued_then_frees_its_
     wrong.detach = lambda: torch.zeros(3, 3)  # a copy torch refuses
     with pytest.raises(RuntimeError):
         pinshm.device.put_tensor(store, "k", wrong, wait=False)
-    assert [what for what, _ in log] == ["record", "synchronize"]
+    assert [what for what, *_ in log] == ["record", "synchronize"]
     assert len(log) == 2
     assert not store.is_pending("k") and store.stats()["objects"] == objects
     assert pinshm.device.put_tensor(store, "k", torch.ones(4), wait=False).state == "published"
+
+
+def test_a_cuda_save_on_a_side_stream_copies_after_the_current_streams_work_and_keeps_its_source_alive(
+    unique_name, closing, monkeypatch
+):
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
+    log = _stand_in_cuda(monkeypatch, torch)
+    side = _StandInStream("side", log)
+    store = closing(cache_store(unique_name(), n_readers=1))
+    reader = closing(pinshm.StoreReader.attach(store.handle()))
+    t = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
+    source = t.detach()
+    gone = weakref.ref(source)
+    on_gpu = _AsIfOnCuda(t)
+    on_gpu.detach = lambda: source
+    save = pinshm.device.put_tensor(store, "k", on_gpu, wait=False, stream=side)
+    # Ordered: an event on the current stream (after the output's
+    # producer), the side stream waits for it, the copy and its completion
+    # event on the side stream; nothing waited for.
+    produced, entered, waited, done, left = log
+    assert produced[0] == "record" and produced[2] is _current[0]
+    assert entered == ("enter", side)
+    assert waited == ("wait_event", side, produced[1])
+    assert done[0] == "record" and done[2] is side
+    assert left == ("leave", side)
+    assert _current == [_current[0]], "the current stream is the engine's again"
+    assert save.state == "pending" and reader.lookup("k") is None
+    # The source outlives every reference of the caller until the copy's
+    # event completes: the allocator cannot reuse its memory meanwhile.
+    del source, on_gpu
+    gc.collect()
+    assert gone() is not None, "the source was dropped before its copy completed"
+    done[1].complete()
+    h = save.wait(timeout=LONG)
+    assert torch.equal(pinshm.device.get_tensor(reader, h, "cpu"), t)
+    deadline = time.monotonic() + LONG
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None, "the source is kept after its copy completed"
+
+
+def test_the_encoder_cache_saves_a_cuda_output_on_pinshm_s_own_stream_of_its_device(unique_name, monkeypatch):
+    from pinshm.vllm.ec import _worker
+    from pinshm.vllm.ec._config import ECSettings
+
+    torch = pytest.importorskip("torch", reason="torch is not installed (CI has none)")
+    calls = []
+    monkeypatch.setattr(_worker, "copy_stream", lambda device: ("stream of", device))
+    monkeypatch.setattr(_worker, "put_tensor", lambda store, key, value, **kw: calls.append(kw))
+    settings = ECSettings.from_extra({"store": unique_name(), "size": "4m"})
+    side = _worker.WorkerSide(settings, producer=True, consumer=False, writes=True)
+    try:
+        assert side.store is not None
+        side.save({"gpu": _AsIfOnCuda(torch.zeros(4, 4)), "cpu": torch.zeros(4, 4)}, "gpu")
+        side.save({"cpu": torch.zeros(4, 4)}, "cpu")
+        assert calls == [
+            {"wait": False, "stream": ("stream of", "cuda:0")},
+            {"wait": False, "stream": None},
+        ]
+    finally:
+        side.close()

@@ -305,6 +305,7 @@ def test_pin_modes_are_chosen_per_process_and_checked(unique_name, closing):
     store = closing(pinshm.ObjectStore(1 << 20, 4096, 1, name=unique_name(), pin="off"))
     reader = closing(pinshm.StoreReader.attach(store.handle(), 0, pin="auto"))
     assert not reader.is_pinned  # no GPU here (or a build without cuda)
+    assert reader.pinning is None
     with pytest.raises(pinshm.PinshmError, match="pinning required"):
         pinshm.StoreReader.attach_by_name(store.name, pin="require")
     with pytest.raises(ValueError, match="pin must be"):

@@ -85,3 +85,23 @@ def announce() -> None:
             return
         _announced = True
     _logger().info("%s", line)
+
+
+#: A reader that pinned at least this much says how long it took.
+LARGE_PIN = 1 << 30
+
+
+def pinned(what: str, reader: object) -> None:
+    """Says, at INFO, how long pinning a large store took in this process
+    (``cuMemHostRegister`` locks every page, about 0.1 s per GiB, in every
+    worker that attaches): a slow first attach is then explained."""
+    p = getattr(reader, "pinning", None)
+    if p and p["bytes"] >= LARGE_PIN:
+        logging.getLogger("pinshm").info(
+            "pinshm: %s pinned %.1f GiB in %.2f s (%d registration call%s)",
+            what,
+            p["bytes"] / (1 << 30),
+            p["seconds"],
+            p["chunks"],
+            "" if p["chunks"] == 1 else "s",
+        )

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::{Corrupt, ReaderCore, Recv, Releases};
 use crate::channel::atomics::ChannelPtr;
-use crate::channel::spin::{SpinPolicy, WaitStats};
 use crate::channel::spin::WaitPlan;
+use crate::channel::spin::{SpinPolicy, WaitStats};
 use crate::channel::validate::validate;
 use crate::channel::{BroadcastHandle, CancelLink, Canceller, LIVENESS_RECHECK};
 use crate::error::{Error, Result};

@@ -57,7 +57,7 @@ from ..._pinshm import (
     StoreReader,
     signature_bytes,
 )
-from .. import _budget
+from .. import _budget, _status
 from .._status import announce
 from .._tracker import track, untrack
 from ._serde import MsgpackSerde, ObjectSerde, zero_copy
@@ -169,6 +169,7 @@ class SingleWriterShmRingBuffer:
         if self._reader is None:
             pin: Literal["off", "auto"] = "off" if os.environ.get("PINSHM_VLLM_PIN", "1") == "0" else "auto"
             self._reader = StoreReader.attach_by_name(self.name, pin=pin, read_only_views=zero_copy())
+            _status.pinned(f"multimodal cache {self.name!r}", self._reader)
         return self._reader
 
     def handle(self) -> tuple[int, str]:

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Literal, Optional
 
 from ..._pinshm import PinshmError, StoreHandle, StoreReader, UntrustedError
+from .. import _status
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -104,6 +105,7 @@ class NamedReader:
                 logger.info("pinshm encoder cache: store %r not readable yet (%s); retrying", self.name, e)
             return None
         self._reader, self._nonce = reader, nonce
+        _status.pinned(f"encoder cache {self.name!r}", reader)
         self._said_missing = False
         self.last_error, self.no_entry = "", False
         self.attaches += 1

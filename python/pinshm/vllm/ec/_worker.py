@@ -20,7 +20,7 @@ from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
 from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError
-from ...device import get_tensor, put_tensor
+from ...device import copy_stream, get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
@@ -162,10 +162,14 @@ class WorkerSide:
                 self.already += 1
                 return
             # Queued, never waited for: a CUDA output's device-to-host copy
-            # runs on the current stream, and pinshm's poller publishes the
-            # slot once the copy's event has completed (a lookup of the key
-            # is a miss until then; a failed copy gives slot and key back).
-            pending = put_tensor(store, key, contiguous(encoder_cache[mm_hash]), wait=False)
+            # runs on pinshm's own stream of its device, after an event
+            # recorded on the current stream (the engine's next kernels do
+            # not queue behind it), and pinshm's poller publishes the slot
+            # once the copy's event has completed (a lookup of the key is a
+            # miss until then; a failed copy gives slot and key back).
+            value = contiguous(encoder_cache[mm_hash])
+            stream = copy_stream(value.device) if getattr(value, "is_cuda", False) else None
+            pending = put_tensor(store, key, value, wait=False, stream=stream)
             if pending is not None and not pending.done:
                 self._pending.append(pending)
             self.saved += 1

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 from . import _numa, _pinshm
-from .doctor import FAIL, INFO, OK, WARN, Check
+from .doctor import FAIL, INFO, OK, SKIP, WARN, Check
 
 MIB = 1 << 20
 #: The size copied: a large image's pixel values (float32 [3, 1400, 1400]).
@@ -41,9 +41,9 @@ def run() -> list[Check]:
     try:
         import torch
     except ImportError:
-        return [Check("gpu", INFO, "torch is not installed: the GPU checks need it")]
+        return [Check("gpu", SKIP, "torch is not installed: the GPU checks need it")]
     if not torch.cuda.is_available():
-        return [Check("gpu", INFO, "no CUDA device is visible to torch: nothing to check")]
+        return [Check("gpu", SKIP, "no CUDA device is visible to torch: the GPU checks did not run")]
     try:
         return _checks(torch)
     except Exception as e:  # noqa: BLE001 - a report, not a crash

@@ -26,6 +26,7 @@ __all__ = [
     "NoSpaceError",
     "WaitTimeoutError",
     "KeyNotFoundError",
+    "NotFoundError",
     "WrongKindError",
     "InvalidArgumentError",
     "UntrustedError",
@@ -88,6 +89,10 @@ class WaitTimeoutError(PinshmError, builtins.TimeoutError):
 class KeyNotFoundError(PinshmError, KeyError):
     """The store holds no object under that key (`add_reference`,
     `protect`): put it first, or treat it as a miss."""
+
+class NotFoundError(PinshmError, FileNotFoundError):
+    """No segment of that name exists (`attach_by_name`, `StoreHandle.of`,
+    `inspect_segment`): the writer has not created it yet, or it is gone."""
 
 class WrongKindError(PinshmError, TypeError):
     """The object is not of the kind asked for (not a tensor, not an item,

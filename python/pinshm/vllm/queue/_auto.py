@@ -61,17 +61,25 @@ def shm_free_bytes(path: str = SHM_PATH) -> Optional[int]:
         return None
 
 
+def vllm_fits(need: int, free: Optional[int]) -> bool:
+    """Whether vLLM's own queue, asking /dev/shm for `need` bytes, passes
+    its own check with `free` bytes free (None: unknown; vLLM skips its
+    check then). ``auto`` keeps vLLM's queue exactly then; ``doctor``
+    plans with this too."""
+    return need == 0 or free is None or need <= free
+
+
 def choose(n_local_reader: int, max_chunk_bytes: int, max_chunks: int, arena: bool) -> tuple[bool, str]:
     """(use pinshm's queue, why), by vLLM's own check."""
     need = vllm_queue_bytes(n_local_reader, max_chunk_bytes, max_chunks, arena)
     free = shm_free_bytes()
-    if need == 0 or free is None or need <= free:
-        free_mib = 0 if free is None else free / MIB
+    free_mib = 0 if free is None else free / MIB
+    if vllm_fits(need, free):
         where = f"it needs {need / MIB:.0f} MiB of /dev/shm, {free_mib:.0f} MiB free"
         if need == 0:
             where = "no local readers"
         return False, f"vLLM's queue in use: {where}"
-    return True, f"pinshm queue in use: vLLM's needs {need / MIB:.0f} MiB of /dev/shm, {free / MIB:.0f} MiB free"
+    return True, f"pinshm queue in use: vLLM's needs {need / MIB:.0f} MiB of /dev/shm, {free_mib:.0f} MiB free"
 
 
 def _say(line: str, pinshm_chosen: bool) -> None:

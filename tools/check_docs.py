@@ -14,7 +14,9 @@ a second):
    measured at another layout version than the code's, and no results
    file goes unused (tools/figures.py --check; its self-test with
    --self-test);
-4. README.md stays under 300 lines.
+4. README.md stays under 300 lines;
+5. no user doc (README.md, SECURITY.md, docs/) cites the project's own
+   issue numbers ("issue 41"), which a user cannot look up.
 
 Usage: tools/check_docs.py [ROOT]   (default: the repository this file is in)
        tools/check_docs.py --self-test
@@ -32,6 +34,8 @@ README_LINES = 300
 MACHINE_PATH = re.compile(
     r"(?<![\w.~:/$-])/(?:work|root|home|tmp|Users|mnt|scratch)(?=/|\b)[^\s`'\"()\[\]<>,;]*"
 )
+# The project's own issue numbers, which a reader of the docs cannot open.
+OWN_ISSUE = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -150,6 +154,9 @@ def check(root):
                     f"{rel}:{no}: {m.group(0)!r} is one machine's path;"
                     " use a path relative to the repository or a placeholder (VENV, DIR)"
                 )
+            m = OWN_ISSUE.search(line)
+            if m and (rel in ("README.md", "SECURITY.md") or rel.startswith("docs/")):
+                problems.append(f"{rel}:{no}: {m.group(0)!r}: a project issue a user cannot look up; say what it was")
     readme = os.path.join(root, "README.md")
     if os.path.exists(readme):
         n = read("README.md").count("\n")
@@ -176,7 +183,7 @@ def self_test():
         assert not problems, problems
         bad = {
             "docs/bad.md": "[a](nowhere.md)\n[b](guide.md#no-such-heading)\n[c](../../outside.md)\n"
-                           "run `cd /work/tree` first\n",
+                           "run `cd /work/tree` first\nas issue 41 asked\n",
         }
         bad["README.md"] = good["README.md"].replace("/work/in/a/fence is still scanned", "a fence") + "x\n" * 300
         for name, body in bad.items():
@@ -184,7 +191,7 @@ def self_test():
                 fh.write(body)
         problems, _ = check(d)
         want = ["no tracked file docs/nowhere.md", "no heading #no-such-heading", "leaves the repository",
-                "'/work/tree'", "the front page stays under 300"]
+                "'/work/tree'", "the front page stays under 300", "'issue 41'"]
         for w in want:
             assert any(w in p for p in problems), (w, problems)
         assert len(problems) == len(want), problems

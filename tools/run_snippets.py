@@ -11,6 +11,7 @@ Usage: tools/run_snippets.py PYTHON [ROOT]
        tools/run_snippets.py --self-test PYTHON
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -61,12 +62,12 @@ def main(argv):
             (root / "docs" / "a.md").write_text(
                 "```python\nimport no_such_module_here\n```\n```python\nraise SystemExit(3)\n```\n"
             )
-            ran, skipped, failed = run(argv[1], root)
+            ran, skipped, failed = run(os.path.abspath(argv[1]) if os.sep in argv[1] else argv[1], root)
             assert (ran, len(skipped), len(failed)) == (2, 1, 1), (ran, skipped, failed)
             assert "no_such_module_here" in skipped[0] and "exit 3" in failed[0], (skipped, failed)
         print("run_snippets self-test: a good block passes, a broken one fails, a missing import is said")
         return 0
-    python = argv[0]
+    python = os.path.abspath(argv[0])  # blocks run from an empty directory; not resolved: a venv's python is a link
     root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parents[1]
     ran, skipped, failed = run(python, root)
     for s in skipped:

@@ -85,13 +85,6 @@ def check_shm(plan: Plan) -> list[Check]:
     return out + budget_plan(plan, size, free)
 
 
-def queue_mode() -> str:
-    """``PINSHM_VLLM_MESSAGE_QUEUE`` as the plugin reads it: "1", "0" or
-    "auto"."""
-    mode = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
-    return mode if mode in ("0", "1") else "auto"
-
-
 def budget_plan(plan: Plan, size: int, free: Optional[int] = None) -> list[Check]:
     """What pinshm and vLLM will do with a /dev/shm of `size` bytes, `free`
     of them free as the engine starts (default: all), for `plan`: each
@@ -103,7 +96,7 @@ def budget_plan(plan: Plan, size: int, free: Optional[int] = None) -> list[Check
     code calls, so the plan is what it will do."""
     from .vllm import _budget
     from .vllm.cache.storage import shm_headroom
-    from .vllm.queue._auto import vllm_fits, vllm_queue_bytes
+    from .vllm.queue._auto import queue_mode, vllm_fits, vllm_queue_bytes
 
     free = size if free is None else free
     mode = queue_mode()

@@ -134,7 +134,8 @@ class BadPeer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if keys:
-            secure_server(self.sock, peer_keys())
+            keys = peer_keys()
+            secure_server(self.sock, keys.server_public, keys.server_secret)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.answer = answer
         self.requests = 0

@@ -16,7 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .._pinshm import StoreReader
 
 _lock = threading.Lock()
 #: The "in use" line, until it is logged.
@@ -91,12 +94,12 @@ def announce() -> None:
 LARGE_PIN = 1 << 30
 
 
-def pinned(what: str, reader: object) -> None:
+def pinned(what: str, reader: StoreReader) -> None:
     """Says, at INFO, how long pinning a large store took in this process
     (``cuMemHostRegister`` locks every page, about 0.1 s per GiB, in every
     worker that attaches): a slow first attach is then explained."""
-    p = getattr(reader, "pinning", None)
-    if p and p["bytes"] >= LARGE_PIN:
+    p = reader.pinning
+    if p is not None and p["bytes"] >= LARGE_PIN:
         logging.getLogger("pinshm").info(
             "pinshm: %s pinned %.1f GiB in %.2f s (%d registration call%s)",
             what,

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from types import ModuleType
 from typing import Any, Optional
@@ -75,16 +74,6 @@ def _rebind_cache(module: Optional[ModuleType]) -> str:
 
 #: vLLM's own MessageQueue, once ``auto`` has put its chooser in its place.
 _vllm_queue: Optional[type] = None
-
-
-def queue_mode() -> str:
-    """``PINSHM_VLLM_MESSAGE_QUEUE``: ``auto`` (unset or empty too), ``1``
-    or ``0``; anything else is ``auto``, with a warning."""
-    value = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
-    if value not in ("auto", "1", "0"):
-        _status.warn("pinshm: PINSHM_VLLM_MESSAGE_QUEUE=%s is not auto, 1 or 0; using auto", value)
-        return "auto"
-    return value
 
 
 def _queue_classes(mode: str) -> tuple[type, Optional[type]]:
@@ -165,6 +154,8 @@ def register(module: Optional[ModuleType] = None) -> None:
     except Exception as e:  # noqa: BLE001 - see the docstring
         rebound.pop("cache", None)
         problems.append(f"the shm multimodal cache stays vLLM's: {type(e).__name__}: {e}")
+    from .queue._auto import queue_mode  # lazily, as the queue rebinding below imports the queue package
+
     mode = queue_mode()
     if mode != "0":
         try:

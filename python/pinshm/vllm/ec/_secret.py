@@ -121,10 +121,11 @@ def keys_for(secret_file: Optional[str], insecure: bool) -> Optional[Keys]:
     return derive(read_secret(secret_file), secret_file)
 
 
-def secure_server(sock: Any, keys: Keys) -> None:
-    """Makes `sock` (before it binds) a CURVE server with the derived key."""
-    sock.curve_secretkey = keys.server_secret
-    sock.curve_publickey = keys.server_public
+def secure_server(sock: Any, public: bytes, secret: bytes) -> None:
+    """Makes `sock` (before it binds) a CURVE server with the derived key
+    pair (the serving process holds these two fields of `Keys` only)."""
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
     sock.curve_server = True
 
 

@@ -119,6 +119,8 @@ class Gate:
     def __init__(self, parent: socket.socket, cfg: dict[str, Any]) -> None:
         import zmq
 
+        from ._secret import secure_server
+
         self._parent = parent
         self._ctx = zmq.Context()
         keys = cfg.get("keys")
@@ -140,9 +142,7 @@ class Gate:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.RCVHWM, 1000)
         if keys is not None:
-            sock.curve_secretkey = bytes(keys["server_secret"])
-            sock.curve_publickey = bytes(keys["server_public"])
-            sock.curve_server = True
+            secure_server(sock, bytes(keys["server_public"]), bytes(keys["server_secret"]))
             sock.setsockopt(zmq.ZAP_DOMAIN, b"pinshm-ec")
         sock.bind(f"tcp://{cfg['host']}:{int(cfg['port'])}")
         self._sock = sock

@@ -23,10 +23,12 @@ queue behind at concurrency 1 in end-to-end latency, ahead at 8 and 32.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from typing import Any, Optional
 
+from .. import _status
 from .message_queue import Handle as PinshmHandle
 from .message_queue import MessageQueue as PinshmMessageQueue
 
@@ -59,6 +61,17 @@ def shm_free_bytes(path: str = SHM_PATH) -> Optional[int]:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def queue_mode() -> str:
+    """``PINSHM_VLLM_MESSAGE_QUEUE``: ``auto`` (unset or empty too), ``1``
+    or ``0``; anything else is ``auto``, with a warning. The plugin binds
+    by it, and ``doctor`` plans by it."""
+    value = os.environ.get("PINSHM_VLLM_MESSAGE_QUEUE", "").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        _status.warn("pinshm: PINSHM_VLLM_MESSAGE_QUEUE=%s is not auto, 1 or 0; using auto", value)
+        return "auto"
+    return value
 
 
 def vllm_fits(need: int, free: Optional[int]) -> bool:

@@ -7,7 +7,10 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pinshm::testing as layout;
-use pinshm::{DType, ItemLayout, ObjectStore, StoreConfig, StoreReader};
+use pinshm::{
+    codec::{DType, ItemLayout},
+    ObjectStore, StoreConfig, StoreReader,
+};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;

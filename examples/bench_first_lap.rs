@@ -78,7 +78,7 @@ fn store(size: usize, objects: usize, sparse: bool) -> ObjectStore {
     let cap = cap.next_multiple_of(StoreConfig::SLOT_ALIGN);
     let cfg = StoreConfig::new(cap, size, 1)
         .cache(true)
-        .pin(pinshm::PinMode::Off)
+        .pin(pinshm::device::PinMode::Off)
         .reserve(!sparse)
         .prefault(!sparse);
     ObjectStore::create(cfg).expect("store")

@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
 
 fn thread_cpu() -> Duration {
     let mut ru = std::mem::MaybeUninit::<nix::libc::rusage>::uninit();

@@ -31,7 +31,7 @@
 
 use std::collections::VecDeque;
 
-use pinshm::{Error, ObjectHandle, ObjectStore, ReadGuard, StoreConfig, StoreReader};
+use pinshm::{store::ObjectHandle, Error, ObjectStore, ReadGuard, StoreConfig, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;

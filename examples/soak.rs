@@ -10,7 +10,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
+};
 
 const MIB: usize = 1 << 20;
 

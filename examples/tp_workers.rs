@@ -14,8 +14,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pinshm::{
-    Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader, Error, ObjectHandle, ObjectStore,
-    StoreConfig, StoreHandle, StoreReader,
+    channel::{BroadcastConfig, BroadcastHandle},
+    store::{ObjectHandle, StoreHandle},
+    Broadcast, BroadcastReader, Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 /// What travels through the channel for each request.

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[repr(u8)]
 #[allow(missing_docs)]
+#[non_exhaustive]
 pub enum DType {
     U8 = 0,
     I8 = 1,

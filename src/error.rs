@@ -7,6 +7,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Who keeps the oldest object from being reclaimed (see [`Error::Full`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Blocker {
     /// Address of the oldest live object.
     pub address: u64,
@@ -291,7 +292,7 @@ pub enum Error {
         n_readers: u32,
     },
 
-    /// A channel's reader holds a [`Message`](crate::Message) in every
+    /// A channel's reader holds a [`Message`](crate::channel::Message) in every
     /// slot, so the writer could never send it another: only
     /// [`BroadcastReader::recv`](crate::BroadcastReader::recv) and its
     /// variants return it. A store's reader has no such limit (holds are
@@ -388,7 +389,7 @@ pub enum Error {
 
     /// [`ObjectStore::finish_put`](crate::ObjectStore::finish_put) or
     /// [`try_finish_put`](crate::ObjectStore::try_finish_put) with a
-    /// [`PendingPut`](crate::PendingPut) that is not pending in this store:
+    /// [`PendingPut`](crate::store::PendingPut) that is not pending in this store:
     /// finished already, or another store's. Nothing was changed.
     #[error("put {id} is not pending in this store: {reason}")]
     PutNotPending {

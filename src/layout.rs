@@ -92,6 +92,7 @@ pub struct Preamble {
 /// What a slot's payload is (`SlotHeader::kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
+#[non_exhaustive]
 pub enum ObjectKind {
     /// Raw bytes.
     Raw = 0,

@@ -1,6 +1,6 @@
 #![doc = include_str!("../docs/crate.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 #![warn(unreachable_pub)]
 
 #[cfg(not(target_os = "linux"))]
@@ -10,74 +10,56 @@ compile_error!(
 
 // Layers, lowest first (a module imports only modules before it here;
 // tools/import_graph.py checks it): dtype, layout, error, sys, atomics, ring,
-// geometry, codec, cuda (the driver wrapper), pin, copy, store, channel,
-// inspect, gc. The modules are private; the public API is the flat
-// page below.
+// geometry, codec, cuda (the driver wrapper), pin, copy, device, store,
+// channel, inspect. The public modules are the API's rooms, named for what
+// they hold; the rest are internals.
 mod atomics;
-mod channel;
-mod codec;
+pub mod channel;
+pub mod codec;
 mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod device;
 mod dtype;
-mod error;
-mod gc;
+pub mod error;
 mod geometry;
-mod inspect;
+pub mod inspect;
 mod layout;
 mod pin;
 mod ring;
-mod store;
+pub mod store;
 mod sys;
 
-pub use channel::{Broadcast, BroadcastReader, Canceller, Message};
-pub use channel::{BroadcastConfig, BroadcastHandle, WaitStats};
-pub use codec::{
-    payload_len, FieldRef, FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots,
-    ItemView, TensorRef, TensorView, CODEC_VERSION, MAX_DIMS,
-};
-#[cfg(feature = "cuda")]
-pub use copy::cuda::CudaEngine;
-#[cfg(feature = "cuda")]
-pub use copy::kernels::KernelSource;
-pub use copy::{
-    Completion, CopyEngine, CpuEngine, DeviceBuffer, DeviceId, KeepAlive, PackDesc, Pause, Ticket,
-};
-pub use dtype::{DType, Element};
-pub use error::{Blocker, BoxError, Error, Result};
-pub use gc::{gc, remove_if_abandoned_file, Abandoned};
-pub use inspect::{inspect, ReaderInfo, SlotInfo, Snapshot};
-pub use layout::ObjectKind;
-pub use pin::{PinMode, Pinning};
-pub use store::{
-    Eviction, ItemGuard, Lease, ObjectHandle, ObjectStore, PendingGet, PendingPut, ReadGuard,
-    ReaderOptions, Reservation, Signature, StoreConfig, StoreHandle, StoreReader, StoreStats,
-    TensorGuard, SIGNATURE_LEN,
-};
+// The few types a user starts from; everything else is in its room.
+pub use channel::{Broadcast, BroadcastReader};
+pub use error::{Error, Result};
+pub use store::{ObjectStore, ReadGuard, StoreConfig, StoreReader};
 
-/// This process's fork generation (registering the `pthread_atfork` child
-/// handler on first use): it changes in every forked child. For bindings
-/// that must tell a forked child's inherited objects apart the way the
-/// crate does for its own handles. Not semver API.
-#[doc(hidden)]
-pub fn fork_generation() -> u64 {
-    sys::fork::register()
-}
-
-/// Internals that tests, benchmarks and tools reach for: the on-segment
-/// layout, the CPU references of the kernels, kernel compilation. Not
-/// semver API: the on-segment format may change with any release.
+/// Internals that tests, benchmarks, tools and the Python bindings reach
+/// for: the on-segment layout, the codec's header, the CPU references of
+/// the kernels, kernel compilation, the fork generation. Not semver API:
+/// the on-segment format may change with any release.
 #[doc(hidden)]
 pub mod testing {
-    pub use crate::codec::TENSOR_HEADER_LEN;
+    /// Bytes before a tensor's payload in its slot.
+    pub const TENSOR_HEADER_LEN: usize = crate::codec::TENSOR_HEADER_LEN;
     #[cfg(feature = "cuda")]
     pub use crate::copy::kernels::{compile_kernels, kernel_binaries, KernelBuild};
+    pub use crate::copy::Pause;
     pub use crate::copy::{check_pack, pack_cpu, unpack_cpu};
     #[cfg(feature = "cuda")]
     pub use crate::cuda::{
         current_context, driver_present, driver_version, nvrtc_present, ForeignContext,
     };
     pub use crate::layout::*;
+
+    /// This process's fork generation (registering the `pthread_atfork`
+    /// child handler on first use): it changes in every forked child. For
+    /// bindings that must tell a forked child's inherited objects apart the
+    /// way the crate does for its own handles.
+    pub fn fork_generation() -> u64 {
+        crate::sys::fork::register()
+    }
 }
 
 /// The Rust examples of the README and of `docs/`, run as doctests (they

@@ -7,7 +7,11 @@ mod common;
 
 use common::{pattern, peek, scribble, slot, store, Name, Rng};
 use pinshm::testing as layout;
-use pinshm::{DType, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    codec::DType,
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
+};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;

@@ -10,7 +10,7 @@ mod common;
 use std::io::{BufRead, Write};
 
 use common::{checksum, pattern, Name, Peer, Rng};
-use pinshm::{DType, Error, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{codec::DType, store::StoreHandle, Error, ObjectStore, StoreConfig, StoreReader};
 
 const KIB: usize = 1 << 10;
 
@@ -42,9 +42,17 @@ fn a_reader_finds_stored_keys_without_the_writer_and_misses_evicted_ones() {
     let len = 4 * KIB;
     let mut w = cache(&name, 8, len, 1);
     let r = StoreReader::attach(&w.handle()).unwrap();
+    let mut handles = Vec::new();
     for i in 0..20u64 {
-        w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap();
+        handles.push(w.put(&format!("k{i}"), &bytes_of(i, len)).unwrap());
     }
+    // The inspector explains a cache's evicted object by the cache's own
+    // reason, not a store's reads.
+    let snap = pinshm::inspect::inspect(&name).unwrap();
+    assert!(snap.cache, "{snap}");
+    assert!(snap.to_string().contains("kind      cache"), "{snap}");
+    let why = snap.explain(handles[0].address, handles[0].monotonic_id);
+    assert!(why.starts_with("evicted: the cache reclaimed it"), "{why}");
     let mut found = 0;
     for i in 0..20u64 {
         let key = format!("k{i}");
@@ -202,7 +210,10 @@ fn a_killed_leaseholders_leases_are_ignored() {
     // Every object of the ring leased: while the holder lives, nothing fits.
     let mut peer = Peer::spawn("leaseall", &w.handle());
     assert_eq!(peer.ask(&slots.to_string()), format!("leased {slots}"));
-    assert_eq!(pinshm::inspect(&name).unwrap().readers[0].guards, slots);
+    assert_eq!(
+        pinshm::inspect::inspect(&name).unwrap().readers[0].guards,
+        slots
+    );
     assert!(matches!(
         w.put("blocked", &bytes_of(0, len)),
         Err(Error::Full { .. })

@@ -10,7 +10,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{checksum, pattern, scribble, Name, Rng};
-use pinshm::{Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader, Error};
+use pinshm::{
+    channel::{BroadcastConfig, BroadcastHandle},
+    Broadcast, BroadcastReader, Error,
+};
 
 const SECS: Duration = Duration::from_secs(20);
 

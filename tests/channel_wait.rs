@@ -10,7 +10,10 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::Name;
-use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, Canceller, Error};
+use pinshm::{
+    channel::{BroadcastConfig, Canceller},
+    Broadcast, BroadcastReader, Error,
+};
 
 /// Far longer than any wake-up; a lost one never ends (the other side is
 /// alive, so no liveness re-check ends the wait either).

@@ -7,8 +7,9 @@ use std::io::Write;
 use common::{child_result, pattern, scribble, spawn_child, Name, Rng};
 use pinshm::testing as layout;
 use pinshm::{
-    DType, Error, Item, ItemLayout, ObjectHandle, ObjectKind, ObjectStore, StoreConfig,
-    StoreHandle, StoreReader, TensorRef,
+    codec::{DType, Item, ItemLayout, TensorRef},
+    store::{ObjectHandle, ObjectKind, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 const MIB: usize = 1 << 20;

@@ -12,8 +12,9 @@ use common::{engine, pattern, Name};
 use pinshm::testing as layout;
 use pinshm::testing::{check_pack, pack_cpu, unpack_cpu};
 use pinshm::{
-    CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, StoreConfig,
-    StoreReader,
+    codec::{DType, ItemLayout},
+    device::{CopyEngine, CpuEngine, PackDesc},
+    Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 const KIB: usize = 1024;
@@ -165,12 +166,12 @@ struct Signalling {
 
 #[derive(Debug)]
 struct SignalledTicket {
-    inner: pinshm::Ticket,
+    inner: pinshm::device::Ticket,
     waiting: crossbeam_channel::Sender<()>,
 }
 
 // SAFETY: says what the CPU engine's ticket says, and waits as it does.
-unsafe impl pinshm::Completion for SignalledTicket {
+unsafe impl pinshm::device::Completion for SignalledTicket {
     fn poll(&self) -> pinshm::Result<bool> {
         self.inner.poll()
     }
@@ -181,8 +182,11 @@ unsafe impl pinshm::Completion for SignalledTicket {
 }
 
 impl Signalling {
-    fn wrap(&self, t: pinshm::Result<pinshm::Ticket>) -> pinshm::Result<pinshm::Ticket> {
-        Ok(pinshm::Ticket::new(SignalledTicket {
+    fn wrap(
+        &self,
+        t: pinshm::Result<pinshm::device::Ticket>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
+        Ok(pinshm::device::Ticket::new(SignalledTicket {
             inner: t?,
             waiting: self.waiting.clone(),
         }))
@@ -191,24 +195,24 @@ impl Signalling {
 
 // SAFETY: every call goes to the CPU engine; its tickets only gain a signal.
 unsafe impl CopyEngine for Signalling {
-    fn device(&self) -> pinshm::DeviceId {
+    fn device(&self) -> pinshm::device::DeviceId {
         self.inner.device()
     }
-    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::DeviceBuffer> {
+    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::device::DeviceBuffer> {
         self.inner.alloc(len)
     }
-    fn upload(&self, src: &[u8], dst: &pinshm::DeviceBuffer) -> pinshm::Result<()> {
+    fn upload(&self, src: &[u8], dst: &pinshm::device::DeviceBuffer) -> pinshm::Result<()> {
         self.inner.upload(src, dst)
     }
-    fn download(&self, src: &pinshm::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
+    fn download(&self, src: &pinshm::device::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
         self.inner.download(src, dst)
     }
     unsafe fn d2h_async(
         &self,
-        src: &pinshm::DeviceBuffer,
+        src: &pinshm::device::DeviceBuffer,
         dst: *mut u8,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         // SAFETY: the caller's contract, passed on.
         self.wrap(unsafe { self.inner.d2h_async(src, dst, keep) })
     }
@@ -216,9 +220,9 @@ unsafe impl CopyEngine for Signalling {
         &self,
         src: *const u8,
         len: usize,
-        dst: &pinshm::DeviceBuffer,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        dst: &pinshm::device::DeviceBuffer,
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         // SAFETY: the caller's contract, passed on.
         self.wrap(unsafe { self.inner.h2d_async(src, len, dst, keep) })
     }
@@ -227,8 +231,8 @@ unsafe impl CopyEngine for Signalling {
         descs: &[PackDesc],
         dst: *mut u8,
         len: usize,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         // SAFETY: the caller's contract, passed on.
         self.wrap(unsafe { self.inner.pack_async(descs, dst, len, keep) })
     }
@@ -237,8 +241,8 @@ unsafe impl CopyEngine for Signalling {
         src: *const u8,
         len: usize,
         descs: &[PackDesc],
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         // SAFETY: the caller's contract, passed on.
         self.wrap(unsafe { self.inner.unpack_async(src, len, descs, keep) })
     }
@@ -457,7 +461,7 @@ fn pin_modes_behave_without_a_gpu() {
     let gpu = {
         #[cfg(feature = "cuda")]
         {
-            pinshm::CudaEngine::available()
+            pinshm::device::CudaEngine::available()
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -468,7 +472,7 @@ fn pin_modes_behave_without_a_gpu() {
     let w = ObjectStore::create(
         StoreConfig::new(MIB, KIB, 1)
             .name(&*name)
-            .pin(pinshm::PinMode::Off),
+            .pin(pinshm::device::PinMode::Off),
     )
     .unwrap();
     assert!(!w.is_pinned());
@@ -480,14 +484,14 @@ fn pin_modes_behave_without_a_gpu() {
         let e = ObjectStore::create(
             StoreConfig::new(MIB, KIB, 1)
                 .name(&*req)
-                .pin(pinshm::PinMode::Require),
+                .pin(pinshm::device::PinMode::Require),
         )
         .unwrap_err();
         assert!(matches!(e, Error::PinUnavailable { .. }), "{e}");
         assert!(!req.exists(), "a failed create leaves no segment");
         let e = StoreReader::attach_with(
             &w.handle(),
-            pinshm::ReaderOptions::default().pin(pinshm::PinMode::Require),
+            pinshm::store::ReaderOptions::default().pin(pinshm::device::PinMode::Require),
         )
         .unwrap_err();
         assert!(matches!(e, Error::PinUnavailable { .. }), "{e}");
@@ -510,7 +514,7 @@ struct Lost;
 
 // SAFETY: never says done (poll is false, wait is DeviceLost); the engine
 // leaks every keep-alive, so the memory stays valid for good.
-unsafe impl pinshm::Completion for Lost {
+unsafe impl pinshm::device::Completion for Lost {
     fn poll(&self) -> pinshm::Result<bool> {
         Ok(false)
     }
@@ -524,56 +528,56 @@ unsafe impl pinshm::Completion for Lost {
 
 // SAFETY: its tickets never say done and it leaks every keep-alive.
 unsafe impl CopyEngine for LostEngine {
-    fn device(&self) -> pinshm::DeviceId {
+    fn device(&self) -> pinshm::device::DeviceId {
         self.0.device()
     }
-    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::DeviceBuffer> {
+    fn alloc(&self, len: usize) -> pinshm::Result<pinshm::device::DeviceBuffer> {
         self.0.alloc(len)
     }
-    fn upload(&self, src: &[u8], dst: &pinshm::DeviceBuffer) -> pinshm::Result<()> {
+    fn upload(&self, src: &[u8], dst: &pinshm::device::DeviceBuffer) -> pinshm::Result<()> {
         self.0.upload(src, dst)
     }
-    fn download(&self, src: &pinshm::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
+    fn download(&self, src: &pinshm::device::DeviceBuffer, dst: &mut [u8]) -> pinshm::Result<()> {
         self.0.download(src, dst)
     }
     unsafe fn d2h_async(
         &self,
-        _: &pinshm::DeviceBuffer,
+        _: &pinshm::device::DeviceBuffer,
         _: *mut u8,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         std::mem::forget(keep);
-        Ok(pinshm::Ticket::new(Lost))
+        Ok(pinshm::device::Ticket::new(Lost))
     }
     unsafe fn h2d_async(
         &self,
         _: *const u8,
         _: usize,
-        _: &pinshm::DeviceBuffer,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        _: &pinshm::device::DeviceBuffer,
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         std::mem::forget(keep);
-        Ok(pinshm::Ticket::new(Lost))
+        Ok(pinshm::device::Ticket::new(Lost))
     }
     unsafe fn pack_async(
         &self,
         _: &[PackDesc],
         _: *mut u8,
         _: usize,
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         std::mem::forget(keep);
-        Ok(pinshm::Ticket::new(Lost))
+        Ok(pinshm::device::Ticket::new(Lost))
     }
     unsafe fn unpack_async(
         &self,
         _: *const u8,
         _: usize,
         _: &[PackDesc],
-        keep: Option<pinshm::KeepAlive>,
-    ) -> pinshm::Result<pinshm::Ticket> {
+        keep: Option<pinshm::device::KeepAlive>,
+    ) -> pinshm::Result<pinshm::device::Ticket> {
         std::mem::forget(keep);
-        Ok(pinshm::Ticket::new(Lost))
+        Ok(pinshm::device::Ticket::new(Lost))
     }
 }
 

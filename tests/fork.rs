@@ -17,8 +17,9 @@ use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 use pinshm::{
-    Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader, Error, ObjectStore, StoreConfig,
-    StoreHandle, StoreReader,
+    channel::{BroadcastConfig, BroadcastHandle},
+    store::StoreHandle,
+    Broadcast, BroadcastReader, Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 /// How long a dead party may look alive: the channel's documented bound

@@ -1,4 +1,4 @@
-//! `pinshm::gc`: what dead writers left in /dev/shm is listed and removed;
+//! `pinshm::inspect::gc`: what dead writers left in /dev/shm is listed and removed;
 //! a live writer's segment, one being created and other programs' files
 //! are never touched. Writers are child processes SIGKILLed mid-life.
 
@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::time::Duration;
 
 use common::{spawn_child, Name};
-use pinshm::{Broadcast, BroadcastConfig, ObjectStore, StoreConfig};
+use pinshm::{channel::BroadcastConfig, Broadcast, ObjectStore, StoreConfig};
 
 const MIB: usize = 1 << 20;
 
@@ -65,7 +65,7 @@ fn gc_lists_then_removes_the_segments_of_killed_writers_and_nothing_else() {
     std::fs::write(other.path(), b"not a pinshm segment, whatever its name").unwrap();
     std::fs::write(empty.path(), b"").unwrap(); // a segment being created
 
-    let listed = pinshm::gc(&prefix, true).unwrap();
+    let listed = pinshm::inspect::gc(&prefix, true).unwrap();
     let names: Vec<(&str, &str, bool)> = listed
         .iter()
         .map(|a| (a.name.as_str(), a.kind, a.removed))
@@ -87,7 +87,7 @@ fn gc_lists_then_removes_the_segments_of_killed_writers_and_nothing_else() {
         "a dry run removes nothing"
     );
 
-    let removed = pinshm::gc(&prefix, false).unwrap();
+    let removed = pinshm::inspect::gc(&prefix, false).unwrap();
     assert!(
         removed.iter().all(|a| a.removed) && removed.len() == 2,
         "{removed:?}"
@@ -98,7 +98,7 @@ fn gc_lists_then_removes_the_segments_of_killed_writers_and_nothing_else() {
         "left alone"
     );
     assert_eq!(
-        pinshm::gc(&prefix, false).unwrap(),
+        pinshm::inspect::gc(&prefix, false).unwrap(),
         [],
         "nothing left to remove"
     );
@@ -112,7 +112,7 @@ fn a_segment_replaced_by_a_new_writer_is_not_removed() {
     killed_writer("store", &name);
     // The next writer of the name replaces the dead one's segment.
     let w = ObjectStore::create(StoreConfig::new(MIB, 4096, 1).name(&*name)).unwrap();
-    assert_eq!(pinshm::gc(&name, false).unwrap(), []);
+    assert_eq!(pinshm::inspect::gc(&name, false).unwrap(), []);
     assert!(name.exists());
     drop(w);
 }

@@ -14,8 +14,9 @@ use std::time::Instant;
 use common::{checksum, child_result, engine, pattern, spawn_child, Name};
 use pinshm::testing as layout;
 use pinshm::{
-    CopyEngine, CudaEngine, Error, ObjectHandle, ObjectStore, PackDesc, PinMode, ReaderOptions,
-    StoreConfig, StoreHandle, StoreReader,
+    device::{CopyEngine, CudaEngine, PackDesc, PinMode},
+    store::{ObjectHandle, ReaderOptions, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 const MIB: usize = 1 << 20;

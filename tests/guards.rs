@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::{pattern, Name};
 use pinshm::{
-    inspect, Broadcast, BroadcastConfig, BroadcastReader, Error, ObjectStore, StoreConfig,
-    StoreReader,
+    channel::BroadcastConfig, inspect::inspect, Broadcast, BroadcastReader, Error, ObjectStore,
+    StoreConfig, StoreReader,
 };
 
 const KIB: usize = 1024;

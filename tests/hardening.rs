@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use common::{checksum, pattern, spawn_child, Name};
 use pinshm::{
-    CopyEngine, CpuEngine, Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader,
+    device::{CopyEngine, CpuEngine},
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 const KIB: usize = 1024;
@@ -384,7 +386,7 @@ fn two_writers_replacing_a_dead_ones_segment_do_not_both_win() {
 ///    writer and a reader refuse, and dropping them changes nothing.
 #[test]
 fn a_forked_child_dropping_inherited_channel_handles_changes_nothing() {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     let name = Name::new("forkchan");
     let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&*name)).unwrap();
     let rx = BroadcastReader::attach(&tx.handle()).unwrap();

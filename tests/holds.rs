@@ -8,7 +8,10 @@ mod common;
 use std::io::{BufRead, Write};
 
 use common::{checksum, pattern, Name, Peer, Rng};
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
+};
 
 const KIB: usize = 1 << 10;
 
@@ -66,6 +69,38 @@ fn a_slow_readers_unread_object_does_not_stop_ten_laps_of_puts() {
 }
 
 #[test]
+fn live_readers_lists_attached_processes_and_drops_a_killed_one() {
+    let name = Name::new("livereaders");
+    let len = 256;
+    let mut w = ObjectStore::create(StoreConfig::new(1 << 20, len, 3).name(&*name)).unwrap();
+    let me = StoreReader::attach(&w.handle()).unwrap();
+    assert_eq!(
+        me.live_readers().unwrap(),
+        [(me.index(), std::process::id())]
+    );
+    let mut peer = Peer::spawn("holdall", &w.handle());
+    let h = w.put("a", &pattern(1, len)).unwrap();
+    peer.send(&line(h, 1, len));
+    peer.send("end");
+    assert_eq!(peer.answer(), "holding 1");
+    let pid = peer.pid();
+    let live = me.live_readers().unwrap();
+    assert_eq!(live.len(), 2, "{live:?}");
+    assert!(live.contains(&(me.index(), std::process::id())), "{live:?}");
+    assert!(
+        live.iter().any(|&(i, p)| p == pid && i != me.index()),
+        "{live:?}"
+    );
+    peer.kill();
+    // The kernel released the killed reader's lock: it is not counted,
+    // though its entry still says attached until the writer reaps it.
+    assert_eq!(
+        me.live_readers().unwrap(),
+        [(me.index(), std::process::id())]
+    );
+}
+
+#[test]
 fn a_reader_killed_holding_a_thousand_guards_is_ignored_and_its_slots_reused() {
     let name = Name::new("kill1000");
     let len = 256;
@@ -79,7 +114,10 @@ fn a_reader_killed_holding_a_thousand_guards_is_ignored_and_its_slots_reused() {
     }
     peer.send("end");
     assert_eq!(peer.answer(), format!("holding {n}"));
-    assert_eq!(pinshm::inspect(&name).unwrap().readers[0].guards, n);
+    assert_eq!(
+        pinshm::inspect::inspect(&name).unwrap().readers[0].guards,
+        n
+    );
     peer.kill();
     // Ten rings' worth of puts: the dead reader's holds (and reads owed)
     // are ignored once the writer finds its lock gone.
@@ -98,7 +136,10 @@ fn a_reader_killed_holding_a_thousand_guards_is_ignored_and_its_slots_reused() {
     let g = r.get(h).unwrap();
     assert_eq!(&g[..], &pattern(9, len)[..]);
     drop(g);
-    assert_eq!(pinshm::inspect(&name).unwrap().readers[0].guards, 0);
+    assert_eq!(
+        pinshm::inspect::inspect(&name).unwrap().readers[0].guards,
+        0
+    );
 }
 
 #[test]

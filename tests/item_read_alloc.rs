@@ -7,7 +7,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::hint::black_box;
 
-use pinshm::{DType, ItemLayout, ObjectStore, StoreConfig, StoreReader};
+use pinshm::{
+    codec::{DType, ItemLayout},
+    ObjectStore, StoreConfig, StoreReader,
+};
 
 /// `System`, counting this thread's allocations (tests run in parallel
 /// threads; a per-thread count sees only the code under test).

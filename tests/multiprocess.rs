@@ -8,7 +8,10 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use common::{checksum, child_result, pattern, spawn_child, Name, Rng};
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
+};
 
 const MIB: usize = 1024 * 1024;
 

@@ -8,7 +8,7 @@ mod common;
 
 use common::{pattern, scribble, Name};
 use pinshm::testing as layout;
-use pinshm::{ObjectHandle, ObjectStore, StoreConfig, StoreReader};
+use pinshm::{store::ObjectHandle, ObjectStore, StoreConfig, StoreReader};
 use proptest::prelude::*;
 
 const KIB: usize = 1024;
@@ -115,6 +115,6 @@ proptest! {
                 }
             }
         }
-        let _ = pinshm::inspect(&name).map(|s| s.to_string());
+        let _ = pinshm::inspect::inspect(&name).map(|s| s.to_string());
     }
 }

@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use common::{checksum, pattern, spawn_child, Name, Rng};
 use pinshm::testing as layout;
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    store::{ObjectHandle, StoreHandle},
+    Error, ObjectStore, StoreConfig, StoreReader,
+};
 
 const KIB: usize = 1024;
 const MIB: usize = 1 << 20;
@@ -493,7 +496,7 @@ fn capacities_above_4_gib_and_objects_above_2_gib_work_sparse() {
     .unwrap();
     let r = StoreReader::attach_with(
         &w.handle(),
-        pinshm::ReaderOptions::default().prefault(false),
+        pinshm::store::ReaderOptions::default().prefault(false),
     )
     .unwrap();
     let h = w
@@ -574,7 +577,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     assert_eq!(d.address, a.address);
     let _ = r.get(a); // a stale read, counted
     let g = r.get(b).unwrap();
-    let snap = pinshm::inspect(&name).unwrap();
+    let snap = pinshm::inspect::inspect(&name).unwrap();
     assert!(snap.writer_alive);
     assert_eq!(snap.layout_version, layout::LAYOUT_VERSION);
     assert_eq!(snap.readers[0].state, "attached");
@@ -589,16 +592,32 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     // b is both held and owed: the oldest object the writer must go around.
     let (blocker, why) = snap.oldest_blocker().unwrap();
     assert_eq!(blocker.monotonic_id, b.monotonic_id);
-    assert!(why.contains("reader 0 holds 1 guard"), "{why}");
+    assert!(why.contains("reader 0 has 1 hold,"), "{why}");
+    assert!(why.contains("reader 0 owes 1 read"), "{why}");
     assert_eq!(snap.reader_entries(), (1, 0), "the one entry is held");
     let text = snap.to_string();
     assert!(text.contains("blocker   oldest in use: id"), "{text}");
     assert!(
-        text.contains("entries   1 of 1 reader entries held by live readers, 0 free"),
+        text.contains("entries   1 of 1 reader entry held by live readers, 0 free"),
         "{text}"
     );
     assert!(
         text.contains("attached") && text.contains("reads owed"),
+        "{text}"
+    );
+    // In words: the store's kind, plurals, object kinds by name, the
+    // glossary's names (no "ring", no "kind 0").
+    assert!(
+        text.contains("kind      store, reads counted per reader"),
+        "{text}"
+    );
+    assert!(
+        text.contains("in 3 live objects") && text.contains("3 slots, oldest first"),
+        "{text}"
+    );
+    assert!(snap.slots.iter().all(|s| s.kind_name() == "raw"));
+    assert!(
+        !text.contains("ring ") && !text.contains("(s)") && text.contains(" raw "),
         "{text}"
     );
     assert!(snap
@@ -609,7 +628,7 @@ fn the_inspector_shows_readers_and_slots_and_explains_stale_handles() {
     drop(g);
     w.clear_hard();
     drop(r);
-    let snap = pinshm::inspect(&name).unwrap();
+    let snap = pinshm::inspect::inspect(&name).unwrap();
     assert!(snap.explain(c.address, c.monotonic_id).contains("clear"));
     assert_eq!(
         snap.reader_entries(),
@@ -648,7 +667,7 @@ fn the_inspector_survives_a_corrupt_ring_extent() {
         common::scribble(&name, 88, &head.to_le_bytes());
         common::scribble(&name, 96, &tail.to_le_bytes());
         let t0 = Instant::now();
-        let snap = pinshm::inspect(&name).unwrap();
+        let snap = pinshm::inspect::inspect(&name).unwrap();
         let _ = snap.to_string();
         let _ = snap.explain(0, 1);
         assert!(t0.elapsed() < Duration::from_secs(5), "the walk is bounded");

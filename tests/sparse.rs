@@ -11,7 +11,8 @@ use std::process::{Command, Stdio};
 
 use common::{pattern, Name};
 use pinshm::{
-    Broadcast, BroadcastConfig, BroadcastReader, Error, ObjectStore, StoreConfig, StoreReader,
+    channel::BroadcastConfig, Broadcast, BroadcastReader, Error, ObjectStore, StoreConfig,
+    StoreReader,
 };
 
 const KIB: usize = 1 << 10;
@@ -358,13 +359,13 @@ fn child_channel_on_small_shm() {
 /// of an earlier segment of the name, one of another store, or a corrupted
 /// message carries.
 fn handles_past_the_written(
-    h: pinshm::ObjectHandle,
+    h: pinshm::store::ObjectHandle,
     capacity: usize,
     count: u64,
-) -> Vec<pinshm::ObjectHandle> {
+) -> Vec<pinshm::store::ObjectHandle> {
     let step = ((capacity - MIB) as u64 / count) & !63;
     (0..count)
-        .map(|i| pinshm::ObjectHandle {
+        .map(|i| pinshm::store::ObjectHandle {
             address: MIB as u64 + i * step,
             monotonic_id: h.monotonic_id + 1 + i,
             epoch: h.epoch,
@@ -375,7 +376,7 @@ fn handles_past_the_written(
 /// Every read of such a handle is `Stale`, refused before it touches a
 /// byte there: a read fault on a hole of a shared tmpfs mapping would
 /// allocate a page.
-fn refuse_all(r: &StoreReader, forged: &[pinshm::ObjectHandle]) {
+fn refuse_all(r: &StoreReader, forged: &[pinshm::store::ObjectHandle]) {
     let mut out = Vec::new();
     for &f in forged {
         let stale = |what: &str, e: Error| assert!(e.is_stale(), "{what} of {f:?}: {e}");

@@ -6,7 +6,7 @@ mod common;
 
 use common::{pattern, slot, store, Name};
 use pinshm::testing as layout;
-use pinshm::{Error, ObjectHandle, ObjectStore, StoreConfig, StoreReader};
+use pinshm::{store::ObjectHandle, Error, ObjectStore, StoreConfig, StoreReader};
 
 const KIB: usize = 1024;
 const MIB: usize = 1024 * 1024;
@@ -415,7 +415,7 @@ fn a_reader_holds_a_hundred_thousand_guards_and_gives_every_one_back() {
     for (i, g) in guards.iter().enumerate().step_by(997) {
         assert_eq!(&g[..], &pattern((i % n_objects) as u64, 64)[..]);
     }
-    let snap = pinshm::inspect(&name).unwrap();
+    let snap = pinshm::inspect::inspect(&name).unwrap();
     assert_eq!(snap.readers[0].guards, 100_000);
     // Every object is held: nothing can go.
     for _ in 0..3 {
@@ -423,7 +423,10 @@ fn a_reader_holds_a_hundred_thousand_guards_and_gives_every_one_back() {
     }
     assert_eq!(w.stats().objects, n_objects as u64);
     drop(guards);
-    assert_eq!(pinshm::inspect(&name).unwrap().readers[0].guards, 0);
+    assert_eq!(
+        pinshm::inspect::inspect(&name).unwrap().readers[0].guards,
+        0
+    );
     assert_eq!(w.free_unused(), n_objects);
 }
 
@@ -603,7 +606,7 @@ fn a_detached_reader_stops_blocking_and_its_successor_inherits_no_counts() {
 
 #[test]
 fn read_only_views_show_the_same_bytes_through_another_mapping() {
-    use pinshm::ReaderOptions;
+    use pinshm::store::ReaderOptions;
     let name = Name::new("roviews");
     let mut w = store(&name, MIB, 4 * KIB, 2);
     let h = w.put("k", &pattern(3, 4 * KIB)).unwrap();
@@ -623,7 +626,7 @@ fn read_only_views_show_the_same_bytes_through_another_mapping() {
 
 #[test]
 fn a_read_only_view_of_an_empty_object_at_the_end_of_the_ring_is_valid() {
-    use pinshm::ReaderOptions;
+    use pinshm::store::ReaderOptions;
     let name = Name::new("roviewsend");
     // One object fills the ring but for one slot prefix: the empty object
     // put next lies last, its (empty) payload at the end of the segment.

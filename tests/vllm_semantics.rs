@@ -5,7 +5,7 @@
 mod common;
 
 use common::{pattern, Name};
-use pinshm::{Error, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{store::StoreHandle, Error, ObjectStore, StoreConfig, StoreReader};
 
 const KIB: usize = 1024;
 const LEN: usize = 4 * KIB;
@@ -204,15 +204,15 @@ fn lookup_and_keys_count_no_read_and_peek_reads_the_writers_own_bytes() {
     // Peeks and lookups count nothing: both still wait for their reads.
     assert_eq!(w.free_unused(), 0);
     for bad in [
-        pinshm::ObjectHandle {
+        pinshm::store::ObjectHandle {
             monotonic_id: a.monotonic_id + 7,
             ..a
         },
-        pinshm::ObjectHandle {
+        pinshm::store::ObjectHandle {
             address: b.address,
             ..a
         },
-        pinshm::ObjectHandle {
+        pinshm::store::ObjectHandle {
             epoch: a.epoch ^ 1,
             ..a
         },

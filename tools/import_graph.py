@@ -24,7 +24,7 @@ import os, re, sys
 
 # Lowest first: a module may import only modules before it.
 LAYERS = ["dtype", "layout", "error", "sys", "atomics", "ring", "geometry", "codec",
-          "cuda", "pin", "copy", "store", "channel", "inspect", "gc"]
+          "cuda", "pin", "copy", "device", "store", "channel", "inspect"]
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 mods = sorted({n[:-3] if n.endswith(".rs") else n for n in os.listdir(SRC)

@@ -24,7 +24,7 @@ fn thread_cpu() -> std::time::Duration {
 /// Ping-pong over two channels, both sides spinning: median of
 /// (round trip / 2) over rounds of `batch` round trips.
 fn bcast_latency_ns(size: usize, quick: bool) -> f64 {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     use std::time::Duration;
     let spin = Duration::from_secs(1);
     let mut ping = Broadcast::create(BroadcastConfig::new(1, 64, size).spin(spin)).unwrap();
@@ -58,7 +58,10 @@ fn bcast_latency_ns(size: usize, quick: bool) -> f64 {
 /// As `bcast_latency_ns`, with the echo in another process (this binary
 /// re-executed with `--bcast-echo`): the channel as tp_workers uses it.
 fn bcast_latency_xproc_ns(size: usize, quick: bool) -> f64 {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastHandle, BroadcastReader};
+    use pinshm::{
+        channel::{BroadcastConfig, BroadcastHandle},
+        Broadcast, BroadcastReader,
+    };
     use std::time::Duration;
     let spin = Duration::from_secs(1);
     let mut ping = Broadcast::create(BroadcastConfig::new(1, 64, size).spin(spin)).unwrap();
@@ -92,8 +95,8 @@ fn bcast_latency_xproc_ns(size: usize, quick: bool) -> f64 {
 }
 
 /// The echo process of `bcast_latency_xproc_ns`.
-pub(crate) fn bcast_echo(hping: &pinshm::BroadcastHandle) {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+pub(crate) fn bcast_echo(hping: &pinshm::channel::BroadcastHandle) {
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     let spin = std::time::Duration::from_secs(1);
     let mut rx = BroadcastReader::attach(hping).unwrap();
     rx.set_spin(spin);
@@ -149,7 +152,7 @@ fn atomic_pingpong_ns(quick: bool) -> f64 {
 /// `crossbeam`, the same through a crossbeam channel (its blocked receiver
 /// parks on a futex too).
 fn bcast_wake_ns(crossbeam: bool, quick: bool) -> f64 {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     use std::time::Duration;
     let n = if quick { 100 } else { 300 };
     let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -197,7 +200,7 @@ fn bcast_wake_ns(crossbeam: bool, quick: bool) -> f64 {
 /// `crossbeam`, one bounded crossbeam channel per reader (the writer sends
 /// each message into every one), as a baseline.
 pub(crate) fn bcast_throughput(readers: u32, crossbeam: bool, quick: bool) -> Vec<f64> {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     let n: u64 = if quick { 300_000 } else { 2_000_000 };
     let msg = [5u8; 64];
     fn timed(n: u64, count: impl FnOnce() -> u64) -> f64 {
@@ -261,7 +264,7 @@ pub(crate) fn bcast_throughput(readers: u32, crossbeam: bool, quick: bool) -> Ve
 /// CPU ns a reader thread uses while blocked for 1 s in `recv_timeout`
 /// (crossbeam: the same in its `recv_timeout`).
 pub(crate) fn bcast_idle_cpu_ns(crossbeam: bool) -> f64 {
-    use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+    use pinshm::{channel::BroadcastConfig, Broadcast, BroadcastReader};
     use std::time::Duration;
     let second = Duration::from_secs(1);
     if crossbeam {

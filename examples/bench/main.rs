@@ -19,7 +19,11 @@ use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use pinshm::{DType, ItemLayout, ObjectHandle, ObjectStore, StoreConfig, StoreHandle, StoreReader};
+use pinshm::{
+    codec::{DType, ItemLayout},
+    store::{ObjectHandle, StoreHandle},
+    ObjectStore, StoreConfig, StoreReader,
+};
 
 mod channel;
 

@@ -48,11 +48,11 @@ __all__ = [
     "set_release_gate",
     "has_release_gate",
     "flush_releases",
-    "inspect_segment",
     "cuda_status",
-    "gc_segments",
     "_exit_door_passing",
     "_remove_if_abandoned_file",
+    "_inspect_segment",
+    "_gc_segments",
 ]
 
 __version__: str
@@ -674,6 +674,12 @@ class StoreReader:
         """The segment's current epoch, which every handle issued since the
         last hard clear carries: rebuild a handle known only by address and
         id (as vLLM sends them) with it."""
+    def live_readers(self) -> list[tuple[int, int]]:
+        """The segment's reader table as the writer counts it: `(entry
+        index, pid)` of every entry attached by a process that still runs
+        (its entry's lock held), this reader's own included, in index
+        order. For a coordinator that waits until its workers read a
+        segment; a snapshot, stale when it returns."""
     @property
     def index(self) -> int:
         """This reader's index (its reader entry)."""
@@ -919,14 +925,9 @@ def flush_releases() -> int:
     returns how many of both are still pending. Waits for a poll under
     way (the release thread's), never for an event."""
 
-def inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
-    """Segment `name` (as in /dev/shm/NAME), read-only, through the crate's
-    inspector (the Rust `pinshm-inspect`'s), anyone's (a FIFO or other
-    special file is refused at once, UntrustedError): header fields,
-    `owner_uid` and `mode` (whose file, its permission bits), `readers` and
-    `slots` (lists of dicts, with `holds` and `reads_owed` per slot), the
-    oldest `blocker` (None: nothing in use), the text `report`, and in
-    `explanations` what happened to each `(address, id)` of `handles`."""
+def _inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
+    """The raw form of `pinshm.inspect_segment` (which returns it typed,
+    `pinshm.segments.Snapshot`): the same fields as a dict."""
 
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and
@@ -938,10 +939,6 @@ def _remove_if_abandoned_file(name: str, dev: int, ino: int) -> bool:
     What a process's reaper runs for the segments the process made, after
     it died: never another segment of the same name."""
 
-def gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
-    """The segments in /dev/shm whose name starts with `prefix` and whose
-    writer is gone: each a dict of `name`, `kind` ("store" or "channel"),
-    `bytes` (of /dev/shm it holds), `writer_pid` (None where unknown),
-    `owner_uid` (whose file it is) and `removed`. Anyone's segments, never a
-    FIFO or other special file. With `dry_run` (the default) nothing is removed; else each
-    is removed under the dead writer's liveness lock (`python -m pinshm gc`)."""
+def _gc_segments(prefix: str = "", dry_run: bool = True) -> list[dict[str, Any]]:
+    """The raw form of `pinshm.gc_segments` (which returns them typed,
+    `pinshm.segments.Abandoned`): the same fields as dicts."""

@@ -131,19 +131,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "inspect":
-        from . import PinshmError, _pinshm
+        from . import PinshmError
+        from .segments import inspect_segment
 
         name = args.name.removeprefix("/dev/shm/").lstrip("/")
         try:
-            snap = _pinshm.inspect_segment(name, args.handles)
+            snap = inspect_segment(name, args.handles)
         except (PinshmError, OSError, ValueError) as e:
             print(f"pinshm inspect: {e}", file=sys.stderr)
             return 1
         if args.json:
-            print(json.dumps(snap, indent=2))
+            print(json.dumps(snap.to_dict(), indent=2))
             return 0
-        print(snap["report"], end="")
-        for (address, ident), why in zip(args.handles, snap["explanations"]):
+        print(snap.report, end="")
+        for (address, ident), why in zip(args.handles, snap.explanations):
             print(f"\n{address}:{ident}: {why}")
         return 0
     if args.command == "gc":
@@ -170,21 +171,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _gc(prefix: str, dry_run: bool, as_json: bool) -> int:
-    from . import PinshmError, _pinshm
+    from . import PinshmError
+    from .segments import gc_segments
 
     try:
-        found = _pinshm.gc_segments(prefix, dry_run)
+        found = gc_segments(prefix, dry_run)
     except (PinshmError, OSError) as e:
         print(f"pinshm gc: {e}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps(found, indent=2))
+        print(json.dumps([a.to_dict() for a in found], indent=2))
         return 0
     for a in found:
-        what = "would remove" if dry_run else "removed" if a["removed"] else "gone meanwhile:"
-        pid = f", writer pid {a['writer_pid']} gone" if a["writer_pid"] else ", writer gone"
-        owner = "" if a.get("owner_uid") in (None, os.geteuid()) else f", uid {a['owner_uid']}'s"
-        print(f"{what} /dev/shm/{a['name']} ({a['kind']}, {a['bytes'] / 2**20:.1f} MiB{pid}{owner})")
+        what = "would remove" if dry_run else "removed" if a.removed else "gone meanwhile:"
+        pid = f", writer pid {a.writer_pid} gone" if a.writer_pid else ", writer gone"
+        owner = "" if a.owner_uid == os.geteuid() else f", uid {a.owner_uid}'s"
+        print(f"{what} /dev/shm/{a.name} ({a.kind}, {a.bytes / 2**20:.1f} MiB{pid}{owner})")
     if not found:
         print("pinshm gc: no segment of a dead writer" + (f" under {prefix!r}" if prefix else ""))
     return 0

@@ -18,12 +18,12 @@ use crate::{lock, Home};
 /// that dies count for nothing.
 #[pyclass(module = "pinshm", frozen)]
 pub(crate) struct Lease {
-    handle: pinshm::ObjectHandle,
-    inner: Mutex<Option<pinshm::Lease>>,
+    handle: pinshm::store::ObjectHandle,
+    inner: Mutex<Option<pinshm::store::Lease>>,
 }
 
 impl Lease {
-    pub(crate) fn new(l: pinshm::Lease) -> Lease {
+    pub(crate) fn new(l: pinshm::store::Lease) -> Lease {
         Lease {
             handle: l.handle(),
             inner: Mutex::new(Some(l)),
@@ -74,7 +74,7 @@ impl Lease {
 
 /// A reservation behind a mutex, shared with each export of its bytes.
 pub(crate) struct Reserved {
-    pub(crate) res: Mutex<pinshm::Reservation>,
+    pub(crate) res: Mutex<pinshm::store::Reservation>,
     data: *mut u8,
     len: usize,
 }
@@ -120,7 +120,7 @@ impl TensorReservation {
     }
 
     pub(crate) fn new(
-        mut res: pinshm::Reservation,
+        mut res: pinshm::store::Reservation,
         key: String,
         dtype: &'static str,
         shape: Vec<u64>,

@@ -74,7 +74,7 @@ fn wait_loop<R: Send>(
 pub(crate) struct Broadcast {
     inner: Mutex<Option<pinshm::Broadcast>>,
     /// Ends a wait in `send` (another thread) and every later one.
-    canceller: pinshm::Canceller,
+    canceller: pinshm::channel::Canceller,
     home: Home,
 }
 
@@ -94,7 +94,8 @@ impl Broadcast {
         name: Option<String>,
         reserve: bool,
     ) -> PyResult<Self> {
-        let mut cfg = pinshm::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
+        let mut cfg =
+            pinshm::channel::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
         if let Some(name) = name {
             cfg = cfg.name(name);
         }
@@ -255,7 +256,7 @@ pub(crate) struct BroadcastReader {
     /// held keeps the reader attached after `close()`.
     shared: Mutex<Option<Arc<SharedReader>>>,
     /// Ends a wait in `recv` (another thread) and every later one.
-    canceller: pinshm::Canceller,
+    canceller: pinshm::channel::Canceller,
     index: u32,
     home: Home,
 }

@@ -7,13 +7,13 @@ use pyo3::types::PyType;
 /// Where an object lives: what the writer sends to its readers.
 #[pyclass(module = "pinshm", frozen, eq, hash)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct ObjectHandle(pub(crate) pinshm::ObjectHandle);
+pub(crate) struct ObjectHandle(pub(crate) pinshm::store::ObjectHandle);
 
 #[pymethods]
 impl ObjectHandle {
     #[new]
     fn new(address: u64, monotonic_id: u64, epoch: u64) -> Self {
-        ObjectHandle(pinshm::ObjectHandle {
+        ObjectHandle(pinshm::store::ObjectHandle {
             address,
             monotonic_id,
             epoch,
@@ -55,7 +55,7 @@ impl ObjectHandle {
 /// Everything a reader process needs to attach to a store.
 #[pyclass(module = "pinshm", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub(crate) struct StoreHandle(pub(crate) pinshm::StoreHandle);
+pub(crate) struct StoreHandle(pub(crate) pinshm::store::StoreHandle);
 
 type StoreHandleArgs = (String, u64, u64, u64, u32, u32);
 
@@ -70,7 +70,7 @@ impl StoreHandle {
         n_readers: u32,
         layout_version: u32,
     ) -> Self {
-        StoreHandle(pinshm::StoreHandle {
+        StoreHandle(pinshm::store::StoreHandle {
             name,
             nonce,
             capacity,
@@ -83,7 +83,7 @@ impl StoreHandle {
     /// The handle of the live store segment `name`, read from its header.
     #[staticmethod]
     fn of(py: Python<'_>, name: &str) -> PyResult<Self> {
-        crate::gil::released(py, || pinshm::StoreHandle::of(name))
+        crate::gil::released(py, || pinshm::store::StoreHandle::of(name))
             .map(StoreHandle)
             .map_err(crate::to_py)
     }
@@ -141,7 +141,7 @@ impl StoreHandle {
 /// Everything a reader process needs to attach to a broadcast channel.
 #[pyclass(module = "pinshm", frozen, eq, hash)]
 #[derive(Clone, PartialEq, Eq)]
-pub(crate) struct BroadcastHandle(pub(crate) pinshm::BroadcastHandle);
+pub(crate) struct BroadcastHandle(pub(crate) pinshm::channel::BroadcastHandle);
 
 impl std::hash::Hash for BroadcastHandle {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
@@ -171,7 +171,7 @@ impl BroadcastHandle {
         slots: u32,
         slot_size: u32,
     ) -> Self {
-        BroadcastHandle(pinshm::BroadcastHandle {
+        BroadcastHandle(pinshm::channel::BroadcastHandle {
             name,
             nonce,
             layout_version,

@@ -35,11 +35,11 @@ mod tools;
 pub(crate) use errors::to_py;
 
 /// The pin mode named `s` ("auto", "off", "require").
-pub(crate) fn pin_mode(s: &str) -> PyResult<pinshm::PinMode> {
+pub(crate) fn pin_mode(s: &str) -> PyResult<pinshm::device::PinMode> {
     match s {
-        "auto" => Ok(pinshm::PinMode::Auto),
-        "off" => Ok(pinshm::PinMode::Off),
-        "require" => Ok(pinshm::PinMode::Require),
+        "auto" => Ok(pinshm::device::PinMode::Auto),
+        "off" => Ok(pinshm::device::PinMode::Off),
+        "require" => Ok(pinshm::device::PinMode::Require),
         other => Err(PyValueError::new_err(format!(
             "pin must be 'auto', 'off' or 'require', not {other:?}"
         ))),
@@ -64,14 +64,14 @@ impl Home {
     /// An object of segment `name`, made in this process.
     pub(crate) fn new(name: &str) -> Home {
         Home {
-            generation: pinshm::fork_generation(),
+            generation: pinshm::testing::fork_generation(),
             name: name.to_owned(),
         }
     }
 
     /// Whether this is a forked child of the process that made the object.
     pub(crate) fn forked(&self) -> bool {
-        pinshm::fork_generation() != self.generation
+        pinshm::testing::fork_generation() != self.generation
     }
 
     /// Fails with the Forked error (`PinshmError`, as the core's

@@ -54,13 +54,13 @@ impl SharedReader {
 /// One message held open: the core's message and its bytes.
 pub(crate) struct HeldMessage {
     /// Released when this drops (the core's drop, from any thread).
-    msg: pinshm::Message,
+    msg: pinshm::channel::Message,
     reader: Arc<SharedReader>,
 }
 
 impl HeldMessage {
     /// Wraps a message received from `shared`'s reader.
-    pub(crate) fn new(shared: &Arc<SharedReader>, msg: pinshm::Message) -> HeldMessage {
+    pub(crate) fn new(shared: &Arc<SharedReader>, msg: pinshm::channel::Message) -> HeldMessage {
         HeldMessage {
             msg,
             reader: Arc::clone(shared),

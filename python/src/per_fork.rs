@@ -23,7 +23,7 @@ impl<T: Send + Sync + 'static> PerFork<T> {
 
     /// This fork generation's value.
     pub(crate) fn get(&self) -> &'static T {
-        let generation = pinshm::fork_generation();
+        let generation = pinshm::testing::fork_generation();
         loop {
             let now = self.here.load(Ordering::Acquire);
             // SAFETY: a non-null `here` is a `Box` turned raw and never

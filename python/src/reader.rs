@@ -57,7 +57,7 @@ impl Held {
     fn new(
         py: Python<'_>,
         shared: &Arc<Shared>,
-        h: pinshm::ObjectHandle,
+        h: pinshm::store::ObjectHandle,
         gated: bool,
     ) -> PyResult<Held> {
         crate::release::flush_releases(py);
@@ -84,7 +84,7 @@ impl Held {
         self.guard()
     }
 
-    fn handle(&self) -> pinshm::ObjectHandle {
+    fn handle(&self) -> pinshm::store::ObjectHandle {
         self.guard().handle()
     }
 }
@@ -224,7 +224,7 @@ impl StoreReader {
         read_only_views: bool,
     ) -> PyResult<Self> {
         let sh = store_handle.0;
-        let mut opts = pinshm::ReaderOptions::default()
+        let mut opts = pinshm::store::ReaderOptions::default()
             .pin(crate::pin_mode(pin)?)
             .read_only_views(read_only_views);
         if let Some(i) = index {
@@ -244,11 +244,12 @@ impl StoreReader {
         pin: &str,
         read_only_views: bool,
     ) -> PyResult<Self> {
-        let opts = pinshm::ReaderOptions::default()
+        let opts = pinshm::store::ReaderOptions::default()
             .pin(crate::pin_mode(pin)?)
             .read_only_views(read_only_views);
         let r = crate::gil::released(py, || {
-            pinshm::StoreHandle::of(name).and_then(|sh| pinshm::StoreReader::attach_with(&sh, opts))
+            pinshm::store::StoreHandle::of(name)
+                .and_then(|sh| pinshm::StoreReader::attach_with(&sh, opts))
         });
         r.map(Self::wrap).map_err(to_py)
     }
@@ -421,6 +422,12 @@ impl StoreReader {
         self.with(py, |r| r.epoch())
     }
 
+    /// The reader table: `(entry index, pid)` of every entry attached by
+    /// a process that still runs, this reader's own included.
+    fn live_readers(&self, py: Python<'_>) -> PyResult<Vec<(u32, u32)>> {
+        self.with(py, |r| r.live_readers())?.map_err(to_py)
+    }
+
     /// Whether `signature` signs `key` at `handle` with this store's secret.
     fn verify(
         &self,
@@ -510,7 +517,7 @@ impl StoreReader {
 /// export's `view.obj`) is alive; garbage collection drops it too.
 #[pyclass(module = "pinshm", frozen)]
 pub(crate) struct ReadGuard {
-    handle: pinshm::ObjectHandle,
+    handle: pinshm::store::ObjectHandle,
     len: usize,
     /// The guard's own hold on the read; each export holds another clone
     /// (in its `SlotExport`), so the read ends when the last one goes.
@@ -534,9 +541,9 @@ impl ReadGuard {
     fn tensor_layout(&self) -> PyResult<crate::tensor::Layout> {
         let held = self.hold(PyValueError::new_err)?;
         let found = held.guard().kind();
-        if found != pinshm::ObjectKind::Tensor {
+        if found != pinshm::store::ObjectKind::Tensor {
             return Err(to_py(pinshm::Error::WrongKind {
-                expected: pinshm::ObjectKind::Tensor,
+                expected: pinshm::store::ObjectKind::Tensor,
                 found,
             }));
         }
@@ -550,9 +557,9 @@ impl ReadGuard {
     fn item_fields(&self) -> PyResult<(Vec<crate::tensor::ItemField>, crate::tensor::Meta)> {
         let held = self.hold(PyValueError::new_err)?;
         let found = held.guard().kind();
-        if found != pinshm::ObjectKind::Item {
+        if found != pinshm::store::ObjectKind::Item {
             return Err(to_py(pinshm::Error::WrongKind {
-                expected: pinshm::ObjectKind::Item,
+                expected: pinshm::store::ObjectKind::Item,
                 found,
             }));
         }

@@ -235,7 +235,7 @@ static HERE: PerFork<Gen> = PerFork::new(|| Gen {
     wake: Condvar::new(),
     idle: Condvar::new(),
     poller: AtomicBool::new(false),
-    generation: pinshm::fork_generation(),
+    generation: pinshm::testing::fork_generation(),
 });
 
 /// The state of this process's fork generation: in a forked child, on
@@ -286,7 +286,7 @@ struct Pass {
 impl Drop for Pass {
     fn drop(&mut self) {
         let g = self.gen;
-        if g.generation != pinshm::fork_generation() {
+        if g.generation != pinshm::testing::fork_generation() {
             // Forked during the pass (from a `query()`): the reads and the
             // state are the parent's, left untouched.
             std::mem::forget(std::mem::take(&mut self.batch));

@@ -44,7 +44,7 @@ const POLL: Duration = Duration::from_millis(1);
 #[derive(Clone, Debug)]
 enum Status {
     Pending,
-    Published(pinshm::ObjectHandle),
+    Published(pinshm::store::ObjectHandle),
     /// The copy failed (its event's query raised) or the publish did (the
     /// store cleared meanwhile): the key and slot are free.
     Failed(String),
@@ -80,7 +80,7 @@ struct SaveGate {
     store: Weak<Mutex<Option<pinshm::ObjectStore>>>,
     home: Home,
     /// `None` once ended.
-    res: Option<pinshm::Reservation>,
+    res: Option<pinshm::store::Reservation>,
     /// A buffer the copy wrote instead of the slot (pinned staging, for a
     /// store whose mapping is not pinned): copied into the slot once the
     /// event has completed. `None` once copied.
@@ -94,7 +94,7 @@ struct SaveGate {
 impl SaveGate {
     /// Publishes (`ok`) or aborts the reservation in `store`.
     fn settle(
-        res: pinshm::Reservation,
+        res: pinshm::store::Reservation,
         store: &mut Option<pinshm::ObjectStore>,
         ok: bool,
         error: Option<String>,
@@ -204,7 +204,7 @@ pub(crate) struct PendingSave {
 
 impl PendingSave {
     /// A save of `key` published already (the copy was done when asked).
-    pub(crate) fn published(key: &str, h: pinshm::ObjectHandle, name: &str) -> PendingSave {
+    pub(crate) fn published(key: &str, h: pinshm::store::ObjectHandle, name: &str) -> PendingSave {
         PendingSave {
             key: key.to_owned(),
             state: Arc::new(SaveState {
@@ -219,7 +219,7 @@ impl PendingSave {
     /// counts) until `event` completes.
     pub(crate) fn start(
         key: &str,
-        res: pinshm::Reservation,
+        res: pinshm::store::Reservation,
         event: Py<PyAny>,
         staged: Option<Py<PyAny>>,
         store: &Shared,

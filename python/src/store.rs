@@ -66,7 +66,7 @@ impl ObjectStore {
         &self,
         py: Python<'_>,
         reservation: &crate::cache::TensorReservation,
-    ) -> PyResult<pinshm::Reservation> {
+    ) -> PyResult<pinshm::store::Reservation> {
         self.check_ours(py, reservation)?;
         let held = crate::buffer::take_unshared(&reservation.held, "TensorReservation")?
             .ok_or_else(|| {
@@ -145,8 +145,8 @@ impl ObjectStore {
     ) -> PyResult<Self> {
         let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
-            "fifo" => pinshm::Eviction::Fifo,
-            "second_chance" => pinshm::Eviction::SecondChance,
+            "fifo" => pinshm::store::Eviction::Fifo,
+            "second_chance" => pinshm::store::Eviction::SecondChance,
             other => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
                     "eviction must be 'fifo' or 'second_chance', not {other:?}"
@@ -269,17 +269,17 @@ impl ObjectStore {
         }
         let total: usize = arrays.iter().map(|(_, f)| f.bytes().len()).sum();
         // Borrowed only: the Buffers stay here, with the GIL.
-        let fields: Vec<(&str, pinshm::DType, &[u64], &[u8])> = arrays
+        let fields: Vec<(&str, pinshm::codec::DType, &[u64], &[u8])> = arrays
             .iter()
             .map(|(n, f)| (n.as_str(), f.dtype, f.shape.as_slice(), f.bytes()))
             .collect();
         let h = self.with(py, total >= RELEASE_GIL_AT, |s| {
-            let mut item = pinshm::Item::new();
+            let mut item = pinshm::codec::Item::new();
             for (k, v) in entries {
                 item = item.meta(k, v);
             }
             for (name, dtype, shape, bytes) in fields {
-                item = item.field(name, pinshm::TensorRef::new(dtype, shape, bytes)?);
+                item = item.field(name, pinshm::codec::TensorRef::new(dtype, shape, bytes)?);
             }
             s.put_item(key, &item)
         })?;
@@ -298,7 +298,7 @@ impl ObjectStore {
         let field = crate::tensor::Field::of(array)?;
         let (dtype, shape, bytes) = (field.dtype, field.shape.as_slice(), field.bytes());
         let h = self.with(py, bytes.len() >= RELEASE_GIL_AT, |s| {
-            pinshm::TensorRef::new(dtype, shape, bytes).and_then(|t| s.put_tensor(key, &t))
+            pinshm::codec::TensorRef::new(dtype, shape, bytes).and_then(|t| s.put_tensor(key, &t))
         })?;
         h.map(ObjectHandle).map_err(to_py)
     }

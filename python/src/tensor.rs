@@ -4,7 +4,7 @@
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use pinshm::DType;
+use pinshm::codec::DType;
 
 use crate::buffer::Buffer;
 
@@ -27,6 +27,11 @@ pub(crate) fn numpy_dtype(d: DType) -> PyResult<&'static str> {
             return Err(PyTypeError::new_err(
                 "a bfloat16 tensor has no numpy dtype: read its bytes with get()",
             ))
+        }
+        other => {
+            return Err(PyTypeError::new_err(format!(
+                "{other:?} has no numpy dtype in this build: read its bytes with get()"
+            )))
         }
     })
 }
@@ -134,7 +139,7 @@ pub(crate) struct Layout {
 
 /// The layout of the tensor object `object` (its header checked).
 pub(crate) fn layout(object: &[u8]) -> pinshm::Result<Layout> {
-    let view = pinshm::TensorView::parse(object)?;
+    let view = pinshm::codec::TensorView::parse(object)?;
     Ok(Layout {
         dtype: view.dtype(),
         shape: view.shape().to_vec(),
@@ -155,7 +160,7 @@ pub(crate) type Meta = Vec<(String, String)>;
 /// The fields and metadata of the item object `object` (its header
 /// checked: every field lies inside the object).
 pub(crate) fn item_fields(object: &[u8]) -> pinshm::Result<(Vec<ItemField>, Meta)> {
-    let view = pinshm::ItemView::parse(object)?;
+    let view = pinshm::codec::ItemView::parse(object)?;
     let fields = view
         .fields()
         .map(|f| {

@@ -11,14 +11,14 @@ use crate::to_py;
 /// The segment `name` (as in /dev/shm/NAME), read-only: header, readers,
 /// slots, the oldest blocker, the text `pinshm-inspect` prints (`report`),
 /// and an explanation for each `(address, id)` of `handles`.
-#[pyfunction]
+#[pyfunction(name = "_inspect_segment")]
 #[pyo3(signature = (name, handles = None))]
 pub(crate) fn inspect_segment<'py>(
     py: Python<'py>,
     name: &str,
     handles: Option<Vec<(u64, u64)>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let snap = crate::gil::released(py, || pinshm::inspect(name)).map_err(to_py)?;
+    let snap = crate::gil::released(py, || pinshm::inspect::inspect(name)).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("name", &snap.name)?;
     d.set_item("layout_version", snap.layout_version)?;
@@ -26,6 +26,8 @@ pub(crate) fn inspect_segment<'py>(
     d.set_item("capacity", snap.capacity)?;
     d.set_item("max_object_size", snap.max_object_size)?;
     d.set_item("aggregate_reads", snap.aggregate_reads)?;
+    d.set_item("cache", snap.cache)?;
+    d.set_item("store_kind", snap.store_kind())?;
     d.set_item("writer_pid", snap.writer_pid)?;
     d.set_item("owner_uid", snap.owner_uid)?;
     d.set_item("mode", snap.mode)?;
@@ -44,7 +46,7 @@ pub(crate) fn inspect_segment<'py>(
         e.set_item("last_ack_ms_ago", r.last_ack_ms_ago)?;
         e.set_item("counted_from", r.counted_from)?;
         e.set_item("stale_reads", r.stale_reads)?;
-        e.set_item("guards", r.guards)?;
+        e.set_item("holds", r.guards)?;
         e.set_item("generation", r.generation)?;
         readers.append(e)?;
     }
@@ -58,7 +60,7 @@ pub(crate) fn inspect_segment<'py>(
         e.set_item("address", s.address)?;
         e.set_item("monotonic_id", s.monotonic_id)?;
         e.set_item("size", s.size)?;
-        e.set_item("kind", s.kind)?;
+        e.set_item("kind", s.kind_name())?;
         e.set_item("refs", s.refs)?;
         e.set_item("reads_owed", s.reads_owed.clone())?;
         e.set_item("holds", s.holds.clone())?;
@@ -87,7 +89,7 @@ pub(crate) fn inspect_segment<'py>(
 }
 
 /// Removes segment `name` if the name still names the file (`dev`, `ino`)
-/// and no live writer holds it (`pinshm::remove_if_abandoned_file`):
+/// and no live writer holds it (`pinshm::inspect::remove_if_abandoned_file`):
 /// whether that file left the name. What a process's reaper runs for the
 /// segments the process made, after it died.
 #[pyfunction(name = "_remove_if_abandoned_file")]
@@ -97,20 +99,23 @@ pub(crate) fn remove_if_abandoned_file(
     dev: u64,
     ino: u64,
 ) -> PyResult<bool> {
-    crate::gil::released(py, || pinshm::remove_if_abandoned_file(name, dev, ino)).map_err(to_py)
+    crate::gil::released(py, || {
+        pinshm::inspect::remove_if_abandoned_file(name, dev, ino)
+    })
+    .map_err(to_py)
 }
 
 /// The segments in /dev/shm whose name starts with `prefix` and whose
-/// writer is gone (`pinshm::gc`): listed with `dry_run`, else removed, each
+/// writer is gone (`pinshm::inspect::gc`): listed with `dry_run`, else removed, each
 /// under the dead writer's liveness lock.
-#[pyfunction]
+#[pyfunction(name = "_gc_segments")]
 #[pyo3(signature = (prefix = "", dry_run = true))]
 pub(crate) fn gc_segments<'py>(
     py: Python<'py>,
     prefix: &str,
     dry_run: bool,
 ) -> PyResult<Bound<'py, PyList>> {
-    let found = crate::gil::released(py, || pinshm::gc(prefix, dry_run)).map_err(to_py)?;
+    let found = crate::gil::released(py, || pinshm::inspect::gc(prefix, dry_run)).map_err(to_py)?;
     let out = PyList::empty(py);
     for a in found {
         let d = PyDict::new(py);

@@ -8,7 +8,7 @@ fn main() {
         eprintln!("usage: pinshm-inspect NAME [ADDRESS:ID ...]   (NAME as in /dev/shm/NAME)");
         std::process::exit(2);
     };
-    let snap = match pinshm::inspect(name) {
+    let snap = match pinshm::inspect::inspect(name) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("pinshm-inspect: {e}");

@@ -2,26 +2,27 @@
 //! `slots` fixed-size slots in its own named segment. Every reader receives
 //! every message, in send order, in place.
 //!
-//! * `crate::layout::channel`: the `#[repr(C)]` structs of the segment and
-//!   its version, beside the store's.
-//! * [`atomics`]: every atomic access and futex call, with the ordering table
-//!   and the no-lost-wake-up argument.
-//! * [`writer`] / [`reader`]: the protocol cores (run by loom unchanged)
-//!   and the public types around them.
-//! * [`spin`]: how long a reader spins before it sleeps (`SpinPolicy`).
-//!
 //! Waiting: a reader spins only while it pays (a window learned from its
 //! recent waits, at most [`BroadcastConfig::spin`]; with a steady period,
 //! a timed sleep to just before the predicted arrival and a short spin
-//! around it, see `spin::SpinPolicy`); the writer waiting for a slot spins for
-//! `spin`. Then each sleeps on a futex
-//! in the segment. A [`Canceller`] ends a wait from another thread at once. A sleeping party wakes at least every [`LIVENESS_RECHECK`] and
-//! asks the kernel whether the other side's open-file-description lock is
+//! around it); the writer waiting for a slot spins for `spin`. Then each
+//! sleeps on a futex in the segment. A [`Canceller`] ends a wait from
+//! another thread at once. A sleeping party wakes at least every quarter
+//! of a second and asks the kernel whether the other side's open-file-description lock is
 //! still held (trusting an "alive" answer for one period, so a party that
 //! sleeps and wakes often makes that system call rarely): a dead reader
 //! stops blocking the writer, and a dead writer's readers get
 //! [`Error::WriterGone`](crate::Error::WriterGone), within about two
 //! periods (half a second).
+
+// The module's parts:
+// * `crate::layout::channel`: the `#[repr(C)]` structs of the segment and
+//   its version, beside the store's.
+// * `atomics`: every atomic access and futex call, with the ordering table
+//   and the no-lost-wake-up argument.
+// * `writer` / `reader`: the protocol cores (run by loom unchanged)
+//   and the public types around them.
+// * `spin`: how long a reader spins before it sleeps (`SpinPolicy`).
 
 pub(crate) mod atomics;
 // The channel segment's layout sits with the store's, below both stacks.
@@ -141,7 +142,7 @@ impl BroadcastConfig {
 /// outlive its writer or reader (cancelling then does nothing).
 ///
 /// ```
-/// use pinshm::{Broadcast, BroadcastConfig, BroadcastReader, Error};
+/// use pinshm::{Broadcast, BroadcastReader, Error, channel::BroadcastConfig};
 /// let tx = Broadcast::create(BroadcastConfig::new(1, 2, 64)).unwrap();
 /// let rx = BroadcastReader::attach(&tx.handle()).unwrap();
 /// let cancel = rx.canceller();

@@ -10,6 +10,7 @@ use crate::layout::{round_up, SLOT_ALIGN};
 
 /// One field of an item, as stored in its header.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct FieldSpec {
     /// Field name.
     pub name: String,
@@ -27,6 +28,7 @@ pub struct FieldSpec {
 
 /// The serde-encoded header of an item.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ItemHeader {
     /// String metadata (modality, hash, ...), in order.
     pub meta: Vec<(String, String)>,

@@ -27,18 +27,20 @@ mod msgpack;
 mod tensor;
 mod view;
 
+pub use crate::dtype::{DType, Element};
 pub use item::{FieldSpec, Item, ItemHeader, ItemLayout, ItemLayoutBuilder, ItemSlots};
+pub(crate) use tensor::payload_len;
 pub(crate) use tensor::write_tensor_header;
-pub use tensor::{payload_len, TensorRef, TensorView};
+pub use tensor::{TensorRef, TensorView};
 pub use view::{FieldRef, ItemView};
 
 /// Bumped on every change to the tensor or item layout.
-pub const CODEC_VERSION: u16 = 1;
+pub(crate) const CODEC_VERSION: u16 = 1;
 /// Most dimensions a tensor may have.
 pub const MAX_DIMS: usize = 8;
 
 pub(crate) const TENSOR_MAGIC: u32 = u32::from_le_bytes(*b"PTNS");
 pub(crate) const ITEM_MAGIC: u32 = u32::from_le_bytes(*b"PITM");
 /// Bytes before a tensor's payload.
-pub const TENSOR_HEADER_LEN: usize = 128;
+pub(crate) const TENSOR_HEADER_LEN: usize = 128;
 pub(crate) const ITEM_PREFIX_LEN: usize = 16;

@@ -9,7 +9,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 /// Payload bytes of a tensor of `dtype` and `shape`, or an error on overflow.
-pub fn payload_len(dtype: DType, shape: &[u64]) -> Result<usize> {
+pub(crate) fn payload_len(dtype: DType, shape: &[u64]) -> Result<usize> {
     if shape.len() > MAX_DIMS {
         return Err(Error::InvalidTensor(format!(
             "{} dimensions; at most {MAX_DIMS}",

@@ -119,7 +119,7 @@ impl<'a> ItemView<'a> {
     /// dtype and shape give the stored length, and the payload is 64-byte
     /// aligned, after the header and inside the object.
     ///
-    /// The header must be what [`ItemLayout`](crate::ItemLayout) writes
+    /// The header must be what [`ItemLayout`](crate::codec::ItemLayout) writes
     /// (rmp-serde, named fields) or an equivalent encoding, as Python's
     /// `msgpack.packb` of the same dicts: map keys in any order, each
     /// exactly once, no unknown keys; integers unsigned, in any width;

@@ -144,7 +144,7 @@ struct Kernels {
 /// be used from any thread.
 ///
 /// Both directions share the engine's one stream, on purpose: copies run
-/// in the order they were started, as on [`crate::CpuEngine`], and callers
+/// in the order they were started, as on [`crate::device::CpuEngine`], and callers
 /// may rely on it (a get into a buffer, then a put out of it). The writer
 /// (device to slot) and the workers (slot to device) are separate processes
 /// with engines of their own, so their directions overlap anyway; a process

@@ -53,6 +53,7 @@ pub(crate) const INLINE_DESCS: usize = 96;
 
 /// Where a loaded kernel binary came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KernelSource {
     /// The embedded cubin for this architecture (`major * 10 + minor`).
     Cubin(u32),

@@ -27,6 +27,7 @@ use crate::error::Result;
 
 /// Whether to page-lock (CUDA host-register) the mapping.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum PinMode {
     /// Never pin.
     Off,

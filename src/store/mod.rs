@@ -23,6 +23,7 @@ mod stats;
 mod typed;
 mod writer;
 
+pub use crate::layout::ObjectKind;
 pub use config::{Eviction, ReaderOptions, StoreConfig};
 pub use device::{PendingGet, PendingPut};
 pub use guard::ReadGuard;

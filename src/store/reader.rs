@@ -287,7 +287,7 @@ impl StoreReader {
     /// [`StoreReader::lease_key`] look up and hold in one step.
     ///
     /// A hit counts as a hit by key, as `get_key`'s does: under
-    /// [`Eviction::SecondChance`](crate::Eviction::SecondChance) the object
+    /// [`Eviction::SecondChance`](crate::store::Eviction::SecondChance) the object
     /// stays one more lap of the writer's sweep (a lookup, then a `get` of
     /// the handle, as vLLM-style code does, keeps what it found).
     pub fn lookup(&self, key: &str) -> Result<Option<ObjectHandle>> {
@@ -566,6 +566,24 @@ impl StoreReader {
             address: h.address,
             monotonic_id: h.monotonic_id,
         }
+    }
+
+    /// The segment's reader table as the writer's reclaim counts it: the
+    /// `(entry index, pid)` of every entry attached by a process that still
+    /// runs (its entry's lock held), this reader's own included, in index
+    /// order. For a coordinator (vLLM's encoder-cache scheduler) that waits
+    /// until its workers read a segment; a snapshot, stale when it returns.
+    pub fn live_readers(&self) -> Result<Vec<(u32, u32)>> {
+        self.at.check_owner()?;
+        let seg = self.at.map.seg();
+        Ok((0..self.at.geo.n_readers)
+            .filter_map(|i| {
+                let r = self.at.geo.reader(i);
+                let attached = r.state() == reader_state::ATTACHED;
+                let live = i == self.at.index || seg.held_by_other(liveness::reader_slot(i));
+                (attached && live).then(|| (i, r.pid()))
+            })
+            .collect())
     }
 
     /// Whether the writer that created this segment still runs: it has not

@@ -23,7 +23,7 @@ use crate::layout::ObjectKind;
 /// drop in turn.
 ///
 /// ```
-/// use pinshm::{DType, ObjectStore, StoreConfig, StoreReader};
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader, codec::DType};
 /// # let name = format!("pinshm-doc-reserve-{}", std::process::id());
 /// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name))?;
 /// let mut r = store.reserve_tensor("t", DType::F32, &[2])?;
@@ -206,7 +206,7 @@ impl ObjectStore {
     /// store's reservation is dropped (so given back to its own store).
     ///
     /// ```
-    /// use pinshm::{DType, ObjectStore, StoreConfig};
+    /// use pinshm::{ObjectStore, StoreConfig, codec::DType};
     /// # let name = format!("pinshm-doc-abort-{}", std::process::id());
     /// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name))?;
     /// let r = store.reserve_tensor("t", DType::F32, &[2])?;

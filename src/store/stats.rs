@@ -4,6 +4,7 @@ use crate::error::Blocker;
 
 /// Counters of the writer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoreStats {
     /// Successful puts.
     pub puts: u64,

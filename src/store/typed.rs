@@ -110,7 +110,7 @@ impl ReadGuard {
 /// view borrows the guard:
 ///
 /// ```compile_fail
-/// # use pinshm::{ObjectHandle, StoreReader};
+/// # use pinshm::{StoreReader, store::ObjectHandle};
 /// # fn f(reader: &StoreReader, h: ObjectHandle) -> pinshm::Result<()> {
 /// let view = reader.get_tensor(h)?.view(); // guard dropped here
 /// println!("{:?}", view.bytes());
@@ -174,7 +174,7 @@ impl TensorGuard {
 /// guard:
 ///
 /// ```compile_fail
-/// # use pinshm::{ObjectHandle, StoreReader};
+/// # use pinshm::{StoreReader, store::ObjectHandle};
 /// # fn f(reader: &StoreReader, h: ObjectHandle) -> pinshm::Result<()> {
 /// let modality = reader.get_item(h)?.meta("modality"); // guard dropped here
 /// println!("{modality:?}");

@@ -406,8 +406,8 @@ impl ObjectStore {
     }
 
     /// Whether a put of `key` is in flight: reserved (or its copy started)
-    /// and not yet published, nor given up (a [`Reservation`](crate::Reservation)
-    /// aborted or dropped, a [`PendingPut`](crate::PendingPut) dropped, a
+    /// and not yet published, nor given up (a [`Reservation`](crate::store::Reservation)
+    /// aborted or dropped, a [`PendingPut`](crate::store::PendingPut) dropped, a
     /// copy that failed). A pending key is not cached (`is_cached`,
     /// `get_cached` and readers miss it), and a put of it fails with
     /// [`Error::DuplicateKey`] until it is published or given up.

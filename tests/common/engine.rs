@@ -14,8 +14,10 @@ use super::{pattern, Name, Rng};
 use pinshm::testing as layout;
 use pinshm::testing::{pack_cpu, unpack_cpu};
 use pinshm::{
-    CopyEngine, CpuEngine, DType, Error, ItemLayout, ObjectStore, PackDesc, Pause, StoreConfig,
-    StoreReader,
+    codec::{DType, ItemLayout},
+    device::{CopyEngine, CpuEngine, PackDesc},
+    testing::Pause,
+    Error, ObjectStore, StoreConfig, StoreReader,
 };
 
 const MIB: usize = 1 << 20;
@@ -56,22 +58,22 @@ impl TestEngine for CpuEngine {
 }
 
 #[cfg(feature = "cuda")]
-impl TestEngine for pinshm::CudaEngine {
+impl TestEngine for pinshm::device::CudaEngine {
     fn make() -> Self {
-        pinshm::CudaEngine::new(0).unwrap()
+        pinshm::device::CudaEngine::new(0).unwrap()
     }
     fn store(name: &Name, capacity: usize, max: usize) -> ObjectStore {
         ObjectStore::create(
             StoreConfig::new(capacity, max, 1)
                 .name(&**name)
-                .pin(pinshm::PinMode::Require),
+                .pin(pinshm::device::PinMode::Require),
         )
         .expect("a pinned store (is there a GPU?)")
     }
     fn reader(w: &ObjectStore) -> StoreReader {
         StoreReader::attach_with(
             &w.handle(),
-            pinshm::ReaderOptions::default().pin(pinshm::PinMode::Require),
+            pinshm::store::ReaderOptions::default().pin(pinshm::device::PinMode::Require),
         )
         .expect("a pinned reader")
     }

@@ -112,7 +112,7 @@ pub struct Peer {
 }
 
 impl Peer {
-    pub fn spawn(role: &str, sh: &pinshm::StoreHandle) -> Peer {
+    pub fn spawn(role: &str, sh: &pinshm::store::StoreHandle) -> Peer {
         let mut child = spawn_child(
             "child_reader",
             role,
@@ -148,6 +148,10 @@ impl Peer {
     pub fn ask(&mut self, l: &str) -> String {
         self.send(l);
         self.answer()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn kill(mut self) {

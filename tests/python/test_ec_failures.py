@@ -143,8 +143,7 @@ def test_two_tp8_consumer_engines_and_a_producer_read_one_store_with_the_default
         r = c.step(images)
         assert r.loads == images and r.computed == []
         assert r.digests == [want(images)] * 8 and r.missing == [[]] * 8
-    snap = pinshm._pinshm.inspect_segment(store)
-    assert snap["entries_used"] == 2 + 2 * (1 + 8)
+    assert pinshm.inspect_segment(store).entries_used == 2 + 2 * (1 + 8)
     assert all(c.wrong_answers() == {} and c.failed == set() for c in consumers)
 
 

@@ -95,7 +95,7 @@ def test_a_consumer_engine_fetches_from_its_first_step(nodes, engines):
     # its first request.
     remote = nodes[1] + "_remote"
     deadline = time.monotonic() + 10
-    while pinshm.inspect_segment(remote)["entries_used"] < 3:  # the scheduler's reader and 2 workers'
+    while pinshm.inspect_segment(remote).entries_used < 3:  # the scheduler's reader and 2 workers'
         assert time.monotonic() < deadline, "the workers never attached the store of fetched outputs"
         time.sleep(0.005)
     r = c.step(IMAGES)  # no step before: no rank has reported yet

@@ -78,7 +78,7 @@ def test_another_users_store_is_never_read_and_root_reads_it_only_when_told(othe
         assert f"uid {uid}" in str(e.value) and f"{mode:04o}" in str(e.value), str(e.value)
     # Inspection still reads it, and says whose it is.
     info = pinshm.inspect_segment(s.name)
-    assert (info["owner_uid"], info["mode"]) == (uid, mode)
+    assert (info.owner_uid, info.mode) == (uid, mode)
     # Told to trust that user: its 0600 store is read; one that anyone
     # could have written never is.
     monkeypatch.setenv("PINSHM_TRUSTED_UIDS", f"12345,{uid}")

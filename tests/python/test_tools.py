@@ -69,7 +69,7 @@ def _inspect_held_and_dead(store, a, b, ctx):
     snap = json.loads(_pinshm_cli("inspect", store.name, "--json").stdout)
     assert (snap["entries_used"], snap["entries_free"]) == (1, 1)
     readers = {r["index"]: r for r in snap["readers"]}
-    assert readers[0]["alive"] and readers[0]["guards"] == 1
+    assert readers[0]["alive"] and readers[0]["holds"] == 1
     assert not readers[1]["alive"] and readers[1]["pid"] == child.pid
     slots = {s["monotonic_id"]: s for s in snap["slots"]}
     assert slots[b.monotonic_id]["holds"] == [1, 0]
@@ -79,6 +79,13 @@ def _inspect_held_and_dead(store, a, b, ctx):
     assert snap["blocker"]["monotonic_id"] == a.monotonic_id
     assert "reader 0 owes 1 read" in snap["blocker"]["why"]
     assert "reader 1" not in snap["blocker"]["why"]  # dead: blocks nothing
+    # The same, typed.
+    typed = pinshm.inspect_segment(store.name, [(a.address, a.monotonic_id)])
+    assert isinstance(typed, pinshm.segments.Snapshot) and typed.to_dict()["entries_used"] == 1
+    assert isinstance(typed.readers[0], pinshm.segments.ReaderEntry) and typed.readers[0].holds == 1
+    assert [s.kind for s in typed.slots] == ["raw", "raw"] and not typed.cache
+    assert typed.blocker is not None and typed.blocker.monotonic_id == a.monotonic_id
+    assert typed.explanations[0].startswith("live"), typed.explanations
 
 
 def _row(text, prefix):
@@ -227,6 +234,8 @@ def test_gc_lists_then_removes_a_killed_writers_store_and_leaves_a_live_one(ctx,
         assert line.startswith(f"would remove /dev/shm/{dead} (store, "), line
         assert line.endswith(f"writer pid {child.pid} gone)"), line
         assert os.path.exists(f"/dev/shm/{dead}"), "a dry run removes nothing"
+        typed = pinshm.gc_segments(prefix)
+        assert [(x.name, x.kind, x.writer_pid, x.removed) for x in typed] == [(dead, "store", child.pid, False)]
         found = json.loads(_pinshm_cli("gc", "--prefix", prefix, "--json").stdout)
         assert [(a["name"], a["kind"], a["writer_pid"], a["removed"]) for a in found] == [
             (dead, "store", child.pid, True)
@@ -259,8 +268,10 @@ def test_everything_public_in_the_native_module_is_re_exported_by_pinshm():
 
     public = {n for n in dir(native) if not n.startswith("_")} | {"__version__"}
     kept_native = {"signature_bytes"}  # the vLLM drop-in's, documented in __init__
-    assert public - kept_native == set(pinshm.__all__), public ^ set(pinshm.__all__)
-    assert all(getattr(pinshm, n) is getattr(native, n) for n in pinshm.__all__)
+    typed = {"inspect_segment", "gc_segments"}  # pinshm.segments: the natives' typed forms
+    assert public - kept_native | typed == set(pinshm.__all__), public ^ set(pinshm.__all__)
+    assert all(getattr(pinshm, n) is getattr(native, n) for n in set(pinshm.__all__) - typed)
+    assert pinshm.inspect_segment is pinshm.segments.inspect_segment
 
 
 def test_doctor_prints_the_node_budgets_plan_for_a_container():

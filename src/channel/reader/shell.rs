@@ -29,7 +29,7 @@ use crate::sys::segment::Segment;
 /// goes:
 ///
 /// ```
-/// use pinshm::{Broadcast, BroadcastConfig, BroadcastReader};
+/// use pinshm::{Broadcast, BroadcastReader, channel::BroadcastConfig};
 /// # let name = format!("pinshm-doc-message-outlives-{}", std::process::id());
 /// let mut tx = Broadcast::create(BroadcastConfig::new(1, 4, 64).name(&name)).unwrap();
 /// tx.send(b"hi").unwrap();
@@ -184,7 +184,7 @@ impl BroadcastReader {
     }
 
     /// The longest `recv` spins before sleeping (default: the
-    /// channel's, see [`BroadcastConfig::spin`](crate::BroadcastConfig::spin));
+    /// channel's, see [`BroadcastConfig::spin`](crate::channel::BroadcastConfig::spin));
     /// within it, each receive spins as long as recent waits suggest
     /// pays, and around the predicted arrival when messages come at a
     /// steady period (`channel::spin`). Zero: sleep at once, always.

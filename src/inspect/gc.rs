@@ -27,6 +27,7 @@ use crate::sys::trust::{self, Trust};
 
 /// A segment whose writer is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Abandoned {
     /// Its name, as in /dev/shm/NAME.
     pub name: String,

@@ -3,6 +3,8 @@
 //! error. Used by the `pinshm-inspect` binary. Maps the segment read-only:
 //! an inspector can never disturb the store.
 
+mod gc;
+
 use std::fmt::{self, Write as _};
 
 use crate::error::Result;
@@ -13,8 +15,11 @@ use crate::sys::liveness;
 use crate::sys::segment::Segment;
 use crate::sys::trust::Trust;
 
+pub use gc::{gc, remove_if_abandoned_file, Abandoned};
+
 /// One reader table entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReaderInfo {
     /// Index in the table.
     pub index: u32,
@@ -39,6 +44,7 @@ pub struct ReaderInfo {
 
 /// One slot of the ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SlotInfo {
     /// Address in the data region.
     pub address: u64,
@@ -46,7 +52,8 @@ pub struct SlotInfo {
     pub monotonic_id: u64,
     /// Payload bytes.
     pub size: u64,
-    /// 0 raw, 1 tensor, 2 item.
+    /// The object's kind as stored (0 raw, 1 tensor, 2 item); see
+    /// [`SlotInfo::kind_name`].
     pub kind: u32,
     /// Writer references.
     pub refs: u32,
@@ -60,6 +67,7 @@ pub struct SlotInfo {
 
 /// Everything the inspector read.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Segment name.
     pub name: String,
@@ -71,6 +79,9 @@ pub struct Snapshot {
     pub capacity: u64,
     /// Largest object.
     pub max_object_size: u64,
+    /// Whether the store is a cache (`StoreConfig::cache`): its objects
+    /// owe no reads, and any that nobody holds or leases may be evicted.
+    pub cache: bool,
     /// Whether reads are counted in aggregate (vLLM's mode: refs ×
     /// readers reads from anyone) rather than per reader.
     pub aggregate_reads: bool,
@@ -202,6 +213,7 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
         capacity: cap,
         max_object_size: geo.max_object_size,
         aggregate_reads: geo.aggregate,
+        cache: geo.cache,
         writer_pid,
         writer_alive: writer_pid != 0 && seg.held_by_other(liveness::WRITER_SLOT),
         next_id: hp.next_id(),
@@ -212,7 +224,37 @@ pub fn inspect(name: &str) -> Result<Snapshot> {
     })
 }
 
+impl SlotInfo {
+    /// The object's kind by name: `raw`, `tensor`, `item`, or `unknown`
+    /// for a code this build does not know.
+    pub fn kind_name(&self) -> &'static str {
+        match layout::ObjectKind::from_code(self.kind) {
+            Some(layout::ObjectKind::Raw) => "raw",
+            Some(layout::ObjectKind::Tensor) => "tensor",
+            Some(layout::ObjectKind::Item) => "item",
+            None => "unknown",
+        }
+    }
+}
+
+/// `n` and the noun, singular or plural.
+fn count(n: impl Into<u64>, one: &str, many: &str) -> String {
+    let n = n.into();
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 impl Snapshot {
+    /// What kind of store this is, in words (the glossary's names).
+    pub fn store_kind(&self) -> &'static str {
+        if self.cache {
+            "cache: objects owe no reads; any that nobody holds or leases may be evicted"
+        } else if self.aggregate_reads {
+            "store, reads counted in aggregate: an object may be reclaimed once refs x readers reads are acknowledged, from anyone"
+        } else {
+            "store, reads counted per reader: an object may be reclaimed once every counted reader has read it as often as it was put"
+        }
+    }
+
     /// Reader entries held by a live process, and entries free for the
     /// next attach (vacant, left, or held by a process that died: the
     /// kernel released its lock).
@@ -236,17 +278,25 @@ impl Snapshot {
                 for r in self.readers.iter().filter(live) {
                     let held = s.holds.get(r.index as usize).copied().unwrap_or(0);
                     if held > 0 {
-                        why.push(format!("reader {} holds {held} guard(s)", r.index));
+                        why.push(format!(
+                            "reader {} has {}",
+                            r.index,
+                            count(held, "hold", "holds")
+                        ));
                     }
                     let owed = s.reads_owed.get(r.index as usize).copied().unwrap_or(0);
                     if !self.aggregate_reads && owed > 0 && s.monotonic_id >= r.counted_from {
-                        why.push(format!("reader {} owes {owed} read(s)", r.index));
+                        why.push(format!(
+                            "reader {} owes {}",
+                            r.index,
+                            count(owed, "read", "reads")
+                        ));
                     }
                 }
                 if self.aggregate_reads && s.reads_owed.first().is_some_and(|&n| n > 0) {
                     why.push(format!(
-                        "{} read(s) owed by the readers together",
-                        s.reads_owed[0]
+                        "{} owed by the readers together",
+                        count(s.reads_owed[0], "read", "reads")
                     ));
                 }
                 (!why.is_empty()).then(|| (s, why.join(", ")))
@@ -263,7 +313,7 @@ impl Snapshot {
         if let Some(s) = live.iter().find(|s| s.monotonic_id == id) {
             if s.address == address {
                 return format!(
-                    "live: {} bytes at {address}, reads owed per reader {:?}; if a reader got Stale for it, its handle carries another epoch (made before a clear or by an earlier writer of this name)",
+                    "live: {} bytes at {address}, reads owed {:?}; if a reader got Stale for it, its handle carries another epoch (made before a clear or by an earlier writer of this name)",
                     s.size, s.reads_owed
                 );
             }
@@ -290,9 +340,13 @@ impl Snapshot {
                 self.cleared_below
             );
         }
-        let mut why = String::from(
-            "reclaimed: every counted reader had read it as often as it was referenced",
-        );
+        let mut why = String::from(if self.cache {
+            "evicted: the cache reclaimed it when nobody held or leased it, to make room"
+        } else if self.aggregate_reads {
+            "reclaimed: the readers together had read it as often as it was referenced"
+        } else {
+            "reclaimed: every counted reader had read it as often as it was referenced"
+        });
         if let Some(s) = live.iter().find(|s| s.address == address) {
             let _ = write!(why, "; its slot now holds id {}", s.monotonic_id);
         } else if let Some(o) = oldest {
@@ -313,6 +367,7 @@ impl fmt::Display for Snapshot {
             "owner     uid {}, mode {:04o}",
             self.owner_uid, self.mode
         )?;
+        writeln!(f, "kind      {}", self.store_kind())?;
         writeln!(f, "layout    version {}", self.layout_version)?;
         writeln!(f, "epoch     {:#018x}", self.epoch)?;
         writeln!(
@@ -343,13 +398,14 @@ impl fmt::Display for Snapshot {
             .filter(|s| s.monotonic_id != 0)
             .map(|s| s.size)
             .sum();
+        let live = self.slots.iter().filter(|s| s.monotonic_id != 0).count() as u64;
         writeln!(
             f,
-            "ring      cursor {} high-water {} ({} payload bytes in {} live slots)",
+            "data      {} in {}; allocator cursor {}, high-water {}",
+            count(in_use, "payload byte", "payload bytes"),
+            count(live, "live object", "live objects"),
             self.ring.0,
             self.ring.1,
-            in_use,
-            self.slots.iter().filter(|s| s.monotonic_id != 0).count()
         )?;
         match self.oldest_blocker() {
             Some((s, why)) => writeln!(
@@ -362,14 +418,14 @@ impl fmt::Display for Snapshot {
         let (used, free) = self.reader_entries();
         writeln!(
             f,
-            "entries   {used} of {} reader entries held by live readers, {free} free",
-            self.readers.len()
+            "entries   {used} of {} held by live readers, {free} free",
+            count(self.readers.len() as u64, "reader entry", "reader entries")
         )?;
         writeln!(f, "\nreaders")?;
         writeln!(
             f,
             "  {:>5} {:>9} {:>8} {:>6} {:>12} {:>12} {:>6} {:>6}",
-            "index", "state", "pid", "alive", "last ack", "counted from", "stale", "guards"
+            "index", "state", "pid", "alive", "last ack", "counted from", "stale", "holds"
         )?;
         for r in &self.readers {
             let ack = r
@@ -381,10 +437,14 @@ impl fmt::Display for Snapshot {
                 r.index, r.state, r.pid, r.alive, ack, r.counted_from, r.stale_reads, r.guards
             )?;
         }
-        writeln!(f, "\nslots (oldest first): {}", self.slots.len())?;
         writeln!(
             f,
-            "  {:>12} {:>10} {:>12} {:>5} {:>5}  {}, holds per reader",
+            "\n{}, oldest first",
+            count(self.slots.len() as u64, "slot", "slots")
+        )?;
+        writeln!(
+            f,
+            "  {:>12} {:>10} {:>12} {:>7} {:>5}  {}, holds per reader",
             "address",
             "id",
             "size",
@@ -399,8 +459,14 @@ impl fmt::Display for Snapshot {
         for s in &self.slots {
             writeln!(
                 f,
-                "  {:>12} {:>10} {:>12} {:>5} {:>5}  {:?} {:?}",
-                s.address, s.monotonic_id, s.size, s.kind, s.refs, s.reads_owed, s.holds
+                "  {:>12} {:>10} {:>12} {:>7} {:>5}  {:?} {:?}",
+                s.address,
+                s.monotonic_id,
+                s.size,
+                s.kind_name(),
+                s.refs,
+                s.reads_owed,
+                s.holds
             )?;
         }
         Ok(())

@@ -129,14 +129,19 @@ class SchedulerSide:
 
     def ready(self, epoch: int) -> bool:
         """Whether every loading rank reads segment `epoch` of the store."""
-        return self._ready(epoch, "epoch", self.settings.store)
+        return self._ready(epoch, "epoch", self.settings.store, self.reader)
 
     def ready_remote(self, epoch: Optional[int]) -> bool:
         """Whether every loading rank reads the store of fetched outputs
         of epoch `epoch`."""
-        return epoch is not None and self._ready(epoch, "remote_epoch", self.settings.remote_store)
+        remote = self.remote
+        return (
+            epoch is not None
+            and remote is not None
+            and self._ready(epoch, "remote_epoch", self.settings.remote_store, remote.reader)
+        )
 
-    def _ready(self, epoch: int, field: str, store: str) -> bool:
+    def _ready(self, epoch: int, field: str, store: str, reader: NamedReader) -> bool:
         """Every rank's report says it reads `epoch` of `store`; or no
         report contradicts that and the segment's reader table shows an
         entry for every rank that has not reported yet."""
@@ -144,9 +149,9 @@ class SchedulerSide:
         told = [getattr(states[r], field) for r in range(self.ranks) if r in states]
         if any(e != epoch for e in told):
             return False
-        return len(told) == self.ranks or self._workers_attached(store, epoch)
+        return len(told) == self.ranks or self._workers_attached(store, epoch, reader)
 
-    def _workers_attached(self, store: str, epoch: int) -> bool:
+    def _workers_attached(self, store: str, epoch: int, reader: NamedReader) -> bool:
         """Whether segment `epoch` of `store` has a live reader entry for
         each of this engine's ranks, held by its worker processes (children
         of this one: vLLM's multiprocessing executor). The table is read at
@@ -158,7 +163,7 @@ class SchedulerSide:
         if now < self._table_next.get(store, float("-inf")):
             return False
         self._table_next[store] = now + TABLE_RETRY_S
-        if _workers_holding(store, epoch) >= self.ranks:
+        if _workers_holding(reader.get(), epoch) >= self.ranks:
             self._tables_seen.add((store, epoch))
             logger.debug("pinshm encoder cache: %d worker entries in %r before any report", self.ranks, store)
             return True
@@ -447,19 +452,20 @@ class SchedulerSide:
             self.remote.close()
 
 
-def _workers_holding(store: str, epoch: int) -> int:
+def _workers_holding(reader: Optional[StoreReader], epoch: int) -> int:
     """How many distinct child processes of this one hold a live reader
-    entry of segment `epoch` of `store` (0 when it cannot be read)."""
-    try:
-        from ..._pinshm import inspect_segment
-
-        snap = inspect_segment(store)
-    except Exception:  # noqa: BLE001 - not readable: no answer from the table
+    entry of segment `epoch`, by the table of the segment `reader` reads
+    (0 when this process reads no such segment)."""
+    if reader is None:
         return 0
-    if snap["epoch"] != epoch:
+    try:
+        if reader.epoch != epoch:
+            return 0
+        live = reader.live_readers()
+    except PinshmError:  # closed or gone: no answer from the table
         return 0
     me = os.getpid()
-    pids = {r["pid"] for r in snap["readers"] if r["state"] == "attached" and r["alive"] and r["pid"] != me}
+    pids = {pid for _, pid in live if pid != me}
     return sum(1 for pid in pids if _parent_of(pid) == me)
 
 
@@ -476,12 +482,13 @@ def _parent_of(pid: int) -> Optional[int]:
 
 def entries(store: str) -> tuple[Optional[int], Optional[int]]:
     """Reader entries of `store`: free for an attach now, and in all (None:
-    unknown)."""
+    unknown). Advice for an engine that could not attach, so it has no
+    reader to ask: the inspector reads the table."""
     try:
-        from ..._pinshm import inspect_segment
+        from ...segments import inspect_segment
 
         snap = inspect_segment(store)
-        return int(snap["entries_free"]), len(snap["readers"])
+        return snap.entries_free, len(snap.readers)
     except Exception:  # noqa: BLE001 - advice only
         return None, None
 

@@ -6,6 +6,7 @@ by :mod:`._tracker` only."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,17 @@ def main() -> int:
     # The engine's Ctrl-C and SIGTERM are for the engine: this outlives it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.argv[1:] == ["--detach"]:
+        # Fork; the first process says the second's pid and exits, so the
+        # reaper is nobody's child (an engine that kills its process tree
+        # leaves it running).
+        pid = os.fork()
+        if pid:
+            sys.stdout.write(f"{pid}\n")
+            sys.stdout.flush()
+            os._exit(0)
+        os.close(1)
+        os.open(os.devnull, os.O_WRONLY)
     told: dict[tuple[str, int, int], None] = {}
     for raw in sys.stdin.buffer:
         parts = raw.rstrip(b"\n").split(b" ", 3)

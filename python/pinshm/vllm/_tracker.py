@@ -43,21 +43,28 @@ def _pipe() -> Optional[int]:
     path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pinshm.vllm._reaper"],
+            [sys.executable, "-m", "pinshm.vllm._reaper", "--detach"],
             stdin=read,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             cwd="/",
             env=dict(os.environ, PYTHONPATH=path),
             # Its own session: a signal to the engine's process group (a
-            # node killed whole) leaves it to clean up after them.
+            # node killed whole) leaves it to clean up after them. Detached
+            # too (it forks, and the first process exits): not this
+            # process's child, so an engine that kills its process tree at
+            # shutdown (SGLang's kill_process_tree) does not kill it.
             start_new_session=True,
         )
-    except OSError:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.wait()
+        pid = int(line)
+    except (OSError, ValueError):
         os.close(write)
         return None
     finally:
         os.close(read)
-    _REAPER = (os.getpid(), proc.pid, write)
+    _REAPER = (os.getpid(), pid, write)
     return write
 
 

@@ -1,0 +1,137 @@
+"""The class bound in place of SGLang's ``ShmPointerMMData``.
+
+It subclasses SGLang's own, under SGLang's own name and module, so every
+``isinstance`` check in ``mm_utils``, pickle's lookup by name and the
+msgpack hop's test by name (``ShmPointerMMData`` in a module ending
+``.managers.mm_utils``) treat it as SGLang's. Its state is SGLang's four
+keys; the pinshm reference rides in ``shm_name``, so a process without
+the plugin that passes the object on (it unpickles and pickles again)
+keeps it whole. A name that is not pinshm's (SGLang's Rust server builds
+stubs of its own segments) goes to SGLang's code unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from .._pinshm import PinshmError
+from . import _store
+
+logger = logging.getLogger("pinshm.sglang")
+
+
+def make(base: type) -> type:
+    """The subclass of SGLang's `base` (``ShmPointerMMData``) that puts
+    features into the tokenizer's pinshm store."""
+    import numpy as np
+    import torch
+
+    class ShmPointerMMData(base):  # type: ignore[misc]
+        #: Marks pinshm's class (the plugin binds it once per process).
+        _pinshm_bound = True
+
+        def __init__(self, tensor: Any, precomputed_hash: Optional[int] = None) -> None:
+            w = _store.writer()
+            if w is None:
+                super().__init__(tensor, precomputed_hash=precomputed_hash)
+                return
+            self._shm_handle = None
+            self.tensor = None
+            self._materialization_error = None
+            self._pinshm: Optional[_store.Ref] = None
+            if not tensor.is_cpu:
+                tensor = tensor.cpu()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            self.shape = tensor.shape
+            self.dtype = tensor.dtype
+            self.precomputed_hash = precomputed_hash
+            key = None
+            if precomputed_hash is not None:
+                dims = "x".join(str(d) for d in tensor.shape)
+                key = f"h:{precomputed_hash:x}:{str(tensor.dtype).removeprefix('torch.')}:{dims}"
+            data = tensor.view(torch.uint8).reshape(-1).numpy()
+            ref = w.put(data, key)  # OSError where it does not fit: SGLang sends it inline
+            self._pinshm = ref
+            self.shm_name = ref.name()
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            ref = _store.Ref.parse(str(state.get("shm_name", "")))
+            if ref is None:
+                super().__setstate__(state)
+                self._pinshm = None
+                return
+            # Infallible, as SGLang's: every rank must finish the broadcast.
+            self.shm_name = state["shm_name"]
+            self.shape = state["shape"]
+            self.dtype = state["dtype"]
+            self.precomputed_hash = state.get("precomputed_hash")
+            self._shm_handle = None
+            self.tensor = None
+            self._materialization_error = None
+            self._pinshm = ref
+
+        def materialize(self) -> Any:
+            """A private tensor of the feature: the slot is read in place,
+            held while it is copied, then let go."""
+            ref = getattr(self, "_pinshm", None)
+            if ref is None:
+                return super().materialize()
+            try:
+                nbytes = self.dtype.itemsize
+                for d in self.shape:
+                    nbytes *= int(d)
+                out = torch.empty(tuple(self.shape), dtype=self.dtype)
+                guard = _store.reader(ref.store).get(ref.handle)
+                try:
+                    held = len(guard)
+                    if held == nbytes:
+                        np.copyto(out.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(guard, dtype=np.uint8))
+                finally:
+                    guard.release()  # no view of it is left: the copy is done
+                if held != nbytes:
+                    raise PinshmError(f"{held} bytes where {nbytes} were sent")
+                return out
+            except Exception as e:
+                raise RuntimeError(f"pinshm feature {self.shm_name}: {type(e).__name__}: {e}") from e
+
+        def close_and_unlink(self) -> None:
+            if getattr(self, "_pinshm", None) is None:
+                super().close_and_unlink()
+            # pinshm's: nothing held between reads, nothing to unlink.
+
+        def __del__(self) -> None:
+            if getattr(self, "_pinshm", None) is None and getattr(self, "_shm_handle", None) is not None:
+                super().__del__()
+
+    ShmPointerMMData.__module__ = base.__module__
+    ShmPointerMMData.__qualname__ = base.__qualname__
+    ShmPointerMMData.__doc__ = (base.__doc__ or "") + "\n    (pinshm: the feature lives in a pinshm store.)"
+    return ShmPointerMMData
+
+
+def hash_first(original: Any, obj: Any) -> Any:
+    """Around SGLang's ``wrap_shm_features``: items without a hash get
+    SGLang's own (``MultimodalDataItem.set_pad_value``, which each
+    scheduler rank would run anyway) before their features are wrapped,
+    so a feature is keyed by its hash and a repeat is served from the
+    store. Once here instead of once per rank. ``PINSHM_SGLANG_HASH=0``
+    leaves hashing to the ranks (no reuse of features without a hash)."""
+    from sglang.srt.managers import mm_utils
+
+    mm = getattr(obj, "mm_inputs", None)
+    if (
+        mm is not None
+        and os.environ.get("PINSHM_SGLANG_HASH", "1") != "0"
+        and not mm_utils._get_is_default_transport()
+        and not mm_utils.get_serving().skip_tokenizer_init
+    ):
+        for item in getattr(mm, "mm_items", None) or ():
+            if getattr(item, "hash", None) is None and getattr(item, "pad_value", None) is None:
+                try:
+                    item.set_pad_value()
+                except Exception as e:  # noqa: BLE001 - the ranks hash it, as without the plugin
+                    logger.debug("pinshm sglang: no hash for an item here: %s", e)
+    return original(obj)

@@ -1,0 +1,194 @@
+"""The SGLang plugin in CI, without SGLang or torch: SGLang's contract
+(tests/python/_sglang_stand_in.py) with pinshm's class bound by the
+plugin, in a subprocess. The same checks run against the real SGLang in
+tests/python/test_sglang_plugin.py (locally, never in CI)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from _sglang_stand_in import install
+
+ROUND_TRIP = """
+import os, pickle, sys, types
+import torch
+from pinshm.sglang import _fit, _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+from sglang.srt.managers.mm_utils import ShmPointerMMData as copied  # a `from X import Y` copy
+
+assert _fit.misfit() is None, _fit.misfit()
+stock = [mm_utils.ShmPointerMMData]  # in a list: the hook rebinds module names bound to the class
+plugin.register(); HookRegistry.apply_hooks()
+assert mm_utils.ShmPointerMMData is not stock[0] and issubclass(mm_utils.ShmPointerMMData, stock[0])
+assert sys.modules[__name__].copied is mm_utils.ShmPointerMMData, "the copy is rebound"
+
+class Item:
+    # SGLang's MultimodalDataItem as far as the plugin uses it: a hash
+    # (None until set_pad_value) and a feature.
+    def __init__(self, feature, hash):
+        self.feature, self.hash, self.pad_value = feature, hash, None
+    def set_pad_value(self):
+        import hashlib
+        self.hash = int.from_bytes(hashlib.sha256(self.feature.numpy().tobytes()).digest()[:8], "big")
+        self.pad_value = self.hash % (1 << 30)
+
+def request(feats, hashes):
+    items = [Item(f, h) for f, h in zip(feats, hashes)]
+    return types.SimpleNamespace(mm_inputs=types.SimpleNamespace(mm_items=items))
+
+before = {n for n in os.listdir("/dev/shm") if n.startswith("sgl_shm_mm")}
+feats = [torch.arange(64), torch.arange(6, dtype=torch.int64).reshape(2, 3)]
+req = mm_utils.wrap_shm_features(request([f.clone() for f in feats], [0x11, 0x12]))
+assert mm_utils.has_shm_features([req])
+ptr = req.mm_inputs.mm_items[0].feature
+assert ptr.shm_name.startswith("pinshm:") and mm_utils.is_shm_pointer_by_name(ptr)
+assert {n for n in os.listdir("/dev/shm") if n.startswith("sgl_shm_mm")} == before
+for _ in range(2):  # two ranks, each its own private tensor
+    got = pickle.loads(pickle.dumps(req))
+    mm_utils.unwrap_shm_features(got)
+    assert all(torch.equal(i.feature, f) for i, f in zip(got.mm_inputs.mm_items, feats))
+    got.mm_inputs.mm_items[0].feature.numpy()[:] = 0  # private: no other rank sees it
+mm_utils.discard_shm_features(pickle.loads(pickle.dumps(req)))
+w = _store.writer()
+for _ in range(3):
+    mm_utils.wrap_shm_features(request([feats[0].clone()], [0x11]))
+assert (w.puts, w.hits) == (2, 3), (w.puts, w.hits)
+# No hash from SGLang's processor (its default): SGLang's own hash is set
+# here, once, and a repeat is still served from the store.
+for _ in range(2):
+    r = mm_utils.wrap_shm_features(request([torch.arange(32)], [None]))
+    assert r.mm_inputs.mm_items[0].hash is not None and r.mm_inputs.mm_items[0].pad_value is not None
+assert (w.puts, w.hits) == (3, 4), (w.puts, w.hits)
+print("STORE", w.name, flush=True)
+if len(sys.argv) > 1:  # stay until killed
+    import time; time.sleep(600)
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Path:
+    install(tmp_path)
+    return tmp_path
+
+
+def _run(stand_in: Path, code: str, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_the_plugin_round_trips_features_through_sglangs_contract(stand_in):
+    p = _run(stand_in, ROUND_TRIP)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    store = out.split("STORE ")[1].split()[0]
+    # The tokenizer exited: its store goes with it (its reaper removes it).
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/dev/shm/{store}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/dev/shm/{store}"), "the store outlived its tokenizer"
+
+
+def _descendants(root: int) -> list[int]:
+    parent = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    out, todo = [], [root]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == at]
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_sigkilled_tokenizer_leaves_nothing_in_dev_shm(stand_in):
+    p = _run(stand_in, ROUND_TRIP, "stay")
+    line = p.stdout.readline()
+    assert line.startswith("STORE "), line + p.stderr.read()
+    store = line.split()[1]
+    assert os.path.exists(f"/dev/shm/{store}")
+    # As SGLang's kill_process_tree at shutdown: every descendant, then the
+    # process. pinshm's reaper is nobody's child, so it is not among them.
+    for pid in _descendants(p.pid):
+        os.kill(pid, signal.SIGKILL)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(30)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/dev/shm/{store}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/dev/shm/{store}"), "a SIGKILLed tokenizer's store stayed"
+
+
+def test_an_sglang_the_plugin_was_not_checked_against_keeps_its_own_path(stand_in):
+    meta = next(stand_in.glob("sglang-*.dist-info"))
+    meta.rename(stand_in / "sglang-0.6.0.dist-info")
+    (stand_in / "sglang-0.6.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.6.0\n")
+    code = """
+    import logging; logging.basicConfig()
+    from pinshm.sglang import plugin
+    from sglang.srt.managers import mm_utils
+    stock = mm_utils.ShmPointerMMData
+    plugin.register()
+    assert not plugin.bound and mm_utils.ShmPointerMMData is stock
+    """
+    p = _run(stand_in, code)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert err.count("WARNING") == 1 and "SGLang 0.6.0 is not one the plugin was checked against" in err, err
+
+
+def test_pinshm_sglang_0_leaves_sglangs_path(stand_in):
+    code = """
+    import os
+    os.environ["PINSHM_SGLANG"] = "0"
+    from pinshm.sglang import plugin
+    plugin.register()
+    assert not plugin.bound
+    """
+    p = _run(stand_in, code)
+    assert p.wait(60) == 0, p.stderr.read()
+
+
+def test_a_name_that_lies_parses_to_nothing():
+    from pinshm.sglang._store import Ref
+
+    for name in (
+        "",
+        "sgl_shm_mm_1_ab",
+        "pinshm:",
+        "pinshm:s:1:2",
+        "pinshm::1:2:3",
+        "pinshm:s:a:2:3",
+        "pinshm:s:-1:2:3",
+        f"pinshm:s:{1 << 64}:2:3",
+        "pinshm:s:1:2:3:4x",
+    ):
+        assert Ref.parse(name) is None, name
+    r = Ref.parse("pinshm:pinshm_sgl_1_ab:128:7:99")
+    assert r is not None and (r.store, r.handle.address, r.handle.monotonic_id, r.handle.epoch) == (
+        "pinshm_sgl_1_ab",
+        128,
+        7,
+        99,
+    )
+    assert Ref.parse(r.name()) == r

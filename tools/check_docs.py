@@ -202,9 +202,9 @@ def main():
     if sys.argv[1:] == ["--self-test"]:
         self_test()
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import figures
+        import figures_selftest
 
-        figures.self_test()
+        figures_selftest.self_test()
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..")

@@ -3,7 +3,7 @@
 
 A figure in a Markdown file is a block the docs never edit by hand:
 
-    <!-- figure KIND RESULTS -->
+    <!-- figure KIND RESULTS sources=PATH,PATH -->
     ...what `render(KIND, RESULTS)` writes...
     <!-- /figure -->
 
@@ -11,7 +11,16 @@ KIND names a renderer below; RESULTS is a results file (a path from the
 repository's root): JSON, or JSON lines (a bench's `--json` output), whose
 first object is (or whose top level holds) a `stamp`:
 `{"layout_version": N, "commit": "abc1234", "command": "..."}`, what
-measured it. Each figure ends with that stamp.
+measured it. Each figure ends with that stamp. `sources=` names the code
+its numbers depend on: the check fails when a commit after the stamp's
+touched any of it (tools/figures_stale.py says how, and the one way a
+stale figure may stay: `stale="why"`, rendered into it).
+
+An end-to-end results page (examples/**/RESULTS-*.md), written by hand
+around its tables, carries the same stamp as a block the check fills:
+
+    <!-- results-stamp commit=abc1234 sources=PATH,PATH -->
+    <!-- /results-stamp -->
 
     tools/figures.py                  rewrites every figure from its results
     tools/figures.py --check          exit 1 on a figure that is not what its
@@ -46,9 +55,11 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures_bench  # noqa: E402 - beside this file
 import figures_hitrate  # noqa: E402
+import figures_stale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"(<!-- figure (\S+) (\S+) -->\n)(.*?)(<!-- /figure -->)", re.DOTALL)
+BLOCK = re.compile(r"(<!-- figure (\S+) (\S+)((?: [a-z-]+=(?:\"[^\"]*\"|\S+))*) -->\n)(.*?)(<!-- /figure -->)", re.DOTALL)
+PAGE_STAMP = re.compile(r"(<!-- results-stamp((?: [a-z-]+=(?:\"[^\"]*\"|\S+))*) -->\n)(.*?)(<!-- /results-stamp -->)", re.DOTALL)
 
 
 def layout_version(root: Path) -> int:
@@ -364,7 +375,7 @@ def run(root: Path, write: bool) -> list[str]:
         text = doc.read_text()
 
         def fill(m: re.Match) -> str:
-            kind, source = m.group(2), m.group(3)
+            kind, source, spec = m.group(2), m.group(3), figures_stale.attrs(m.group(4))
             used.add(source)
             where = f"{doc.relative_to(root)}: figure {kind} {source}"
             if not (root / source).exists():
@@ -376,16 +387,36 @@ def run(root: Path, write: bool) -> list[str]:
                     f"{where}: measured at layout {stamp.get('layout_version')}, the code is layout {want}: "
                     "measure it again (and stamp it), or delete the figure"
                 )
+            note, stale = figures_stale.verdict(root, where, str(stamp.get("commit", "?")), spec)
+            problems.extend(stale)
             try:
-                body = render(root, doc, kind, source)
+                body = render(root, doc, kind, source) + note
             except Exception as e:  # noqa: BLE001 - reported with the place
                 problems.append(f"{where}: cannot render: {type(e).__name__}: {e}")
                 return m.group(0)
-            if not write and m.group(4) != body:
+            if not write and m.group(5) != body:
                 problems.append(f"{where}: not what its results render (run tools/figures.py)")
-            return m.group(1) + body + m.group(5)
+            return m.group(1) + body + m.group(6)
 
-        new = BLOCK.sub(fill, text)
+        def page(m: re.Match) -> str:
+            spec = figures_stale.attrs(m.group(2))
+            where = f"{doc.relative_to(root)}: results-stamp"
+            commit = spec.get("commit", "")
+            note, stale = figures_stale.verdict(root, where, commit, spec)
+            problems.extend(stale)
+            body = (
+                f"<sub>Measured at commit {commit}; the code it measured: "
+                + ", ".join(f"`{p}`" for p in spec.get("sources", "").split(",") if p)
+                + ".</sub>\n"
+                + note
+            )
+            if not write and m.group(3) != body:
+                problems.append(f"{where}: not what its stamp renders (run tools/figures.py)")
+            return m.group(1) + body + m.group(4)
+
+        new = PAGE_STAMP.sub(page, BLOCK.sub(fill, text))
+        if doc.name.startswith("RESULTS-") and doc.suffix == ".md" and not PAGE_STAMP.search(text):
+            problems.append(f"{doc.relative_to(root)}: a results page with no results-stamp block")
         if write and new != text:
             doc.write_text(new)
     for source in results_files(root):
@@ -417,60 +448,12 @@ def stamp(path: Path, command: str, root: Path = ROOT) -> None:
         path.write_text("\n".join([json.dumps({"stamp": s})] + lines) + "\n")
 
 
-def self_test() -> None:
-    """The check fails on each planted error, and passes on a good tree."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "src").mkdir()
-        (root / "docs" / "results").mkdir(parents=True)
-        (root / "src/layout.rs").write_text("pub const LAYOUT_VERSION: u32 = 9;\n")
-        res = root / "docs/results/k.jsonl"
-        res.write_text(
-            json.dumps({"stamp": {"layout_version": 9, "commit": "c0ffee1", "command": "bench"}})
-            + "\n"
-            + json.dumps({"op": "get_guard", "median_ns": 40.0, "ratio": 1.0})
-            + "\n"
-        )
-        doc = root / "docs/perf.md"
-        doc.write_text("# p\n\n<!-- figure bench-keys docs/results/k.jsonl -->\n<!-- /figure -->\n")
-        (root / "README.md").write_text("# r\n")
-        assert run(root, write=False), "an unfilled figure passes"
-        assert run(root, write=True) == [] and run(root, write=False) == [], "a filled figure fails"
-        assert "40.0 ns" in doc.read_text() and "commit c0ffee1, layout 9" in doc.read_text()
-        doc.write_text(doc.read_text().replace("40.0 ns", "39.0 ns"))
-        assert any("not what its results render" in p for p in run(root, False)), "a hand edit passes"
-        run(root, write=True)
-        (root / "src/layout.rs").write_text("pub const LAYOUT_VERSION: u32 = 10;\n")
-        assert any("measured at layout 9" in p for p in run(root, False)), "a stale layout passes"
-        (root / "src/layout.rs").write_text("pub const LAYOUT_VERSION: u32 = 9;\n")
-        (root / "docs/results/unused.json").write_text('{"stamp": {}}\n')
-        assert any("no figure uses" in p for p in run(root, False)), "an unused results file passes"
-        (root / "docs/results/unused.json").unlink()
-        (root / "docs/stray.json").write_text('{"stamp": {}}\n')
-        assert any("docs/stray.json" in p for p in run(root, False)), "a results file outside results/ passes"
-        (root / "docs/stray.json").unlink()
-        # a bench's own runs: the renderer reads them whatever the ops, and a
-        # run at another layout than the file's stamp reads as stale
-        bench = root / "docs/results/bench.jsonl"
-        rows = [{"op": "stamp", "commit": "c0ffee1", "layout_version": 9}]
-        rows += [{"op": op, "size": 1 << 20, "median_ns": 100.0, "memcpy_median_ns": 100.0, "ratio": 1.0}
-                 for op in ("put", "a_new_op")]
-        bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        doc.write_text(doc.read_text() + "\n<!-- figure bench-store docs/results/bench.jsonl -->\n<!-- /figure -->\n")
-        assert run(root, write=True) == [], "a bench's runs do not render"
-        assert "`a_new_op`" in doc.read_text() and "commit c0ffee1, layout 9" in doc.read_text()
-        bench.write_text(bench.read_text() + json.dumps({**rows[0], "layout_version": 8}) + "\n")
-        assert any("layout mixed" in p for p in run(root, False)), "a run at another layout passes"
-    print(
-        "figures self-test: the check fails on a stale, hand-edited, unfilled or unused figure, a stray "
-        "results file, and a bench run at another layout; a bench's new op renders"
-    )
-
-
 def main() -> int:
     args = sys.argv[1:]
     if args == ["--self-test"]:
-        self_test()
+        import figures_selftest
+
+        figures_selftest.self_test()
         return 0
     if args[:1] == ["--stamp"] and len(args) == 4 and args[2] == "--command":
         stamp(Path(args[1]), args[3])

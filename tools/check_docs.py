@@ -203,16 +203,20 @@ def main():
         self_test()
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import figures_selftest
+        import stub_keywords
 
         figures_selftest.self_test()
+        stub_keywords.self_test()
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..")
     problems, n = check(root)
     sys.path.insert(0, here)
     import figures
+    import stub_keywords
 
     problems += figures.run(figures.Path(root).resolve(), write=False)
+    problems += stub_keywords.run(stub_keywords.Path(root).resolve(), write=False)
     for p in problems:
         print(p)
     if problems:

@@ -109,10 +109,11 @@ class ECSettings:
       a node: a producer (``ec_producer``, ``ec_both``) writes
       it, a consumer attaches to it.
     - ``size``: the store's capacity in bytes (an int, or ``"256m"``,
-      ``"1g"``); sparse, so memory is what the outputs touch.
+      ``"1g"``; default 1 GiB); sparse, so memory is what the outputs touch.
     - ``n_readers``: reader entries (scheduler and workers of every engine
-      that reads).
-    - ``key_index``: keys the shared index has room for.
+      that reads; default 64, the most).
+    - ``key_index``: keys the shared index has room for (default: one per
+      32 KiB of ``size``, 64 to 2^20).
     - ``max_object_size``: the largest output saved (None: what fits).
     - ``key_prefix``: put before each ``mm_hash`` (default: the model's
       fingerprint and a colon).

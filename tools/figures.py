@@ -55,6 +55,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures_bench  # noqa: E402 - beside this file
 import figures_hitrate  # noqa: E402
+import figures_sglang  # noqa: E402
 import figures_stale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,6 +335,7 @@ def r_gpu_kit(data: Any) -> str:
 RENDERERS: dict[str, Callable[[Any], str]] = {
     **figures_bench.RENDERERS,
     **figures_hitrate.RENDERERS,
+    **figures_sglang.RENDERERS,
     "remote": r_remote,
     "ec-timing": r_ec_timing,
     "upstream": r_upstream,

@@ -39,7 +39,11 @@ def changed_since(root: Path, commit: str, paths: list[str]) -> tuple[list[str],
     """(the paths among `paths` changed after `commit`, an error): by a
     commit after it without the trailer, or uncommitted in the work tree."""
     if not _git(root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").stdout.strip():
+        if _git(root, "rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+            return [], "this clone is shallow: the check needs the history (git fetch --unshallow)"
         return [], f"its stamp's commit {commit} is not in this repository's history"
+    if _git(root, "merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        return [], f"its stamp's commit {commit} is not an ancestor of HEAD (measured on another branch)"
     log = _git(root, "log", "--format=%H%x1f%B%x1e", f"{commit}..HEAD", "--", *paths)
     if log.returncode != 0:
         return [], f"git log failed: {log.stderr.strip()}"

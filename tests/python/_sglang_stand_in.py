@@ -36,6 +36,7 @@ class Tensor:
     shape = property(lambda self: tuple(self._a.shape))
     dtype = property(lambda self: _BY_NP[self._a.dtype])
     def cpu(self): return self
+    def detach(self): return self
     def is_contiguous(self): return self._a.flags.c_contiguous
     def contiguous(self): return Tensor(_np.ascontiguousarray(self._a))
     def view(self, d): return Tensor(self._a.view(d.np))

@@ -186,11 +186,16 @@ def test_a_name_that_lies_is_a_failed_feature_never_a_wrong_one():
     for bad in (
         f"pinshm:{ref.store}:{h.address}:{h.monotonic_id + 99}:{h.epoch}",
         f"pinshm:{ref.store}:{h.address}:{h.monotonic_id}:{h.epoch ^ 1}",
-        f"pinshm:pinshm_sgl_nobody_{os.getpid()}:{h.address}:{h.monotonic_id}:{h.epoch}",
+        f"pinshm:pinshm_sgl_1_00000000:{h.address}:{h.monotonic_id}:{h.epoch}",
+        f"pinshm:pinshm_ec:{h.address}:{h.monotonic_id}:{h.epoch}",
     ):
         stub.__setstate__({"shm_name": bad, "shape": (8,), "dtype": torch.float32, "precomputed_hash": None})
-        with pytest.raises(RuntimeError, match="pinshm feature"):
+        with pytest.raises(RuntimeError):  # pinshm's failure, or SGLang's for a name not ours
             stub.materialize()
+    # A shape that claims terabytes: refused before anything is allocated.
+    stub.__setstate__({"shm_name": ref.name(), "shape": (1 << 40,), "dtype": torch.float32, "precomputed_hash": None})
+    with pytest.raises(RuntimeError, match="bytes where"):
+        stub.materialize()
     # Right object, a shape that claims more bytes than it holds.
     stub.__setstate__({"shm_name": ref.name(), "shape": (9,), "dtype": torch.float32, "precomputed_hash": None})
     with pytest.raises(RuntimeError, match="bytes where"):

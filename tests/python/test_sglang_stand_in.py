@@ -184,11 +184,15 @@ def test_a_name_that_lies_parses_to_nothing():
         "pinshm:s:1:2:3:4x",
     ):
         assert Ref.parse(name) is None, name
-    r = Ref.parse("pinshm:pinshm_sgl_1_ab:128:7:99")
-    assert r is not None and (r.store, r.handle.address, r.handle.monotonic_id, r.handle.epoch) == (
-        "pinshm_sgl_1_ab",
-        128,
-        7,
-        99,
-    )
+    for name in (
+        "pinshm:pinshm_ec:1:2:3",
+        "pinshm:../x:1:2:3",
+        "pinshm:pinshm_sgl_1_ab12cd34:+1:2:3",
+        "pinshm:pinshm_sgl_1_ab12cd34:1_0:2:3",
+        "pinshm:pinshm_sgl_1_ab12cd34:\u0661:2:3",
+    ):
+        assert Ref.parse(name) is None, name  # another store, a path, numbers int() would take
+    r = Ref.parse("pinshm:pinshm_sgl_1_ab12cd34:128:7:99")
+    assert r is not None
+    assert (r.store, r.handle.address, r.handle.monotonic_id, r.handle.epoch) == ("pinshm_sgl_1_ab12cd34", 128, 7, 99)
     assert Ref.parse(r.name()) == r

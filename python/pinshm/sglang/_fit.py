@@ -23,6 +23,8 @@ HELPERS = (
     "has_shm_features",
     "unwrap_shm_features",
     "discard_shm_features",
+    "_get_is_default_transport",
+    "get_serving",
 )
 
 

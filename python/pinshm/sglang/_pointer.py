@@ -12,6 +12,7 @@ stubs of its own segments) goes to SGLang's code unchanged.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import Any, Optional
@@ -48,12 +49,19 @@ def make(base: type) -> type:
             self.shape = tensor.shape
             self.dtype = tensor.dtype
             self.precomputed_hash = precomputed_hash
-            key = None
-            if precomputed_hash is not None:
-                dims = "x".join(str(d) for d in tensor.shape)
-                key = f"h:{precomputed_hash:x}:{str(tensor.dtype).removeprefix('torch.')}:{dims}"
-            data = tensor.view(torch.uint8).reshape(-1).numpy()
-            ref = w.put(data, key)  # OSError where it does not fit: SGLang sends it inline
+            try:
+                key = None
+                if isinstance(precomputed_hash, int):
+                    dims = "x".join(str(d) for d in tensor.shape)
+                    key = f"h:{precomputed_hash:x}:{str(tensor.dtype).removeprefix('torch.')}:{dims}"
+                data = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+                ref = w.put(data, key)
+            except OSError:
+                raise  # it does not fit: SGLang sends the tensor inline
+            except Exception as e:
+                # Whatever else fails here, SGLang's inline path still
+                # carries the tensor (it catches OSError only).
+                raise OSError(errno.EIO, f"pinshm store: {type(e).__name__}: {e}") from e
             self._pinshm = ref
             self.shm_name = ref.name()
 
@@ -82,12 +90,16 @@ def make(base: type) -> type:
             try:
                 nbytes = self.dtype.itemsize
                 for d in self.shape:
+                    if int(d) < 0:
+                        raise PinshmError(f"shape {tuple(self.shape)}")
                     nbytes *= int(d)
-                out = torch.empty(tuple(self.shape), dtype=self.dtype)
                 guard = _store.reader(ref.store).get(ref.handle)
                 try:
+                    # The size is checked before anything is allocated: a
+                    # shape that lies costs nothing.
                     held = len(guard)
                     if held == nbytes:
+                        out = torch.empty(tuple(self.shape), dtype=self.dtype)
                         np.copyto(out.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(guard, dtype=np.uint8))
                 finally:
                     guard.release()  # no view of it is left: the copy is done
@@ -104,7 +116,9 @@ def make(base: type) -> type:
 
         def __del__(self) -> None:
             if getattr(self, "_pinshm", None) is None and getattr(self, "_shm_handle", None) is not None:
-                super().__del__()
+                stock = getattr(super(), "__del__", None)
+                if stock is not None:
+                    stock()
 
     ShmPointerMMData.__module__ = base.__module__
     ShmPointerMMData.__qualname__ = base.__qualname__
@@ -121,17 +135,17 @@ def hash_first(original: Any, obj: Any) -> Any:
     leaves hashing to the ranks (no reuse of features without a hash)."""
     from sglang.srt.managers import mm_utils
 
-    mm = getattr(obj, "mm_inputs", None)
-    if (
-        mm is not None
-        and os.environ.get("PINSHM_SGLANG_HASH", "1") != "0"
-        and not mm_utils._get_is_default_transport()
-        and not mm_utils.get_serving().skip_tokenizer_init
-    ):
-        for item in getattr(mm, "mm_items", None) or ():
-            if getattr(item, "hash", None) is None and getattr(item, "pad_value", None) is None:
-                try:
+    try:
+        mm = getattr(obj, "mm_inputs", None)
+        if (
+            mm is not None
+            and os.environ.get("PINSHM_SGLANG_HASH", "1") != "0"
+            and not mm_utils._get_is_default_transport()
+            and not mm_utils.get_serving().skip_tokenizer_init
+        ):
+            for item in getattr(mm, "mm_items", None) or ():
+                if getattr(item, "hash", None) is None and getattr(item, "pad_value", None) is None:
                     item.set_pad_value()
-                except Exception as e:  # noqa: BLE001 - the ranks hash it, as without the plugin
-                    logger.debug("pinshm sglang: no hash for an item here: %s", e)
+    except Exception as e:  # noqa: BLE001 - the ranks hash it, as without the plugin
+        logger.debug("pinshm sglang: no hash for an item here: %s", e)
     return original(obj)

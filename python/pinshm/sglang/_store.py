@@ -15,19 +15,33 @@ import collections
 import errno
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .._pinshm import FullError, InvalidArgumentError, Lease, NoSpaceError, ObjectHandle, ObjectStore, StoreReader
+from .._pinshm import (
+    FullError,
+    InvalidArgumentError,
+    Lease,
+    NoSpaceError,
+    ObjectHandle,
+    ObjectStore,
+    PinshmError,
+    StoreReader,
+)
 
 logger = logging.getLogger("pinshm.sglang")
 
 #: The prefix of the name a pinshm feature travels under (SGLang's
 #: ``shm_name``): ``pinshm:STORE:ADDRESS:ID:EPOCH``.
 PREFIX = "pinshm:"
+#: Every store the plugin makes is named so; a name read from a request
+#: names no other segment.
+STORE = re.compile(r"pinshm_sgl_[0-9]{1,10}_[0-9a-f]{8}")
+_NUMBER = re.compile(r"[0-9]{1,20}")
 MIB = 1 << 20
 
 
@@ -56,13 +70,10 @@ class Ref:
         is malformed: nothing read from a pickle is trusted)."""
         if not name.startswith(PREFIX):
             return None
-        parts = name[len(PREFIX) :].rsplit(":", 3)
-        if len(parts) != 4 or not parts[0]:
+        parts = name[len(PREFIX) :].split(":")
+        if len(parts) != 4 or not STORE.fullmatch(parts[0]) or not all(_NUMBER.fullmatch(p) for p in parts[1:]):
             return None
-        try:
-            address, ident, epoch = (int(p) for p in parts[1:])
-        except ValueError:
-            return None
+        address, ident, epoch = (int(p) for p in parts[1:])
         if min(address, ident, epoch) < 0 or max(address, ident, epoch) >= 1 << 64:
             return None
         return Ref(parts[0], ObjectHandle(address, ident, epoch))
@@ -105,7 +116,10 @@ class Writer:
         self.own = StoreReader.attach_by_name(self.name, pin="off")
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.leases: collections.deque[tuple[float, Lease]] = collections.deque()
+        # One lease per object sent, its deadline pushed on at each send:
+        # (deadline, key) in send order, and key -> (deadline, lease).
+        self.order: collections.deque[tuple[float, int]] = collections.deque()
+        self.leases: dict[int, tuple[float, Lease]] = {}
         self.puts = self.hits = self.fallbacks = 0
         logger.info(
             "pinshm sglang: multimodal features through /dev/shm/%s (%d MiB, sparse)", self.name, capacity // MIB
@@ -127,14 +141,29 @@ class Writer:
                 except (FullError, NoSpaceError, InvalidArgumentError) as e:
                     self.fallbacks += 1
                     raise OSError(errno.ENOSPC, f"pinshm store {self.name}: {e}") from e
+                except PinshmError as e:
+                    self.fallbacks += 1
+                    raise OSError(errno.EIO, f"pinshm store {self.name}: {e}") from e
                 self.puts += 1
-            self.leases.append((time.monotonic() + self.grace, self.own.lease(h)))
+            deadline = time.monotonic() + self.grace
+            held = self.leases.get(h.monotonic_id)
+            try:
+                lease = held[1] if held is not None else self.own.lease(h)
+            except PinshmError as e:  # gone meanwhile (a clear): not sent, SGLang goes inline
+                self.fallbacks += 1
+                raise OSError(errno.EIO, f"pinshm store {self.name}: {e}") from e
+            self.leases[h.monotonic_id] = (deadline, lease)
+            self.order.append((deadline, h.monotonic_id))
             return Ref(self.name, h)
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self.leases and self.leases[0][0] <= now:
-            self.leases.popleft()[1].release()
+        while self.order and self.order[0][0] <= now:
+            _, ident = self.order.popleft()
+            held = self.leases.get(ident)
+            if held is not None and held[0] <= now:  # not sent again since
+                del self.leases[ident]
+                held[1].release()
 
 
 _WRITER: Optional[Writer] = None

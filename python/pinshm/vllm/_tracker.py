@@ -16,6 +16,7 @@ that file under that name and that no live writer holds
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from typing import Optional
@@ -56,8 +57,16 @@ def _pipe() -> Optional[int]:
             start_new_session=True,
         )
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        proc.wait()
+        with proc.stdout:
+            # The first process says the second's pid and exits at once; one
+            # that does not within 30 s is not waited for.
+            ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+            line = proc.stdout.readline() if ready else b""
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         pid = int(line)
     except (OSError, ValueError):
         os.close(write)

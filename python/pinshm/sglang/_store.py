@@ -32,6 +32,7 @@ from .._pinshm import (
     PinshmError,
     StoreReader,
 )
+from ..vllm._budget import shm_size
 
 logger = logging.getLogger("pinshm.sglang")
 
@@ -79,19 +80,11 @@ class Ref:
         return Ref(parts[0], ObjectHandle(address, ident, epoch))
 
 
-def _shm_size() -> int:
-    try:
-        st = os.statvfs("/dev/shm")
-        return st.f_blocks * st.f_frsize
-    except OSError:
-        return 0
-
-
 class Writer:
     """The tokenizer process's store: puts features, serves repeats."""
 
     def __init__(self) -> None:
-        size = _shm_size()
+        size = shm_size() or 0
         want = int(_env_float("PINSHM_SGLANG_CACHE_MIB", 2048) * MIB)
         capacity = max(4 * MIB, min(want, size // 2 if size else want))
         self.grace = _env_float("PINSHM_SGLANG_GRACE_S", 300.0)

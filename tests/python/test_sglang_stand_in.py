@@ -74,6 +74,58 @@ if len(sys.argv) > 1:  # stay until killed
 """
 
 
+BURST = """
+import os, pickle, multiprocessing as mp
+os.environ["PINSHM_SGLANG_CACHE_MIB"] = "4"  # a 4 MiB store under a burst of 50 MiB
+os.environ["PINSHM_SGLANG_GRACE_S"] = "0.05"  # leases end before the ranks read
+import numpy as np, torch
+from pinshm.sglang import _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+
+plugin.register(); HookRegistry.apply_hooks()
+
+def feat(k):
+    return torch.Tensor(np.full(64 * 1024, k, dtype=np.float32))  # 256 KiB
+
+sent = []
+for i in range(200):  # 40 images, each sent five times
+    sent.append((i % 40, pickle.dumps(mm_utils._wrap_shm_or_inline(feat(i % 40), precomputed_hash=i % 40))))
+
+def rank(conn):
+    ok = miss = wrong = 0
+    for k, blob in sent:
+        p = pickle.loads(blob)
+        try:
+            t = p.materialize() if isinstance(p, mm_utils.ShmPointerMMData) else p
+        except RuntimeError:
+            miss += 1  # evicted after its lease: SGLang fails the request
+            continue
+        if torch.equal(t, feat(k)):
+            ok += 1
+        else:
+            wrong += 1
+    conn.send((ok, miss, wrong))
+
+ctx = mp.get_context("fork")
+pipes, procs = [], []
+for _ in range(8):  # TP=8: eight ranks attach and read at once
+    a, b = ctx.Pipe()
+    procs.append(ctx.Process(target=rank, args=(b,)))
+    pipes.append(a)
+for p in procs:
+    p.start()
+for i in range(300):  # the writer goes on putting while the ranks read: it evicts what they want
+    mm_utils._wrap_shm_or_inline(feat(100 + i), precomputed_hash=100 + i)
+got = [a.recv() for a in pipes]
+for p in procs:
+    p.join(60)
+assert all(w == 0 for _, _, w in got), got
+assert all(ok > 0 for ok, _, _ in got), got
+print("RANKS", got, "puts", _store.writer().puts, "hits", _store.writer().hits, flush=True)
+"""
+
+
 @pytest.fixture
 def stand_in(tmp_path: Path) -> Path:
     install(tmp_path)
@@ -196,3 +248,12 @@ def test_a_name_that_lies_parses_to_nothing():
     assert r is not None
     assert (r.store, r.handle.address, r.handle.monotonic_id, r.handle.epoch) == ("pinshm_sgl_1_ab12cd34", 128, 7, 99)
     assert Ref.parse(r.name()) == r
+
+
+def test_eight_ranks_under_a_burst_through_a_small_store_read_right_bytes_or_miss(stand_in):
+    # A fault (an object evicted once its lease ended, a full store sending
+    # features inline) costs a miss, never another feature's bytes.
+    p = _run(stand_in, BURST)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "RANKS" in out, out

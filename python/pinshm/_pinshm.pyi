@@ -53,6 +53,8 @@ __all__ = [
     "_remove_if_abandoned_file",
     "_inspect_segment",
     "_gc_segments",
+    "_digest",
+    "_copy_digest",
 ]
 
 __version__: str
@@ -928,6 +930,14 @@ def flush_releases() -> int:
 def _inspect_segment(name: str, handles: Optional[Iterable[tuple[int, int]]] = None) -> dict[str, Any]:
     """The raw form of `pinshm.inspect_segment` (which returns it typed,
     `pinshm.segments.Snapshot`): the same fields as a dict."""
+
+def _digest(data: Buffer) -> bytes:
+    """The BLAKE3 digest (32 bytes) of a buffer's bytes, the GIL released
+    (the remote encoder cache's digest of an output)."""
+
+def _copy_digest(dst: Buffer, src: Buffer) -> bytes:
+    """Copies `src` into `dst` (the same length) and returns the BLAKE3
+    digest of what `dst` now holds, in one pass with the GIL released."""
 
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and

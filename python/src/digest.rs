@@ -1,0 +1,82 @@
+//! The remote tier's digest of an encoder output's bytes (BLAKE3, the
+//! `blake3` crate: SIMD, a few GB/s on one core), and the copy of fetched
+//! bytes into their slot fused with it, so that the bytes are read once
+//! and hashed while they are in cache. Both run with the GIL released:
+//! the scheduler's thread goes on while a fetch is checked.
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::buffer::Buffer;
+
+/// Bytes copied and hashed at a time: small enough that a chunk just
+/// written is still in the core's cache when it is hashed.
+const CHUNK: usize = 256 << 10;
+
+/// The BLAKE3 digest (32 bytes) of a buffer's bytes.
+#[pyfunction(name = "_digest")]
+pub(crate) fn digest<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let buf = Buffer::readable(data)?;
+    let bytes = buf.as_slice();
+    let (ptr, len) = (bytes.as_ptr() as usize, bytes.len());
+    let out = crate::gil::released(py, move || {
+        // SAFETY: `buf` (the export of `ptr..ptr + len`) lives until this
+        // function returns, after this closure; the bytes are only read.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        *blake3::hash(bytes).as_bytes()
+    });
+    drop(buf);
+    Ok(PyBytes::new(py, &out))
+}
+
+/// Copies `src` into `dst` (of the same length) and returns the BLAKE3
+/// digest of what was written to `dst`: what `dst` holds now, whatever
+/// another process wrote into `src` meanwhile (`src` is a mapping another
+/// process writes: it is read through raw pointers, once).
+#[pyfunction(name = "_copy_digest")]
+pub(crate) fn copy_digest<'py>(
+    py: Python<'py>,
+    dst: &Bound<'py, PyAny>,
+    src: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let mut to = Buffer::writable(dst)?;
+    let from = Buffer::readable(src)?;
+    if to.len() != from.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "copy_digest: a destination of {} bytes for a source of {}",
+            to.len(),
+            from.len()
+        )));
+    }
+    let (d, s, len) = (
+        to.as_mut_slice().as_mut_ptr() as usize,
+        from.as_slice().as_ptr() as usize,
+        from.len(),
+    );
+    let out = crate::gil::released(py, move || {
+        let mut hasher = blake3::Hasher::new();
+        let mut at = 0;
+        while at < len {
+            let n = CHUNK.min(len - at);
+            // SAFETY: both exports live until this function returns (after
+            // this closure); `d..d + len` is writable and ours alone (a
+            // writable export we hold), `s..s + len` readable; they are two
+            // distinct buffers (a slot and a staging mapping). The source is
+            // copied with a raw copy, never borrowed as a slice, since
+            // another process may write it meanwhile.
+            let chunk = unsafe {
+                std::ptr::copy_nonoverlapping((s + at) as *const u8, (d + at) as *mut u8, n);
+                std::slice::from_raw_parts((d + at) as *const u8, n)
+            };
+            hasher.update(chunk);
+            at += n;
+        }
+        *hasher.finalize().as_bytes()
+    });
+    drop(from);
+    drop(to);
+    Ok(PyBytes::new(py, &out))
+}

@@ -6,13 +6,19 @@
    4 MiB and 16 MiB: medians, and NIXL's as a ratio of the socket's.
 2. A consumer's lookup that hits: in the node's store of fetched outputs
    (a local hit: lookup and lease) against a fetch from the producer (a
-   remote hit: lookup at the peer, a slot reserved, the READ in the
-   consumer's fetch process, the copy into the slot and its SHA-256
-   check, done, publish, lease), with a memcpy of the same bytes as the
-   baseline. The READ of (1) is from an agent of this process's own.
+   remote hit, as the scheduler gets it: the key handed to the fetching
+   thread, a lookup at the peer, a slot reserved, the READ in the
+   consumer's fetch process, the copy into the slot fused with its BLAKE3
+   check, publish, then a lease), with the raw NIXL READ of (1) as the
+   baseline (an agent of this process's own, the same bytes, the same
+   run): the remote hit's ratio to it is what the tier costs over the
+   transport.
+3. A request of 8 items of each size up to 4 MiB: its fetch (one lookup
+   of the 8 keys, one READ of the 8) against one raw NIXL READ of the
+   same 8.
 
 The producer is a process of its own: a store, pinshm's server
-(`pinshm.vllm.ec._serve.Server`, with its serving process, the channel
+(`pinshm.vllm.ec.producer.Server`, with its serving process, the channel
 authenticated with a secret as deployments run it) and a socket server
 over the same bytes.
 Needs NIXL (``pip install --no-deps nixl-cu12==1.5.1``) and pyzmq.
@@ -41,24 +47,31 @@ import numpy as np
 
 import pinshm
 from pinshm.vllm.ec._config import ECSettings
-from pinshm.vllm.ec._wire import agent, release
+from pinshm.vllm.ec.remote.keys import derive, read_secret, secure_client
+from pinshm.vllm.ec.remote.nixl import agent, release
+from pinshm.vllm.ec.remote.protocol import pack, unpack
 
 SIZES = [98 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
-def key(n):
-    return f"bench-{n}"
+ITEMS = 8
+
+
+def key(n, i=None):
+    return f"bench-{n}" if i is None else f"bench-{n}-{i}"
 
 
 def producer(conn, store, serve, tcp_port, secret):
-    from pinshm.vllm.ec._serve import Server
+    from pinshm.vllm.ec.remote.producer import Server
 
-    s = pinshm.ObjectStore(96 << 20, 32 << 20, 4, name=store, cache=True, key_index=64)
+    s = pinshm.ObjectStore(160 << 20, 32 << 20, 4, name=store, cache=True, key_index=128)
     data = {}
     for n in SIZES:
         arr = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
         s.put_tensor(key(n), arr)
         data[n] = arr.tobytes()
+        for i in range(ITEMS if n <= 4 << 20 else 0):
+            s.put_tensor(key(n, i), np.random.default_rng(n + i + 1).integers(0, 255, n, dtype=np.uint8))
     server = Server(ECSettings.from_extra({"store": store, "serve": serve, "retry_s": 0, "secret_file": secret}))
     lsock = socket.socket()
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -85,6 +98,45 @@ def med(xs):
     return statistics.median(xs)
 
 
+def read_timed(nx, local, remote, peer_name):
+    """One NIXL READ, waited for as the fetch process waits; its seconds."""
+    t0 = time.perf_counter()
+    x = nx.initialize_xfer("READ", local, remote, peer_name)
+    state = nx.transfer(x)
+    pause = 20e-6  # as a fetch waits: a busy loop starves UCX's progress thread
+    while state == "PROC":
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+        state = nx.check_xfer_state(x)
+    took = time.perf_counter() - t0
+    assert state == "DONE"
+    nx.release_xfer_handle(x)
+    return took
+
+
+class Control:
+    """A client of the producer's control channel (lookups for the raw
+    READ's addresses), authenticated as the tier is."""
+
+    def __init__(self, port, secret):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, derive(read_secret(secret)))
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def ask(self, msg):
+        self.sock.send_multipart([b"rid", b"", pack(msg)])
+        assert self.sock.poll(10_000)
+        return unpack(self.sock.recv_multipart()[-1])
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,7 +153,7 @@ def main():
         print(table(json.load(open(args.table))))
         return
     os.environ.setdefault("UCX_TLS", "tcp")
-    from pinshm.vllm.ec._fetch import RemoteTier
+    from pinshm.vllm.ec.remote.consumer import RemoteTier
 
     tag = f"pinshm-bench-remote-{os.getpid()}"
     probe = pinshm.ObjectStore(1 << 20, 1 << 16, 1)
@@ -123,44 +175,41 @@ def main():
     settings = ECSettings.from_extra(
         {
             "store": tag + "-b",
-            "size": "96m",
+            "size": "160m",
+            "remote_size": "160m",
             "peers": [f"127.0.0.1:{zport}"],
             "remote_timeout_s": 10,
             "secret_file": secret,
         }
     )
     tier = RemoteTier(settings)
+    control = Control(zport, secret)
+    multi = []
     try:
         sock = socket.create_connection(("127.0.0.1", tport))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        deadline = time.monotonic() + 60
+        while tier.peers_ready < 1:
+            assert time.monotonic() < deadline, "the producer never answered the tier's hello"
+            time.sleep(0.01)
         peer = tier.peers[0]
-        tier._hello(peer, time.monotonic() + 10)
         # The baseline READ from an agent of this process's own (the
         # tier's lives in its fetch process).
         nx = agent(f"bench-reader-{os.getpid()}", progress=False)
         peer_name = nx.add_remote_agent(peer.meta)
         peer_name = peer_name.decode() if isinstance(peer_name, bytes) else str(peer_name)
+        dst = np.zeros(max(ITEMS * (4 << 20), max(SIZES)), dtype=np.uint8)
+        nx.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        base = dst.ctypes.data
         for n in SIZES:
-            reply = tier._ask(peer, {"op": "lookup", "key": key(n)}, time.monotonic() + 10)
-            dst = np.zeros(n, dtype=np.uint8)
-            nx.register_memory([(dst.ctypes.data, n, 0, "")], "DRAM")
-            local = nx.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
+            reply = control.ask({"op": "lookup", "keys": [key(n)]})["found"][0]
+            local = nx.get_xfer_descs([(base, n, 0)], "DRAM")
             remote = nx.get_xfer_descs([(peer.base + reply["offset"], n, 0)], "DRAM")
             buf = bytearray(n)
             view = memoryview(buf)
             nixl_s, tcp_s, copy_s = [], [], []
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                x = nx.initialize_xfer("READ", local, remote, peer_name)
-                state = nx.transfer(x)
-                pause = 20e-6  # as a fetch waits: a busy loop starves UCX's progress thread
-                while state == "PROC":
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
-                    state = nx.check_xfer_state(x)
-                nixl_s.append(time.perf_counter() - t0)
-                assert state == "DONE"
-                nx.release_xfer_handle(x)
+                nixl_s.append(read_timed(nx, local, remote, peer_name))
                 t0 = time.perf_counter()
                 sock.sendall(struct.pack("<Q", n))
                 got = 0
@@ -168,13 +217,12 @@ def main():
                     got += sock.recv_into(view[got:], n - got)
                 tcp_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                np.copyto(dst, np.frombuffer(buf, np.uint8))
+                np.copyto(dst[:n], np.frombuffer(buf, np.uint8))
                 copy_s.append(time.perf_counter() - t0)
-            assert dst.tobytes() == bytes(buf), "NIXL and the socket read the same bytes"
-            tier._ask(peer, {"op": "done", "lease": reply["lease"]}, time.monotonic() + 10)
-            # A consumer's hit: remote (fetched now: lookup, READ into the
-            # fetch process, copy and digest, done, publish) and local
-            # (fetched before).
+            control.ask({"op": "done", "leases": [reply["lease"]]})
+            # A consumer's hit: remote (fetched now, as the scheduler's
+            # ensure_cache_available starts it and its has_cache_item
+            # then finds it) and local (fetched before).
             remote_s, local_s = [], []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
@@ -199,6 +247,32 @@ def main():
                     "local_hit_s": med(local_s),
                     "remote_over_local": med(remote_s) / med(local_s),
                     "remote_over_memcpy": med(remote_s) / med(copy_s),
+                    "remote_over_read": med(remote_s) / med(nixl_s),
+                }
+            )
+            if n > 4 << 20:
+                continue
+            keys = [key(n, i) for i in range(ITEMS)]
+            replies = control.ask({"op": "lookup", "keys": keys})["found"]
+            local = nx.get_xfer_descs([(base + i * n, n, 0) for i in range(ITEMS)], "DRAM")
+            remote = nx.get_xfer_descs([(peer.base + r["offset"], n, 0) for r in replies], "DRAM")
+            raw_s, req_s = [], []
+            for _ in range(args.repeats):
+                raw_s.append(read_timed(nx, local, remote, peer_name))
+                t0 = time.perf_counter()
+                tier.want(keys)
+                assert tier.wait(keys, 30)
+                req_s.append(time.perf_counter() - t0)
+                assert all(tier.has_local(k) for k in keys)
+                tier.store.clear()
+            control.ask({"op": "done", "leases": [r["lease"] for r in replies]})
+            multi.append(
+                {
+                    "bytes": n,
+                    "items": ITEMS,
+                    "nixl_read_s": med(raw_s),
+                    "request_s": med(req_s),
+                    "request_over_read": med(req_s) / med(raw_s),
                 }
             )
         sock.close()
@@ -206,6 +280,7 @@ def main():
         if "nx" in locals():
             release(SimpleNamespace(_agent=nx))
         tier.close()
+        control.close()
         os.unlink(secret)
         os.rmdir(os.path.dirname(secret))
         a.send("stop")
@@ -235,6 +310,7 @@ def main():
             "where": "one machine, two processes, 127.0.0.1",
         },
         "rows": rows,
+        "requests": multi,
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -36,7 +36,7 @@ def make_secret(directory, mode=0o600, size=32):
 
 def peer_keys():
     """The derived keys of the secret the test's environment names."""
-    from pinshm.vllm.ec._secret import derive, read_secret
+    from pinshm.vllm.ec.remote.keys import derive, read_secret
 
     return derive(read_secret(os.environ["PINSHM_EC_SECRET_FILE"]))
 
@@ -66,7 +66,8 @@ def producer_main(conn, extra, images, rows=None):
                 conn.send(("saved",))
             elif msg[0] == "stats":
                 s = e.ec_connector._server
-                conn.send(("stats", dict(lookups=s.lookups, found=s.found, stable=s.stable, unstable=s.unstable)))
+                stats = dict(lookups=s.lookups, found=s.found, stable=s.stable, unstable=s.unstable)
+                conn.send(("stats", dict(stats, lookup_requests=s.lookup_requests)))
             elif msg[0] == "stop":
                 break
     finally:
@@ -128,7 +129,7 @@ class BadPeer:
     def __init__(self, port, answer, keys=True):
         import zmq
 
-        from pinshm.vllm.ec._secret import secure_server
+        from pinshm.vllm.ec.remote.keys import secure_server
 
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -9,9 +9,9 @@ import pytest
 from _ec_remote import free_port, make_secret, nixl_or_skip
 
 import pinshm
-from pinshm.vllm.ec import _serve, _wire
+from pinshm.vllm.ec.remote import nixl, producer, protocol
 from pinshm.vllm.ec._config import ECSettings
-from pinshm.vllm.ec._secret import derive, read_secret, secure_client
+from pinshm.vllm.ec.remote.keys import derive, read_secret, secure_client
 
 ROWS = 64
 
@@ -29,7 +29,7 @@ class Served:
             self.store.put_tensor(f"k{i}", a)
             self.arrays[f"k{i}"] = a
         settings = dict({"store": name, "serve": f"127.0.0.1:{port}", "retry_s": 0, "secret_file": secret}, **extra)
-        self.server = _serve.Server(ECSettings.from_extra(settings), nofile=extra.get("_nofile"))
+        self.server = producer.Server(ECSettings.from_extra(settings), nofile=extra.get("_nofile"))
         self.socks = []
         self.ctx = None
 
@@ -63,10 +63,26 @@ class Served:
 
 def ask(sock, msg, timeout_ms=5000):
     """The answer to `msg`, or None if none comes in `timeout_ms`."""
-    sock.send(_wire.pack(msg))
+    sock.send(protocol.pack(msg))
     if not sock.poll(timeout_ms):
         return None
-    return _wire.unpack(sock.recv())
+    return protocol.unpack(sock.recv())
+
+
+def lookup(sock, key):
+    """The place a lookup of `key` answers (None: not found, or no answer)."""
+    answer = ask(sock, {"op": "lookup", "keys": [key]})
+    return None if answer is None else answer["found"][0]
+
+
+def done(sock, lease):
+    """Whether the producer said the READ under `lease` was stable."""
+    return ask(sock, {"op": "done", "leases": [lease]})["stable"][0]
+
+
+def found_one(answer):
+    """Whether a lookup's answer of one key found it."""
+    return answer.get("found", [None])[0] is not None
 
 
 @pytest.fixture
@@ -82,7 +98,7 @@ def served(unique_name, tmp_path):
     yield make
     for s in made:
         s.close()
-    assert not _wire._LIVE, "every agent of this process released"
+    assert not nixl._LIVE, "every agent of this process released"
 
 
 def cpu_s(pid):

@@ -19,6 +19,7 @@ import hashlib
 import os
 import pickle
 import sys
+import time
 import types
 from functools import reduce
 
@@ -74,7 +75,8 @@ class Feature:
     def __init__(self, mm_hash, rows):
         self.identifier = mm_hash
         self.modality = "image"
-        self.mm_position = types.SimpleNamespace(get_num_embeds=lambda: rows)
+        # Where its tokens lie in the prompt (vLLM's PlaceholderRange).
+        self.mm_position = types.SimpleNamespace(offset=0, length=rows, get_num_embeds=lambda: rows)
 
 
 class Request:
@@ -257,6 +259,8 @@ class Engine:
         self.completed = {}  # request id -> (hash, rows, digests on every rank): finished, whatever came later
         self._n = 0
         self._steps = 0
+        self.waiting = []  # requests deferred by ensure_cache_available
+        self.deferrals = 0
 
     @property
     def cached(self):
@@ -273,12 +277,22 @@ class Engine:
         return [self._recv(a) for a in self.conns]
 
     def schedule(self, images, rows=ROWS):
-        """The scheduler's half of a step: the step's plan (metadata built)."""
+        """The scheduler's half of a step: the step's plan (metadata built).
+        As vLLM's waiting queue: each new request (one per image) is asked
+        `ensure_cache_available` first, and one it says False for waits
+        for a later step (`waiting`), while the others are scheduled."""
         s, m = self.scheduler, self.encoder_cache_manager
         compute, wanted, loads, requests = [], [], [], []
         for h in images:
             self._n += 1
-            req = Request(f"req-{self._n}", [h], rows)
+            self.waiting.append(Request(f"req-{self._n}", [h], rows))
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            if not s.ensure_cache_available(req, 0):
+                self.waiting.append(req)
+                self.deferrals += 1
+                continue
+            h = req.mm_features[0].identifier
             requests.append(req)
             wanted.append(h)
             if m.check_and_update_cache(req, 0):
@@ -286,7 +300,7 @@ class Engine:
             if s.has_cache_item(h):
                 loads.append(h)
             else:
-                compute.append((h, rows))
+                compute.append((h, req.get_num_encoder_embeds(0)))
             m.allocate(req, 0)
             s.update_state_after_alloc(req, 0)
         freed = m.get_freed_mm_hashes()
@@ -328,6 +342,7 @@ class Engine:
             digests=[r[2] for r in replies],
             missing=[r[3] for r in replies],
             requests=[req.request_id for req in plan.requests],
+            steps=1,
         )
 
     def _take_unavailable(self):
@@ -337,7 +352,28 @@ class Engine:
             self.running.pop(rid, None)  # a finished request stays finished
 
     def step(self, images, rows=ROWS):
-        return self.execute(self.schedule(images, rows))
+        """One engine step with `images`' requests, then more (with nothing
+        new) until no request waits: the result of them all. Each step
+        runs the requests that are not deferred, as vLLM's do."""
+        r = self.execute(self.schedule(images, rows))
+        deadline = time.monotonic() + self.WAIT_S
+        while self.waiting:
+            assert time.monotonic() < deadline, "a request was deferred past every budget"
+            time.sleep(0.002)
+            more = self.execute(self.schedule([], rows))
+            r.loads += more.loads
+            r.computed += more.computed
+            r.requests += more.requests
+            for mine, theirs in zip(r.digests, more.digests):
+                mine.update(theirs)
+            for mine, theirs in zip(r.missing, more.missing):
+                mine.extend(theirs)
+            r.steps += 1
+        # In the order of the images (deferred requests ran later).
+        order = {h: i for i, h in reversed(list(enumerate(images)))}
+        r.loads.sort(key=lambda h: order.get(h, len(order)))
+        r.computed.sort(key=lambda h: order.get(h, len(order)))
+        return r
 
     def wrong_answers(self):
         """Requests that completed with an output other than the encoder's,

@@ -401,7 +401,7 @@ def _hold_a_reader(name, then_fork, conn):
 
 
 def test_only_live_reader_entries_of_this_processs_children_count_for_its_ranks(unique_name):
-    from pinshm.vllm.ec._scheduler import _workers_holding
+    from pinshm.vllm.ec._table import workers_holding
 
     name = unique_name("table")
     w = pinshm.ObjectStore(1 << 20, 64 << 10, 8, name=name, cache=True)
@@ -419,9 +419,9 @@ def test_only_live_reader_entries_of_this_processs_children_count_for_its_ranks(
         # The scheduler's own reader answers from the table it reads.
         live = mine.live_readers()
         assert len(live) == 3 and (mine.index, os.getpid()) in live, live
-        assert _workers_holding(mine, epoch) == 1
-        assert _workers_holding(mine, epoch + 1) == 0, "another segment's epoch"
-        assert _workers_holding(None, epoch) == 0, "no reader: no answer"
+        assert workers_holding(mine, epoch) == 1
+        assert workers_holding(mine, epoch + 1) == 0, "another segment's epoch"
+        assert workers_holding(None, epoch) == 0, "no reader: no answer"
     finally:
         a.send("go")
         child.join(10)

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 from _ec_remote import free_port, nixl_or_skip
-from _ec_security import ask, served  # noqa: F401 - a fixture
+from _ec_security import ask, lookup, served  # noqa: F401 - a fixture
 
 import pinshm
-from pinshm.vllm.ec import _wire
+from pinshm.vllm.ec.remote import nixl
 
 # ---- an authenticated peer reaches the served region alone, read-only --
 
@@ -38,7 +38,7 @@ class Attacker:
     process's metadata by hello, widened."""
 
     def __init__(self, s):
-        self.agent = _wire.agent(f"attacker-{os.getpid()}", progress=False)
+        self.agent = nixl.agent(f"attacker-{os.getpid()}", progress=False)
         self.sock = s.client()
         hello = ask(self.sock, {"op": "hello"})
         self.base, self.length = hello["base"], hello["length"]
@@ -67,7 +67,7 @@ class Attacker:
         return state
 
     def close(self):
-        _wire.release(self, "agent", safe=False)
+        nixl.release(self, "agent", safe=False)
 
 
 def _heap_of(pid):
@@ -90,7 +90,7 @@ def test_a_peer_that_widens_its_region_reads_and_writes_nothing_of_the_engine(se
     a = Attacker(s)
     try:
         # The rig works: a READ inside the region, at a looked-up place, reads the output.
-        place = ask(a.sock, {"op": "lookup", "key": "k2"})
+        place = lookup(a.sock, "k2")
         assert a.xfer("READ", a.base + place["offset"], place["nbytes"]) == "DONE"
         assert a.buf[: place["nbytes"]].tobytes() == s.arrays["k2"].tobytes()
         # Outside it, the widening works: the NIXL process's heap reads,
@@ -123,7 +123,7 @@ def test_a_write_into_the_served_region_changes_no_byte_a_rank_reads(served):
     reader = pinshm.StoreReader.attach(s.store.handle())
     a = Attacker(s)
     try:
-        place = ask(a.sock, {"op": "lookup", "key": "k1"})
+        place = lookup(a.sock, "k1")
         pid = s.server.nixl_pid
         state = a.xfer("WRITE", a.base + place["offset"], 4096, b"\xee" * 4096)
         assert state != "DONE", "a WRITE into the read-only region completed"
@@ -135,7 +135,7 @@ def test_a_write_into_the_served_region_changes_no_byte_a_rank_reads(served):
         while (hello := ask(fresh, {"op": "hello"}, 2000)) is None or "error" in hello:
             assert time.monotonic() < deadline, hello
         assert s.server.nixl_pid not in (None, pid) and s.server.restarts == 1
-        assert ask(fresh, {"op": "lookup", "key": "k1"})["found"]
+        assert lookup(fresh, "k1") is not None
     finally:
         a.close()
         reader.close()
@@ -186,12 +186,12 @@ def test_the_serving_process_holds_no_writable_mapping_of_the_store(served):
 
 def test_ucx_settings_stay_out_of_the_process_environment(served, monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
-    a = _wire.agent(f"env-{os.getpid()}", progress=False)
+    a = nixl.agent(f"env-{os.getpid()}", progress=False)
     try:
         assert "UCX_TLS" not in os.environ, "pinshm's UCX settings leaked into the environment"
     finally:
         holder = type("H", (), {"_agent": a})()
-        _wire.release(holder)
+        nixl.release(holder)
 
 
 def test_the_serving_process_keeps_none_of_the_engines_environment_but_what_it_needs(served, monkeypatch):
@@ -206,12 +206,12 @@ def test_the_serving_process_keeps_none_of_the_engines_environment_but_what_it_n
 
 SERVER_IN_A_PROCESS = r"""
 import os, sys, threading, numpy as np, pinshm
-from pinshm.vllm.ec import _serve
+from pinshm.vllm.ec.remote import producer
 from pinshm.vllm.ec._config import ECSettings
 store = pinshm.ObjectStore(1 << 20, 1 << 16, 4, name=sys.argv[1], cache=True, key_index=64)
 made = []
 # Built in a thread that then ends, as an engine may build it.
-t = threading.Thread(target=lambda: made.append(_serve.Server(ECSettings.from_extra(
+t = threading.Thread(target=lambda: made.append(producer.Server(ECSettings.from_extra(
     {"store": sys.argv[1], "serve": "127.0.0.1:" + sys.argv[2], "secret_file": sys.argv[3], "retry_s": 0}))))
 t.start(); t.join()
 print("SERVING", made[0].pid, flush=True)

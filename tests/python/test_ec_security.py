@@ -12,11 +12,11 @@ import time
 
 import pytest
 from _ec_remote import make_secret
-from _ec_security import ask, cpu_s, rss, served  # noqa: F401 - a fixture
+from _ec_security import ask, cpu_s, done, found_one, lookup, rss, served  # noqa: F401 - a fixture
 
-from pinshm.vllm.ec import _serve, _served, _wire
+from pinshm.vllm.ec.remote import nixl, producer, protocol, serving_process
 from pinshm.vllm.ec._config import ECSettings
-from pinshm.vllm.ec._secret import derive, read_secret, secure_client
+from pinshm.vllm.ec.remote.keys import derive, read_secret, secure_client
 
 # ---- no secret, no answer ---------------------------------------------
 
@@ -42,7 +42,7 @@ def test_serve_and_peers_refuse_to_start_without_a_secret_and_say_how_to_make_on
     [(0o644, 32, "mode 0644"), (0o640, 32, "mode 0640"), (0o600, 16, "holds 16 bytes"), (0o400, 32, None)],
 )
 def test_a_secret_file_others_may_read_or_too_short_is_refused(tmp_path, mode, size, said):
-    from pinshm.vllm.ec._secret import SecretError
+    from pinshm.vllm.ec.remote.keys import SecretError
 
     path = make_secret(tmp_path, mode=mode, size=size)
     if said is None:
@@ -54,7 +54,7 @@ def test_a_secret_file_others_may_read_or_too_short_is_refused(tmp_path, mode, s
 
 
 def test_a_secret_file_of_another_user_is_refused(tmp_path):
-    from pinshm.vllm.ec._secret import SecretError
+    from pinshm.vllm.ec.remote.keys import SecretError
 
     path = make_secret(tmp_path)
     if os.geteuid() != 0:
@@ -90,7 +90,7 @@ def test_a_client_without_the_secret_gets_nothing_and_costs_the_server_nothing_l
         conns = []
         for i in range(200):
             c = socket.create_connection(("127.0.0.1", s.port))
-            c.sendall((greeting if i % 2 else os.urandom(64)) + _wire.pack({"op": "hello"}))
+            c.sendall((greeting if i % 2 else os.urandom(64)) + protocol.pack({"op": "hello"}))
             conns.append(c)
         for c in conns:
             c.settimeout(0.001 if batch % 8 else 0.2)
@@ -108,7 +108,7 @@ def test_a_client_without_the_secret_gets_nothing_and_costs_the_server_nothing_l
     for round_ in range(4):
         socks = [s.client(keys=leaked if round_ % 2 else strangers) for _ in range(100)]
         for c in socks:
-            c.send(_wire.pack({"op": "lookup" if round_ // 2 else "hello", "key": "k1"}))
+            c.send(protocol.pack({"op": "lookup", "keys": ["k1"]} if round_ // 2 else {"op": "hello"}))
         time.sleep(0.2)
         assert not any(c.poll(0, zmq.POLLIN) for c in socks), "an answer to a client of another secret"
         for c in socks:
@@ -124,7 +124,7 @@ def test_a_client_without_the_secret_gets_nothing_and_costs_the_server_nothing_l
     assert idle < 0.2, f"the serving process used {idle:.2f} s of CPU in 2 s after the flood"
     assert grew < 16 << 20, f"the serving process grew by {grew >> 20} MiB"
     assert s.server.pid == pid, "it never died"
-    assert ask(s.client(), {"op": "lookup", "key": "k1"})["found"], "the deployment's client is still answered"
+    assert lookup(s.client(), "k1") is not None, "the deployment's client is still answered"
     print(f"flood: {cpu_s(pid) - cpu0:.2f} s CPU in all, {grew >> 10} KiB more RSS")
 
 
@@ -145,13 +145,13 @@ def test_a_flood_of_idle_connections_is_closed_and_spins_no_core(served):
     assert ask(known, {"op": "hello"})["agent"]
     conns = _flood(s.port, 2000)
     cpu = cpu_s(pid)
-    answered = ask(known, {"op": "lookup", "key": "k0"}, timeout_ms=2000)
+    answered = ask(known, {"op": "lookup", "keys": ["k0"]}, timeout_ms=2000)
     time.sleep(1)
     busy = cpu_s(pid) - cpu
-    assert answered is not None and answered["found"], "a peer is answered during the flood"
+    assert answered is not None and found_one(answered), "a peer is answered during the flood"
     assert busy < 0.5, f"the serving process used {busy:.2f} s of CPU in 1 s with {len(conns)} idle connections"
     # Past the handshake interval, the server has closed every one.
-    time.sleep(_served.HANDSHAKE_MS / 1000 + 1)
+    time.sleep(serving_process.HANDSHAKE_MS / 1000 + 1)
     for c in conns:
         c.settimeout(0.05)
         try:
@@ -174,15 +174,15 @@ def test_a_flood_past_the_descriptor_table_leaves_peers_answered(served):
     known = s.client()
     assert ask(known, {"op": "hello"})["agent"]
     conns = _flood(s.port, 400)
-    answered = ask(known, {"op": "lookup", "key": "k0"}, timeout_ms=5000)
+    answered = ask(known, {"op": "lookup", "keys": ["k0"]}, timeout_ms=5000)
     for c in conns:
         c.close()
-    assert answered is not None and answered["found"], "a peer connected before the flood is answered during it"
+    assert answered is not None and found_one(answered), "a peer connected before the flood is answered during it"
     time.sleep(1)
     cpu = cpu_s(pid)
     time.sleep(1)
     assert cpu_s(pid) - cpu < 0.2, "no core spins once the flood's connections are closed"
-    assert ask(s.client(), {"op": "lookup", "key": "k1"}, timeout_ms=10000)["found"], "a new peer is answered after"
+    assert found_one(ask(s.client(), {"op": "lookup", "keys": ["k1"]}, timeout_ms=10000)), "a new peer is answered after"
     assert s.server.pid == pid
 
 
@@ -202,39 +202,39 @@ def test_one_peer_pipelining_10000_lookups_leaves_another_peers_answered(served)
     greedy.connect(f"tcp://127.0.0.1:{s.port}")
     s.socks.append(greedy)
     for i in range(10_000):
-        greedy.send_multipart([b"", _wire.pack({"op": "lookup", "key": f"k{i % 4}"})])
+        greedy.send_multipart([b"", protocol.pack({"op": "lookup", "keys": [f"k{i % 4}"]})])
     found = 0
     for _ in range(10_000):
         assert greedy.poll(30_000), "the server stopped answering the greedy peer"
-        found += bool(_wire.unpack(greedy.recv_multipart()[-1]).get("found"))
-    assert found == _serve.PEER_LEASES, f"{found} leases to one peer (its share: {_serve.PEER_LEASES})"
+        found += found_one(protocol.unpack(greedy.recv_multipart()[-1]))
+    assert found == producer.PEER_LEASES, f"{found} leases to one peer (its share: {producer.PEER_LEASES})"
     other = s.client()
     for key in ("k0", "k3"):
-        answer = ask(other, {"op": "lookup", "key": key})
-        assert answer["found"], "another peer is still answered"
-        assert ask(other, {"op": "done", "lease": answer["lease"]}) == {"stable": True}
+        answer = lookup(other, key)
+        assert answer is not None, "another peer is still answered"
+        assert done(other, answer["lease"]) is True
 
 
 def test_a_peer_cannot_end_another_peers_lease_and_lease_ids_are_random(served):
     s = served()
     alice, mallory = s.client(routing_id=b"alice"), s.client(routing_id=b"mallory")
-    answers = [ask(alice, {"op": "lookup", "key": "k0"}) for _ in range(3)]
+    answers = [lookup(alice, "k0") for _ in range(3)]
     ids = [x["lease"] for x in answers]
     assert len(set(ids)) == 3 and all(len(i) == 16 for i in ids)
     # Mallory names Alice's lease: told nothing, and the lease stays Alice's.
-    assert ask(mallory, {"op": "done", "lease": ids[0]}) == {"stable": False}
-    assert ask(mallory, {"op": "done", "lease": bytes(16)}) == {"stable": False}
-    assert ask(alice, {"op": "done", "lease": ids[0]}) == {"stable": True}
-    assert ask(alice, {"op": "done", "lease": ids[0]}) == {"stable": False}, "ended once"
+    assert done(mallory, ids[0]) is False
+    assert done(mallory, bytes(16)) is False
+    assert done(alice, ids[0]) is True
+    assert done(alice, ids[0]) is False, "ended once"
 
 
 def test_an_expired_lease_stops_counting_at_once(served):
     s = served(lease_ttl_s=0.3)
     sock = s.client()
-    got = [ask(sock, {"op": "lookup", "key": "k0"})["found"] for _ in range(_serve.PEER_LEASES + 1)]
-    assert got == [True] * _serve.PEER_LEASES + [False], "its share, then no more"
-    time.sleep(0.3 + 2 * _serve.POLL_S)
-    assert ask(sock, {"op": "lookup", "key": "k0"})["found"], "the expired leases no longer count"
+    got = [lookup(sock, "k0") is not None for _ in range(producer.PEER_LEASES + 1)]
+    assert got == [True] * producer.PEER_LEASES + [False], "its share, then no more"
+    time.sleep(0.3 + 2 * producer.POLL_S)
+    assert lookup(sock, "k0") is not None, "the expired leases no longer count"
 
 
 def test_many_connections_from_one_address_share_one_budget(served):
@@ -252,17 +252,17 @@ def test_many_connections_from_one_address_share_one_budget(served):
         greedy.append(g)
     for g in greedy:
         for _ in range(100):
-            g.send_multipart([b"", _wire.pack({"op": "lookup", "key": "k0"})])
+            g.send_multipart([b"", protocol.pack({"op": "lookup", "keys": ["k0"]})])
     found = 0
     for g in greedy:
         for _ in range(100):
             assert g.poll(30_000)
-            found += bool(_wire.unpack(g.recv_multipart()[-1]).get("found"))
-    assert found == _serve.ADDRESS_LEASES, f"{found} leases to one address"
+            found += found_one(protocol.unpack(g.recv_multipart()[-1]))
+    assert found == producer.ADDRESS_LEASES, f"{found} leases to one address"
     # A peer at another address is answered.
     other = s.ctx.socket(zmq.REQ)
     other.setsockopt(zmq.LINGER, 0)
     secure_client(other, s.keys)
     other.connect(f"tcp://127.0.0.2:0;127.0.0.1:{s.port}")
     s.socks.append(other)
-    assert ask(other, {"op": "lookup", "key": "k1"})["found"]
+    assert lookup(other, "k1") is not None

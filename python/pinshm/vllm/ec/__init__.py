@@ -10,10 +10,10 @@ every engine of a node.
 - :mod:`._worker`: the workers' half (the writer, saves, loads);
 - :mod:`._attach`: a reader that follows the store's name;
 - :mod:`._config`, :mod:`._meta`: settings and the messages between them;
-- :mod:`._serve`, :mod:`._fetch`, :mod:`._wire`: the remote tier (a
-  producer serving its node's store, a consumer fetching over NIXL, and
-  their messages; NIXL is imported only where ``serve`` or ``peers`` is
-  set: docs/remote.md).
+- :mod:`.remote`: the remote tier (a producer serving its node's store,
+  a consumer fetching over NIXL off the scheduler's path, and their
+  messages; NIXL is imported only where ``serve`` or ``peers`` is set:
+  docs/remote.md).
 
 Importing this package imports neither vLLM nor torch.
 """

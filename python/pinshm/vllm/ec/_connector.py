@@ -20,6 +20,12 @@ What vLLM calls, and what happens:
 - ``has_cache_item`` (scheduler): the key is looked up in the store's
   shared index and, if found, leased at once; vLLM then schedules no
   encoder run for it. A miss (or a store not there yet) runs the encoder.
+- ``ensure_cache_available`` (scheduler, with ``peers``): the inputs a
+  request has yet to compute that are not in this node's memory are
+  fetched from the peers by a thread of the remote tier; the request is
+  deferred (False) while any is in flight, for at most
+  ``remote_timeout_s``. ``has_cache_item`` reads this node's memory
+  only: the scheduler's step never waits on the network.
 - ``update_state_after_alloc``: a leased hit becomes a load of this step;
   ``build_connector_meta`` sends the step's loads (handles, not data) to
   the workers and ends the leases of hits whose request was not scheduled.
@@ -126,7 +132,7 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
             if self.settings.serve is not None:
                 # Serves the node's store to other nodes (NIXL, imported
                 # now: without it, an error at start that says so).
-                from ._serve import Server
+                from .remote.producer import Server
 
                 self._server = Server(self.settings)
                 where += ", serves"
@@ -172,6 +178,35 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def has_cache_item(self, identifier: str) -> bool:
         return self._scheduler is not None and self._scheduler.has(identifier)
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        """vLLM asks before it schedules a request with multimodal inputs:
+        False defers it (every other request goes on). The inputs it has
+        yet to compute, and vLLM's own encoder cache does not hold, are
+        fetched from the peers in the background; the answer comes from
+        this node's memory at once."""
+        s = self._scheduler
+        if s is None or s.remote is None:
+            return True
+        try:
+            manager = self._manager()
+            cached = getattr(manager, "cached", None) or {}
+            hashes = [
+                f.identifier
+                for f in request.mm_features
+                if f.mm_position.offset + f.mm_position.length > num_computed_tokens and f.identifier not in cached
+            ]
+            return s.ensure(str(request.request_id), hashes)
+        except Exception as e:  # noqa: BLE001 - never into vLLM's scheduler: the request runs
+            logger.debug("pinshm encoder cache: ensure_cache_available: %r", e)
+            return True
+
+    def request_finished(self, request: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        """A request finished or was aborted (a deferred one too): its
+        deferral is forgotten. Nothing of it is freed later."""
+        if self._scheduler is not None:
+            self._scheduler.deferrals.forget(str(request.request_id))
+        return False, None
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         if self._scheduler is None:
@@ -238,12 +273,15 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
             r = s.remote
             logger.info(
                 "pinshm encoder cache: %d fetched from peers (%d remote hits), %d not found there, "
-                "%d changed during the READ, %d peer failures",
+                "%d not as their digest said, %d peer failures (%d slow answers), %d requests ran before "
+                "their fetches ended",
                 r.fetched,
                 s.remote_hits,
                 r.not_found,
-                r.unstable,
+                r.corrupt,
                 r.peer_failures,
+                r.slow_answers,
+                s.deferrals.expired,
             )
         if s is not None:
             logger.info(

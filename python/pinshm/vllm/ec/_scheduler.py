@@ -25,7 +25,6 @@ with every request that used it failed: none completes from it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional
@@ -34,9 +33,10 @@ from ..._pinshm import Lease, PinshmError, StoreReader
 from ._attach import NamedReader
 from ._config import MAX_READERS, ECSettings
 from ._meta import LoadReport, LoadSpec, RankState
+from ._table import entries, holds, workers_holding
 
 if TYPE_CHECKING:
-    from ._fetch import RemoteTier
+    from .remote.consumer import RemoteTier
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -121,9 +121,12 @@ class SchedulerSide:
         if consumer:
             self.reader.get()  # attach at start, as the workers do
             if remote is None and settings.peers:
-                from ._fetch import RemoteTier
+                from .remote.consumer import RemoteTier
 
                 self.remote = RemoteTier(settings)
+        from .remote.deferral import Deferrals
+
+        self.deferrals = Deferrals(settings.remote_timeout_s)
 
     # ---- whether every rank reads the segment --------------------------
 
@@ -163,39 +166,53 @@ class SchedulerSide:
         if now < self._table_next.get(store, float("-inf")):
             return False
         self._table_next[store] = now + TABLE_RETRY_S
-        if _workers_holding(reader.get(), epoch) >= self.ranks:
+        if workers_holding(reader.get(), epoch) >= self.ranks:
             self._tables_seen.add((store, epoch))
             logger.debug("pinshm encoder cache: %d worker entries in %r before any report", self.ranks, store)
             return True
         return False
 
     def has(self, mm_hash: str) -> bool:
-        """Whether the output of `mm_hash` is in the store and every rank
-        can load it, leased if so; else, with peers, whether it is in the
-        store of fetched outputs, or could be fetched into it now (the
-        answer is yes only once the output is in this node's memory)."""
+        """Whether the output of `mm_hash` is in this node's memory (the
+        store, or with peers the store of fetched outputs) and every rank
+        can load it, leased if so. Never waits on the network: with peers,
+        a miss starts a fetch in the background (for a later request),
+        and vLLM's ``ensure_cache_available`` (:meth:`ensure`) has already
+        deferred this request until its fetches ended."""
         if not self.consumer:
             return False
-        if mm_hash in self._probes:
-            return True
-        if self._has_local(mm_hash):
+        if mm_hash in self._probes or self._has_local(mm_hash):
             return True
         remote = self.remote
-        if remote is None or not self.ready_remote(remote.epoch):
-            self.misses += 1
-            return False
         key = self.settings.key(mm_hash)
-        lease = self._fits(self._not_failed(key, remote.lease_local(key)), remote.reader.get(), mm_hash)
-        if lease is None:
-            lease = self._fits(remote.fetch(key), remote.reader.get(), mm_hash)
-            if lease is not None:
-                self.remote_hits += 1
+        lease = None
+        if remote is not None and self.ready_remote(remote.epoch):
+            lease = self._fits(self._not_failed(key, remote.lease_local(key)), remote.reader.get(), mm_hash)
+            if lease is None:
+                remote.want([key])
         if lease is None:
             self.misses += 1
             return False
+        self.remote_hits += 1
         self._probes[mm_hash] = lease
         self._remote_probes.add(mm_hash)
         return True
+
+    def ensure(self, request_id: str, mm_hashes: list[str]) -> bool:
+        """vLLM's ``ensure_cache_available``: starts fetching those of a
+        request's outputs (`mm_hashes`, the inputs it has yet to compute)
+        that are not in this node's memory, and says False (vLLM defers the
+        request) while any is in flight, for at most ``remote_timeout_s``
+        from the first deferral; past it, True (what did not arrive is a
+        miss, and the encoder runs). Never waits."""
+        remote = self.remote
+        if not self.consumer or remote is None or not mm_hashes:
+            return True
+        reader = self.reader.get()
+        keys = [self.settings.key(h) for h in mm_hashes]
+        keys = [k for k in keys if not holds(reader, k) and not remote.has_local(k)]
+        remote.want(keys)
+        return self.deferrals.ready(request_id, [k for k in keys if remote.pending(k)])
 
     def _has_local(self, mm_hash: str) -> bool:
         """Whether the node's store has it for every rank, leased if so (no
@@ -450,47 +467,6 @@ class SchedulerSide:
         self.reader.close()
         if self.remote is not None:
             self.remote.close()
-
-
-def _workers_holding(reader: Optional[StoreReader], epoch: int) -> int:
-    """How many distinct child processes of this one hold a live reader
-    entry of segment `epoch`, by the table of the segment `reader` reads
-    (0 when this process reads no such segment)."""
-    if reader is None:
-        return 0
-    try:
-        if reader.epoch != epoch:
-            return 0
-        live = reader.live_readers()
-    except PinshmError:  # closed or gone: no answer from the table
-        return 0
-    me = os.getpid()
-    pids = {pid for _, pid in live if pid != me}
-    return sum(1 for pid in pids if _parent_of(pid) == me)
-
-
-def _parent_of(pid: int) -> Optional[int]:
-    """The parent of process `pid` (/proc/PID/stat), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-        return int(stat[stat.rindex(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def entries(store: str) -> tuple[Optional[int], Optional[int]]:
-    """Reader entries of `store`: free for an attach now, and in all (None:
-    unknown). Advice for an engine that could not attach, so it has no
-    reader to ask: the inspector reads the table."""
-    try:
-        from ...segments import inspect_segment
-
-        snap = inspect_segment(store)
-        return snap.entries_free, len(snap.readers)
-    except Exception:  # noqa: BLE001 - advice only
-        return None, None
 
 
 def _release(lease: Lease) -> None:

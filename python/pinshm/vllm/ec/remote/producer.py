@@ -3,7 +3,7 @@
 scheduler process, and the serving process it starts and watches.
 
 What other nodes reach is not this process: it is a small process of its
-own (:mod:`._served`) with the endpoint, the NIXL agent and a read-only
+own (:mod:`.serving_process`) with the endpoint, another (:mod:`.nixl_process`) with the NIXL agent and a read-only
 mapping of the store's data region, and nothing of the engine
 (docs/security.md). This side keeps what must be trusted: a reader of the
 store, the leases, their budgets. The serving process forwards each
@@ -38,14 +38,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
-from ._attach import NamedReader
-from ._config import ECSettings
-from ._region import place, region_file
-from ._secret import keys_for
-from ._served import LOCAL_MESSAGE, MAX_KEY, devices_for
-from ._spawn import KEY_FIELDS, ServeError, spawn, stop
-from ._wire import DEFAULT_UCX_TLS, LEASE_BYTES, VERSION, PeerError, field, pack, unpack
+from ...._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
+from .._attach import NamedReader
+from .._config import ECSettings
+from .child import LOCAL_MESSAGE
+from .keys import keys_for
+from .net import devices_for
+from .nixl import DEFAULT_UCX_TLS
+from .protocol import LEASE_BYTES, MAX_KEY, MAX_KEYS, VERSION, PeerError, field, pack, unpack
+from .region import place, region_file
+from .spawn import KEY_FIELDS, ServeError, spawn, stop
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
@@ -102,6 +104,8 @@ class Server:
         self._by_addr: dict[str, int] = {}
         self._digests: dict[tuple[int, int], bytes] = {}
         self.lookups = self.found = self.stable = self.unstable = self.busy = 0
+        #: Lookup messages (each of up to MAX_KEYS keys; `lookups` counts keys).
+        self.lookup_requests = 0
         self.restarts = 0
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._holder: Optional[tuple[subprocess.Popen[bytes], socket.socket]] = None
@@ -162,7 +166,7 @@ class Server:
             "keys": None if self._keys is None else {k: getattr(self._keys, k) for k in KEY_FIELDS},
             "nofile": self._nofile,
         }
-        self._proc, self._sock = spawn([], cfg, f"cannot serve on {host}:{port}")
+        self._proc, self._sock = spawn("serving_process", [], cfg, f"cannot serve on {host}:{port}")
         self._started_at = time.monotonic()
 
     def _start_holder(self) -> None:
@@ -176,7 +180,7 @@ class Server:
             env["UCX_NET_DEVICES"] = devices
         self._holders += 1
         cfg = {"agent": f"pinshm-serve-{os.getpid()}-{port}-{self._holders}", "env": env}
-        self._holder = spawn(["nixl"], cfg, "cannot start its NIXL process")
+        self._holder = spawn("nixl_process", [], cfg, "cannot start its NIXL process")
         self._registered = None
 
     def _holder_gone(self) -> None:
@@ -308,12 +312,18 @@ class Server:
         if not 0 < len(peer) <= 256:
             raise PeerError(f"a peer id of {len(peer)} bytes")
         if op == "lookup":
-            key, addr = field(msg, "key", str), field(msg, "addr", str)
-            if len(key) > MAX_KEY or len(addr) > 64:
-                raise PeerError(f"a key of {len(key)} characters, an address of {len(addr)}")
-            return self._lookup(peer, addr, key)
+            keys, addr = field(msg, "keys", list), field(msg, "addr", str)
+            if not 0 < len(keys) <= MAX_KEYS or len(addr) > 64:
+                raise PeerError(f"a lookup of {len(keys)} keys, an address of {len(addr)}")
+            if not all(isinstance(k, str) and len(k) <= MAX_KEY for k in keys):
+                raise PeerError("a key that is not a string of at most MAX_KEY characters")
+            self.lookup_requests += 1
+            return {"found": [self._lookup(peer, addr, key) for key in keys]}
         if op == "done":
-            return self._done(peer, field(msg, "lease", bytes))
+            leases = field(msg, "leases", list)
+            if not 0 < len(leases) <= MAX_KEYS or not all(isinstance(x, bytes) for x in leases):
+                raise PeerError(f"a done of {len(leases)} leases")
+            return {"stable": [self._done(peer, lid) for lid in leases]}
         raise PeerError(f"no such op {op[:40]!r}")
 
     # ---- the region -------------------------------------------------
@@ -361,38 +371,37 @@ class Server:
 
     # ---- leases -----------------------------------------------------
 
-    def _lookup(self, peer: bytes, addr: str, key: str) -> dict[str, Any]:
+    def _lookup(self, peer: bytes, addr: str, key: str) -> Optional[dict[str, Any]]:
         self.lookups += 1
         reader = self._region()
         if reader is None:
-            return {"found": False}
+            return None
         if (
             self._held.get(peer, 0) >= PEER_LEASES
             or self._by_addr.get(addr, 0) >= ADDRESS_LEASES
             or len(self._leases) - len(self._remembered) >= MAX_LEASES
         ):
             self.busy += 1
-            return {"found": False}
+            return None
         try:
             lease = reader.lease_key(key)
         except PinshmError:
             lease = None
         if lease is None:
-            return {"found": False}
+            return None
         handle = lease.handle
         try:
             offset, nbytes, dtype, shape, sums = place(reader, handle, self._digests)
         except Exception as e:  # noqa: BLE001 - not a tensor, gone: a miss
             logger.debug("pinshm encoder cache: serving %s: %r", key, e)
             lease.release()
-            return {"found": False}
+            return None
         lid = secrets.token_bytes(LEASE_BYTES)
         self._leases[lid] = _Held(peer, addr, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
         self._held[peer] = self._held.get(peer, 0) + 1
         self._by_addr[addr] = self._by_addr.get(addr, 0) + 1
         self.found += 1
         return {
-            "found": True,
             "lease": lid,
             "digest": sums,
             "offset": offset,
@@ -404,12 +413,12 @@ class Server:
             "gen": self._gen,
         }
 
-    def _done(self, peer: bytes, lid: bytes) -> dict[str, Any]:
+    def _done(self, peer: bytes, lid: bytes) -> bool:
         held = self._leases.get(lid)
         if held is None or held.peer != peer:
             # Never leased, forgotten, or another peer's (left alone).
             self.unstable += 1
-            return {"stable": False}
+            return False
         del self._leases[lid]
         self._remembered.pop(lid, None)
         try:
@@ -425,7 +434,7 @@ class Server:
             self.stable += 1
         else:
             self.unstable += 1
-        return {"stable": stable}
+        return stable
 
     def _let_go(self, held: _Held) -> None:
         assert held.lease is not None

@@ -1,5 +1,5 @@
 """The served store's data region, as the scheduler hands it to its
-serving process (:mod:`._serve`): the file under a reader's mapping of it,
+NIXL process (:mod:`.producer`): the file under a reader's mapping of it,
 and where a leased tensor's elements lie in it. A leaf."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import os
 from typing import Optional
 
-from ..._pinshm import ObjectHandle, StoreReader
-from ._wire import ITEMSIZE, digest
+from ...._pinshm import ObjectHandle, StoreReader
+from .protocol import ITEMSIZE, digest
 
 #: Digests kept (the oldest go first).
 MAX_DIGESTS = 4096

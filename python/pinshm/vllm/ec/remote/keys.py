@@ -24,7 +24,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ._config import SECRET_FILE_ENV
+from .._config import SECRET_FILE_ENV
 
 #: A secret shorter than this is refused (256 bits).
 MIN_BYTES = 32

@@ -1,7 +1,7 @@
-"""Starting the remote tier's processes (the serving and NIXL processes of
-:mod:`._serve`, the fetch process of :mod:`._fetcher`): what of the
-engine's environment they get, and the start itself. A leaf but for
-:mod:`._wire`."""
+"""Starting the remote tier's processes (:mod:`.serving_process` and
+:mod:`.nixl_process` for the producer, :mod:`.fetch_process` for the
+consumer): what of the engine's environment they get, and the start
+itself. A leaf but for :mod:`.protocol` and :mod:`.child`."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-from ._wire import PeerError, pack, unpack
+from .child import LOCAL_MESSAGE, LOCAL_TIMEOUT_S
+from .protocol import PeerError, pack, unpack
 
 #: How long a process may take to start (NIXL's import).
 START_S = 120.0
-#: How long either side of a socket pair waits to send or for an answer.
-LOCAL_TIMEOUT_S = 5.0
-#: The most one message over a socket pair takes.
-LOCAL_MESSAGE = 1 << 16
 
 
 class ServeError(RuntimeError):
@@ -36,14 +33,14 @@ ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
 
 
 def spawn(
+    module: str,
     args: list[str],
     cfg: dict[str, Any],
     what: str,
-    module: str = "pinshm.vllm.ec._served",
     pass_fds: tuple[int, ...] = (),
     env: Optional[dict[str, str]] = None,
 ) -> tuple[subprocess.Popen[bytes], socket.socket]:
-    """A process of `module` (with `args`, then `pass_fds` kept open, `env`
+    """A process of `module` (``pinshm.vllm.ec.remote.<module>``, with `args`, then `pass_fds` kept open, `env`
     added to the allowlisted environment), given `cfg` over a socket pair,
     ready; ServeError saying `what` (ImportError for a
     missing extra) if it is not."""
@@ -57,7 +54,7 @@ def spawn(
     keep = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(theirs.fileno()), *args],
+            [sys.executable, "-m", f"{__package__}.{module}", str(theirs.fileno()), *args],
             pass_fds=[theirs.fileno(), *pass_fds],
             stdin=subprocess.DEVNULL,
             cwd="/",

@@ -1,0 +1,145 @@
+"""The consumer's handle on its fetch process (:mod:`.fetch_process`, the
+only place a consumer holds a NIXL agent: docs/security.md): started at
+once, started again after it dies, asked over a socket pair; and the
+staging buffer it READs into (a memfd, mapped read-only here). Used by
+the fetching thread of :mod:`.consumer` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+from typing import Any, Optional
+
+from .child import LOCAL_MESSAGE
+from .nixl import DEFAULT_UCX_TLS
+from .protocol import PeerError, pack, unpack
+from .spawn import spawn
+
+logger = logging.getLogger("vllm.pinshm.ec")
+
+#: How long the scheduler waits for an answer beyond a request's own time.
+SLACK_S = 5.0
+
+
+class Fetcher:
+    """The remote tier's handle on its fetch process: started at once, again
+    after it dies; `staging` is the buffer it READs into (read-only here)."""
+
+    def __init__(self, capacity: int, name: str) -> None:
+        self.capacity = max(capacity, mmap.PAGESIZE)
+        self.name = name
+        self._pid = os.getpid()
+        self._proc: Any = None
+        self._sock: Optional[socket.socket] = None
+        self._fd = os.memfd_create("pinshm-fetch-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, self.capacity)
+        self.staging = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.starts = 0
+        # A dead process is started again by a thread that lives as long as
+        # this (PR_SET_PDEATHSIG follows the thread that started it), in
+        # the background: a fetch meanwhile is a miss, never a wait.
+        self._wake = threading.Event()
+        self._restarter: Optional[threading.Thread] = None
+        self._closed = False
+        self._start()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._sock is not None and self._proc is not None and self._proc.poll() is None
+
+    def _kick(self) -> None:
+        """Has the restarting thread start the process again."""
+        if self._restarter is None:
+            self._restarter = threading.Thread(target=self._restart_loop, name="pinshm-ec-fetch", daemon=True)
+            self._restarter.start()
+        self._wake.set()
+
+    def _restart_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            if not self.alive:
+                try:
+                    self._stop()
+                    self._start()
+                except Exception as e:  # noqa: BLE001 - said, and tried again at the next fetch
+                    logger.warning("pinshm encoder cache: the fetch process cannot start again: %r", e)
+                if self._closed:  # closed while it started: it goes too
+                    self._stop()
+                    return
+
+    def _start(self) -> None:
+        self.starts += 1
+        cfg = {"agent": f"{self.name}-{self.starts}", "size": self.capacity}
+        self._proc, self._sock = spawn(
+            "fetch_process",
+            [str(self._fd)],
+            cfg,
+            "the fetch process cannot start",
+            pass_fds=(self._fd,),
+            env={"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS},
+        )
+
+    def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Its answer to `msg`; PeerError if it gives none in `timeout` +
+        SLACK_S (it is killed then, and started again at the next ask)."""
+        if not self.alive:
+            self._kick()
+            raise PeerError("the fetch process is starting again: a miss")
+        assert self._sock is not None
+        try:
+            self._sock.settimeout(timeout + SLACK_S)
+            self._sock.sendall(pack(msg))
+            data = self._sock.recv(LOCAL_MESSAGE)
+            if not data:
+                raise OSError("it exited")
+            reply = unpack(data)
+        except (OSError, PeerError) as e:
+            self._stop()
+            self._kick()
+            raise PeerError(f"the fetch process failed ({e!r})") from None
+        if "error" in reply:
+            raise PeerError(str(reply["error"])[:300])
+        return reply
+
+    def _stop(self) -> None:
+        sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
+        if sock is not None:
+            sock.close()
+        if proc is not None:
+            try:
+                proc.wait(2)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Ends the process (in a forked child: lets go of its copy only)."""
+        if os.getpid() != self._pid:
+            # A forked child's copies: its own descriptors go, the process
+            # (its parent's) stays.
+            self._sock = self._proc = None
+            try:
+                self.staging.close()
+            except BufferError:
+                pass
+            os.close(self._fd)
+            return
+        self._closed = True
+        self._wake.set()
+        self._stop()
+        try:
+            self.staging.close()
+        except BufferError:
+            pass  # a view still out: the mapping goes with it
+        os.close(self._fd)

@@ -1,0 +1,74 @@
+"""Which interface an address is on: UCX's listeners are told to listen
+there alone (``UCX_NET_DEVICES``), on both sides of the remote tier. A
+leaf."""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import socket
+from typing import Any, Optional
+
+
+def devices_for(host: str) -> Optional[str]:
+    """``UCX_NET_DEVICES`` for a serving process bound to `host`: the
+    interface that holds that address (and the host's RDMA ports, which
+    UCX names apart), so that UCX's TCP listener listens there alone.
+    None for a wildcard address, or where no interface holds it."""
+    try:
+        addr = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if addr.is_unspecified:
+        return None
+    names = [name for name, a in _interface_addresses() if a == addr]
+    if not names:
+        return None
+    ib = "/sys/class/infiniband"
+    rdma = []
+    if os.path.isdir(ib):
+        for dev in sorted(os.listdir(ib)):
+            ports = os.path.join(ib, dev, "ports")
+            rdma += [f"{dev}:{p}" for p in sorted(os.listdir(ports))] if os.path.isdir(ports) else []
+    return ",".join([names[0], *rdma])
+
+
+class _Ifaddrs(ctypes.Structure):
+    pass
+
+
+_Ifaddrs._fields_ = [
+    ("next", ctypes.POINTER(_Ifaddrs)),
+    ("name", ctypes.c_char_p),
+    ("flags", ctypes.c_uint),
+    ("addr", ctypes.c_void_p),
+    ("netmask", ctypes.c_void_p),
+    ("ifu", ctypes.c_void_p),
+    ("data", ctypes.c_void_p),
+]
+
+
+def _interface_addresses() -> list[tuple[str, Any]]:
+    """(interface, address) of every IPv4 and IPv6 address (getifaddrs(3))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    head = ctypes.POINTER(_Ifaddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        return []
+    out: list[tuple[str, Any]] = []
+    try:
+        node = head
+        while node:
+            entry = node.contents
+            if entry.addr:
+                family = ctypes.c_ushort.from_address(entry.addr).value
+                if family == socket.AF_INET:
+                    raw = ctypes.string_at(entry.addr + 4, 4)
+                    out.append((entry.name.decode(), ipaddress.IPv4Address(raw)))
+                elif family == socket.AF_INET6:
+                    raw = ctypes.string_at(entry.addr + 8, 16)
+                    out.append((entry.name.decode(), ipaddress.IPv6Address(raw)))
+            node = entry.next
+    finally:
+        libc.freeifaddrs(head)
+    return out

@@ -1,19 +1,21 @@
 """A producer's half of the remote tier (``ec_connector_extra_config:
 {"serve": "HOST:PORT", "secret_file": ...}``), in the producer engine's
-scheduler process, and the serving process it starts and watches.
+scheduler process, and the two processes it starts and watches.
 
-What other nodes reach is not this process: it is a small process of its
-own (:mod:`.serving_process`) with the endpoint, another (:mod:`.nixl_process`) with the NIXL agent and a read-only
-mapping of the store's data region, and nothing of the engine
+What other nodes reach is not this process: the endpoint is a small
+process of its own (:mod:`.serving_process`), the NIXL agent and a
+read-only mapping of the store's data region another
+(:mod:`.nixl_process`), and neither holds anything of the engine
 (docs/security.md). This side keeps what must be trusted: a reader of the
 store, the leases, their budgets. The serving process forwards each
-peer's ``lookup`` and ``done`` here over a socket pair, with the peer's
-connection id; this side checks every field of it (that process is the
-one a peer could subvert), leases the key's object and answers where its
-elements lie in the data region. A lease ends when its peer says done
-(after its READ), or after ``lease_ttl_s``; done re-checks the handle (the
-slot's id and tag): an object whose slot was reused meanwhile is answered
-unstable, and the consumer drops what it read.
+peer's ``lookup`` (of up to MAX_KEYS keys) and ``done`` here over a
+socket pair, with the peer's connection id; this side checks every field
+of it (that process is the one a peer could subvert), leases each key's
+object and answers where its elements lie in the data region, with their
+digest (taken once per object). A lease ends when its peer says done
+(after its READ: the consumer does not wait for the answer, since the
+digest already proves what it read), or after ``lease_ttl_s``; done
+still re-checks the handle (the slot's id and tag) for the counts.
 
 Leases are budgeted: a peer (a connection) holds at most
 :data:`PEER_LEASES` at once, all peers :data:`MAX_LEASES`; an expired lease

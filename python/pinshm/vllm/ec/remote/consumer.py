@@ -193,8 +193,8 @@ class RemoteTier:
         """Starts fetching those of `keys` that are neither in flight nor
         known absent (none while every peer is backed off); returns at
         once."""
-        if self._thread is None or not self.peers:
-            return
+        if self._thread is None or not self.peers or not self._thread.is_alive():
+            return  # nothing fetches: a miss at once, never a deferral
         now = self.clock()
         if all(now < p.skip_until for p in self.peers):
             return  # every peer backed off: a miss at once, no deferral
@@ -251,7 +251,10 @@ class RemoteTier:
                 keys: list[str] = []
                 while self._queue and len(keys) < MAX_KEYS:
                     keys.append(self._queue.popitem(last=False)[0])
-            self._service()  # late answers, hellos
+            try:
+                self._service()  # late answers, hellos
+            except Exception as e:  # noqa: BLE001 - the thread outlives any one answer
+                logger.warning("pinshm encoder cache: reading the peers' answers: %r", e)
             if not keys:
                 continue
             got: set[str] = set()

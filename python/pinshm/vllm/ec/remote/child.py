@@ -31,6 +31,20 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 
 
+class Inbox:
+    """One socket pair's end, read into a buffer made once: a message is at
+    most LOCAL_MESSAGE bytes, and ``recv(LOCAL_MESSAGE)`` would allocate
+    (and map) that much for every one of them, on the hit's path."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(LOCAL_MESSAGE)
+
+    def recv(self, sock: socket.socket) -> bytes:
+        """The next message (b"" when the other end closed)."""
+        n = sock.recv_into(self._buf)
+        return bytes(memoryview(self._buf)[:n])
+
+
 def start(argv: list[str]) -> Optional[tuple[socket.socket, dict[str, Any]]]:
     """The socket to the scheduler (``argv[1]``, a descriptor) and the
     config it sent, with this process set up as the module doc says; None

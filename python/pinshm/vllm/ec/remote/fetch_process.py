@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from .child import LOCAL_MESSAGE, start
+from .child import Inbox, start
 
 #: The most parts one READ takes (a request's items: at most MAX_KEYS).
 MAX_PARTS = 256
@@ -76,8 +76,9 @@ def read(agent: Any, base: int, name: str, parts: list[tuple[int, int, int]], ti
 def serve(sock: socket.socket, agent: Any, base: int, size: int) -> None:
     from .protocol import pack, unpack
 
+    inbox = Inbox()
     while True:
-        data = sock.recv(LOCAL_MESSAGE)
+        data = inbox.recv(sock)
         if not data:
             return  # the scheduler is gone
         reply: dict[str, Any]

@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Any, Optional
 
-from .child import LOCAL_MESSAGE
+from .child import Inbox
 from .nixl import DEFAULT_UCX_TLS
 from .protocol import PeerError, pack, unpack
 from .spawn import spawn
@@ -39,6 +39,7 @@ class Fetcher:
         os.ftruncate(self._fd, self.capacity)
         self.staging = mmap.mmap(self._fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ)
         self.starts = 0
+        self._inbox = Inbox()
         # A dead process is started again by a thread that lives as long as
         # this (PR_SET_PDEATHSIG follows the thread that started it), in
         # the background: a fetch meanwhile is a miss, never a wait.
@@ -100,7 +101,7 @@ class Fetcher:
         try:
             self._sock.settimeout(timeout + SLACK_S)
             self._sock.sendall(pack(msg))
-            data = self._sock.recv(LOCAL_MESSAGE)
+            data = self._inbox.recv(self._sock)
             if not data:
                 raise OSError("it exited")
             reply = unpack(data)

@@ -43,7 +43,7 @@ from typing import Any, Optional
 from ...._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from .._attach import NamedReader
 from .._config import ECSettings
-from .child import LOCAL_MESSAGE
+from .child import LOCAL_MESSAGE, Inbox
 from .keys import keys_for
 from .net import devices_for
 from .nixl import DEFAULT_UCX_TLS
@@ -114,6 +114,7 @@ class Server:
         self._holders = 0
         self._registered: Optional[tuple[StoreReader, str, bytes, int, int]] = None
         self._sock: Optional[socket.socket] = None
+        self._inbox = Inbox()
         self._started_at = 0.0
         self._restart_at = 0.0
         self._backoff = 0.0
@@ -274,7 +275,7 @@ class Server:
         data = b""
         if ready:
             try:
-                data = sock.recv(LOCAL_MESSAGE)
+                data = self._inbox.recv(sock)
             except OSError:
                 data = b""
             if data:

@@ -1,6 +1,7 @@
-"""The served store's data region, as the scheduler hands it to its
-NIXL process (:mod:`.producer`): the file under a reader's mapping of it,
-and where a leased tensor's elements lie in it. A leaf."""
+"""The served store's data region, as the producer's scheduler
+(:mod:`.producer`) hands it to its NIXL process: the file under a
+reader's mapping of it, and where a leased tensor's elements lie in it.
+A leaf."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Any
 
-from .child import LOCAL_MESSAGE, start
+from .child import Inbox, start
 from .protocol import MAX_KEY, MAX_KEYS
 
 #: How long a connection may take to authenticate before it is closed.
@@ -36,6 +36,7 @@ class Gate:
         from .keys import secure_server
 
         self._parent = parent
+        self._inbox = Inbox()
         self._ctx = zmq.Context()
         keys = cfg.get("keys")
         self._zap = None
@@ -68,7 +69,7 @@ class Gate:
 
         try:
             self._parent.sendall(pack(msg))
-            data = self._parent.recv(LOCAL_MESSAGE)
+            data = self._inbox.recv(self._parent)
         except OSError:  # no answer in time (socket.timeout), or gone
             raise SystemExit(1) from None  # the scheduler starts another
         if not data:

@@ -54,7 +54,7 @@ __all__ = [
     "_inspect_segment",
     "_gc_segments",
     "_digest",
-    "_copy_digest",
+    "_Digest",
 ]
 
 __version__: str
@@ -935,9 +935,16 @@ def _digest(data: Buffer) -> bytes:
     """The BLAKE3 digest (32 bytes) of a buffer's bytes, the GIL released
     (the remote encoder cache's digest of an output)."""
 
-def _copy_digest(dst: Buffer, src: Buffer) -> bytes:
-    """Copies `src` into `dst` (the same length) and returns the BLAKE3
-    digest of what `dst` now holds, in one pass with the GIL released."""
+class _Digest:
+    """A BLAKE3 digest taken piece by piece, each piece copied into its
+    place first (the GIL released)."""
+
+    def __init__(self) -> None: ...
+    def copy_update(self, dst: Buffer, src: Buffer) -> None:
+        """Copies `src` into `dst` (the same length) and adds what `dst`
+        now holds to the digest."""
+    def finish(self) -> bytes:
+        """The digest of every piece added; the object is spent."""
 
 def cuda_status() -> dict[str, Any]:
     """`feature` (built with CUDA support), `driver` (libcuda loads) and

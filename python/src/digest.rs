@@ -1,7 +1,7 @@
 //! The remote tier's digest of an encoder output's bytes (BLAKE3, the
 //! `blake3` crate: SIMD, a few GB/s on one core), and the copy of fetched
-//! bytes into their slot fused with it, so that the bytes are read once
-//! and hashed while they are in cache. Both run with the GIL released:
+//! bytes into their slot fused with it (`_Digest.copy_update`), so that
+//! the bytes are read once and hashed while they are in cache. Both run with the GIL released:
 //! the scheduler's thread goes on while a fetch is checked.
 
 use pyo3::prelude::*;
@@ -32,21 +32,59 @@ pub(crate) fn digest<'py>(
     Ok(PyBytes::new(py, &out))
 }
 
-/// Copies `src` into `dst` (of the same length) and returns the BLAKE3
-/// digest of what was written to `dst`: what `dst` holds now, whatever
-/// another process wrote into `src` meanwhile (`src` is a mapping another
-/// process writes: it is read through raw pointers, once).
-#[pyfunction(name = "_copy_digest")]
-pub(crate) fn copy_digest<'py>(
-    py: Python<'py>,
-    dst: &Bound<'py, PyAny>,
-    src: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyBytes>> {
+/// A BLAKE3 digest taken piece by piece, each piece copied into its place
+/// first (`copy_update`): an output whose bytes arrive in chunks is hashed
+/// as each lands, while the next is still being read.
+#[pyclass(module = "pinshm", name = "_Digest")]
+pub(crate) struct Digest {
+    hasher: Option<blake3::Hasher>,
+}
+
+#[pymethods]
+impl Digest {
+    #[new]
+    fn new() -> Self {
+        Digest {
+            hasher: Some(blake3::Hasher::new()),
+        }
+    }
+
+    /// Copies `src` into `dst` (the same length) and adds what `dst` now
+    /// holds to the digest (the GIL released).
+    fn copy_update(
+        &mut self,
+        py: Python<'_>,
+        dst: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let hasher = self.hasher.as_mut().ok_or_else(finished)?;
+        copy_update(py, hasher, dst, src)
+    }
+
+    /// The digest of every piece added (32 bytes); the object is spent.
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let hasher = self.hasher.take().ok_or_else(finished)?;
+        Ok(PyBytes::new(py, hasher.finalize().as_bytes()))
+    }
+}
+
+fn finished() -> PyErr {
+    pyo3::exceptions::PyValueError::new_err("this _Digest is finished")
+}
+
+/// Copies `src` into `dst` chunk by chunk, adding each chunk to `hasher`
+/// from `dst` just after it is written.
+fn copy_update(
+    py: Python<'_>,
+    hasher: &mut blake3::Hasher,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+) -> PyResult<()> {
     let mut to = Buffer::writable(dst)?;
     let from = Buffer::readable(src)?;
     if to.len() != from.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "copy_digest: a destination of {} bytes for a source of {}",
+            "copy_update: a destination of {} bytes for a source of {}",
             to.len(),
             from.len()
         )));
@@ -56,8 +94,7 @@ pub(crate) fn copy_digest<'py>(
         from.as_slice().as_ptr() as usize,
         from.len(),
     );
-    let out = crate::gil::released(py, move || {
-        let mut hasher = blake3::Hasher::new();
+    crate::gil::released(py, || {
         let mut at = 0;
         while at < len {
             let n = CHUNK.min(len - at);
@@ -74,9 +111,8 @@ pub(crate) fn copy_digest<'py>(
             hasher.update(chunk);
             at += n;
         }
-        *hasher.finalize().as_bytes()
     });
     drop(from);
     drop(to);
-    Ok(PyBytes::new(py, &out))
+    Ok(())
 }

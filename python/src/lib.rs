@@ -154,7 +154,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release::flush_releases, m)?)?;
     m.add_function(wrap_pyfunction!(release::has_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(digest::digest, m)?)?;
-    m.add_function(wrap_pyfunction!(digest::copy_digest, m)?)?;
+    m.add_class::<digest::Digest>()?;
     m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(tools::gc_segments, m)?)?;

@@ -352,7 +352,7 @@ def test_a_peer_killed_during_the_read_costs_a_miss(nodes, engines):
     assert c.wrong_answers() == {}
 
 
-def test_a_peer_killed_while_its_read_is_in_flight_costs_a_miss(nodes, engines):
+def test_a_peer_killed_while_its_read_is_in_flight_costs_a_miss(nodes, engines, monkeypatch):
     # 32 MiB outputs: a READ over UCX TCP on 127.0.0.1 takes tens of ms,
     # and the producer node dies 2 ms after it is posted.
     rows, big = 128 * 1024, "80m"
@@ -360,6 +360,7 @@ def test_a_peer_killed_while_its_read_is_in_flight_costs_a_miss(nodes, engines):
     c = engines("fork", "ec_consumer", consumer_extra(nodes, size=big, remote_size=big, remote_timeout_s=3))
     c.step([])
     completed = []
+    monkeypatch.setattr(fetch, "PIPELINE_BYTES", 1 << 30)  # one READ of the whole output
     fetch.before_read = lambda key: threading.Timer(0.002, node.kill).start()
     fetch.after_read = completed.append
     t0 = time.monotonic()

@@ -12,7 +12,7 @@ import mmap
 import os
 import socket
 import threading
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from .child import Inbox
 from .nixl import DEFAULT_UCX_TLS
@@ -94,6 +94,12 @@ class Fetcher:
     def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Its answer to `msg`; PeerError if it gives none in `timeout` +
         SLACK_S (it is killed then, and started again at the next ask)."""
+        self.post(msg, timeout)
+        return self.take(timeout)
+
+    def post(self, msg: dict[str, Any], timeout: float) -> None:
+        """Sends `msg`, its answer to be taken later (:meth:`take`, in
+        order): the next READ runs while this side checks the last."""
         if not self.alive:
             self._kick()
             raise PeerError("the fetch process is starting again: a miss")
@@ -101,17 +107,29 @@ class Fetcher:
         try:
             self._sock.settimeout(timeout + SLACK_S)
             self._sock.sendall(pack(msg))
+        except OSError as e:
+            self._failed(e)
+
+    def take(self, timeout: float) -> dict[str, Any]:
+        """The answer to the oldest request posted and not taken."""
+        if self._sock is None:
+            raise PeerError("the fetch process is gone: a miss")
+        try:
+            self._sock.settimeout(timeout + SLACK_S)
             data = self._inbox.recv(self._sock)
             if not data:
                 raise OSError("it exited")
             reply = unpack(data)
         except (OSError, PeerError) as e:
-            self._stop()
-            self._kick()
-            raise PeerError(f"the fetch process failed ({e!r})") from None
+            self._failed(e)
         if "error" in reply:
             raise PeerError(str(reply["error"])[:300])
         return reply
+
+    def _failed(self, e: BaseException) -> NoReturn:
+        self._stop()
+        self._kick()
+        raise PeerError(f"the fetch process failed ({e!r})") from None
 
     def _stop(self) -> None:
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None

@@ -156,11 +156,3 @@ def digest(data: Any) -> bytes:
     from ...._pinshm import _digest
 
     return _digest(data)
-
-
-def copy_digest(dst: Any, src: Any) -> bytes:
-    """Copies `src` into `dst` and returns the digest of what `dst` holds
-    now, reading the bytes once (the GIL released)."""
-    from ...._pinshm import _copy_digest
-
-    return _copy_digest(dst, src)

@@ -160,3 +160,33 @@ class BadPeer:
         self.thread.join(5)
         self.sock.close(0)
         self.ctx.term()
+
+
+class FakeRegion:
+    """A NIXL agent of this process with 1 MiB registered, as a peer that
+    answers hellos itself would have: its metadata and region are real (a
+    consumer's first READ of it works), what it answers to lookups is up
+    to the test. `release()` when done."""
+
+    def __init__(self, name):
+        import numpy as np
+
+        from pinshm.vllm.ec.remote.nixl import agent
+
+        self._agent = agent(name, progress=True)
+        self.buf = np.zeros(1 << 20, np.uint8)
+        self._agent.register_memory([(self.buf.ctypes.data, self.buf.nbytes, 0, "")], "DRAM")
+        self.name, self.meta = name, self._agent.get_agent_metadata()
+        self.base, self.length = int(self.buf.ctypes.data), self.buf.nbytes
+
+    def hello(self):
+        import msgpack
+
+        return msgpack.packb(
+            {"v": 4, "agent": self.name, "meta": self.meta, "base": self.base, "length": self.length, "gen": 1}
+        )
+
+    def release(self):
+        from pinshm.vllm.ec.remote.nixl import release
+
+        release(self, safe=False)

@@ -304,7 +304,10 @@ class Engine:
             m.allocate(req, 0)
             s.update_state_after_alloc(req, 0)
         freed = m.get_freed_mm_hashes()
-        meta = s.build_connector_meta(None)
+        # vLLM's SchedulerOutput: a step with every request deferred and
+        # none running schedules no token (and runs no model).
+        tokens = len(requests) + len(self.running)
+        meta = s.build_connector_meta(types.SimpleNamespace(total_num_scheduled_tokens=tokens))
         return types.SimpleNamespace(
             meta=meta, compute=compute, wanted=wanted, loads=loads, requests=requests, freed=freed
         )

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
-from _ec_remote import BadPeer, ProducerNode, free_port, make_secret, nixl_or_skip
+from _ec_remote import BadPeer, FakeRegion, ProducerNode, free_port, make_secret, nixl_or_skip
 
 import pinshm
 import pinshm.vllm.ec.remote.reads as fetch
@@ -261,18 +261,17 @@ LIES = {
     [b"\xc1garbage", b"\x93\x01\x02\x03", "bad metadata", *LIES],  # b"\x93...": a list, not a map
 )
 def test_a_peer_that_sends_garbage_or_lies_costs_a_miss(nodes, engines, reply, caplog):
-    from pinshm.vllm.ec.remote.nixl import agent, release
-
-    # A real agent's metadata, so that a lie about the place is what is refused.
-    liar = SimpleNamespace(_agent=agent("liar", progress=True) if reply in LIES else None)
-    meta = liar._agent.get_agent_metadata() if liar._agent is not None else b"not nixl"
+    # A real agent's metadata and region, so that a lie about the place is
+    # what is refused.
+    liar = FakeRegion("liar") if reply in LIES else None
     try:
-        _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta)
+        _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, liar)
     finally:
-        release(liar)
+        if liar is not None:
+            liar.release()
 
 
-def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):
+def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, liar):
     import logging
 
     import msgpack
@@ -284,9 +283,9 @@ def _a_lying_peer_costs_a_miss(nodes, engines, reply, caplog, meta):
             return reply
         msg = msgpack.unpackb(request)
         if msg["op"] == "hello":
-            return msgpack.packb(
-                {"v": 4, "agent": "liar", "meta": meta, "base": 1 << 20, "length": 1 << 20, "gen": 1}
-            )
+            if liar is None:  # metadata that is not NIXL's
+                return msgpack.packb({"v": 4, "agent": "liar", "meta": b"not nixl", "base": 1, "length": 1, "gen": 1})
+            return liar.hello()
         if msg["op"] == "done":
             return msgpack.packb({"stable": [True] * len(msg["leases"])})
         place = dict({"lease": bytes(16), "digest": bytes(32), "gen": 1}, **LIES[reply])

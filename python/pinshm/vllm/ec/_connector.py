@@ -227,7 +227,8 @@ class PinshmECConnector(ECConnectorBase):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> PinshmECConnectorMetadata:
         if self._scheduler is None:
             return PinshmECConnectorMetadata()
-        step, loads = self._scheduler.build()
+        runs = getattr(scheduler_output, "total_num_scheduled_tokens", 1) != 0
+        step, loads = self._scheduler.build(runs)
         return PinshmECConnectorMetadata(step, loads)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -105,6 +105,9 @@ class SchedulerSide:
         self._users: dict[str, set[str]] = {}
         self._load_steps: dict[int, set[str]] = {}
         self._steps_unheard = 0
+        # Steps that scheduled tokens, and that count at each step built.
+        self._runs = 0
+        self._ran_at: dict[int, int] = {}
         # Segments (name, epoch) whose reader table showed every rank's
         # entry, and when each table may be read again.
         self._tables_seen: set[tuple[str, int]] = set()
@@ -323,15 +326,21 @@ class SchedulerSide:
         self._loads.append((spec, lease))
         self.hits += 1
 
-    def build(self) -> tuple[int, list[LoadSpec]]:
+    def build(self, runs: bool = True) -> tuple[int, list[LoadSpec]]:
         """The step's number and loads, for the workers; the step's leases
-        wait for its report. Probes never allocated end here."""
+        wait for its report. Probes never allocated end here. `runs`: the
+        step schedules tokens (an empty one, every request waiting, runs no
+        model and so brings no report)."""
         self._step += 1
+        self._runs += runs
+        self._ran_at[self._step] = self._runs
         for lease in self._probes.values():
             _release(lease)
         self._probes.clear()
         self._remote_probes.clear()
-        for step in [s for s in self._in_flight if s <= self._step - MAX_STEPS_IN_FLIGHT]:
+        # Counted in steps that ran: empty ones (every request deferred)
+        # come fast and report nothing.
+        for step in [s for s in self._in_flight if self._runs - self._ran_at[s] >= MAX_STEPS_IN_FLIGHT]:
             logger.debug("pinshm encoder cache: step %d never reported: its leases end", step)
             for lease in self._in_flight.pop(step):
                 _release(lease)
@@ -347,7 +356,10 @@ class SchedulerSide:
                 users.add(spec.request_id)
                 # vLLM's cache serves the output to requests of this pass too.
                 users |= self._refs(spec.mm_hash)
-        self._say_if_unheard()
+        for step in [s for s in self._ran_at if s not in self._in_flight]:
+            del self._ran_at[step]
+        if runs:
+            self._say_if_unheard()
         return self._step, loads
 
     def freed(self, mm_hash: str, request_id: str) -> None:

@@ -70,6 +70,8 @@ IDLE_S = 0.5
 #: How long a hello may take before the peer counts as failed (the
 #: producer registers its store with NIXL at the first one).
 HELLO_S = 5.0
+#: Bytes of the READ that makes UCX's connection to a peer after its hello.
+WARM_BYTES = 64
 #: How often the fetching thread reads answers while a hello is on the way.
 HELLO_POLL_S = 0.005
 
@@ -418,6 +420,11 @@ class RemoteTier:
         if added != name:
             self.fetcher.ask({"op": "remove", "name": added}, 5.0)
             raise PeerError(f"its metadata names agent {added!r}, not {name!r}")
+        # A first READ makes UCX's connection to the peer (its wire-up costs
+        # round trips): here, off any request's budget, not in a fetch.
+        warm = {"op": "read", "name": name, "parts": [[base, min(WARM_BYTES, length), 0]], "timeout": HELLO_S}
+        if self.fetcher.ask(warm, HELLO_S)["state"] != "DONE":
+            raise PeerError("its region cannot be read (a first READ failed)")
         peer.agent_name, peer.meta, peer.base, peer.length, peer.gen = name, meta, base, length, gen
         peer.fetcher_start = self.fetcher.starts
 

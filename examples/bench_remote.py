@@ -198,6 +198,13 @@ def main():
         nx = agent(f"bench-reader-{os.getpid()}", progress=False)
         peer_name = nx.add_remote_agent(peer.meta)
         peer_name = peer_name.decode() if isinstance(peer_name, bytes) else str(peer_name)
+        # The control channel's floor: a lookup of a key the producer lacks
+        # (CURVE over TCP to its serving process, which asks its scheduler).
+        rtt = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            control.ask({"op": "lookup", "keys": ["no-such-key"]})
+            rtt.append(time.perf_counter() - t0)
         dst = np.zeros(max(ITEMS * (4 << 20), max(SIZES)), dtype=np.uint8)
         nx.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
         base = dst.ctypes.data
@@ -311,6 +318,7 @@ def main():
         },
         "rows": rows,
         "requests": multi,
+        "lookup_miss_s": med(rtt),
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -292,6 +292,11 @@ def r_remote(data: Any) -> str:
             f"{r['remote_hit_s'] * 1e6:.0f} µs | {r['remote_hit_s'] / r['nixl_read_s']:.2f}x | "
             f"{r['local_hit_s'] * 1e6:.1f} µs | {r['remote_over_local']:.0f}x | {r['memcpy_s'] * 1e6:.0f} µs |"
         )
+    if "lookup_miss_s" in data:
+        rows += [
+            "",
+            f"A lookup's round trip alone (a key the producer lacks): {data['lookup_miss_s'] * 1e6:.0f} µs.",
+        ]
     requests = data.get("requests") or []
     if requests:
         rows += ["", "| request | one NIXL READ of its items | its fetch | fetch / READ |", "|---|---|---|---|"]

@@ -7,8 +7,9 @@ whose encoder outputs a peer may give; writes a JSON result file.
 
 Recorded: every ``LLMEngine.step()``'s wall time and whether an image
 request was unfinished then; the time of each of the text request's new
-tokens; the image requests' token ids (against stock's: a miss or a hit
-must give the same tokens).
+tokens, and its longest gap between two from the images' arrival on (the
+engine's first steps are its warm-up); the image requests' token ids
+(against stock's: a miss or a hit must give the same tokens).
 """
 
 import argparse
@@ -59,7 +60,7 @@ def main() -> None:
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     eng.add_request("text", {"prompt": "user: tell a story\nassistant:"}, text)
     steps, token_times, seen, images_tokens = [], [], 0, {}
-    added = False
+    added, added_at = False, 0.0
     n = 0
     wall0 = time.time()
     while eng.has_unfinished_requests():
@@ -68,7 +69,7 @@ def main() -> None:
             for i in range(args.images):
                 req = {"prompt": workload.SINGLE_PROMPT, "multi_modal_data": {"image": workload.image(i)}}
                 eng.add_request(f"img-{i}", req, short)
-            added = True
+            added, added_at = True, time.monotonic()
         images_pending = added and len(images_tokens) < args.images
         t0 = time.monotonic()
         outs = eng.step()
@@ -82,10 +83,13 @@ def main() -> None:
             elif o.request_id.startswith("img-") and o.finished:
                 images_tokens[o.request_id] = list(o.outputs[0].token_ids)
         n += 1
-    gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+    # From the images' arrival on (the first steps are the engine's warm-up).
+    after = [t for t in token_times if t >= added_at]
+    gaps = [b - a for a, b in zip(after, after[1:])]
     res = {
         "steps": steps,
         "token_times": token_times,
+        "images_at": added_at,
         "longest_gap_s": max(gaps) if gaps else None,
         "images_tokens": images_tokens,
         "pass_t": [[wall0, time.time()]],

@@ -124,3 +124,22 @@ def test_chunks_cover_every_byte_once_in_order():
         assert [p[1] for p in mine] == [sum(q[2] for q in mine[:j]) for j in range(len(mine))]
         assert all(p[4] == 1000 + place.offset + p[1] for p in mine)
     assert pieces[-1][3] + pieces[-1][2] == 20, "end to end in staging"
+
+
+def test_a_request_is_deferred_while_its_fetches_run_and_never_past_its_budget():
+    from pinshm.vllm.ec.remote.deferral import MAX_DEFERRED, Deferrals
+
+    now = [0.0]
+    d = Deferrals(1.0, clock=lambda: now[0])
+    assert d.ready("r1", []), "nothing in flight: it runs"
+    assert not d.ready("r1", ["k"]), "a fetch in flight: deferred"
+    now[0] = 0.9
+    assert not d.ready("r1", ["k"]), "within its budget, counted from its first deferral"
+    now[0] = 1.0
+    assert d.ready("r1", ["k"]) and d.expired == 1, "past it: it runs, the fetch a miss for it"
+    assert not d.ready("r2", ["k"]) and len(d) == 1
+    d.forget("r2")  # finished or aborted while deferred
+    assert len(d) == 0
+    for i in range(MAX_DEFERRED + 10):
+        d.ready(f"many-{i}", ["k"])
+    assert len(d) == MAX_DEFERRED, "requests never asked about again are forgotten, oldest first"

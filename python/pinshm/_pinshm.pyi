@@ -935,6 +935,8 @@ def _digest(data: Buffer) -> bytes:
     """The BLAKE3 digest (32 bytes) of a buffer's bytes, the GIL released
     (the remote encoder cache's digest of an output)."""
 
+# A PyO3 class: it cannot be subclassed.
+@final
 class _Digest:
     """A BLAKE3 digest taken piece by piece, each piece copied into its
     place first (the GIL released)."""

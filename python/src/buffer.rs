@@ -45,6 +45,12 @@ impl Buffer {
         usize::try_from(self.view.len).unwrap_or(0)
     }
 
+    /// The address of the exported bytes, never borrowed as a slice: for
+    /// memory another process may write while it is read.
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.view.buf.cast::<u8>().cast_const()
+    }
+
     /// The exported bytes. Other Python threads may run while a caller
     /// reads them with the GIL released (as `hashlib` and `file.write` do):
     /// a thread that writes the same buffer meanwhile gets unspecified

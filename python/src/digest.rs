@@ -91,7 +91,7 @@ fn copy_update(
     }
     let (d, s, len) = (
         to.as_mut_slice().as_mut_ptr() as usize,
-        from.as_slice().as_ptr() as usize,
+        from.as_ptr() as usize,
         from.len(),
     );
     crate::gil::released(py, || {
@@ -99,13 +99,14 @@ fn copy_update(
         while at < len {
             let n = CHUNK.min(len - at);
             // SAFETY: both exports live until this function returns (after
-            // this closure); `d..d + len` is writable and ours alone (a
-            // writable export we hold), `s..s + len` readable; they are two
-            // distinct buffers (a slot and a staging mapping). The source is
-            // copied with a raw copy, never borrowed as a slice, since
-            // another process may write it meanwhile.
+            // this closure); `d..d + len` is writable (a writable export we
+            // hold), `s..s + len` readable. The source is another process's
+            // mapping: it is copied with a raw copy, never borrowed as a
+            // slice, and `ptr::copy` (memmove) stays defined if a caller
+            // passes overlapping buffers. The chunk hashed is the one just
+            // written to `dst`, which only this call writes meanwhile.
             let chunk = unsafe {
-                std::ptr::copy_nonoverlapping((s + at) as *const u8, (d + at) as *mut u8, n);
+                std::ptr::copy((s + at) as *const u8, (d + at) as *mut u8, n);
                 std::slice::from_raw_parts((d + at) as *const u8, n)
             };
             hasher.update(chunk);

@@ -137,9 +137,63 @@ def test_a_request_is_deferred_while_its_fetches_run_and_never_past_its_budget()
     assert not d.ready("r1", ["k"]), "within its budget, counted from its first deferral"
     now[0] = 1.0
     assert d.ready("r1", ["k"]) and d.expired == 1, "past it: it runs, the fetch a miss for it"
-    assert not d.ready("r2", ["k"]) and len(d) == 1
-    d.forget("r2")  # finished or aborted while deferred
+    now[0] = 5.0
+    assert d.ready("r1", ["k2"]) and d.expired == 1, "waiting on (for KV room, say): no second budget"
+    assert not d.ready("r2", ["k"]) and len(d) == 2
+    d.forget("r1")  # finished
+    d.forget("r2")  # aborted while deferred
     assert len(d) == 0
     for i in range(MAX_DEFERRED + 10):
         d.ready(f"many-{i}", ["k"])
     assert len(d) == MAX_DEFERRED, "requests never asked about again are forgotten, oldest first"
+
+
+def test_a_read_answered_with_an_error_takes_one_answer_and_blames_the_peer_once():
+    # The fetch process answers each request once: after an error answer
+    # nothing is outstanding, and nothing more is waited for (a second
+    # take would wait the budget out, then stop the fetch process).
+    import pinshm.vllm.ec.remote.reads as reads
+    from pinshm.vllm.ec.remote.peers import Peer
+    from pinshm.vllm.ec.remote.protocol import PeerError, Place
+
+    class Fetcher:
+        staging = bytearray(1 << 16)
+        posted = taken = 0
+
+        def post(self, msg, timeout):
+            self.posted += 1
+
+        def take(self, timeout):
+            self.taken += 1
+            raise PeerError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    blamed = []
+    tier = SimpleNamespace(
+        fetcher=Fetcher(), store=object(), clock=time.monotonic, failed=lambda p, why, close: blamed.append(why)
+    )
+    place = Place(bytes(16), bytes(32), 0, 1024, "uint8", (1024,), 0)
+    got = reads._read_group(
+        tier, Peer("127.0.0.1", 1, agent_name="a"), [("k", place, bytearray(1024))], time.monotonic() + 5
+    )
+    assert got == set() and tier.fetcher.posted == tier.fetcher.taken == 1
+    assert blamed == ["NIXL_ERR_REMOTE_DISCONNECT"]
+
+
+def test_a_peer_address_zeromq_cannot_use_is_a_peer_error_not_a_dead_thread():
+    import zmq
+
+    from pinshm.vllm.ec.remote.peers import Peer
+    from pinshm.vllm.ec.remote.protocol import PeerError
+
+    ctx = zmq.Context()
+    try:
+        peer = Peer("no such host!", 1)
+        try:
+            peer.connect(ctx, None)
+        except PeerError as e:
+            assert "cannot connect" in str(e)
+        else:
+            raise AssertionError("an address ZeroMQ refuses was taken")
+        assert peer.sock is None, "the socket made for it is closed"
+    finally:
+        ctx.term()

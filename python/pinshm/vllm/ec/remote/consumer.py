@@ -47,7 +47,8 @@ from ..._tracker import Tracked
 from ...cache.storage import shm_headroom
 from .._attach import NamedReader
 from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
-from .fetcher import Fetcher
+from .agents import drop_agent, hello
+from .fetcher import Fetcher, FetcherError
 from .keys import keys_for
 from .nixl import nixl
 from .peers import Peer
@@ -70,8 +71,6 @@ IDLE_S = 0.5
 #: How long a hello may take before the peer counts as failed (the
 #: producer registers its store with NIXL at the first one).
 HELLO_S = 5.0
-#: Bytes of the READ that makes UCX's connection to a peer after its hello.
-WARM_BYTES = 64
 #: How often the fetching thread reads answers while a hello is on the way.
 HELLO_POLL_S = 0.005
 
@@ -100,8 +99,8 @@ class RemoteTier:
         # keys in flight (each with its deadline), keys no peer had.
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._queue: OrderedDict[str, float] = OrderedDict()
-        self._pending: dict[str, float] = {}
+        self._queue: OrderedDict[str, None] = OrderedDict()
+        self._pending: set[str] = set()
         self._absent: OrderedDict[str, float] = OrderedDict()
         self._closing = False
         self._batch = 0
@@ -184,7 +183,7 @@ class RemoteTier:
     def peers_ready(self) -> int:
         """Peers that can be asked now (hello answered, not backed off)."""
         now = self.clock()
-        return sum(1 for p in self.peers if now >= p.skip_until and self._ready(p))
+        return sum(1 for p in self.peers if now >= p.skip_until and self.ready(p))
 
     @property
     def epoch(self) -> Optional[int]:
@@ -208,15 +207,17 @@ class RemoteTier:
                 self._absent.pop(key, None)
                 if len(self._pending) >= MAX_PENDING:
                     break
-                self._pending[key] = now + self.settings.remote_timeout_s
-                self._queue[key] = now
+                self._pending.add(key)
+                self._queue[key] = None
                 added = True
             if added:
                 self._changed.notify_all()
 
     def pending(self, key: str) -> bool:
-        """Whether `key` is queued or being fetched."""
-        return key in self._pending
+        """Whether `key` is queued or being fetched (never, once the
+        fetching thread is gone: nothing would end it)."""
+        thread = self._thread
+        return key in self._pending and thread is not None and thread.is_alive()
 
     def wait(self, keys: list[str], timeout: float) -> bool:
         """Waits (at most `timeout`) until none of `keys` is in flight;
@@ -270,7 +271,7 @@ class RemoteTier:
                 # vLLM asks again at every step a request waits.
                 until = self.clock() + ABSENT_S
                 for key in keys:
-                    self._pending.pop(key, None)
+                    self._pending.discard(key)
                     if key not in got:
                         self._absent[key] = until
                 while len(self._absent) > MAX_ABSENT:
@@ -281,7 +282,7 @@ class RemoteTier:
     def _connect(self, peer: Peer, now: float) -> None:
         """Connects `peer` and sends its hello, unless it has an agent in
         the fetch process that runs now (or a hello on the way)."""
-        if self.fetcher is None or now < peer.skip_until or self._ready(peer) or peer.hello_sent:
+        if self.fetcher is None or now < peer.skip_until or self.ready(peer) or peer.hello_sent:
             return
         try:
             peer.connect(self._ctx, self._keys)
@@ -290,7 +291,7 @@ class RemoteTier:
         except PeerError as e:
             self.failed(peer, str(e), close=True)
 
-    def _ready(self, peer: Peer) -> bool:
+    def ready(self, peer: Peer) -> bool:
         """Whether the fetch process that runs now knows `peer`'s agent."""
         fetcher = self.fetcher
         return peer.agent_name is not None and fetcher is not None and peer.fetcher_start == fetcher.starts
@@ -316,7 +317,7 @@ class RemoteTier:
         deadline = now + self.settings.remote_timeout_s
         asked = [p for p in self.peers if now >= p.skip_until and p.sock is not None]
         for peer in asked:
-            if self._ready(peer):
+            if self.ready(peer):
                 self._lookup(peer, keys, now, batch)
             else:  # the lookup follows its hello's answer
                 self._connect(peer, now)
@@ -335,12 +336,18 @@ class RemoteTier:
             for p in live:
                 poller.register(p.sock, zmq.POLLIN)
             ready = {s for s, _ in poller.poll(max(1, int(left * 1000)))}
-            for p in live:
-                if p.sock in ready:
-                    claims = self._take(p, self.clock(), want, batch, answered)
-                    if claims:
-                        got |= read(self, p, claims, deadline)
+            # Every answer that has arrived is taken (and timed) before any
+            # READ: one peer's READ never makes another's answer late.
+            now = self.clock()
+            taken = [(p, self._take(p, now, want, batch, answered)) for p in live if p.sock in ready]
+            for p, claims in taken:
+                if claims:
+                    got |= read(self, p, claims, deadline)
         now = self.clock()
+        for p in [p for p in asked if p.sock is not None and id(p) not in answered]:
+            for key, place in self._take(p, now, want, batch, answered):  # a last look, not a wait
+                want[key] = False
+                self.end_leases(p, [place.lease], now)
         for p in asked:
             if id(p) in answered or p.sock is None or now < p.skip_until:
                 continue
@@ -369,10 +376,15 @@ class RemoteTier:
         ends: list[bytes] = []
         try:
             for asked, reply in peer.receive():
-                if asked is None or asked.op == "done":
+                if asked is None:  # a request forgotten (too many since): its leases end
+                    found = reply.get("found")
+                    if isinstance(found, list):
+                        ends += [f["lease"] for f in found if isinstance(f, dict) and isinstance(f.get("lease"), bytes)]
+                    continue
+                if asked.op == "done":
                     continue
                 if asked.op == "hello":
-                    self._hello(peer, reply)
+                    hello(self.fetcher, peer, reply)
                     if answered is not None:  # a batch waits for it
                         self._lookup(peer, list(want), now, batch)
                     continue
@@ -401,8 +413,21 @@ class RemoteTier:
                 if regen:
                     # It registered another segment since: its hello anew
                     # (this batch's keys from it are misses).
-                    peer.agent_name, peer.hello_sent = None, False
+                    drop_agent(self.fetcher, peer)
+                    peer.hello_sent = False
+                    for key, place in claims:
+                        want[key] = False
+                        ends.append(place.lease)
+                    claims = []
                     self._connect(peer, now)
+        except FetcherError as e:
+            # This node's fetch process, not the peer: its hello is sent
+            # again once the process runs.
+            logger.debug("pinshm encoder cache: hello of %s: %s", peer.address, e)
+            peer.hello_sent = False
+            for key, _ in claims:
+                want[key] = False
+            return []
         except PeerError as e:
             self.failed(peer, str(e), close=True)
             for key, _ in claims:
@@ -410,23 +435,6 @@ class RemoteTier:
             return []
         self.end_leases(peer, ends, now)
         return claims
-
-    def _hello(self, peer: Peer, reply: dict[str, Any]) -> None:
-        name, meta, base, length, gen = peer.hello(reply)
-        self._drop_agent(peer)
-        peer.hello_sent = False
-        assert self.fetcher is not None
-        added = str(self.fetcher.ask({"op": "add", "meta": meta}, 5.0)["name"])
-        if added != name:
-            self.fetcher.ask({"op": "remove", "name": added}, 5.0)
-            raise PeerError(f"its metadata names agent {added!r}, not {name!r}")
-        # A first READ makes UCX's connection to the peer (its wire-up costs
-        # round trips): here, off any request's budget, not in a fetch.
-        warm = {"op": "read", "name": name, "parts": [[base, min(WARM_BYTES, length), 0]], "timeout": HELLO_S}
-        if self.fetcher.ask(warm, HELLO_S)["state"] != "DONE":
-            raise PeerError("its region cannot be read (a first READ failed)")
-        peer.agent_name, peer.meta, peer.base, peer.length, peer.gen = name, meta, base, length, gen
-        peer.fetcher_start = self.fetcher.starts
 
     def end_leases(self, peer: Peer, leases: list[bytes], now: float) -> None:
         """Ends `leases` at `peer` (its answer is not waited for)."""
@@ -436,20 +444,10 @@ class RemoteTier:
             except PeerError:
                 return  # its TTL ends them
 
-    def _drop_agent(self, peer: Peer) -> None:
-        name, peer.agent_name = peer.agent_name, None
-        fetcher = self.fetcher
-        # Only the process that added it knows it (one started since has not).
-        if name is not None and fetcher is not None and fetcher.alive and peer.fetcher_start == fetcher.starts:
-            try:
-                fetcher.ask({"op": "remove", "name": name}, 5.0)
-            except Exception as e:  # noqa: BLE001 - a miss at worst, never the scheduler's error
-                logger.debug("pinshm encoder cache: forgetting agent %s: %r", name, e)
-
     def failed(self, peer: Peer, why: str, close: bool) -> None:
         self.peer_failures += 1
         if close:
-            self._drop_agent(peer)
+            drop_agent(self.fetcher, peer)
         peer.back_off(self.clock(), self.settings.peer_backoff_s, why, close)
 
     def close(self) -> None:
@@ -465,9 +463,16 @@ class RemoteTier:
             self._changed.notify_all()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(10)
+            thread.join(30)
+            if thread.is_alive():
+                # Still in a READ or a hello: its sockets and the fetch
+                # process stay as they are (ZeroMQ sockets are the thread's
+                # own), and go with this process.
+                logger.warning("pinshm encoder cache: the fetching thread did not stop in 30 s: left running")
+                self.reader.close()
+                return
         for peer in self.peers:
-            self._drop_agent(peer)
+            drop_agent(self.fetcher, peer)
             peer.close()
         if self._ctx is not None:
             self._ctx.term()

@@ -12,6 +12,8 @@ from typing import Callable
 #: Deferred requests remembered at most (a request aborted while deferred
 #: is never asked about again: the oldest are forgotten past this).
 MAX_DEFERRED = 4096
+#: The deadline of a request whose budget is spent.
+EXPIRED = float("-inf")
 
 
 class Deferrals:
@@ -39,8 +41,12 @@ class Deferrals:
                 self._until.popitem(last=False)
         if now < until:
             return False
-        del self._until[request_id]
-        self.expired += 1
+        if until != EXPIRED:
+            # Spent: it runs from now on, whatever is still in flight, until
+            # vLLM says it finished (a request that waits on for other
+            # reasons is never given a second budget).
+            self._until[request_id] = EXPIRED
+            self.expired += 1
         return True
 
     def forget(self, request_id: str) -> None:

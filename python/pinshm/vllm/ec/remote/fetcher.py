@@ -25,6 +25,11 @@ logger = logging.getLogger("vllm.pinshm.ec")
 SLACK_S = 5.0
 
 
+class FetcherError(PeerError):
+    """This node's fetch process failed or is starting again: a miss that
+    is no peer's fault."""
+
+
 class Fetcher:
     """The remote tier's handle on its fetch process: started at once, again
     after it dies; `staging` is the buffer it READs into (read-only here)."""
@@ -102,7 +107,7 @@ class Fetcher:
         order): the next READ runs while this side checks the last."""
         if not self.alive:
             self._kick()
-            raise PeerError("the fetch process is starting again: a miss")
+            raise FetcherError("the fetch process is starting again: a miss")
         assert self._sock is not None
         try:
             self._sock.settimeout(timeout + SLACK_S)
@@ -113,7 +118,7 @@ class Fetcher:
     def take(self, timeout: float) -> dict[str, Any]:
         """The answer to the oldest request posted and not taken."""
         if self._sock is None:
-            raise PeerError("the fetch process is gone: a miss")
+            raise FetcherError("the fetch process is gone: a miss")
         try:
             self._sock.settimeout(timeout + SLACK_S)
             data = self._inbox.recv(self._sock)
@@ -129,7 +134,7 @@ class Fetcher:
     def _failed(self, e: BaseException) -> NoReturn:
         self._stop()
         self._kick()
-        raise PeerError(f"the fetch process failed ({e!r})") from None
+        raise FetcherError(f"the fetch process failed ({e!r})") from None
 
     def _stop(self) -> None:
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None

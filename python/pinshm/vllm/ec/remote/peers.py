@@ -57,9 +57,6 @@ class Peer:
     backoff: float = 0.0
     failures: int = 0
     fetched: int = 0
-    slow: int = 0
-    #: The last lookup's answer time (seconds).
-    answer_s: Optional[float] = None
     asked: dict[bytes, Asked] = field(default_factory=dict)
     hello_sent: bool = False
     hello_at: float = 0.0
@@ -75,18 +72,28 @@ class Peer:
 
         if self.sock is None:
             sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-            # A peer that stops reading is not queued for without end.
-            sock.setsockopt(zmq.SNDHWM, 64)
-            # The producer binds leases to this id: random, the same across
-            # reconnects, and sent only inside the encrypted handshake.
-            sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))
-            if keys is not None:
-                secure_client(sock, keys)
-            sock.connect(f"tcp://{self.host}:{self.port}")
+            try:
+                self._setup(sock, keys)
+            except zmq.ZMQError as e:  # no CURVE in this libzmq, an address it cannot parse
+                sock.close(0)
+                raise PeerError(f"cannot connect: {e}") from None
             self.sock = sock
         return self.sock
+
+    def _setup(self, sock: Any, keys: Optional[Keys]) -> None:
+        import zmq
+
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        # A peer that stops reading is not queued for without end.
+        sock.setsockopt(zmq.SNDHWM, 64)
+        # The producer binds leases to this id: random for each socket
+        # (ZeroMQ's own reconnects keep it), sent only inside the encrypted
+        # handshake.
+        sock.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))
+        if keys is not None:
+            secure_client(sock, keys)
+        sock.connect(f"tcp://{self.host}:{self.port}")
 
     def send(self, msg: dict[str, Any], now: float, keys: tuple[str, ...] = (), batch: int = -1) -> None:
         """Sends `msg` (PeerError where it cannot be queued at once)."""
@@ -136,11 +143,9 @@ class Peer:
     def answered(self, seconds: float, budget: float) -> bool:
         """Notes a lookup answered in `seconds`; whether that was within
         its share of `budget` (a fast answer ends any backoff)."""
-        self.answer_s = seconds
         if seconds <= budget * SLOW_SHARE:
             self.backoff, self.failures = 0.0, 0
             return True
-        self.slow += 1
         return False
 
     def back_off(self, now: float, floor: float, why: str, close: bool) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from ...._pinshm import PinshmError
 from ...._pinshm import _Digest as Digest
+from .fetcher import FetcherError
 from .peers import Peer
 from .protocol import PeerError, Place
 
@@ -37,6 +38,9 @@ def read(tier: Any, peer: Peer, claims: list[tuple[str, Place]], deadline: float
     assert tier.store is not None and tier.fetcher is not None
     now = tier.clock()
     got: set[str] = set()
+    if not tier.ready(peer):  # its agent is gone (a new hello is on the way): misses
+        tier.end_leases(peer, [place.lease for _, place in claims], now)
+        return got
     reserved: list[tuple[str, Place, Any]] = []
     try:
         for key, place in claims:
@@ -72,8 +76,8 @@ def _read_group(tier: Any, peer: Peer, group: list[tuple[str, Place, Any]], dead
         _post(tier, peer, chunks[0], deadline)
         posted = 1
         for k, chunk in enumerate(chunks):
+            posted = 0  # take() consumes its answer, or stops the fetch process
             state = tier.fetcher.take(max(0.0, deadline - tier.clock()))["state"]
-            posted = 0
             if state != "DONE":
                 raise PeerError("READ " + ("failed" if state == "ERR" else "not done in time"))
             if k + 1 < len(chunks):
@@ -84,6 +88,8 @@ def _read_group(tier: Any, peer: Peer, group: list[tuple[str, Place, Any]], dead
             for i, at_item, nbytes, at, _ in chunk:
                 # The slot keeps only the bytes the producer's digest names.
                 digests[i].copy_update(slots[i][at_item : at_item + nbytes], staging[at : at + nbytes])
+    except FetcherError:
+        return set()  # this node's fetch process, not the peer: it starts again
     except PeerError as e:
         tier.failed(peer, str(e), close=False)
         return set()

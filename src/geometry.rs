@@ -200,16 +200,29 @@ pub(crate) fn read_stamped<'a, H: Pod>(
     name: &'a str,
     kind: &Kind,
 ) -> Result<(H, HeaderCheck<'a>)> {
-    let check = HeaderCheck { name };
     debug_assert!(size_of::<H>() >= size_of::<Preamble>() && size_of::<H>() <= layout::PAGE);
     if seg.len() < size_of::<H>() {
-        return Err(check.bad(
+        return Err(HeaderCheck { name }.bad(
             "size",
             format!("{} bytes is smaller than a header", seg.len()),
         ));
     }
     // SAFETY: the mapping is page aligned and holds at least a header.
     let magic = unsafe { crate::atomics::stamped_magic(seg.as_ptr()) };
+    // SAFETY: as above; page aligned, so aligned for any header.
+    let h: H = unsafe { crate::atomics::read_header(seg.as_ptr()) };
+    check_stamped(magic, h, name, kind)
+}
+
+/// [`read_stamped`]'s checks of a header already copied out of the
+/// segment (`magic` as loaded first, then `h`).
+fn check_stamped<'a, H: Pod>(
+    magic: u64,
+    h: H,
+    name: &'a str,
+    kind: &Kind,
+) -> Result<(H, HeaderCheck<'a>)> {
+    let check = HeaderCheck { name };
     if magic != kind.magic {
         return Err(check.bad(
             "magic",
@@ -219,8 +232,6 @@ pub(crate) fn read_stamped<'a, H: Pod>(
             ),
         ));
     }
-    // SAFETY: as above; page aligned, so aligned for any header.
-    let h: H = unsafe { crate::atomics::read_header(seg.as_ptr()) };
     let p: Preamble =
         bytemuck::pod_read_unaligned(&bytemuck::bytes_of(&h)[..size_of::<Preamble>()]);
     if p.version != kind.version {
@@ -236,9 +247,25 @@ pub(crate) fn read_stamped<'a, H: Pod>(
     Ok((h, check))
 }
 
-/// Checks every field of a store segment's header before any of it is used.
-pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry> {
-    let (h, check): (SegmentHeader, _) = read_stamped(seg, name, &STORE)?;
+/// The header of a store segment of `len` bytes, from a copy of its first
+/// bytes (`bytes`, read with `pread`: a file that is not this process's to
+/// trust is never mapped, see `crate::sys::segment::Peek`), checked as
+/// [`validate_store`] checks a mapping's.
+pub(crate) fn validate_store_bytes(bytes: &[u8], len: u64, name: &str) -> Result<SegmentHeader> {
+    if bytes.len() < size_of::<SegmentHeader>() || len < size_of::<SegmentHeader>() as u64 {
+        return Err(
+            HeaderCheck { name }.bad("size", format!("{len} bytes is smaller than a header"))
+        );
+    }
+    let h: SegmentHeader = bytemuck::pod_read_unaligned(&bytes[..size_of::<SegmentHeader>()]);
+    let magic = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default());
+    let (h, check) = check_stamped(magic, h, name, &STORE)?;
+    check_store(&h, len, &check)?;
+    Ok(h)
+}
+
+/// The store's own fields of a stamped header `h` of a `len`-byte segment.
+fn check_store(h: &SegmentHeader, len: u64, check: &HeaderCheck<'_>) -> Result<()> {
     check.want(
         "header_len",
         layout::header_len(h.n_readers) as u64,
@@ -265,14 +292,14 @@ pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry>
         ));
     }
     let total = h.header_len.checked_add(h.capacity);
-    if total.is_none_or(|t| t > seg.len() as u64) {
+    if total.is_none_or(|t| t > len) {
         return Err(check.bad(
             "capacity",
             format!(
                 "header ({}) + capacity ({}) exceed the segment's {} bytes: the segment is too small",
                 h.header_len,
                 h.capacity,
-                seg.len()
+                len
             ),
         ));
     }
@@ -297,13 +324,12 @@ pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry>
     // Checked above: header_len + capacity does not overflow, and the index
     // length is at most 2^29.
     let end = h.header_len + h.capacity + layout::index_len(h.index_entries);
-    if end > seg.len() as u64 {
+    if end > len {
         return Err(check.bad(
             "index_entries",
             format!(
                 "a key index of {} entries ends at byte {end}, past the segment's {} bytes",
-                h.index_entries,
-                seg.len()
+                h.index_entries, len
             ),
         ));
     }
@@ -317,6 +343,13 @@ pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry>
             ),
         ));
     }
+    Ok(())
+}
+
+/// Checks every field of a store segment's header before any of it is used.
+pub(crate) fn validate_store(seg: &Segment, name: &str) -> Result<StoreGeometry> {
+    let (h, check): (SegmentHeader, _) = read_stamped(seg, name, &STORE)?;
+    check_store(&h, seg.len() as u64, &check)?;
     Ok(StoreGeometry::new(
         seg.as_ptr(),
         h.n_readers,

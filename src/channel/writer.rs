@@ -253,9 +253,8 @@ mod shell {
                 reserve,
                 cfg.name.is_some(),
                 |old| {
-                    let is_channel = old.len() >= size_of::<ChannelHeader>()
-                    // SAFETY: the mapping is page aligned and at least 256 bytes.
-                    && unsafe { crate::atomics::stamped_magic(old.as_ptr()) } == layout::MAGIC;
+                    let is_channel = old.len() >= size_of::<ChannelHeader>() as u64
+                        && old.magic() == layout::MAGIC;
                     is_channel
                         .then(String::new)
                         .ok_or_else(|| "a broadcast channel".to_owned())

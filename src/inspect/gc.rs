@@ -16,14 +16,14 @@
 //! Readers that still map a removed segment keep reading what it holds:
 //! removing a name frees the memory only once the last mapping goes.
 
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 
 use crate::error::{Error, Result};
-use crate::geometry::validate_store;
+use crate::geometry::validate_store_bytes;
 use crate::layout;
 use crate::sys::liveness;
-use crate::sys::segment::{remove_if_abandoned, Segment};
-use crate::sys::trust::{self, Trust};
+use crate::sys::peek::{remove_if_abandoned, Peek};
+use crate::sys::trust::Trust;
 
 /// A segment whose writer is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,35 +75,29 @@ pub fn gc(prefix: &str, dry_run: bool) -> Result<Vec<Abandoned>> {
 /// unless `dry_run`).
 fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
     let path = format!("/dev/shm/{name}");
-    let io = |op: &'static str| {
-        move |e| Error::Os {
-            op,
-            name: name.to_owned(),
-            source: e,
-        }
-    };
-    // The magic is read with pread, not through a mapping: a read fault on
-    // a hole of a sparse file would allocate a page (SIGBUS on a full
-    // /dev/shm); pread of a hole reads zeros.
-    // Never blocking (a FIFO), never through a symlink; anyone's file.
-    let file = trust::open_to_read(&path).map_err(io("open"))?;
-    let owner_uid = trust::check(&file, name, Trust::AnyOwner)?.uid;
-    let mut magic = [0u8; 8];
-    if file.read_at(&mut magic, 0).map_err(io("pread"))? < 8 || !is_magic(u64::from_le_bytes(magic))
-    {
+    // Read with pread, never through a mapping: a read fault on a hole of
+    // a sparse file would allocate a page (SIGBUS on a full /dev/shm), and
+    // anyone's file may be truncated under a mapping by its owner (SIGBUS
+    // again); pread reads zeros past the end and in holes. Never blocking
+    // (a FIFO), never through a symlink; anyone's file.
+    let seg = Peek::open(name, false, Trust::AnyOwner)?;
+    let owner_uid = seg.ownership()?.uid;
+    let magic = seg.magic();
+    if !is_magic(magic) {
         return Ok(None);
     }
-    let bytes = file.metadata().map_err(io("fstat"))?.blocks() * 512;
-    drop(file);
-    let seg = Segment::open_as(name, false, Trust::AnyOwner)?;
+    let bytes = seg.allocated();
     if seg.held_by_other(liveness::WRITER_SLOT) {
         return Ok(None); // its writer lives (or we cannot tell)
     }
-    let (kind, writer_pid) = if u64::from_le_bytes(magic) == layout::channel::MAGIC {
+    let (kind, writer_pid) = if magic == layout::channel::MAGIC {
         ("channel", None)
     } else {
-        match validate_store(&seg, name) {
-            Ok(geo) => ("store", Some(geo.header().writer_pid())),
+        let header = seg
+            .read(0, size_of::<layout::SegmentHeader>())
+            .and_then(|b| validate_store_bytes(&b, seg.len(), name));
+        match header {
+            Ok(h) => ("store", Some(h.writer_pid)),
             // Stamped by a writer of another layout version: still ours.
             Err(_) => ("store", None),
         }
@@ -121,8 +115,8 @@ fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
         let before = inode(&path);
         // Takes the writer lock itself (so the writer is gone, and nobody
         // else removes it at once), checks the name, unlinks.
-        remove_if_abandoned(name, &|s: &Segment| {
-            if is_magic(magic_of(s)) {
+        remove_if_abandoned(name, Trust::AnyOwner, &|s: &Peek| {
+            if is_magic(s.magic()) {
                 Ok(String::new())
             } else {
                 Err("a pinshm segment".to_owned())
@@ -135,15 +129,6 @@ fn examine(name: &str, dry_run: bool) -> Result<Option<Abandoned>> {
 
 fn is_magic(word: u64) -> bool {
     word == layout::MAGIC || word == layout::channel::MAGIC
-}
-
-fn magic_of(seg: &Segment) -> u64 {
-    if seg.len() < 8 {
-        return 0;
-    }
-    // SAFETY: the mapping is page aligned and at least 8 bytes; the header
-    // page of a stamped segment is backed (the magic was written to it).
-    unsafe { crate::atomics::stamped_magic(seg.as_ptr()) }
 }
 
 /// Removes segment `name` if the name still names the file (`dev`,
@@ -162,7 +147,7 @@ pub fn remove_if_abandoned_file(name: &str, dev: u64, ino: u64) -> Result<bool> 
     if !same() {
         return Ok(false);
     }
-    remove_if_abandoned(name, &|s: &Segment| {
+    remove_if_abandoned(name, Trust::Owner, &|s: &Peek| {
         if s.identity() == Some((dev, ino)) {
             Ok(String::new())
         } else {

@@ -6,7 +6,7 @@ use super::config::StoreConfig;
 use super::handle::{ObjectHandle, StoreHandle};
 use super::stats::StoreStats;
 use crate::error::{Error, Result};
-use crate::geometry::{validate_store, StoreGeometry};
+use crate::geometry::{validate_store_bytes, StoreGeometry};
 use crate::layout::{self, ObjectKind, SegmentHeader};
 use crate::pin::Pinning;
 use crate::ring::{Plan, Ring};
@@ -101,8 +101,9 @@ impl ObjectStore {
             cfg.reserve,
             cfg.name.is_some(),
             |old| {
-                validate_store(old, &name)
-                    .map(|geo| format!(" (pid {})", geo.header().writer_pid()))
+                old.read(0, size_of::<SegmentHeader>())
+                    .and_then(|bytes| validate_store_bytes(&bytes, old.len(), &name))
+                    .map(|h| format!(" (pid {})", h.writer_pid))
                     .map_err(|e| format!("a usable pinshm segment ({e})"))
             },
         )?;

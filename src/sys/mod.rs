@@ -7,6 +7,7 @@ pub(crate) mod clock;
 pub(crate) mod fork;
 pub(crate) mod futex;
 pub(crate) mod liveness;
+pub(crate) mod peek;
 pub(crate) mod segment;
 pub(crate) mod trust;
 

@@ -77,7 +77,7 @@ pub(crate) fn unique_name() -> String {
     )
 }
 
-fn sys_err(op: &'static str, name: &str, errno: Errno) -> Error {
+pub(super) fn sys_err(op: &'static str, name: &str, errno: Errno) -> Error {
     tracing::debug!(op, name, %errno, "shared memory call failed");
     Error::Os {
         op,
@@ -142,10 +142,20 @@ impl Segment {
 
     /// Opens an existing segment read-only (loads only), if `trust`
     /// accepts its file.
+    ///
+    /// A file that is not this process's user's (nor a trusted one's) is
+    /// never mapped: its owner could truncate it under the mapping (SIGBUS
+    /// at the next read). The mapping is then of a private copy of it
+    /// ([`super::peek::private_copy`]), and only the locks are the file's.
     pub(crate) fn open_read_only(name: &str, trust: Trust) -> Result<Segment> {
         let (pname, file, len) = open_file(name, OFlag::O_RDONLY, trust)?;
+        let copy = match trust::check(&file, name, Trust::Owner) {
+            Ok(_) => None,
+            Err(_) => Some(super::peek::private_copy(&file, len as u64, name)?),
+        };
+        let source: &File = copy.as_ref().unwrap_or(&file);
         let map =
-            Listed::map(|| MmapOptions::new().len(len).map_raw_read_only(&*file)).map_err(|e| {
+            Listed::map(|| MmapOptions::new().len(len).map_raw_read_only(source)).map_err(|e| {
                 Error::Os {
                     op: "mmap",
                     name: name.to_owned(),
@@ -159,12 +169,6 @@ impl Segment {
             owner: AtomicBool::new(false),
             fork_gen: fork::register(),
         })
-    }
-
-    /// The (device, inode) of the segment's file.
-    pub(crate) fn identity(&self) -> Option<(u64, u64)> {
-        let st = nix::sys::stat::fstat(self.file.as_raw_fd()).ok()?;
-        Some((st.st_dev, st.st_ino))
     }
 
     /// Whose the segment's file is ([`trust::check`] of anyone's).
@@ -309,14 +313,7 @@ impl Segment {
     /// Whether the name still refers to this segment's file (not to a newer
     /// segment that replaced it, nor to nothing).
     pub(crate) fn is_still_named(&self) -> bool {
-        let path = format!("/dev/shm{}", self.name);
-        match (
-            nix::sys::stat::stat(path.as_str()),
-            nix::sys::stat::fstat(self.file.as_raw_fd()),
-        ) {
-            (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
-            _ => false,
-        }
+        still_named(&self.name, &self.file)
     }
 
     /// Takes liveness lock `slot` for this segment handle; `Ok(false)` if a
@@ -361,81 +358,30 @@ impl Segment {
     /// returns how to name its writer in messages, e.g. " (pid 12)", or
     /// what it is not). Several
     /// processes may replace the same dead segment at once: exactly one
-    /// creates the name anew, the others get `InUse`.
+    /// creates the name anew, the others get `InUse`. Only a segment of
+    /// this process's user (or a trusted one's, see [`trust`]) is replaced,
+    /// and it is looked at without mapping it ([`super::peek::Peek`]): a file someone
+    /// else made under the name (a squatter's) is [`Error::Untrusted`],
+    /// naming its owner and mode, whatever its size does meanwhile.
     pub(crate) fn create_replacing(
         name: &str,
         len: usize,
         prefault: bool,
         reserve_pages: bool,
         replace: bool,
-        recognise: impl Fn(&Segment) -> std::result::Result<String, String>,
+        recognise: impl Fn(&super::peek::Peek) -> std::result::Result<String, String>,
     ) -> Result<Segment> {
         let mut tries = 0;
         loop {
             match Segment::create(name, len, prefault, reserve_pages) {
                 Err(Error::AlreadyExists { .. }) if replace && tries < 8 => {
                     tries += 1;
-                    remove_if_abandoned(name, &recognise)?;
+                    super::peek::remove_if_abandoned(name, Trust::Owner, &recognise)?;
                 }
                 r => return r,
             }
         }
     }
-}
-
-/// Removes segment `name` if `recognise` accepts it and nobody holds its
-/// writer lock; `Ok` also when it went (or was replaced) meanwhile, so the
-/// caller creates again.
-pub(crate) fn remove_if_abandoned(
-    name: &str,
-    recognise: &impl Fn(&Segment) -> std::result::Result<String, String>,
-) -> Result<()> {
-    let in_use = |detail: String| Error::InUse {
-        name: name.to_owned(),
-        detail,
-    };
-    // Anyone's: a dead segment is removed whoever made it (where this
-    // process may unlink it), a live one never.
-    let seg = match Segment::open_as(name, false, Trust::AnyOwner) {
-        Ok(s) => s,
-        Err(Error::NotFound { .. }) => return Ok(()), // gone meanwhile
-        // Empty: its creator is still sizing it (a live one, or it would
-        // not be empty for long); not ours to remove.
-        Err(Error::BadHeader { field: "size", .. }) => {
-            return Err(in_use(format!(
-                "it is being created (empty); if nobody is, remove /dev/shm/{name}"
-            )))
-        }
-        Err(e) => return Err(e),
-    };
-    let label = recognise(&seg).map_err(|why| {
-        in_use(format!(
-            "it exists and is not {why}; remove /dev/shm/{name} if no process uses it"
-        ))
-    })?;
-    // Taking the dead writer's lock ourselves both proves that no writer
-    // holds it and keeps out anyone else replacing the same segment.
-    if !seg.try_lock(liveness::WRITER_SLOT)? {
-        return Err(in_use(format!(
-            "its writer{label} is alive: it holds the writer lock"
-        )));
-    }
-    if !seg.is_still_named() {
-        return Ok(()); // replaced (or removed) meanwhile: create again
-    }
-    tracing::warn!(
-        name,
-        label,
-        "replacing the segment of a writer that is gone"
-    );
-    // Unlinked while we hold its lock: nobody else can be unlinking a newer
-    // segment of the name on the strength of this one's death.
-    let r = match Segment::unlink(name) {
-        Ok(()) | Err(Error::NotFound { .. }) => Ok(()),
-        Err(e) => Err(e),
-    };
-    drop(seg);
-    r
 }
 
 /// 64 random bits, for segment nonces (not for secrets: see the store's
@@ -462,7 +408,28 @@ impl Drop for Segment {
 /// Opens `name` with `flags` (never blocking, never through a symlink:
 /// glibc's shm_open adds `O_NOFOLLOW`) and checks its file against `trust`;
 /// its POSIX name, file and (non-zero) size.
-fn open_file(name: &str, flags: OFlag, trust: Trust) -> Result<(String, Listed<File>, usize)> {
+pub(super) fn open_file(
+    name: &str,
+    flags: OFlag,
+    trust: Trust,
+) -> Result<(String, Listed<File>, usize)> {
+    let (pname, file, len) = open_any_size(name, flags, trust)?;
+    if len == 0 {
+        return Err(Error::BadHeader {
+            name: name.to_owned(),
+            field: "size",
+            detail: "the segment is empty (its creator has not sized it yet, or it is not a pinshm segment)".into(),
+        });
+    }
+    Ok((pname, file, len))
+}
+
+/// [`open_file`], of any size (0 included).
+pub(super) fn open_any_size(
+    name: &str,
+    flags: OFlag,
+    trust: Trust,
+) -> Result<(String, Listed<File>, usize)> {
     let pname = posix_name(name)?;
     let flags = flags | OFlag::O_NONBLOCK | OFlag::O_NOFOLLOW;
     let file =
@@ -481,14 +448,19 @@ fn open_file(name: &str, flags: OFlag, trust: Trust) -> Result<(String, Listed<F
             source: e,
         })?
         .len() as usize;
-    if len == 0 {
-        return Err(Error::BadHeader {
-            name: name.to_owned(),
-            field: "size",
-            detail: "the segment is empty (its creator has not sized it yet, or it is not a pinshm segment)".into(),
-        });
-    }
     Ok((pname, file, len))
+}
+
+/// Whether POSIX name `pname` still refers to `file`.
+pub(super) fn still_named(pname: &str, file: &File) -> bool {
+    let path = format!("/dev/shm{pname}");
+    match (
+        nix::sys::stat::stat(path.as_str()),
+        nix::sys::stat::fstat(file.as_raw_fd()),
+    ) {
+        (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
+        _ => false,
+    }
 }
 
 /// A read-only mapping of a whole segment ([`Segment::map_read_only`]),

@@ -60,16 +60,6 @@ pub(crate) fn trusted_uids() -> Vec<u32> {
         .collect()
 }
 
-/// Opens `path` to read, never blocking (a FIFO) and never through a
-/// symlink; [`check`] says whether it is a segment.
-pub(crate) fn open_to_read(path: &str) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags((nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_NOFOLLOW).bits())
-        .open(path)
-}
-
 /// Checks the file just opened for segment `name` against `trust`; its
 /// owner and mode. [`Error::Untrusted`] says why not, naming the owner and
 /// the mode, and what to do.

@@ -19,7 +19,7 @@ import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
-from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError
+from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError, UntrustedError
 from ...device import copy_stream, get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
@@ -132,6 +132,11 @@ class WorkerSide:
                 key_index=s.key_index,
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
+        except UntrustedError as e:
+            # Someone else's file at the name (a squatter's): never mapped,
+            # never replaced; the message names its owner and mode.
+            logger.warning("pinshm encoder cache: store %r is not this engine's: saving is off (%s)", s.store, e)
+            return None
         except (PinshmError, OSError, ValueError) as e:
             if os.path.exists(os.path.join("/dev/shm", s.store)):
                 logger.warning(

@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from ...._pinshm import Lease, ObjectStore, PinshmError
+from ...._pinshm import Lease, ObjectStore, PinshmError, UntrustedError
 from ..._tracker import Tracked
 from ...cache.storage import shm_headroom
 from .._attach import NamedReader
@@ -146,6 +146,13 @@ class RemoteTier:
                 pin="off",
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
+        except UntrustedError as e:
+            logger.warning(
+                "pinshm encoder cache: store %r of fetched outputs is not this engine's: nothing is fetched (%s)",
+                s.remote_store,
+                e,
+            )
+            return None
         except (PinshmError, OSError, ValueError) as e:
             logger.warning(
                 "pinshm encoder cache: store %r of fetched outputs is another engine's (or cannot be made: %s): "

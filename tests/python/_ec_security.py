@@ -3,6 +3,7 @@ test_ec_isolation.py): a store served by a real `Server`, clients with
 the deployment's keys, others' or none, and what a process uses."""
 
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -112,3 +113,25 @@ def rss(pid):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) << 10
     return 0
+
+
+def listening(pid):
+    """(address, port) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        for line in open(f"/proc/{pid}/net/{table}").readlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                addr, port = f[1].split(":")
+                raw = bytes.fromhex(addr)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
+                out.append((socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw), int(port, 16)))
+    return out

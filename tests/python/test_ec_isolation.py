@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 from _ec_remote import free_port, nixl_or_skip
-from _ec_security import ask, lookup, served  # noqa: F401 - a fixture
+from _ec_security import ask, listening, lookup, served  # noqa: F401 - a fixture
 
 import pinshm
 from pinshm.vllm.ec.remote import nixl
@@ -144,32 +144,10 @@ def test_a_write_into_the_served_region_changes_no_byte_a_rank_reads(served):
 # ---- where it listens, and what it leaves alone ------------------------
 
 
-def _listening(pid):
-    """(address, port) of every TCP socket process `pid` listens on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = []
-    for table, size in (("tcp", 4), ("tcp6", 16)):
-        for line in open(f"/proc/{pid}/net/{table}").readlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:
-                addr, port = f[1].split(":")
-                raw = bytes.fromhex(addr)
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
-                out.append((socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, raw), int(port, 16)))
-    return out
-
-
 def test_the_serving_process_listens_on_the_interface_serve_names_alone(served):
     s = served()
     ask(s.client(), {"op": "hello"})  # UCX's listener is up
-    where = _listening(s.server.pid) + _listening(s.server.nixl_pid)
+    where = listening(s.server.pid) + listening(s.server.nixl_pid)
     assert (("127.0.0.1", s.port)) in where
     assert len(where) >= 2, f"the endpoint and UCX's listener: {where}"
     assert all(addr == "127.0.0.1" for addr, _ in where), f"loopback stays loopback: {where}"

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from _ec_fixtures import SIZE, engines, stand_in, want  # noqa: F401 - fixtures
 from _ec_remote import BadPeer, FakeRegion, ProducerNode, free_port, make_secret, nixl_or_skip
+from _ec_security import listening
 
 import pinshm
 import pinshm.vllm.ec.remote.reads as fetch
@@ -118,6 +119,11 @@ def test_the_consumers_engine_core_holds_no_nixl_agent_its_fetch_process_does(no
     assert not nixl._LIVE, "no NIXL agent in the engine core (this process)"
     maps = open(f"/proc/{remote.fetcher.pid}/maps").read()
     assert "/dev/shm/" not in maps, "the fetch process maps no store"
+    # Its peers are on loopback: so is every listener of the consumer's
+    # tree (the fetch process's UCX, the workers).
+    assert remote.fetcher.devices is not None and remote.fetcher.devices.split(",")[0] == "lo"
+    where = [a for pid in [remote.fetcher.pid, *(p.pid for p in c.procs)] for a in listening(pid)]
+    assert where and all(addr in ("127.0.0.1", "::1") for addr, _ in where), where
 
 
 def test_bytes_changed_in_the_fetch_process_before_they_are_checked_are_a_miss(nodes, engines):

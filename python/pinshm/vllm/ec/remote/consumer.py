@@ -51,6 +51,7 @@ from .agents import drop_agent, hello
 from .fetcher import Fetcher, FetcherError
 from .keys import keys_for
 from .nixl import nixl
+from .net import devices_towards
 from .peers import Peer
 from .protocol import MAX_KEYS, PeerError, Place, check_place
 from .protocol import field as wire_field
@@ -117,7 +118,10 @@ class RemoteTier:
             nixl()
             import zmq
 
-            self.fetcher = Fetcher(self.max_bytes, f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            # Its UCX listens only where the peers are reached from (the
+            # environment's own UCX_NET_DEVICES wins, as on the producer).
+            devices = None if "UCX_NET_DEVICES" in os.environ else devices_towards([h for h, _ in settings.peers])
+            self.fetcher = Fetcher(self.max_bytes, f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", devices)
             self._ctx = zmq.Context()
             self._thread = threading.Thread(target=self._run, name="pinshm-ec-fetch", daemon=True)
             self._thread.start()

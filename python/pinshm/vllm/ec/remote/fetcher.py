@@ -34,9 +34,11 @@ class Fetcher:
     """The remote tier's handle on its fetch process: started at once, again
     after it dies; `staging` is the buffer it READs into (read-only here)."""
 
-    def __init__(self, capacity: int, name: str) -> None:
+    def __init__(self, capacity: int, name: str, devices: Optional[str] = None) -> None:
         self.capacity = max(capacity, mmap.PAGESIZE)
         self.name = name
+        #: ``UCX_NET_DEVICES`` of the process (where its UCX listens).
+        self.devices = devices
         self._pid = os.getpid()
         self._proc: Any = None
         self._sock: Optional[socket.socket] = None
@@ -93,7 +95,10 @@ class Fetcher:
             cfg,
             "the fetch process cannot start",
             pass_fds=(self._fd,),
-            env={"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS},
+            env={
+                "UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS,
+                **({"UCX_NET_DEVICES": self.devices} if self.devices else {}),
+            },
         )
 
     def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Which interface an address is on: UCX's listeners are told to listen
-there alone (``UCX_NET_DEVICES``), on both sides of the remote tier. A
-leaf."""
+"""Which interface an address is on, or is reached through: UCX's listeners
+are told to listen there alone (``UCX_NET_DEVICES``), on both sides of the
+remote tier. A leaf."""
 
 from __future__ import annotations
 
@@ -16,13 +16,50 @@ def devices_for(host: str) -> Optional[str]:
     interface that holds that address (and the host's RDMA ports, which
     UCX names apart), so that UCX's TCP listener listens there alone.
     None for a wildcard address, or where no interface holds it."""
+    addr = _resolve(host)
+    if addr is None or addr.is_unspecified:
+        return None
+    return _devices([addr])
+
+
+def devices_towards(hosts: list[str]) -> Optional[str]:
+    """``UCX_NET_DEVICES`` for a process that reaches `hosts` (a consumer's
+    peers): the interfaces this host sends from to reach each (the route's
+    source address, as the kernel picks it), and the RDMA ports, so that
+    the fetch process's UCX listens there alone (loopback peers: loopback).
+    Hosts that do not resolve are left out; None where none does."""
+    sources = []
+    for host in hosts:
+        addr = _resolve(host)
+        if addr is None:
+            continue
+        family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((str(addr), 9))  # a route lookup: nothing is sent
+                sources.append(ipaddress.ip_address(probe.getsockname()[0].split("%")[0]))
+        except OSError:
+            continue
+    return _devices(sources) if sources else None
+
+
+def _resolve(host: str) -> Any:
     try:
-        addr = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0].split("%")[0])
     except (OSError, ValueError, IndexError):
         return None
-    if addr.is_unspecified:
-        return None
-    names = [name for name, a in _interface_addresses() if a == addr]
+
+
+def _devices(addrs: list[Any]) -> Optional[str]:
+    """The interfaces holding `addrs` (in order, once each), then the RDMA
+    ports; None where no interface holds any."""
+    held = _interface_addresses()
+    names: list[str] = []
+    for addr in addrs:
+        for name, a in held:
+            if a == addr and name not in names:
+                names.append(name)
+                break
     if not names:
         return None
     ib = "/sys/class/infiniband"
@@ -31,7 +68,7 @@ def devices_for(host: str) -> Optional[str]:
         for dev in sorted(os.listdir(ib)):
             ports = os.path.join(ib, dev, "ports")
             rdma += [f"{dev}:{p}" for p in sorted(os.listdir(ports))] if os.path.isdir(ports) else []
-    return ",".join([names[0], *rdma])
+    return ",".join([*names, *rdma])
 
 
 class _Ifaddrs(ctypes.Structure):

@@ -14,7 +14,7 @@ import pytest
 from _ec_remote import make_secret
 from _ec_security import ask, cpu_s, done, found_one, lookup, rss, served  # noqa: F401 - a fixture
 
-from pinshm.vllm.ec.remote import nixl, producer, protocol, serving_process
+from pinshm.vllm.ec.remote import budget, nixl, producer, protocol, serving_process
 from pinshm.vllm.ec._config import ECSettings
 from pinshm.vllm.ec.remote.keys import derive, read_secret, secure_client
 
@@ -207,7 +207,7 @@ def test_one_peer_pipelining_10000_lookups_leaves_another_peers_answered(served)
     for _ in range(10_000):
         assert greedy.poll(30_000), "the server stopped answering the greedy peer"
         found += found_one(protocol.unpack(greedy.recv_multipart()[-1]))
-    assert found == producer.PEER_LEASES, f"{found} leases to one peer (its share: {producer.PEER_LEASES})"
+    assert found == budget.PEER_LEASES, f"{found} leases to one peer (its share: {budget.PEER_LEASES})"
     other = s.client()
     for key in ("k0", "k3"):
         answer = lookup(other, key)
@@ -231,8 +231,8 @@ def test_a_peer_cannot_end_another_peers_lease_and_lease_ids_are_random(served):
 def test_an_expired_lease_stops_counting_at_once(served):
     s = served(lease_ttl_s=0.3)
     sock = s.client()
-    got = [lookup(sock, "k0") is not None for _ in range(producer.PEER_LEASES + 1)]
-    assert got == [True] * producer.PEER_LEASES + [False], "its share, then no more"
+    got = [lookup(sock, "k0") is not None for _ in range(budget.PEER_LEASES + 1)]
+    assert got == [True] * budget.PEER_LEASES + [False], "its share, then no more"
     time.sleep(0.3 + 2 * producer.POLL_S)
     assert lookup(sock, "k0") is not None, "the expired leases no longer count"
 
@@ -258,7 +258,7 @@ def test_many_connections_from_one_address_share_one_budget(served):
         for _ in range(100):
             assert g.poll(30_000)
             found += found_one(protocol.unpack(g.recv_multipart()[-1]))
-    assert found == producer.ADDRESS_LEASES, f"{found} leases to one address"
+    assert found == budget.GROUP_LEASES, f"{found} leases to one address"
     # A peer at another address is answered.
     other = s.ctx.socket(zmq.REQ)
     other.setsockopt(zmq.LINGER, 0)
@@ -266,3 +266,41 @@ def test_many_connections_from_one_address_share_one_budget(served):
     other.connect(f"tcp://127.0.0.2:0;127.0.0.1:{s.port}")
     s.socks.append(other)
     assert lookup(other, "k1") is not None
+
+
+def test_sixteen_addresses_of_one_peer_leave_a_newcomer_answered(served):
+    import zmq
+
+    # 16 addresses (127.0.0.2-17), 4 connections each: the whole pool of
+    # leases if each address took its share of 16; a 17th address still
+    # gets leases (taken back from the groups over their share of 17).
+    s = served(lease_ttl_s=600)
+    s.client()
+    greedy = []
+    for i in range(16):
+        for _ in range(4):
+            g = s.ctx.socket(zmq.DEALER)
+            g.setsockopt(zmq.LINGER, 0)
+            g.setsockopt(zmq.SNDHWM, 0)
+            g.setsockopt(zmq.RCVHWM, 0)
+            secure_client(g, s.keys)
+            g.connect(f"tcp://127.0.0.{2 + i}:0;127.0.0.1:{s.port}")
+            s.socks.append(g)
+            greedy.append(g)
+    for g in greedy:
+        for _ in range(budget.PEER_LEASES + 8):
+            g.send_multipart([b"", protocol.pack({"op": "lookup", "keys": ["k0"]})])
+    found = 0
+    for g in greedy:
+        for _ in range(budget.PEER_LEASES + 8):
+            assert g.poll(30_000)
+            found += found_one(protocol.unpack(g.recv_multipart()[-1]))
+    assert found == budget.MAX_LEASES, f"{found}: the pool, shared by 16 addresses"
+    other = s.ctx.socket(zmq.REQ)
+    other.setsockopt(zmq.LINGER, 0)
+    secure_client(other, s.keys)
+    other.connect(f"tcp://127.0.0.99:0;127.0.0.1:{s.port}")
+    s.socks.append(other)
+    got = [lookup(other, "k1") for _ in range(8)]
+    assert all(x is not None for x in got), "a newcomer is answered while 16 addresses hold the pool"
+    assert s.server.revoked == 8

@@ -50,8 +50,8 @@ from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSet
 from .agents import drop_agent, hello
 from .fetcher import Fetcher, FetcherError
 from .keys import keys_for
-from .nixl import nixl
 from .net import devices_towards
+from .nixl import nixl
 from .peers import Peer
 from .protocol import MAX_KEYS, PeerError, Place, check_place
 from .protocol import field as wire_field
@@ -118,8 +118,7 @@ class RemoteTier:
             nixl()
             import zmq
 
-            # Its UCX listens only where the peers are reached from (the
-            # environment's own UCX_NET_DEVICES wins, as on the producer).
+            # Its UCX listens only where the peers are reached from.
             devices = None if "UCX_NET_DEVICES" in os.environ else devices_towards([h for h, _ in settings.peers])
             self.fetcher = Fetcher(self.max_bytes, f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", devices)
             self._ctx = zmq.Context()

@@ -17,12 +17,14 @@ digest (taken once per object). A lease ends when its peer says done
 digest already proves what it read), or after ``lease_ttl_s``; done
 still re-checks the handle (the slot's id and tag) for the counts.
 
-Leases are budgeted: a peer (a connection) holds at most
-:data:`PEER_LEASES` at once, all peers :data:`MAX_LEASES`; an expired lease
-stops counting at once. Lease ids are 16 random bytes, valid only from the
-peer that took them. A serving process that dies (a peer's WRITE into the
-read-only region kills it) is started again after a backoff; meanwhile
-lookups go unanswered, which consumers count as misses.
+Leases are budgeted (:mod:`.budget`): a connection holds at most
+``PEER_LEASES`` at once, an address group (an IPv4 address, an IPv6 /64)
+an equal share of the pool among the groups holding leases, and a
+newcomer always gets its share; an expired lease stops counting at once.
+Lease ids are 16 random bytes, valid only from the peer that took them.
+A serving process that dies (a peer's WRITE into the read-only region
+kills it) is started again after a backoff; meanwhile lookups go
+unanswered, which consumers count as misses.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Optional
 from ...._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from .._attach import NamedReader
 from .._config import ECSettings
+from .budget import Budget, group_of
 from .child import LOCAL_MESSAGE, Inbox
 from .keys import keys_for
 from .net import devices_for
@@ -53,12 +56,6 @@ from .spawn import KEY_FIELDS, ServeError, spawn, stop
 
 logger = logging.getLogger("vllm.pinshm.ec")
 
-#: Leases out at once, all peers together; a peer's share of them (a
-#: connection's); and all connections from one address together (a peer
-#: chooses its connection id, not its address).
-MAX_LEASES = 4096
-PEER_LEASES = 64
-ADDRESS_LEASES = 512
 #: A lease whose TTL passed is remembered (its handle, not its hold) this
 #: long after, and at most this many, so that a late done is still
 #: answered by a re-check.
@@ -74,7 +71,8 @@ class _Held:
     """A lease a peer holds (`lease` None once its TTL passed)."""
 
     peer: bytes
-    addr: str
+    #: Its address's group (:func:`.budget.group_of`).
+    group: str
     lease: Optional[Lease]
     handle: ObjectHandle
     reader: StoreReader
@@ -102,10 +100,11 @@ class Server:
         self._gen = 0
         self._leases: dict[bytes, _Held] = {}
         self._remembered: OrderedDict[bytes, _Held] = OrderedDict()
-        self._held: dict[bytes, int] = {}
-        self._by_addr: dict[str, int] = {}
+        self._budget = Budget()
         self._digests: dict[tuple[int, int], bytes] = {}
         self.lookups = self.found = self.stable = self.unstable = self.busy = 0
+        #: Leases taken back from a group over its share, for a newcomer.
+        self.revoked = 0
         #: Lookup messages (each of up to MAX_KEYS keys; `lookups` counts keys).
         self.lookup_requests = 0
         self.restarts = 0
@@ -231,8 +230,7 @@ class Server:
                 _release(held.lease)
         self._leases.clear()
         self._remembered.clear()
-        self._held.clear()
-        self._by_addr.clear()
+        self._budget.clear()
 
     # ---- the loop ---------------------------------------------------
 
@@ -379,11 +377,9 @@ class Server:
         reader = self._region()
         if reader is None:
             return None
-        if (
-            self._held.get(peer, 0) >= PEER_LEASES
-            or self._by_addr.get(addr, 0) >= ADDRESS_LEASES
-            or len(self._leases) - len(self._remembered) >= MAX_LEASES
-        ):
+        group = group_of(addr)
+        admitted, victim = self._budget.admit(peer, group)
+        if not admitted:
             self.busy += 1
             return None
         try:
@@ -399,10 +395,11 @@ class Server:
             logger.debug("pinshm encoder cache: serving %s: %r", key, e)
             lease.release()
             return None
+        if victim is not None:
+            self._revoke(victim)
         lid = secrets.token_bytes(LEASE_BYTES)
-        self._leases[lid] = _Held(peer, addr, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
-        self._held[peer] = self._held.get(peer, 0) + 1
-        self._by_addr[addr] = self._by_addr.get(addr, 0) + 1
+        self._leases[lid] = _Held(peer, group, lease, handle, reader, time.monotonic() + self.settings.lease_ttl_s)
+        self._budget.add(peer, group)
         self.found += 1
         return {
             "lease": lid,
@@ -443,8 +440,17 @@ class Server:
         assert held.lease is not None
         _release(held.lease)
         held.lease = None
-        _less(self._held, held.peer)
-        _less(self._by_addr, held.addr)
+        self._budget.remove(held.peer, held.group)
+
+    def _revoke(self, group: str) -> None:
+        """Ends the oldest live lease of `group` as its TTL would (a late
+        done is still answered by a re-check): room for a newcomer."""
+        for lid, held in self._leases.items():
+            if held.group == group and held.lease is not None:
+                self._let_go(held)
+                self._remembered[lid] = held
+                self.revoked += 1
+                return
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -478,15 +484,6 @@ class Server:
             self._holder = None
         self._end_all()
         self._named.close()
-
-
-def _less(counts: dict[Any, int], who: Any) -> None:
-    """One fewer for `who` (gone at none)."""
-    left = counts.get(who, 1) - 1
-    if left > 0:
-        counts[who] = left
-    else:
-        counts.pop(who, None)
 
 
 def _release(lease: Lease) -> None:

@@ -28,6 +28,7 @@ mod message;
 mod per_fork;
 mod reader;
 mod release;
+mod sandbox;
 mod save;
 mod store;
 mod tensor;
@@ -154,6 +155,8 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release::flush_releases, m)?)?;
     m.add_function(wrap_pyfunction!(release::has_release_gate, m)?)?;
     m.add_function(wrap_pyfunction!(digest::digest, m)?)?;
+    m.add_function(wrap_pyfunction!(sandbox::sandbox, m)?)?;
+    m.add_function(wrap_pyfunction!(sandbox::drop_uid, m)?)?;
     m.add_class::<digest::Digest>()?;
     m.add_function(wrap_pyfunction!(tools::inspect_segment, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cuda_status, m)?)?;

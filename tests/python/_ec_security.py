@@ -20,10 +20,12 @@ ROWS = 64
 class Served:
     """A store with outputs, served by a real Server, and the secret."""
 
-    def __init__(self, name, secret, port, **extra):
+    def __init__(self, name, secret, port, sparse=False, **extra):
         self.port = port
         self.keys = derive(read_secret(secret))
-        self.store = pinshm.ObjectStore(32 << 20, 8 << 20, 4, name=name, cache=True, key_index=64)
+        # Reserved, as a serving engine's own store; `sparse`: as another
+        # engine's writer made without 'reserve'.
+        self.store = pinshm.ObjectStore(32 << 20, 8 << 20, 4, name=name, cache=True, key_index=64, reserve=not sparse)
         self.arrays = {}
         for i in range(4):
             a = np.random.default_rng(i).random((ROWS, 64), dtype=np.float32)

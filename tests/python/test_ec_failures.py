@@ -2,14 +2,17 @@
 out, a load fails, a node's worth of engines read one store. Whatever
 fails costs a miss or a failed request, never a request that completes
 with an output the encoder would not have given (`Engine.wrong_answers`).
-Engines are the stand-in's (_ec_vllm.py), workers in real processes."""
+Engines are the stand-in's (_ec_vllm.py), workers in real processes. A
+served store's size in the /dev/shm it has (a mount namespace's tmpfs)."""
 
 import logging
 
-
-import pinshm
+import pytest
 from _ec_fixtures import HOLDS, engines, extra, run_with_installed_vllm, stand_in, store, want  # noqa: F401 - fixtures
 from _ec_vllm import ROWS
+from _small_shm import run_in_small_dev_shm
+
+import pinshm
 
 LOGGER = "vllm.pinshm.ec"
 
@@ -179,3 +182,38 @@ print("OK")
 
 def test_against_the_installed_vllm_the_eviction_keeps_its_encoder_cache_managers_books():
     run_with_installed_vllm(EVICT_IN_REAL_VLLM, "vLLM is not installed (CI): the stand-in's manager, above, keeps vLLM's books")
+
+
+# ---- a reserved store's size and the /dev/shm it has --------------------
+
+RESERVED_DEFAULT = r"""
+import json, os
+from pinshm.vllm.ec._config import ECSettings
+from pinshm.vllm.ec._worker import WorkerSide
+extra = {"serve": "127.0.0.1:1", "insecure": True, "store": "ec-fit", **json.loads(os.environ["EXTRA"])}
+s = ECSettings.from_extra(extra)
+try:
+    side = WorkerSide(s, producer=True, consumer=False, writes=True)
+except ValueError as e:
+    print("REFUSED", e)
+else:
+    st = os.stat("/dev/shm/ec-fit")
+    print("SIZE", s.size, "BACKED", st.st_blocks * 512 >= st.st_size, "STORE", side.store is not None)
+"""
+
+
+@pytest.mark.parametrize("shm, want_mib", [("1g", 760), ("64m", 40)])
+def test_a_served_stores_default_size_fits_the_dev_shm_it_has(shm, want_mib):
+    # serve implies reserve: the default (1 GiB sparse) became 'nothing is
+    # saved' in a 1 GiB /dev/shm. Now it is what /dev/shm holds after the
+    # headroom the node's other segments need.
+    done = run_in_small_dev_shm(RESERVED_DEFAULT, size=shm, env={"EXTRA": "{}"})
+    assert done.returncode == 0, done.stderr
+    assert f"SIZE {want_mib << 20} BACKED True STORE True" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_explicit_size_that_cannot_fit_stops_the_engine_naming_the_size_that_does():
+    done = run_in_small_dev_shm(RESERVED_DEFAULT, size="1g", env={"EXTRA": '{"size": "1g"}'})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("REFUSED"), done.stdout + done.stderr
+    assert "'size' to at most 760m" in done.stdout and "nothing is saved" not in done.stdout, done.stdout

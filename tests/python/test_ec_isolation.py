@@ -144,6 +144,41 @@ def test_a_write_into_the_served_region_changes_no_byte_a_rank_reads(served):
 # ---- where it listens, and what it leaves alone ------------------------
 
 
+def _blocks(name):
+    return os.stat(f"/dev/shm/{name}").st_blocks * 512
+
+
+def test_reads_of_the_whole_advertised_region_allocate_nothing(served):
+    s = served()
+    a = Attacker(s)
+    try:
+        before, free = _blocks(s.store.name), os.statvfs("/dev/shm").f_bfree
+        for at in range(0, a.length, 1 << 16):
+            n = min(1 << 16, a.length - at)
+            assert a.xfer("READ", a.base + at, n) == "DONE", at
+        assert _blocks(s.store.name) == before, "a READ allocated pages of the store"
+        # Nothing else of /dev/shm grew by the store's size either.
+        assert free - os.statvfs("/dev/shm").f_bfree < (a.length >> 12) // 8
+    finally:
+        a.close()
+
+
+def test_a_sparse_store_another_engine_made_is_not_served(served, caplog):
+    import logging
+
+    s = served(sparse=True)
+    before = _blocks(s.store.name)
+    with caplog.at_level(logging.ERROR, logger="vllm.pinshm.ec"):
+        hello = ask(s.client(), {"op": "hello"})
+    assert hello is not None and "not reserved" in hello.get("error", ""), hello
+    assert "meta" not in hello, "no registration handed out"
+    assert any("is sparse" in m and "reserve" in m for m in caplog.messages), caplog.messages
+    assert s.server.nixl_pid is not None
+    maps = open(f"/proc/{s.server.nixl_pid}/maps").read()
+    assert "/dev/shm/" not in maps, "the NIXL process maps nothing of it"
+    assert _blocks(s.store.name) == before
+
+
 def test_the_serving_process_listens_on_the_interface_serve_names_alone(served):
     s = served()
     ask(s.client(), {"op": "hello"})  # UCX's listener is up

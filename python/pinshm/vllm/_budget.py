@@ -72,6 +72,15 @@ def cache_headroom(size: int) -> int:
     return vllm_reserve(size) + overflow_share(size)
 
 
+def reserved_store(size: int, stores: int = 1) -> int:
+    """The default capacity of a reserved store (the encoder cache's, with
+    ``serve`` or ``reserve``), of `stores` such stores of one engine: what
+    /dev/shm holds after a sparse cache's headroom (vLLM's segments, the
+    queues' overflow), shared among them, in whole MiB: 760 MiB of a 1 GiB
+    /dev/shm, 40 MiB of a container's 64 MiB."""
+    return max(0, (size - cache_headroom(size)) // max(1, stores)) // MIB * MIB
+
+
 #: The most one queue's channel backs on a roomy node: vLLM's messages
 #: are mostly small, and a node runs many queues (an engine of TP=8 has
 #: ten); larger messages go through the sparse overflow store.

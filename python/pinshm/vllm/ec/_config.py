@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .. import _budget
+
 #: The store the engines of a node share when none is named, followed by
 #: ``.u<uid>`` (the engines' effective uid: :func:`default_store`), so that
 #: two users of one host never meet under one name.
@@ -27,6 +29,9 @@ def default_store() -> str:
 #: Bytes of the store when no size is given: a sparse segment, so this is
 #: what it may grow to, not what it takes at start.
 DEFAULT_SIZE = 1 << 30
+#: The least a reserved store's default size may be (its /dev/shm is too
+#: small below this: an error at start).
+MIN_RESERVED = 4 << 20
 #: Reader entries: each engine that reads takes one for its scheduler and
 #: one per worker of its first pipeline stage (TP rank), so two TP=8
 #: engines need 18. The default is the most a segment has: seven TP=8
@@ -58,6 +63,19 @@ PEER_BACKOFF_S = 5.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def does_not_fit(key: str, size: int, store: str) -> str:
+    """What an engine whose reserved store (`key` of the config: ``size``,
+    ``remote_size``) of `size` bytes does not fit in /dev/shm is told."""
+    shm, free = _budget.shm_size(), _budget.shm_free()
+    fits = _budget.reserved_store(shm) if shm is not None else 0
+    return (
+        f"pinshm encoder cache: store {store!r} is reserved whole at start ('serve' or 'reserve') and "
+        f"{key} {_human(size)} does not fit in /dev/shm ({(free or 0) >> 20} MiB free of {(shm or 0) >> 20} MiB): "
+        f"set ec_connector_extra_config '{key}' to at most {fits >> 20}m (leaving the headroom other "
+        f"segments need), or leave it out (the default fits), or give the engine a larger /dev/shm"
+    )
 
 
 def parse_size(value: object, what: str = "size", allow_zero: bool = False) -> int:
@@ -110,6 +128,12 @@ class ECSettings:
       it, a consumer attaches to it.
     - ``size``: the store's capacity in bytes (an int, or ``"256m"``,
       ``"1g"``; default 1 GiB); sparse, so memory is what the outputs touch.
+      A reserved store's default (``serve``, ``reserve``) is what /dev/shm
+      holds after the headroom other segments need, at most 1 GiB (760 MiB
+      of a 1 GiB /dev/shm, 40 MiB of 64 MiB; half that each where
+      ``peers`` reserve the store of fetched outputs too); an explicit
+      size that does not fit stops the engine at start, naming the most
+      that does.
     - ``n_readers``: reader entries (scheduler and workers of every engine
       that reads; default 64, the most).
     - ``key_index``: keys the shared index has room for (default: one per
@@ -172,7 +196,8 @@ class ECSettings:
         store = str(extra.get("store") or default_store()).lstrip("/")
         if not store or "/" in store or len(store) > 200:
             raise ValueError(f"store must be a name for /dev/shm (no '/'), not {extra.get('store')!r}")
-        size = parse_size(extra.get("size", DEFAULT_SIZE), "size")
+        explicit_size = extra.get("size") is not None
+        size = parse_size(extra["size"], "size") if explicit_size else DEFAULT_SIZE
         n_readers = _count(extra.get("n_readers", DEFAULT_READERS), "n_readers")
         if n_readers > MAX_READERS:
             raise ValueError(f"n_readers must be at most {MAX_READERS} (a segment's reader table), not {n_readers}")
@@ -204,6 +229,21 @@ class ECSettings:
         if not isinstance(peers_value, (list, tuple)):
             raise ValueError(f"peers must be a list of 'HOST:PORT', not {peers_value!r}")
         peers = tuple(parse_address(p, "peers") for p in peers_value)
+        if reserve and not explicit_size:
+            # Reserved whole at start: the default is what /dev/shm holds
+            # after the headroom the node's other segments need (and half
+            # of it each where the store of fetched outputs is reserved too).
+            shm = _budget.shm_size()
+            if shm is not None:
+                size = min(DEFAULT_SIZE, _budget.reserved_store(shm, 2 if peers else 1))
+                if size < MIN_RESERVED:
+                    raise ValueError(
+                        f"a reserved store needs /dev/shm room: this one's {shm >> 20} MiB leaves "
+                        f"{size >> 20} MiB after the headroom other segments need; give the engine a larger "
+                        "/dev/shm (docker --shm-size), or set 'size' and PINSHM_VLLM_SHM_HEADROOM"
+                    )
+            if "key_index" not in extra:
+                key_index = min(MAX_INDEX_KEYS, max(MIN_INDEX_KEYS, size // INDEX_BYTES_PER_KEY))
         remote_store = str(extra.get("remote_store") or f"{store}_remote").lstrip("/")
         if "/" in remote_store or len(remote_store) > 200 or remote_store == store:
             raise ValueError(f"remote_store must be a name for /dev/shm other than store, not {remote_store!r}")

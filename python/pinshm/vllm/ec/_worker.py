@@ -19,12 +19,12 @@ import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
-from ..._pinshm import ObjectHandle, ObjectStore, PendingSave, PinshmError, UntrustedError
+from ..._pinshm import NoSpaceError, ObjectHandle, ObjectStore, PendingSave, PinshmError, UntrustedError
 from ...device import copy_stream, get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
-from ._config import ECSettings
+from ._config import ECSettings, does_not_fit
 from ._meta import FailedLoad, LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -132,6 +132,13 @@ class WorkerSide:
                 key_index=s.key_index,
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
+        except NoSpaceError as e:
+            if s.reserve:
+                # A reserved store that cannot fit is the config's error:
+                # the engine stops at start, told what size fits.
+                raise ValueError(does_not_fit("size", s.size, s.store)) from e
+            logger.error("pinshm encoder cache: cannot create store %r (%s): nothing is saved", s.store, e)
+            return None
         except UntrustedError as e:
             # Someone else's file at the name (a squatter's): never mapped,
             # never replaced; the message names its owner and mode.

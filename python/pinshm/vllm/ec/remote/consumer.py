@@ -42,11 +42,11 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from ...._pinshm import Lease, ObjectStore, PinshmError, UntrustedError
+from ...._pinshm import Lease, NoSpaceError, ObjectStore, PinshmError, UntrustedError
 from ..._tracker import Tracked
 from ...cache.storage import shm_headroom
 from .._attach import NamedReader
-from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings
+from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings, does_not_fit
 from .agents import drop_agent, hello
 from .fetcher import Fetcher, FetcherError
 from .keys import keys_for
@@ -120,7 +120,8 @@ class RemoteTier:
 
             # Its UCX listens only where the peers are reached from.
             devices = None if "UCX_NET_DEVICES" in os.environ else devices_towards([h for h, _ in settings.peers])
-            self.fetcher = Fetcher(self.max_bytes, f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}", devices)
+            name = f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.fetcher = Fetcher(self.max_bytes, name, devices, (settings.secret_file or "",))
             self._ctx = zmq.Context()
             self._thread = threading.Thread(target=self._run, name="pinshm-ec-fetch", daemon=True)
             self._thread.start()
@@ -150,13 +151,11 @@ class RemoteTier:
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
         except UntrustedError as e:
-            logger.warning(
-                "pinshm encoder cache: store %r of fetched outputs is not this engine's: nothing is fetched (%s)",
-                s.remote_store,
-                e,
-            )
+            logger.warning("pinshm encoder cache: store %r is not this engine's: no fetches (%s)", s.remote_store, e)
             return None
         except (PinshmError, OSError, ValueError) as e:
+            if isinstance(e, NoSpaceError) and s.reserve:  # the config's error: the engine stops at start
+                raise ValueError(does_not_fit("remote_size", s.remote_size, s.remote_store)) from e
             logger.warning(
                 "pinshm encoder cache: store %r of fetched outputs is another engine's (or cannot be made: %s): "
                 "this engine reads what that one fetched and fetches nothing itself",

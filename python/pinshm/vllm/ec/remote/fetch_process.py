@@ -4,7 +4,8 @@ by :class:`.fetcher.Fetcher`: the only place a consumer holds a NIXL agent
 (docs/security.md). UCX over TCP lets whoever reaches an agent's process
 READ and WRITE its memory, so the agent is here, beside a staging buffer
 (a memfd the scheduler maps read-only), and nothing of the engine: no
-key, no mapping of a store.
+key, no mapping of a store, and a sandbox (:mod:`.sandbox`) that leaves
+it no file, no /proc of the engine and no ptrace.
 
 Requests, one msgpack map each over the socket pair, one answer each:
 ``{"op": "add", "meta"}`` → ``{"name"}``; ``{"op": "remove", "name"}`` →
@@ -106,6 +107,7 @@ def serve(sock: socket.socket, agent: Any, base: int, size: int) -> None:
 def main(argv: list[str]) -> int:
     from .nixl import agent
     from .protocol import pack
+    from .sandbox import confine, drop_uid, probe_if_asked
 
     got = start(argv)
     if got is None:
@@ -116,12 +118,16 @@ def main(argv: list[str]) -> int:
     try:
         view = mmap.mmap(int(argv[2]), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        # Sandboxed before the agent, while this is the only thread.
+        status = confine([str(p) for p in cfg.get("deny") or []])
         a = agent(str(cfg["agent"]), progress=False)
         a.register_memory([(base, size, 0, "")], "DRAM")
+        drop_uid(status)
     except BaseException as e:  # noqa: BLE001 - said to the scheduler, which raises it
         sock.sendall(pack({"error": f"{type(e).__name__}: {e}"}))
         return 1
-    sock.sendall(pack({"ready": True}))
+    sock.sendall(pack({"ready": True, "sandbox": status}))
+    probe_if_asked()
     try:
         serve(sock, a, base, size)
     except SystemExit:

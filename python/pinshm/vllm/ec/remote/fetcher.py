@@ -34,9 +34,11 @@ class Fetcher:
     """The remote tier's handle on its fetch process: started at once, again
     after it dies; `staging` is the buffer it READs into (read-only here)."""
 
-    def __init__(self, capacity: int, name: str, devices: Optional[str] = None) -> None:
+    def __init__(self, capacity: int, name: str, devices: Optional[str] = None, deny: tuple[str, ...] = ()) -> None:
         self.capacity = max(capacity, mmap.PAGESIZE)
         self.name = name
+        #: Paths its sandbox must not open (the secret file).
+        self.deny = list(deny)
         #: ``UCX_NET_DEVICES`` of the process (where its UCX listens).
         self.devices = devices
         self._pid = os.getpid()
@@ -88,7 +90,7 @@ class Fetcher:
 
     def _start(self) -> None:
         self.starts += 1
-        cfg = {"agent": f"{self.name}-{self.starts}", "size": self.capacity}
+        cfg = {"agent": f"{self.name}-{self.starts}", "size": self.capacity, "deny": self.deny}
         self._proc, self._sock = spawn(
             "fetch_process",
             [str(self._fd)],

@@ -37,7 +37,7 @@ def devices_towards(hosts: list[str]) -> Optional[str]:
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect((str(addr), 9))  # a route lookup: nothing is sent
-                sources.append(ipaddress.ip_address(probe.getsockname()[0].split("%")[0]))
+                sources.append(ipaddress.ip_address(str(probe.getsockname()[0]).split("%")[0]))
         except OSError:
             continue
     return _devices(sources) if sources else None
@@ -45,7 +45,7 @@ def devices_towards(hosts: list[str]) -> Optional[str]:
 
 def _resolve(host: str) -> Any:
     try:
-        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0].split("%")[0])
+        return ipaddress.ip_address(str(socket.getaddrinfo(host, None)[0][4][0]).split("%")[0])
     except (OSError, ValueError, IndexError):
         return None
 

@@ -1,7 +1,8 @@
 """The producer's NIXL process (``python -m pinshm.vllm.ec.remote.nixl_process
 FD``), started by :class:`.producer.Server`: an agent and a read-only
 mapping of the store's data region, and nothing else: no key, no
-endpoint, no store. UCX over TCP checks neither the bounds nor the
+endpoint, no store, and a sandbox (:mod:`.sandbox`) that leaves it no
+file, no /proc of the engine and no ptrace. UCX over TCP checks neither the bounds nor the
 access of a READ or WRITE: a peer's WRITE into the region faults on its
 read-only pages and kills this process (the scheduler starts another;
 meanwhile lookups are misses); a READ or WRITE outside it reaches this
@@ -26,14 +27,20 @@ def hold(parent: socket.socket, cfg: dict[str, Any]) -> int:
     progress thread serves the READs."""
     from .nixl import agent
     from .protocol import pack, unpack
+    from .sandbox import confine, drop_uid, probe_if_asked
 
     parent.settimeout(None)
+    # Sandboxed before the agent, while this is the only thread (UCX's
+    # progress thread starts with the agent, inside the sandbox).
+    status = confine([str(p) for p in cfg.get("deny") or []])
     try:
         a = agent(str(cfg["agent"]), progress=True)
     except BaseException as e:  # noqa: BLE001 - said to the scheduler, which raises it
         parent.sendall(pack({"error": f"{type(e).__name__}: {e}"}))
         return 1
-    parent.sendall(pack({"ready": a.name}))
+    drop_uid(status)
+    parent.sendall(pack({"ready": a.name, "sandbox": status}))
+    probe_if_asked()
     view: Optional[mmap.mmap] = None
     descs: Any = None
     while True:

@@ -46,12 +46,11 @@ from ...._pinshm import Lease, ObjectHandle, PinshmError, StoreReader
 from .._attach import NamedReader
 from .._config import ECSettings
 from .budget import Budget, group_of
-from .child import LOCAL_MESSAGE, Inbox
+from .child import Inbox
+from .holder import Holder
 from .keys import keys_for
-from .net import devices_for
-from .nixl import DEFAULT_UCX_TLS
 from .protocol import LEASE_BYTES, MAX_KEY, MAX_KEYS, VERSION, PeerError, field, pack, unpack
-from .region import place, region_file
+from .region import place
 from .spawn import KEY_FIELDS, ServeError, spawn, stop
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -109,9 +108,7 @@ class Server:
         self.lookup_requests = 0
         self.restarts = 0
         self._proc: Optional[subprocess.Popen[bytes]] = None
-        self._holder: Optional[tuple[subprocess.Popen[bytes], socket.socket]] = None
-        self._holders = 0
-        self._registered: Optional[tuple[StoreReader, str, bytes, int, int]] = None
+        self._nixl = Holder(settings)
         self._sock: Optional[socket.socket] = None
         self._inbox = Inbox()
         self._started_at = 0.0
@@ -150,7 +147,7 @@ class Server:
     @property
     def nixl_pid(self) -> Optional[int]:
         """The NIXL process's pid (None while there is none)."""
-        return None if self._holder is None else self._holder[0].pid
+        return self._nixl.pid
 
     # ---- the serving process ----------------------------------------
 
@@ -160,8 +157,8 @@ class Server:
         missing extra) if one cannot."""
         assert self.settings.serve is not None
         host, port = self.settings.serve
-        if self._holder is None:
-            self._start_holder()
+        if not self._nixl.running:
+            self._nixl.start()
         cfg = {
             "host": host,
             "port": port,
@@ -170,37 +167,6 @@ class Server:
         }
         self._proc, self._sock = spawn("serving_process", [], cfg, f"cannot serve on {host}:{port}")
         self._started_at = time.monotonic()
-
-    def _start_holder(self) -> None:
-        """Starts the NIXL process: the agent, with UCX's settings (the
-        interface `serve` names), and no key."""
-        assert self.settings.serve is not None
-        host, port = self.settings.serve
-        env = {"UCX_TLS": os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS}
-        devices = None if "UCX_NET_DEVICES" in os.environ else devices_for(host)
-        if devices is not None:
-            env["UCX_NET_DEVICES"] = devices
-        self._holders += 1
-        cfg = {"agent": f"pinshm-serve-{os.getpid()}-{port}-{self._holders}", "env": env}
-        self._holder = spawn("nixl_process", [], cfg, "cannot start its NIXL process")
-        self._registered = None
-
-    def _holder_gone(self) -> None:
-        """The NIXL process died (a peer's WRITE into its read-only region,
-        say): its agent and registration are gone; another starts at the
-        next hello."""
-        assert self._holder is not None
-        proc, sock = self._holder
-        rc = proc.poll()
-        logger.warning(
-            "pinshm encoder cache: the NIXL process %d ended (%s): every fetch from it fails; another starts "
-            "at the next hello",
-            proc.pid,
-            f"signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}",
-        )
-        stop(proc, sock, wait_s=1)
-        self._holder, self._registered = None, None
-        self._gen += 1
 
     def _died(self) -> None:
         """The serving process is gone: every lease ends; another starts
@@ -239,9 +205,7 @@ class Server:
             self._start()
         except BaseException as e:  # noqa: BLE001 - raised by __init__, in the engine's thread
             self._start_error = e
-            if self._holder is not None:
-                stop(*self._holder)
-                self._holder = None
+            self._nixl.stop()
             return
         finally:
             self._started.set()
@@ -279,8 +243,8 @@ class Server:
             if data:
                 self._answer_child(sock, proc, data)
         self._expire()
-        if self._holder is not None and self._holder[0].poll() is not None:
-            self._holder_gone()
+        if self._nixl.ended():
+            self._gen += 1
         if proc.poll() is not None or (ready and not data):
             stop(proc, sock, wait_s=1)
             self._died()
@@ -344,31 +308,15 @@ class Server:
         reader = self._region()
         if reader is None:
             return {"error": "the store is not there yet"}
-        if self._holder is not None and self._holder[0].poll() is not None:
-            self._holder_gone()
-        if self._holder is None:
-            self._start_holder()
+        if self._nixl.ended():
+            self._gen += 1
+        if not self._nixl.running:
+            self._nixl.start()
             self.restarts += 1
-        assert self._holder is not None
-        if self._registered is None or self._registered[0] is not reader:
-            exported = region_file(reader)
-            if exported is None:
-                return {"error": "the store is being replaced"}
-            fd, offset, length = exported
-            proc, sock = self._holder
-            try:
-                socket.send_fds(sock, [pack({"op": "region", "offset": offset, "length": length})], [fd])
-                said = unpack(sock.recv(LOCAL_MESSAGE))
-            except (OSError, PeerError) as e:
-                proc.kill()
-                return {"error": f"the NIXL process did not register the region ({e!r})"}
-            finally:
-                os.close(fd)
-            if "error" in said:
-                return {"error": f"the NIXL process cannot register the region: {str(said['error'])[:300]}"}
-            self._registered = (reader, str(said["name"]), bytes(said["meta"]), int(said["base"]), length)
-        _, name, meta, base, length = self._registered
-        return {"v": VERSION, "agent": name, "meta": meta, "base": base, "length": length, "gen": self._gen}
+        said = self._nixl.register(reader)
+        if "error" in said:
+            return said
+        return {"v": VERSION, **said, "gen": self._gen}
 
     # ---- leases -----------------------------------------------------
 
@@ -479,9 +427,7 @@ class Server:
         if self._proc is not None and self._sock is not None:
             stop(self._proc, self._sock)
             self._proc = self._sock = None
-        if self._holder is not None:
-            stop(*self._holder)
-            self._holder = None
+        self._nixl.stop()
         self._end_all()
         self._named.close()
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from .child import LOCAL_MESSAGE, LOCAL_TIMEOUT_S
 from .protocol import PeerError, pack, unpack
+from .sandbox import SANDBOX_UID_ENV, TAKEOVER_ENV, report
 
 #: How long a process may take to start (NIXL's import).
 START_S = 120.0
@@ -28,8 +29,11 @@ KEY_FIELDS = ("server_public", "server_secret", "client_public")
 #: What the serving process keeps of the engine's environment.
 ENV_KEEP = frozenset(
     {"PATH", "HOME", "LANG", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONHOME", "VIRTUAL_ENV", "SSL_CERT_FILE"}
+    | {SANDBOX_UID_ENV, TAKEOVER_ENV}
 )
 ENV_PREFIXES = ("UCX_", "NIXL_", "LC_")
+#: What each kind of child said of its sandbox, the last time one started.
+SANDBOXES: dict[str, Optional[dict[str, Any]]] = {}
 
 
 def spawn(
@@ -78,6 +82,8 @@ def spawn(
         if why.startswith("ImportError: "):
             raise ImportError(why[len("ImportError: ") :])
         raise ServeError(f"pinshm encoder cache: {what}: {why}")
+    SANDBOXES[module] = said.get("sandbox")
+    report(f"the {module.replace('_', ' ')} {proc.pid}", said.get("sandbox"))
     return proc, ours
 
 

@@ -129,6 +129,13 @@ def main():
         default=None,
         help="seconds after D's engine is built that C dies (default: as D logs its first fetch from C)",
     )
+    ap.add_argument("--shm", default="512m", help="each node's /dev/shm (a tmpfs of this size)")
+    ap.add_argument(
+        "--default-sizes",
+        action="store_true",
+        help="A and B name no 'size': the reserved store's default must fit --shm (try --shm 1g)",
+    )
+    ap.add_argument("--only-ab", action="store_true", help="nodes A and B only (no C, D, E)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
@@ -136,7 +143,7 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ns = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=512m pinshm-node /dev/shm && exec "$@"', "sh"]
+    ns = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={args.shm} pinshm-node /dev/shm && exec "$@"', "sh"]
     runs = []
     stock = start(args.python, model, out, "stock", None, 2)
     runs.append(summary(stock, None))
@@ -169,6 +176,9 @@ def main():
             "secret_file": str(secret),
         },
     }
+    if args.default_sizes:
+        for ec in (ec_a, ec_b):
+            del ec["ec_connector_extra_config"]["size"]
     hold_a, hold_b = out / "hold-A", out / "hold-B"
     hold_a.write_text("")
     hold_b.write_text("")
@@ -185,6 +195,9 @@ def main():
     for e in (a, b2, b1):
         runs.append(summary(e, stock_tokens))
         runs[-1].pop("_tokens", None)
+    if args.only_ab:
+        report(args, out, runs)
+        return
     # Nodes C and D: a producer killed while its consumer's first pass
     # fetches from it (--kill-after s after D's engine is built): misses only.
     with socket.socket() as s:
@@ -219,13 +232,19 @@ def main():
     runs.append(
         dict(engine="E", rc=e["proc"].returncode, tracebacks=said.count("Traceback"), refused="secret_file" in said)
     )
+    report(args, out, runs)
+
+
+def report(args, out, runs):
     (out / "remote-summary.json").write_text(json.dumps(runs, indent=1, default=str))
     code = "import vllm, torch, pinshm; print(vllm.__version__, torch.__version__, pinshm.__version__)"
     versions = subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     md = (
         f"vLLM {versions[0]}, torch {versions[1]}, pinshm {versions[2]}; tiny LLaVA, TP=2 offline, 64-px images, "
-        "vLLM's encoder cache 4 images; each node its own mount namespace and /dev/shm; NIXL (UCX TCP, 127.0.0.1). "
-        f"`python ec_remote.py --python PY --out DIR`\n\n" + table(runs)
+        f"vLLM's encoder cache 4 images; each node its own mount namespace and /dev/shm of {args.shm}; "
+        f"{'default store sizes; ' if args.default_sizes else ''}NIXL (UCX TCP, 127.0.0.1). "
+        f"`python ec_remote.py --python PY --out DIR{' --shm ' + args.shm if args.shm != '512m' else ''}"
+        f"{' --default-sizes' if args.default_sizes else ''}{' --only-ab' if args.only_ab else ''}`\n\n" + table(runs)
     )
     (out / "remote-summary.md").write_text(md)
     print(md)

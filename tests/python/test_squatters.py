@@ -1,7 +1,8 @@
 """Another local user squats a name pinshm wants and keeps switching its
 file's size between 1 MiB and 0 (a mapping of it would raise SIGBUS at the
 next read): creating a store there (the encoder cache's writer, a plain
-store), inspecting it and collecting garbage never kill the process. A
+store), attaching it (a consumer), inspecting it and collecting garbage
+never kill the process. A
 store's creator refuses the file with a message naming its owner and mode;
 the encoder cache's writer goes on with saving off and a WARNING that says
 so (docs/security.md). The other user is real (useradd, setpriv:
@@ -62,6 +63,16 @@ except pinshm.PinshmError as e:
     print(type(e).__name__, e)
 """
 
+ATTACH = r"""
+import sys, pinshm
+for attach in (pinshm.StoreReader.attach_by_name, pinshm.StoreHandle.of):
+    try:
+        attach(sys.argv[1])
+        print("ATTACHED")
+    except pinshm.PinshmError as e:
+        print(type(e).__name__, e)
+"""
+
 GC = r"""
 import sys, pinshm
 print(len(pinshm.gc_segments(prefix=sys.argv[1], dry_run=True)))
@@ -110,6 +121,13 @@ def test_a_store_at_a_squatted_name_is_refused_naming_the_owner_never_a_crash(sq
         out = _run(CREATE, name)
         assert out.startswith("UntrustedError"), out
         assert f"uid {uid}" in out and f"{mode:04o}" in out, out
+
+
+def test_a_consumer_attaching_a_squatted_name_is_refused_never_a_crash(squatter):
+    name, uid, mode = squatter
+    for _ in range(ATTEMPTS):
+        for line in _run(ATTACH, name).splitlines():
+            assert line.startswith("UntrustedError") and f"uid {uid}" in line, line
 
 
 def test_inspect_and_gc_of_a_squatted_name_never_crash(squatter):

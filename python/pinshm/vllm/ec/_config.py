@@ -145,8 +145,8 @@ class ECSettings:
       others (None: the cache drop-in's default).
     - ``retry_s``: how often a scheduler retries attaching a store that is
       not there yet, and checks that its store is still the named one.
-    - ``reserve``: the writer reserves and pre-faults the whole store at
-      creation (a full /dev/shm fails then), and so, with a CUDA driver,
+    - ``reserve``: the writer reserves the whole store at creation (a
+      full /dev/shm fails then), and, with a CUDA driver, pre-faults it:
       its mapping and the workers' are pinned: saves and loads are DMA
       from and into the slots. Default: sparse, unpinned; with ``serve``,
       always reserved. ``remote_store`` follows it (its writer, the engine

@@ -19,7 +19,15 @@ import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
-from ..._pinshm import NoSpaceError, ObjectHandle, ObjectStore, PendingSave, PinshmError, UntrustedError
+from ..._pinshm import (
+    NoSpaceError,
+    ObjectHandle,
+    ObjectStore,
+    PendingSave,
+    PinshmError,
+    UntrustedError,
+    cuda_status,
+)
 from ...device import copy_stream, get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
@@ -127,7 +135,10 @@ class WorkerSide:
                 s.n_readers,
                 name=s.store,
                 reserve=s.reserve,
-                prefault=s.reserve,
+                # Mapped in whole only where it is pinned (a CUDA driver):
+                # vLLM's CPU workers count a mapped page as theirs, and a
+                # prefaulted 760 MiB store left no room for the KV cache.
+                prefault=s.reserve and bool(cuda_status().get("driver")),
                 cache=True,
                 key_index=s.key_index,
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,

@@ -935,9 +935,9 @@ def _digest(data: Buffer) -> bytes:
     """The BLAKE3 digest (32 bytes) of a buffer's bytes, the GIL released
     (the remote encoder cache's digest of an output)."""
 
-def _sandbox(read: list[str], execute: list[str], write: list[str]) -> dict[str, Any]:
-    """Sets no-new-privileges, Landlock (only `read`, `execute` and
-    `write` paths, no signal or abstract socket outside) and the seccomp
+def _sandbox(read: list[str], write: list[str]) -> dict[str, Any]:
+    """Sets no-new-privileges, Landlock (only `read` and `write` paths, no
+    execution, no signal or abstract socket outside) and the seccomp
     filter of the remote tier's children; what took (OSError if seccomp
     cannot be set)."""
 

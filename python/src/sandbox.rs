@@ -43,15 +43,15 @@ fn os_err(what: &str, e: impl std::fmt::Display) -> PyErr {
 }
 
 /// Sets `PR_SET_NO_NEW_PRIVS`, then Landlock with `read` (read files and
-/// list directories), `execute` (also map and run what they hold) and
-/// `write` (also write files) as the only paths, then the seccomp filter.
+/// list directories: libraries are mapped, executable, from files opened
+/// to read, which Landlock does not check as an exec) and `write` (also
+/// write files) as the only paths, then the seccomp filter.
 /// A dict of what took: `no_new_privs`, `landlock` ("full", "partial",
 /// "none"), `seccomp`, `threads` (of the process when Landlock was set).
 #[pyfunction(name = "_sandbox")]
 pub(crate) fn sandbox<'py>(
     py: Python<'py>,
     read: Vec<String>,
-    execute: Vec<String>,
     write: Vec<String>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
@@ -62,7 +62,7 @@ pub(crate) fn sandbox<'py>(
     // SAFETY: a plain prctl with integer arguments; it reads no memory.
     let nnp = unsafe { nix::libc::prctl(nix::libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } == 0;
     out.set_item("no_new_privs", nnp)?;
-    let status = landlock(&read, &execute, &write).map_err(|e| os_err("landlock", e))?;
+    let status = landlock(&read, &write).map_err(|e| os_err("landlock", e))?;
     out.set_item(
         "landlock",
         match status.ruleset {
@@ -78,12 +78,11 @@ pub(crate) fn sandbox<'py>(
 
 fn landlock(
     read: &[String],
-    execute: &[String],
     write: &[String],
 ) -> Result<RestrictionStatus, landlock::RulesetError> {
     let all = AccessFs::from_all(WANT);
+    // No Execute anywhere: nothing may be run (seccomp refuses execve too).
     let reading = AccessFs::from_read(WANT) & !AccessFs::Execute;
-    let running = AccessFs::from_read(WANT);
     // Devices (/dev/null; RDMA's /dev/infiniband) are written and ioctl'd.
     let writing = reading | AccessFs::WriteFile | AccessFs::Truncate | AccessFs::IoctlDev;
     let mut created = Ruleset::default()
@@ -91,7 +90,7 @@ fn landlock(
         .handle_access(all)?
         .scope(Scope::from_all(WANT))?
         .create()?;
-    for (paths, access) in [(read, reading), (execute, running), (write, writing)] {
+    for (paths, access) in [(read, reading), (write, writing)] {
         // Paths that do not exist are left out; a file gets the file
         // rights of `access` alone.
         created = created.add_rules(path_beneath_rules(paths, access))?;
@@ -188,14 +187,60 @@ fn seccomp() -> PyResult<()> {
         clone.push(cond);
     }
     eperm.insert(c::SYS_clone, clone);
+    // A UNIX socket of a path (vLLM's ZMQ ipc://, a Docker socket): Landlock
+    // before ABI 9 does not check connect(); its socketpair to the
+    // scheduler exists already.
+    let unix = SeccompCondition::new(
+        0,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        c::AF_UNIX as u64,
+    )
+    .and_then(|c| SeccompRule::new(vec![c]))
+    .map_err(|e| os_err("seccomp", e))?;
+    eperm.insert(c::SYS_socket, vec![unix]);
     let enosys: BTreeMap<i64, Vec<SeccompRule>> = [(c::SYS_clone3, Vec::new())].into();
-    for prog in [
+    let mut progs = vec![
         compile(eperm, SeccompAction::Errno(c::EPERM as u32))?,
         compile(enosys, SeccompAction::Errno(c::ENOSYS as u32))?,
-    ] {
+    ];
+    progs.extend(arch_filters());
+    for prog in progs {
         seccompiler::apply_filter_all_threads(&prog).map_err(|e| os_err("seccomp", e))?;
     }
     Ok(())
+}
+
+/// The filters this architecture needs besides the common ones.
+fn arch_filters() -> Vec<BpfProgram> {
+    #[cfg(target_arch = "x86_64")]
+    return vec![no_x32()];
+    #[cfg(not(target_arch = "x86_64"))]
+    return Vec::new();
+}
+
+/// x32 system calls (numbers with bit 30 set, on x86_64) answer EPERM:
+/// seccompiler's filters match x86_64's numbers only, and an x32 number of
+/// the same call would pass them where the kernel has x32 enabled.
+#[cfg(target_arch = "x86_64")]
+fn no_x32() -> BpfProgram {
+    use seccompiler::sock_filter;
+    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+    const JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+    const RET_ALLOW: u32 = 0x7fff_0000;
+    const RET_ERRNO: u32 = 0x0005_0000;
+    let op = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    vec![
+        op(LD_W_ABS, 0, 0, 4),              // seccomp_data.arch
+        op(JEQ_K, 0, 3, AUDIT_ARCH_X86_64), // else allow (not x86_64's)
+        op(LD_W_ABS, 0, 0, 0),              // seccomp_data.nr
+        op(JGE_K, 0, 1, 0x4000_0000),       // __X32_SYSCALL_BIT
+        op(RET_K, 0, 0, RET_ERRNO | nix::libc::EPERM as u32),
+        op(RET_K, 0, 0, RET_ALLOW),
+    ]
 }
 
 /// Becomes `uid`:`gid` with no supplementary groups (every thread; every

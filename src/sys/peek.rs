@@ -57,8 +57,10 @@ pub(crate) fn remove_if_abandoned(
         Err(e) => return Err(e),
     };
     // Owner and mode before a byte of it is read.
-    if let Err(Error::Untrusted { detail, .. }) = trust::check(&seg.file, name, trust) {
-        return Err(untrusted(detail));
+    match trust::check(&seg.file, name, trust) {
+        Err(Error::Untrusted { detail, .. }) => return Err(untrusted(detail)),
+        Err(e) => return Err(e),
+        Ok(_) => {}
     }
     // Empty: its creator is still sizing it (a live one, or it would not
     // be empty for long); not ours to remove.
@@ -241,7 +243,12 @@ pub(crate) fn private_copy(file: &File, len: u64, name: &str) -> Result<File> {
         if at >= len {
             break;
         }
-        let n = buf.len().min((len - at) as usize);
+        // To the end of this extent: a hole's zeros are never written into
+        // the copy (that would cost pages the file does not hold).
+        // SAFETY: as above.
+        let hole = unsafe { nix::libc::lseek(src, at as i64, nix::libc::SEEK_HOLE) };
+        let extent_end = if hole > at as i64 { hole as u64 } else { len };
+        let n = buf.len().min((extent_end.min(len) - at) as usize);
         let got = match file.read_at(&mut buf[..n], at) {
             Ok(0) => break, // truncated: the rest reads as zeros
             Ok(k) => k,

@@ -5,6 +5,7 @@ with an output the encoder would not have given (`Engine.wrong_answers`).
 Engines are the stand-in's (_ec_vllm.py), workers in real processes. A
 served store's size in the /dev/shm it has (a mount namespace's tmpfs)."""
 
+import json
 import logging
 
 import pytest
@@ -190,6 +191,9 @@ RESERVED_DEFAULT = r"""
 import json, os
 from pinshm.vllm.ec._config import ECSettings
 from pinshm.vllm.ec._worker import WorkerSide
+if os.environ.get("FILL_MIB"):  # another engine's segments, there first
+    fd = os.open("/dev/shm/others", os.O_CREAT | os.O_RDWR, 0o600)
+    os.posix_fallocate(fd, 0, int(os.environ["FILL_MIB"]) << 20)
 extra = {"serve": "127.0.0.1:1", "insecure": True, "store": "ec-fit", **json.loads(os.environ["EXTRA"])}
 s = ECSettings.from_extra(extra)
 try:
@@ -197,8 +201,8 @@ try:
 except ValueError as e:
     print("REFUSED", e)
 else:
-    st = os.stat("/dev/shm/ec-fit")
-    print("SIZE", s.size, "BACKED", st.st_blocks * 512 >= st.st_size, "STORE", side.store is not None)
+    st = os.stat("/dev/shm/ec-fit") if side.store is not None else None
+    print(json.dumps({"size": s.size, "file": st and st.st_size, "backed": bool(st) and st.st_blocks * 512 >= st.st_size}))
 """
 
 
@@ -209,7 +213,18 @@ def test_a_served_stores_default_size_fits_the_dev_shm_it_has(shm, want_mib):
     # headroom the node's other segments need.
     done = run_in_small_dev_shm(RESERVED_DEFAULT, size=shm, env={"EXTRA": "{}"})
     assert done.returncode == 0, done.stderr
-    assert f"SIZE {want_mib << 20} BACKED True STORE True" in done.stdout, done.stdout + done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["size"] == want_mib << 20 and got["backed"], got
+    assert want_mib << 20 < got["file"] < (want_mib + 4) << 20, got
+
+
+def test_a_default_size_takes_what_others_left_free():
+    # 600 MiB of the 1 GiB taken by others first: the default store is
+    # made smaller (what is free after the headroom), never an error.
+    done = run_in_small_dev_shm(RESERVED_DEFAULT, size="1g", env={"EXTRA": "{}", "FILL_MIB": "600"})
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["backed"] and got["file"] < (1024 - 600 - 264 + 4) << 20, got
 
 
 def test_an_explicit_size_that_cannot_fit_stops_the_engine_naming_the_size_that_does():

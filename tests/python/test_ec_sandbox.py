@@ -3,8 +3,8 @@
 attacker who reached its UCX port and took it over would try
 (PINSHM_TEST_TAKEOVER: pinshm.vllm.ec.remote.sandbox.probe). It must not
 open the secret file, read the engine's /proc/PID/environ or mem, ptrace or
-process_vm_readv the engine, signal it, exec anything, or open a store or
-make one. The same probe run outside a sandbox reaches them (the test can
+process_vm_readv the engine, signal it, exec anything, make a UNIX socket
+(vLLM's ipc:// ones), or open a store or make one. The same probe run outside a sandbox reaches them (the test can
 fail). Where the kernel lacks Landlock or seccomp the test is skipped,
 saying which, unless PINSHM_REQUIRE_SANDBOX=1 (.ci/run on this kernel)."""
 
@@ -24,7 +24,15 @@ import pinshm
 from pinshm.vllm.ec.remote import spawn
 from pinshm.vllm.ec.remote.fetcher import Fetcher
 
-REACHABLE = {"secret_file", "engine_environ", "engine_mem", "store_for_writing", "new_segment", "signal_engine"}
+REACHABLE = {
+    "secret_file",
+    "engine_environ",
+    "engine_mem",
+    "store_for_writing",
+    "new_segment",
+    "signal_engine",
+    "unix_socket",
+}
 
 
 def _takeover(capfd, deadline_s=30):
@@ -107,7 +115,7 @@ def test_a_takeover_of_the_producers_nixl_process_reaches_nothing(targets, capfd
 def test_a_takeover_of_the_consumers_fetch_process_reaches_nothing(targets, capfd):
     nixl_or_skip()
     secret, _, _ = targets
-    f = Fetcher(1 << 20, f"sandbox-{os.getpid()}", None, (str(secret),))
+    f = Fetcher(1 << 20, f"sandbox-{os.getpid()}", ("127.0.0.1",), (str(secret),))
     try:
         status = spawn.SANDBOXES["fetch_process"]
         _require(status)

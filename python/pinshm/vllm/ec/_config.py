@@ -65,17 +65,29 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def does_not_fit(key: str, size: int, store: str) -> str:
+def does_not_fit(key: str, size: int, store: str, stores: int = 1) -> str:
     """What an engine whose reserved store (`key` of the config: ``size``,
-    ``remote_size``) of `size` bytes does not fit in /dev/shm is told."""
+    ``remote_size``) of `size` bytes does not fit in /dev/shm is told
+    (`stores`: the reserved stores of the engine, sharing /dev/shm)."""
     shm, free = _budget.shm_size(), _budget.shm_free()
-    fits = _budget.reserved_store(shm) if shm is not None else 0
+    fits = _budget.reserved_store(shm, stores) if shm is not None else 0
     return (
         f"pinshm encoder cache: store {store!r} is reserved whole at start ('serve' or 'reserve') and "
         f"{key} {_human(size)} does not fit in /dev/shm ({(free or 0) >> 20} MiB free of {(shm or 0) >> 20} MiB): "
         f"set ec_connector_extra_config '{key}' to at most {fits >> 20}m (leaving the headroom other "
-        f"segments need), or leave it out (the default fits), or give the engine a larger /dev/shm"
+        f"segments need), or leave it out (the default takes what is free), or give the engine a larger /dev/shm"
     )
+
+
+def default_reserved(size: int) -> int:
+    """A default-sized reserved store's capacity now: `size`, or less where
+    /dev/shm has less free (after the headroom the node's other segments
+    need): other engines' segments may have taken some since the default
+    was worked out from /dev/shm's size."""
+    shm, free = _budget.shm_size(), _budget.shm_free()
+    if shm is None or free is None:
+        return size
+    return min(size, max(0, free - _budget.cache_headroom(shm)) // (1 << 20) * (1 << 20))
 
 
 def parse_size(value: object, what: str = "size", allow_zero: bool = False) -> int:
@@ -177,6 +189,9 @@ class ECSettings:
     shm_headroom: Optional[int] = None
     retry_s: float = 1.0
     reserve: bool = False
+    #: Whether ``size`` (``remote_size``) was given, not a default.
+    size_given: bool = False
+    remote_size_given: bool = False
     serve: Optional[tuple[str, int]] = None
     peers: tuple[tuple[str, int], ...] = ()
     remote_store: str = ""
@@ -277,6 +292,8 @@ class ECSettings:
             shm_headroom=shm_headroom,
             retry_s=float(retry),
             reserve=reserve,
+            size_given=explicit_size,
+            remote_size_given=extra.get("remote_size") is not None or explicit_size,
         )
 
     def key(self, mm_hash: str) -> str:

@@ -32,7 +32,7 @@ from ...device import copy_stream, get_tensor, put_tensor
 from .._tracker import Tracked
 from ..cache.storage import shm_headroom
 from ._attach import NamedReader
-from ._config import ECSettings, does_not_fit
+from ._config import MIN_RESERVED, ECSettings, default_reserved, does_not_fit
 from ._meta import FailedLoad, LoadReport, LoadSpec, RankState
 
 logger = logging.getLogger("vllm.pinshm.ec")
@@ -125,7 +125,15 @@ class WorkerSide:
 
     def _create(self) -> Optional[ObjectStore]:
         s = self.settings
-        capacity = s.size - s.size % ObjectStore.SLOT_ALIGN
+        size = s.size
+        if s.reserve and not s.size_given:
+            size = default_reserved(s.size)
+            if size < MIN_RESERVED:
+                # A default that no longer fits (others took /dev/shm since
+                # the default was worked out): the engine goes on, saving nothing.
+                logger.error("pinshm encoder cache: %s: nothing is saved", does_not_fit("size", s.size, s.store))
+                return None
+        capacity = size - size % ObjectStore.SLOT_ALIGN
         largest = ObjectStore.largest_object(capacity, s.n_readers)
         limit = largest if s.max_object_size is None else min(s.max_object_size, largest)
         try:
@@ -144,10 +152,10 @@ class WorkerSide:
                 shm_headroom=0 if s.reserve else shm_headroom() if s.shm_headroom is None else s.shm_headroom,
             )
         except NoSpaceError as e:
-            if s.reserve:
+            if s.reserve and s.size_given:
                 # A reserved store that cannot fit is the config's error:
                 # the engine stops at start, told what size fits.
-                raise ValueError(does_not_fit("size", s.size, s.store)) from e
+                raise ValueError(does_not_fit("size", s.size, s.store, 2 if s.peers else 1)) from e
             logger.error("pinshm encoder cache: cannot create store %r (%s): nothing is saved", s.store, e)
             return None
         except UntrustedError as e:

@@ -50,7 +50,6 @@ from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSet
 from .agents import drop_agent, hello
 from .fetcher import Fetcher, FetcherError
 from .keys import keys_for
-from .net import devices_towards
 from .nixl import nixl
 from .peers import Peer
 from .protocol import MAX_KEYS, PeerError, Place, check_place
@@ -118,10 +117,9 @@ class RemoteTier:
             nixl()
             import zmq
 
-            # Its UCX listens only where the peers are reached from.
-            devices = None if "UCX_NET_DEVICES" in os.environ else devices_towards([h for h, _ in settings.peers])
             name = f"pinshm-fetch-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self.fetcher = Fetcher(self.max_bytes, name, devices, (settings.secret_file or "",))
+            hosts = tuple(h for h, _ in settings.peers)
+            self.fetcher = Fetcher(self.max_bytes, name, hosts, (settings.secret_file or "",))
             self._ctx = zmq.Context()
             self._thread = threading.Thread(target=self._run, name="pinshm-ec-fetch", daemon=True)
             self._thread.start()
@@ -154,8 +152,8 @@ class RemoteTier:
             logger.warning("pinshm encoder cache: store %r is not this engine's: no fetches (%s)", s.remote_store, e)
             return None
         except (PinshmError, OSError, ValueError) as e:
-            if isinstance(e, NoSpaceError) and s.reserve:  # the config's error: the engine stops at start
-                raise ValueError(does_not_fit("remote_size", s.remote_size, s.remote_store)) from e
+            if isinstance(e, NoSpaceError) and s.reserve and s.remote_size_given:  # the engine stops at start
+                raise ValueError(does_not_fit("remote_size", s.remote_size, s.remote_store, 2)) from e
             logger.warning(
                 "pinshm encoder cache: store %r of fetched outputs is another engine's (or cannot be made: %s): "
                 "this engine reads what that one fetched and fetches nothing itself",

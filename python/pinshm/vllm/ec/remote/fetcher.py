@@ -15,6 +15,7 @@ import threading
 from typing import Any, NoReturn, Optional
 
 from .child import Inbox
+from .net import devices_towards
 from .nixl import DEFAULT_UCX_TLS
 from .protocol import PeerError, pack, unpack
 from .spawn import spawn
@@ -34,13 +35,16 @@ class Fetcher:
     """The remote tier's handle on its fetch process: started at once, again
     after it dies; `staging` is the buffer it READs into (read-only here)."""
 
-    def __init__(self, capacity: int, name: str, devices: Optional[str] = None, deny: tuple[str, ...] = ()) -> None:
+    def __init__(self, capacity: int, name: str, peers: tuple[str, ...] = (), deny: tuple[str, ...] = ()) -> None:
         self.capacity = max(capacity, mmap.PAGESIZE)
         self.name = name
         #: Paths its sandbox must not open (the secret file).
         self.deny = list(deny)
-        #: ``UCX_NET_DEVICES`` of the process (where its UCX listens).
-        self.devices = devices
+        #: The peers' hosts: its UCX listens only where they are reached
+        #: from (worked out again at each start: a name may resolve later).
+        self.peers = peers
+        #: ``UCX_NET_DEVICES`` of the process now.
+        self.devices: Optional[str] = None
         self._pid = os.getpid()
         self._proc: Any = None
         self._sock: Optional[socket.socket] = None
@@ -91,6 +95,15 @@ class Fetcher:
     def _start(self) -> None:
         self.starts += 1
         cfg = {"agent": f"{self.name}-{self.starts}", "size": self.capacity, "deny": self.deny}
+        # The environment's own UCX_NET_DEVICES wins, as on the producer.
+        if self.peers and "UCX_NET_DEVICES" not in os.environ:
+            self.devices = devices_towards(list(self.peers))
+            if self.devices is None:
+                logger.warning(
+                    "pinshm encoder cache: no peer of %s resolves to a route: the fetch process's UCX listens on "
+                    "every interface until it starts again",
+                    ", ".join(self.peers),
+                )
         self._proc, self._sock = spawn(
             "fetch_process",
             [str(self._fd)],

@@ -30,10 +30,12 @@ def hold(parent: socket.socket, cfg: dict[str, Any]) -> int:
     from .sandbox import confine, drop_uid, probe_if_asked
 
     parent.settimeout(None)
-    # Sandboxed before the agent, while this is the only thread (UCX's
-    # progress thread starts with the agent, inside the sandbox).
-    status = confine([str(p) for p in cfg.get("deny") or []])
     try:
+        import numpy  # noqa: F401 - imported now: its files may not be the sandbox uid's to read
+
+        # Sandboxed before the agent, while this is the only thread (UCX's
+        # progress thread starts with the agent, inside the sandbox).
+        status = confine([str(p) for p in cfg.get("deny") or []])
         a = agent(str(cfg["agent"]), progress=True)
     except BaseException as e:  # noqa: BLE001 - said to the scheduler, which raises it
         parent.sendall(pack({"error": f"{type(e).__name__}: {e}"}))

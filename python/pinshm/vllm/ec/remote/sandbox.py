@@ -5,12 +5,14 @@ so whoever takes one over must find nothing worth taking. A leaf.
 Before its agent is made (the process has one thread: Landlock binds the
 threads started after it, and UCX's come later), a child calls
 :func:`confine`: no new privileges; a filesystem of libraries (read and
-map), ``/sys``, its own ``/proc/PID`` and a few files of ``/etc`` (read),
+map), ``/sys``, a few files of its own ``/proc/PID`` and of ``/etc``
+(read),
 ``/dev/null`` (write), and nothing else: not the deployment's secret, not
 ``/dev/shm`` (no store opened, none made), not ``/proc`` of the engine;
 no signal to a process outside; and a seccomp filter refusing ``ptrace``,
-``process_vm_readv``/``writev``, ``pidfd_getfd``, ``execve``, namespaces,
-mounts, ``bpf``, ``io_uring`` and the like (python/src/sandbox.rs). Once
+``process_vm_readv``/``writev``, ``pidfd_getfd``, ``execve``, UNIX
+sockets, namespaces, mounts, ``bpf``, ``io_uring`` and the like
+(python/src/sandbox.rs). Once
 its agent is up, a child running as root becomes a uid of its own
 (:func:`drop_uid`). What held is sent to the scheduler with the child's
 ready, which says so in a WARNING where something did not (a kernel
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any, Callable, Optional
 
@@ -71,42 +74,57 @@ LIBRARIES = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib")
 WRITE = ("/dev/null", "/dev/infiniband")
 
 
-def paths(deny: list[str]) -> tuple[list[str], list[str], list[str], list[str]]:
-    """(read, execute, write) paths of the sandbox, and those left out for
-    holding a path of `deny` (the secret file)."""
-    execute = set(LIBRARIES)
+#: Of its own /proc/PID: what UCX and Python read of themselves.
+#: `net/` is the routes and interfaces UCX's TCP transport reads (procfs
+#: makes its files anew at each lookup, so Landlock can only name the
+#: directory: it lists the node's UNIX socket paths too, which no socket
+#: of this process can reach, seccomp refusing AF_UNIX).
+OWN_PROC = ("maps", "smaps", "status", "stat", "statm", "task", "fd", "fdinfo", "cmdline", "limits", "mountinfo", "net")
+
+
+def paths(deny: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(read, write) paths of the sandbox, and those left out for holding a
+    path of `deny` (the secret file). Read: the directories of the files
+    this process has mapped (its libraries), the system library
+    directories, and of ``sys.path`` only the entries it has imported from
+    (a ``PYTHONPATH`` of ``$HOME`` is not the home directory's to read)."""
+    libraries = set(LIBRARIES)
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith(("/dev/", "/memfd:")):
-                execute.add(os.path.dirname(parts[5].rstrip("\n").removesuffix(" (deleted)")))
-    execute.update(p for p in sys.path if p and os.path.isdir(p))
-    execute.update((sys.prefix, sys.base_prefix, sys.exec_prefix))
-    read = set(READ) | {f"/proc/{os.getpid()}"}
+                libraries.add(os.path.dirname(parts[5].rstrip("\n").removesuffix(" (deleted)")))
+    loaded = {os.path.realpath(str(getattr(m, "__file__", None) or "")) for m in list(sys.modules.values())}
+    for entry in sys.path:
+        real = os.path.realpath(entry) if entry else ""
+        if real and os.path.isdir(real) and any(f.startswith(real + "/") for f in loaded):
+            libraries.add(real)
+    libraries.add(os.path.dirname(os.__file__))  # the standard library, for a later import
+    read = set(READ) | libraries | {f"/proc/{os.getpid()}/{name}" for name in OWN_PROC}
     denied = [os.path.realpath(p) for p in deny if p]
-    dropped = []
+    dropped: list[str] = []
     out = []
-    for group in (read, execute, set(WRITE)):
+    for group in (read, set(WRITE)):
         kept = []
         for p in sorted(group):
             real = os.path.realpath(p)
             if real == "/":
-                continue  # a working directory of "/" on sys.path: never the whole tree
+                continue  # never the whole tree
             if any(d == real or d.startswith(real + "/") for d in denied):
                 dropped.append(p)
             else:
                 kept.append(real)
         out.append(kept)
-    return out[0], out[1], out[2], dropped
+    return out[0], out[1], dropped
 
 
 def confine(deny: list[str]) -> dict[str, Any]:
     """Puts this process in its sandbox (the module doc); what held."""
     from ...._pinshm import _sandbox
 
-    read, execute, write, dropped = paths(deny)
+    read, write, dropped = paths(deny)
     try:
-        status: dict[str, Any] = dict(_sandbox(read, execute, write))
+        status: dict[str, Any] = dict(_sandbox(read, write))
     except OSError as e:
         status = {"error": str(e)}
     status["dropped"] = dropped
@@ -125,6 +143,8 @@ def drop_uid(status: dict[str, Any]) -> None:
     want = os.environ.get(SANDBOX_UID_ENV) or str(UID_BASE + (parent & 0xFFFF))
     uid, _, gid = want.partition(":")
     try:
+        if int(uid) == 0 or int(gid or uid) == 0:
+            raise ValueError(f"{SANDBOX_UID_ENV}={want} names root")
         status["uid"] = _drop_uid(int(uid), int(gid or uid))
     except (OSError, ValueError) as e:  # a user namespace that maps no such uid
         status["uid"] = os.geteuid()
@@ -133,8 +153,8 @@ def drop_uid(status: dict[str, Any]) -> None:
     # A change of uid clears the parent-death signal (and dumpable): set
     # again, or this process would outlive an engine that vLLM SIGKILLs.
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        os._exit(1)  # cannot die with the engine: not started at all
     if os.getppid() != parent:
         os._exit(0)  # the engine died meanwhile
 
@@ -148,8 +168,10 @@ def report(what: str, status: Optional[dict[str, Any]]) -> None:
     if "error" in status:
         weak.append(status["error"])
     else:
-        if status.get("landlock") != "full":
-            weak.append(f"Landlock {status.get('landlock')} (this kernel's): its files and /proc are not closed")
+        if status.get("landlock") == "none":
+            weak.append("no Landlock on this kernel: its files and the engine's /proc are open to it")
+        elif status.get("landlock") != "full":
+            weak.append("Landlock partial (this kernel's ABI < 6): signals and abstract sockets outside are open")
         if int(status.get("threads", 1)) > 1:
             weak.append(f"{status['threads']} threads when Landlock was set: the others are not confined")
         if not status.get("no_new_privs"):
@@ -210,6 +232,7 @@ def probe(targets: dict[str, Any]) -> dict[str, str]:
         "store_for_writing": lambda: os.close(os.open(targets["store"], os.O_RDWR)),
         "new_segment": lambda: create(f"/dev/shm/pinshm-takeover-{os.getpid()}"),
         "signal_engine": lambda: os.kill(engine, 0),
+        "unix_socket": lambda: socket.socket(socket.AF_UNIX).close(),
         "exec": lambda: os.posix_spawn("/bin/true", ["/bin/true"], {}),
         # PTRACE_SEIZE: never stops the engine, even where it is allowed.
         "ptrace_engine": lambda: syscall("ptrace", 0x4206, engine, 0, 0),

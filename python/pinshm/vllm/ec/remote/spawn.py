@@ -62,7 +62,9 @@ def spawn(
             pass_fds=[theirs.fileno(), *pass_fds],
             stdin=subprocess.DEVNULL,
             cwd="/",
-            env=dict(keep, **(env or {}), PYTHONPATH=path),
+            # One thread until the sandbox is on (numpy's BLAS would start
+            # a pool at import; these processes never multiply matrices).
+            env=dict(keep, **(env or {}), PYTHONPATH=path, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),
         )
     except BaseException:
         ours.close()

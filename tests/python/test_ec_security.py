@@ -237,70 +237,63 @@ def test_an_expired_lease_stops_counting_at_once(served):
     assert lookup(sock, "k0") is not None, "the expired leases no longer count"
 
 
-def test_many_connections_from_one_address_share_one_budget(served):
+def _flood(s, sources, per_source, lookups):
+    """Leases found by `per_source` DEALER connections from each source
+    address, each sending `lookups` lookups at once."""
     import zmq
 
-    s = served()
-    s.client()
     greedy = []
-    for _ in range(20):  # 20 x 64 leases would be 1280
-        g = s.ctx.socket(zmq.DEALER)
-        g.setsockopt(zmq.LINGER, 0)
-        secure_client(g, s.keys)
-        g.connect(f"tcp://127.0.0.1:{s.port}")
-        s.socks.append(g)
-        greedy.append(g)
-    for g in greedy:
-        for _ in range(100):
-            g.send_multipart([b"", protocol.pack({"op": "lookup", "keys": ["k0"]})])
-    found = 0
-    for g in greedy:
-        for _ in range(100):
-            assert g.poll(30_000)
-            found += found_one(protocol.unpack(g.recv_multipart()[-1]))
-    assert found == budget.GROUP_LEASES, f"{found} leases to one address"
-    # A peer at another address is answered.
-    other = s.ctx.socket(zmq.REQ)
-    other.setsockopt(zmq.LINGER, 0)
-    secure_client(other, s.keys)
-    other.connect(f"tcp://127.0.0.2:0;127.0.0.1:{s.port}")
-    s.socks.append(other)
-    assert lookup(other, "k1") is not None
-
-
-def test_sixteen_addresses_of_one_peer_leave_a_newcomer_answered(served):
-    import zmq
-
-    # 16 addresses (127.0.0.2-17), 4 connections each: the whole pool of
-    # leases if each address took its share of 16; a 17th address still
-    # gets leases (taken back from the groups over their share of 17).
-    s = served(lease_ttl_s=600)
-    s.client()
-    greedy = []
-    for i in range(16):
-        for _ in range(4):
+    for source in sources:
+        for _ in range(per_source):
             g = s.ctx.socket(zmq.DEALER)
             g.setsockopt(zmq.LINGER, 0)
             g.setsockopt(zmq.SNDHWM, 0)
             g.setsockopt(zmq.RCVHWM, 0)
             secure_client(g, s.keys)
-            g.connect(f"tcp://127.0.0.{2 + i}:0;127.0.0.1:{s.port}")
+            g.connect(f"tcp://{source}:0;127.0.0.1:{s.port}")
             s.socks.append(g)
             greedy.append(g)
     for g in greedy:
-        for _ in range(budget.PEER_LEASES + 8):
+        for _ in range(lookups):
             g.send_multipart([b"", protocol.pack({"op": "lookup", "keys": ["k0"]})])
     found = 0
     for g in greedy:
-        for _ in range(budget.PEER_LEASES + 8):
-            assert g.poll(30_000)
+        for _ in range(lookups):
+            assert g.poll(30_000), "the server stopped answering"
             found += found_one(protocol.unpack(g.recv_multipart()[-1]))
-    assert found == budget.MAX_LEASES, f"{found}: the pool, shared by 16 addresses"
+    return found
+
+
+def _newcomer(s, source):
+    """A REQ connection from `source`."""
+    import zmq
+
     other = s.ctx.socket(zmq.REQ)
     other.setsockopt(zmq.LINGER, 0)
     secure_client(other, s.keys)
-    other.connect(f"tcp://127.0.0.99:0;127.0.0.1:{s.port}")
+    other.connect(f"tcp://{source}:0;127.0.0.1:{s.port}")
     s.socks.append(other)
+    return other
+
+
+def test_many_connections_from_one_address_share_one_budget(served):
+    s = served()
+    s.client()
+    found = _flood(s, ["127.0.0.1"], 20, 100)  # 20 x 64 leases would be 1280
+    assert found == budget.GROUP_LEASES, f"{found} leases to one address"
+    # A peer at another address is answered.
+    assert lookup(_newcomer(s, "127.0.0.2"), "k1") is not None
+
+
+def test_sixteen_addresses_of_one_peer_leave_a_newcomer_answered(served):
+    # 16 addresses (127.0.0.2-17), 4 connections each: the whole pool of
+    # leases if each address took its share of 16; a 17th address still
+    # gets leases (taken back from the groups over their share of 17).
+    s = served(lease_ttl_s=600)
+    s.client()
+    found = _flood(s, [f"127.0.0.{2 + i}" for i in range(16)], 4, budget.PEER_LEASES + 8)
+    assert found == budget.MAX_LEASES, f"{found}: the pool, shared by 16 addresses"
+    other = _newcomer(s, "127.0.0.99")
     got = [lookup(other, "k1") for _ in range(8)]
     assert all(x is not None for x in got), "a newcomer is answered while 16 addresses hold the pool"
     assert s.server.revoked == 8

@@ -237,7 +237,7 @@ def test_an_expired_lease_stops_counting_at_once(served):
     assert lookup(sock, "k0") is not None, "the expired leases no longer count"
 
 
-def _flood(s, sources, per_source, lookups):
+def _greedy(s, sources, per_source, lookups):
     """Leases found by `per_source` DEALER connections from each source
     address, each sending `lookups` lookups at once."""
     import zmq
@@ -279,7 +279,7 @@ def _newcomer(s, source):
 def test_many_connections_from_one_address_share_one_budget(served):
     s = served()
     s.client()
-    found = _flood(s, ["127.0.0.1"], 20, 100)  # 20 x 64 leases would be 1280
+    found = _greedy(s, ["127.0.0.1"], 20, 100)  # 20 x 64 leases would be 1280
     assert found == budget.GROUP_LEASES, f"{found} leases to one address"
     # A peer at another address is answered.
     assert lookup(_newcomer(s, "127.0.0.2"), "k1") is not None
@@ -291,7 +291,7 @@ def test_sixteen_addresses_of_one_peer_leave_a_newcomer_answered(served):
     # gets leases (taken back from the groups over their share of 17).
     s = served(lease_ttl_s=600)
     s.client()
-    found = _flood(s, [f"127.0.0.{2 + i}" for i in range(16)], 4, budget.PEER_LEASES + 8)
+    found = _greedy(s, [f"127.0.0.{2 + i}" for i in range(16)], 4, budget.PEER_LEASES + 8)
     assert found == budget.MAX_LEASES, f"{found}: the pool, shared by 16 addresses"
     other = _newcomer(s, "127.0.0.99")
     got = [lookup(other, "k1") for _ in range(8)]

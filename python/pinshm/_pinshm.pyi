@@ -55,6 +55,8 @@ __all__ = [
     "_gc_segments",
     "_digest",
     "_Digest",
+    "_sandbox",
+    "_drop_uid",
 ]
 
 __version__: str

@@ -36,6 +36,20 @@ wheel=$(tools/build_wheel.sh python)
 python -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 
 echo "== pytest tests/python (against the installed wheel)"
+# Run as root, the tests of whose segments a process trusts need a second
+# real user (tests/python/_users.py): made here if missing, removed after
+# unless it was there before (or PINSHM_KEEP_TEST_USER=1).
+made_user=""
+if [ "$(id -u)" -eq 0 ] && ! id pinshm-other >/dev/null 2>&1; then
+  echo "test.sh: running as root: creating the system user 'pinshm-other' for the tests of a second user; removed at the end"
+  made_user=1
+fi
+cleanup_user() {
+  if [ -n "$made_user" ] && [ "${PINSHM_KEEP_TEST_USER:-0}" != 1 ] && id pinshm-other >/dev/null 2>&1; then
+    userdel pinshm-other 2>/dev/null || /usr/sbin/userdel pinshm-other || true
+  fi
+}
+trap cleanup_user EXIT
 # PINSHM_TEST_INSTALLED=1: a test checks that pinshm comes from
 # site-packages, not from python/.
 (cd target && unset PYTHONPATH && PINSHM_TEST_INSTALLED=1 python -m pytest ../tests/python -q "$@")

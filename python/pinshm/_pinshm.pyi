@@ -29,6 +29,7 @@ __all__ = [
     "NotFoundError",
     "WrongKindError",
     "InvalidArgumentError",
+    "InUseError",
     "UntrustedError",
     "WriterGoneError",
     "CancelledError",
@@ -108,6 +109,12 @@ class InvalidArgumentError(PinshmError, ValueError):
     `max_object_size` or a message larger than `slot_size`, a bad
     configuration or segment name, a reader index out of range, a
     malformed tensor. Fix the argument; nothing was changed."""
+
+class InUseError(PinshmError, FileExistsError):
+    """A segment's name is taken: by a live writer's segment (its writer
+    holds the lock), by one being created, or by a file that is not a
+    pinshm segment of this user's to replace. Nothing was changed: pick
+    another name, or remove the file if no process uses it."""
 
 class UntrustedError(PinshmError):
     """A segment opened by name that this process must not trust: another

@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         "readers and their state, objects and holds, occupancy, and what blocks reclamation. With ADDRESS:ID "
         "arguments (from a Stale error), say what happened to each object.",
     )
-    i.add_argument("name", help="the segment's name, as in /dev/shm/NAME")
+    # Optional to argparse, which would otherwise say ADDRESS:ID is
+    # required too: main() says what is missing.
+    i.add_argument("name", nargs="?", help="the segment's name, as in /dev/shm/NAME")
     i.add_argument("handles", nargs="*", type=_handle, metavar="ADDRESS:ID", help="explain a Stale error's handle")
     i.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     g = sub.add_parser(
@@ -129,7 +131,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and not args.name:
+        print(
+            f"{parser.prog} inspect: a segment's NAME is required (as in /dev/shm/NAME); ADDRESS:ID is optional",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "inspect":
         from . import PinshmError
         from .segments import inspect_segment

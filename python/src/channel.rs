@@ -88,12 +88,21 @@ impl Broadcast {
     #[pyo3(signature = (n_readers, slots, slot_size, name=None, *, reserve=false))]
     fn new(
         py: Python<'_>,
-        n_readers: u32,
-        slots: u32,
+        n_readers: u64,
+        slots: u64,
         slot_size: usize,
         name: Option<String>,
         reserve: bool,
     ) -> PyResult<Self> {
+        // Named here, not a bare OverflowError from the conversion.
+        let narrow = |v: u64, what: &str| {
+            u32::try_from(v).map_err(|_| {
+                to_py(pinshm::Error::InvalidConfig(format!(
+                    "{what} is {v}: far more than a channel has (it is a 32-bit count)"
+                )))
+            })
+        };
+        let (n_readers, slots) = (narrow(n_readers, "n_readers")?, narrow(slots, "slots")?);
         let mut cfg =
             pinshm::channel::BroadcastConfig::new(n_readers, slots, slot_size).reserve(reserve);
         if let Some(name) = name {

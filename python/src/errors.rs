@@ -13,8 +13,8 @@
 
 use pyo3::create_exception;
 use pyo3::exceptions::{
-    PyException, PyFileNotFoundError, PyKeyError, PyMemoryError, PyTimeoutError, PyTypeError,
-    PyValueError,
+    PyException, PyFileExistsError, PyFileNotFoundError, PyKeyError, PyMemoryError, PyTimeoutError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -111,6 +111,12 @@ exception!(
     "The object is not of the kind asked for (not a tensor, not an item, another dtype)."
 );
 exception!(
+    InUseError,
+    PyFileExistsError,
+    "The segment's name is taken: by a live writer's segment, one being created, or a file that is not \
+     a pinshm segment of this user's to replace (a builtin FileExistsError)."
+);
+exception!(
     InvalidArgumentError,
     PyValueError,
     "An argument pinshm refuses: a key already stored, an object larger than the data region, \
@@ -152,6 +158,7 @@ pub(crate) fn to_py(e: pinshm::Error) -> PyErr {
         E::Untrusted { .. } => UntrustedError::new_err(msg),
         E::KeyNotFound { .. } => PyErr::new::<KeyNotFoundError, _>(msg),
         E::NotFound { .. } => PyErr::new::<NotFoundError, _>(msg),
+        E::InUse { .. } | E::AlreadyExists { .. } => PyErr::new::<InUseError, _>(msg),
         E::WrongKind { .. } | E::DTypeMismatch { .. } => PyErr::new::<WrongKindError, _>(msg),
         E::DuplicateKey { .. }
         | E::TooLarge { .. }
@@ -174,6 +181,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KeyNotFoundError", py.get_type::<KeyNotFoundError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
     m.add("WrongKindError", py.get_type::<WrongKindError>())?;
+    m.add("InUseError", py.get_type::<InUseError>())?;
     m.add(
         "InvalidArgumentError",
         py.get_type::<InvalidArgumentError>(),

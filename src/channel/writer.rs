@@ -242,8 +242,15 @@ mod shell {
             let fork_gen = fork::register();
             let name = cfg.name.clone().unwrap_or_else(segment::unique_name);
             let (n, slots, size) = (cfg.n_readers, cfg.slots, cfg.slot_size as u32);
-            let total = layout::total_len(n, slots, size)
-                .ok_or_else(|| Error::InvalidConfig("channel size overflows".into()))?;
+            let total = layout::total_len(n, slots, size).ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "slots ({slots}) x slot_size ({size}) overflows a channel's size"
+                ))
+            })?;
+            crate::sys::check_segment_size(
+                total as u64,
+                &format!("slots ({slots}) x slot_size ({size})"),
+            )?;
             // A dead writer's channel is replaced, unless its writer runs.
             let reserve = cfg.reserve;
             let seg = Segment::create_replacing(

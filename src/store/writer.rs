@@ -83,7 +83,8 @@ impl ObjectStore {
         let total = header_len
             .checked_add(cfg.capacity)
             .and_then(|t| t.checked_add(layout::index_len(index_entries) as usize))
-            .ok_or_else(|| Error::InvalidConfig("capacity overflows".into()))?;
+            .ok_or_else(|| Error::InvalidConfig(format!("capacity {} overflows", cfg.capacity)))?;
+        crate::sys::check_segment_size(total as u64, &format!("capacity {}", cfg.capacity))?;
         // No overflow: below `total`.
         let index_at = layout::index_offset(cfg.n_readers, cfg.capacity as u64);
         // Not pre-faulted twice: a segment that will be pinned is faulted

@@ -21,6 +21,8 @@ TREE = {
     "NotFoundError": FileNotFoundError,
     "WrongKindError": TypeError,
     "InvalidArgumentError": ValueError,
+    "InUseError": FileExistsError,
+    "UntrustedError": None,
     "WriterGoneError": None,
     "CancelledError": None,
 }
@@ -111,3 +113,29 @@ def test_a_tensor_of_another_dtype_is_a_wrong_kind_error(store, reader):
     assert isinstance(e.value, TypeError)
     ht = store.put_tensor("t", np.ones(3, np.float32))
     reader.get_tensor(ht)
+
+
+def test_a_taken_name_is_an_in_use_error_also_a_file_exists_error(unique_name, closing):
+    # What the reaper tells a live writer by, instead of the message's text.
+    name = unique_name()
+    closing(pinshm.ObjectStore(64 * KIB, 16 * KIB, 1, name=name))
+    with pytest.raises(pinshm.InUseError) as e:
+        pinshm.ObjectStore(64 * KIB, 16 * KIB, 1, name=name)
+    assert isinstance(e.value, FileExistsError) and name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: pinshm.ObjectStore(1 << 50, 1 << 20, 1, reserve=False), "capacity"),
+        (lambda: pinshm.Broadcast(1, 1 << 40, 1 << 30), "slots"),
+        (lambda: pinshm.Broadcast(1 << 40, 4, 64), "n_readers"),
+        # 64 TiB of channel, sparse: more than any machine here backs.
+        (lambda: pinshm.Broadcast(1, 1 << 16, 1 << 30), "slot_size"),
+    ],
+    ids=["store-1PiB", "slots-2^40", "readers-2^40", "channel-64TiB"],
+)
+def test_absurd_sizes_are_refused_up_front_naming_the_argument(make, argument):
+    with pytest.raises(pinshm.InvalidArgumentError, match=argument) as e:
+        make()
+    assert "OverflowError" not in repr(e.value)

@@ -101,6 +101,18 @@ def test_inspect_of_a_missing_segment_says_so_and_exits_1(unique_name):
     assert out.stderr.startswith("pinshm inspect: "), out.stderr
 
 
+def test_inspect_without_a_name_says_only_the_name_is_required():
+    out = _pinshm_cli("inspect")
+    assert out.returncode == 2
+    assert "NAME is required" in out.stderr and "ADDRESS:ID is optional" in out.stderr, out.stderr
+
+
+def test_doctor_json_into_a_pipe_closed_early_exits_quietly():
+    # `true` exits at once, long before doctor writes: every write fails.
+    done = subprocess.run(f"{sys.executable} -m pinshm doctor --json | true", shell=True, capture_output=True, text=True)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
 def test_doctor_reports_no_driver_cleanly_and_no_vllm():
     out = _pinshm_cli("doctor", "--json")
     checks = json.loads(out.stdout)

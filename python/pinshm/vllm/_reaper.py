@@ -45,7 +45,7 @@ def main() -> int:
             told.pop(entry, None)
     if not told:
         return 0
-    from pinshm._pinshm import PinshmError, _remove_if_abandoned_file
+    from pinshm._pinshm import InUseError, PinshmError, _remove_if_abandoned_file
 
     # The pipe's end closes as the last process exits, maybe before its
     # other descriptors (a segment's, with its writer's lock): a writer
@@ -57,11 +57,10 @@ def main() -> int:
         for name, dev, ino in left:
             try:
                 _remove_if_abandoned_file(name, dev, ino)
-            except PinshmError as e:
-                if "is alive" in str(e):
-                    alive.append((name, dev, ino))
-            except OSError:
-                pass  # another's file, gone: left alone
+            except InUseError:
+                alive.append((name, dev, ino))  # its writer lives (or it is being made): asked again
+            except (PinshmError, OSError):
+                pass  # another's file, gone, untrusted: left alone
         if not alive or time.monotonic() >= deadline:
             break
         left = alive

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import run as harness
 from ec import encoder_counts
-from ec_remote import MODULE, start, wait_result
+from ec_remote import MODULE, free_port, make_secret, start, wait_result
 
 HERE = Path(__file__).resolve().parent
 NS = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=512m pinshm-node /dev/shm && exec "$@"', "sh"]
@@ -151,14 +151,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     model = harness.tiny_model(args.python, args.model, out, 64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    secret = out / "ec-secret"
-    secret.unlink(missing_ok=True)
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
+    port = free_port()
+    secret = make_secret(out)
     store = f"pinshm_ec_defer_{os.getpid()}"
     extra = {"store": store, "size": "64m", "secret_file": str(secret)}
     ec = {"ec_connector": "PinshmECConnector", "ec_connector_module_path": MODULE}

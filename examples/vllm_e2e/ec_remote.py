@@ -40,6 +40,19 @@ HERE = Path(__file__).resolve().parent
 MODULE = "pinshm.vllm.ec_connector"
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_secret(out: Path) -> Path:
+    """The nodes' shared secret file in `out`: 32 random bytes, mode 0600."""
+    secret = make_secret(out)
+    return secret
+
+
 def start(py, model, out, tag, ec, passes, hold=None, prefix=(), ready=None):
     """An engine, its command after `prefix` (a namespace to run in)."""
     probe, result, log = out / f"{tag}.probe.jsonl", out / f"{tag}.json", out / f"{tag}.log"
@@ -140,20 +153,14 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out.resolve()
     model = harness.tiny_model(args.python, args.model, out, 64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ns = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={args.shm} pinshm-node /dev/shm && exec "$@"', "sh"]
     runs = []
     stock = start(args.python, model, out, "stock", None, 2)
     runs.append(summary(stock, None))
     stock_tokens = runs[0].pop("_tokens", None)
     store = f"pinshm_ec_remote_{os.getpid()}"
-    secret = out / "ec-secret"
-    secret.unlink(missing_ok=True)
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
+    secret = make_secret(out)
     ec_a = {
         "ec_connector": "PinshmECConnector",
         "ec_connector_module_path": MODULE,
@@ -200,9 +207,7 @@ def main():
         return
     # Nodes C and D: a producer killed while its consumer's first pass
     # fetches from it (--kill-after s after D's engine is built): misses only.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port_c = s.getsockname()[1]
+    port_c = free_port()
     store_c = f"{store}_c"
     extra_c = {"store": store_c, "size": "64m", "secret_file": str(secret)}
     ec_c = {**ec_a, "ec_connector_extra_config": {**extra_c, "serve": f"127.0.0.1:{port_c}"}}

@@ -49,7 +49,11 @@ def free_port() -> int:
 
 def make_secret(out: Path) -> Path:
     """The nodes' shared secret file in `out`: 32 random bytes, mode 0600."""
-    secret = make_secret(out)
+    secret = out / "ec-secret"
+    secret.unlink(missing_ok=True)
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
     return secret
 
 

@@ -33,7 +33,7 @@ mod sys;
 // The few types a user starts from; everything else is in its room.
 pub use channel::{Broadcast, BroadcastReader};
 pub use error::{Error, Result};
-pub use store::{ObjectStore, ReadGuard, StoreConfig, StoreReader};
+pub use store::{ObjectStore, PrivateView, ReadGuard, StoreConfig, StoreReader};
 
 /// Internals that tests, benchmarks, tools and the Python bindings reach
 /// for: the on-segment layout, the codec's header, the CPU references of

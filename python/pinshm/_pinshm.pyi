@@ -39,6 +39,7 @@ __all__ = [
     "ObjectStore",
     "StoreReader",
     "ReadGuard",
+    "PrivateView",
     "Lease",
     "TensorReservation",
     "PendingSave",
@@ -356,6 +357,11 @@ class ObjectStore:
         stored. Ends a `protect` of the key."""
     def add_reference(self, key: str) -> None:
         """One more reference to `key`: each reader owes one more read."""
+    def get_private(self, handle: ObjectHandle) -> PrivateView:
+        """The object as this process's own writable copy that copies
+        nothing until written (a `PrivateView`), holding the slot while it
+        (or any export of it) lives: a tensor a consumer may change in place
+        without changing what other readers read. StaleError if it is gone."""
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`, counting no reference, or None (vLLM's
         `key_index[key]`)."""
@@ -497,6 +503,32 @@ class ReadGuard:
     ) -> bool:
         """Releases the read (`release()`); left by an exception, drops the
         guard's hold instead, never raising BufferError. Never suppresses."""
+
+# A PyO3 class: it cannot be subclassed.
+@final
+class PrivateView:
+    """An object's bytes, writable and private to this process
+    (`StoreReader.get_private`): a copy-on-write mapping of the object's
+    pages that reads the slot (no copy) until a page is written, then
+    copies that page only, into memory no other process sees. A write
+    never reaches the slot, another reader, or another view. Every export
+    (`memoryview`, `numpy.frombuffer`, `torch.frombuffer`) keeps the view,
+    and so the slot's hold, alive; the read is acknowledged when the last
+    goes. Not pinned: a device copy from it is pageable. In a child forked
+    after it was made its bytes fault and new exports raise PinshmError."""
+
+    @property
+    def handle(self) -> ObjectHandle:
+        """The handle this view reads."""
+    def __len__(self) -> int:
+        """The object's size in bytes."""
+    def __bytes__(self) -> bytes:
+        """A copy of the view's bytes, as written here."""
+    # The buffer protocol (C slots), as ReadGuard's.
+    def __buffer__(self, flags: int) -> memoryview:
+        """A writable export of the view's private bytes (no copy)."""
+    def __release_buffer__(self, view: memoryview) -> None:
+        """Ends an export (the view lives while any consumer keeps it)."""
 
 # A PyO3 class: it cannot be subclassed.
 @final

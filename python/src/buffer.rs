@@ -112,18 +112,53 @@ pub(crate) unsafe fn export_read_only(
             "a {what}'s buffer is read-only"
         )));
     }
+    // SAFETY: the caller's contract, read-only.
+    unsafe { fill(owner, view, flags, data.cast_mut(), len, true, what) }
+}
+
+/// As [`export_read_only`], but the export is writable: the bytes are
+/// `owner`'s own (no other process or object reads them).
+///
+/// # Safety
+/// 1. `view` is the `Py_buffer` Python asked to fill.
+/// 2. `data..data + len` stays valid while `owner` lives, and only the
+///    holders of this export (and others of the same owner) write it.
+pub(crate) unsafe fn export_writable(
+    owner: Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    data: *mut u8,
+    len: usize,
+    what: &str,
+) -> PyResult<()> {
+    // SAFETY: the caller's contract.
+    unsafe { fill(owner, view, flags, data, len, false, what) }
+}
+
+/// # Safety
+/// As [`export_writable`]; with `readonly`, nobody writes the bytes.
+unsafe fn fill(
+    owner: Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    data: *mut u8,
+    len: usize,
+    readonly: bool,
+    what: &str,
+) -> PyResult<()> {
+    use pyo3::exceptions::PyBufferError;
     let len = ffi::Py_ssize_t::try_from(len)
         .map_err(|_| PyBufferError::new_err(format!("{what} too large for a buffer")))?;
     // SAFETY: the caller's contract: `view` is ours to fill, and the bytes
-    // (`readonly = 1`) outlive `owner`, to which FillInfo stores a new
-    // reference in `view.obj`.
+    // outlive `owner`, to which FillInfo stores a new reference in
+    // `view.obj`.
     let rc = unsafe {
         ffi::PyBuffer_FillInfo(
             view,
             owner.as_ptr(),
-            data.cast_mut().cast::<std::ffi::c_void>(),
+            data.cast::<std::ffi::c_void>(),
             len,
-            1,
+            c_int::from(readonly),
             flags,
         )
     };

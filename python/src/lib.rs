@@ -26,6 +26,7 @@ mod gil;
 mod handles;
 mod message;
 mod per_fork;
+mod private;
 mod reader;
 mod release;
 mod sandbox;
@@ -144,6 +145,7 @@ fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::ObjectStore>()?;
     m.add_class::<reader::StoreReader>()?;
     m.add_class::<reader::ReadGuard>()?;
+    m.add_class::<private::PrivateView>()?;
     m.add_class::<cache::Lease>()?;
     m.add_class::<cache::TensorReservation>()?;
     m.add_class::<save::PendingSave>()?;

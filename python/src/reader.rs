@@ -265,6 +265,25 @@ impl StoreReader {
         })
     }
 
+    /// The object as this process's own writable copy that copies nothing
+    /// until written (a `PrivateView`): a private copy-on-write mapping of
+    /// its pages, holding the slot for as long as the view (or anything
+    /// keeping an export of it) lives. For a tensor a consumer may change
+    /// in place without changing what other readers read. StaleError if
+    /// the object is gone.
+    fn get_private(
+        &self,
+        py: Python<'_>,
+        handle: ObjectHandle,
+    ) -> PyResult<crate::private::PrivateView> {
+        let shared = self.shared()?;
+        let view = locked(py, &shared.home, &shared.reader, false, move |r| {
+            r.get_private(handle.0)
+        })?
+        .map_err(to_py)?;
+        Ok(crate::private::PrivateView::new(view, &shared.home.name))
+    }
+
     /// The handle of `key`'s object, found in the store's shared key index
     /// without the writer (`key_index=` at create), or None. Never another
     /// key's object. PinshmError if the store has no key index.

@@ -6,7 +6,9 @@ use super::attached::Attached;
 use super::handle::ObjectHandle;
 use super::share::Share;
 use crate::atomics::SlotPtr;
+use crate::error::Result;
 use crate::layout::ObjectKind;
+use crate::sys::private::CowMap;
 
 /// A zero-copy view of an object in the ring. Dropping it acknowledges the
 /// read; while it lives the slot cannot be reused. Guards are not limited
@@ -68,6 +70,87 @@ impl ReadGuard {
     /// What the object is (raw bytes, a tensor, an item).
     pub fn kind(&self) -> ObjectKind {
         self.kind
+    }
+
+    /// The object as a [`PrivateView`]: the same bytes, writable, and
+    /// private to this process (copy-on-write), still held by this guard.
+    /// Costs a mapping of the object's pages, no copy of its bytes.
+    /// `Error::Forked` for a guard inherited across `fork` (its hold is the
+    /// parent's: the slot may be reused under the child).
+    pub fn into_private(self) -> Result<PrivateView> {
+        self.reader.check_owner()?;
+        let map = &self.reader.map;
+        let cow = CowMap::new(map.seg(), map.offset_of(self.data), self.len)?;
+        Ok(PrivateView { cow, guard: self })
+    }
+}
+
+/// An object's bytes as this process's own writable copy that costs no copy
+/// until written: a private copy-on-write mapping of the object's pages,
+/// which reads the slot until a page is written, and copies only the pages
+/// written, into memory no other process sees. What is written here never
+/// reaches the slot, nor any other reader, nor another view of the object
+/// in this process. The view holds the slot (a [`ReadGuard`] inside it) for
+/// as long as it lives, so the pages it has not written never change, and
+/// the read is acknowledged when it drops.
+///
+/// ```
+/// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+/// # let name = format!("pinshm-doc-private-{}", std::process::id());
+/// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name)).unwrap();
+/// let h = store.put("k", b"shared").unwrap();
+/// let reader = StoreReader::attach(&store.handle()).unwrap();
+/// let mut mine = reader.get_private(h).unwrap();
+/// mine[..4].copy_from_slice(b"MINE");
+/// assert_eq!(&*mine, b"MINEed");
+/// assert_eq!(&*reader.get(h).unwrap(), b"shared");
+/// ```
+///
+/// Across `fork` it is the parent's, as a guard is: in the child its pages
+/// are inaccessible (reading them faults).
+#[derive(Debug)]
+pub struct PrivateView {
+    /// Unmapped before the guard lets the slot go (fields drop in order).
+    cow: CowMap,
+    guard: ReadGuard,
+}
+
+impl PrivateView {
+    /// The handle this view reads.
+    pub fn handle(&self) -> ObjectHandle {
+        self.guard.handle
+    }
+
+    /// What the object is (raw bytes, a tensor, an item).
+    pub fn kind(&self) -> ObjectKind {
+        self.guard.kind
+    }
+
+    /// The first byte: `len()` bytes there are this view's to read and
+    /// write while it lives (for a foreign owner of the memory, such as a
+    /// Python buffer export).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.cow.as_mut_ptr()
+    }
+}
+
+impl Deref for PrivateView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `cow` maps exactly `len` bytes (checked inside the
+        // segment when mapped) for as long as it lives; its pages are this
+        // process's (a write goes to a private copy), and what it does not
+        // write is the held slot's, which nobody writes meanwhile.
+        unsafe { std::slice::from_raw_parts(self.cow.as_mut_ptr(), self.cow.len()) }
+    }
+}
+
+impl std::ops::DerefMut for PrivateView {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `deref`; `&mut self` makes this the only reference into
+        // the mapping, which is private and writable (a write copies the
+        // page it lands on, for this mapping only).
+        unsafe { std::slice::from_raw_parts_mut(self.cow.as_mut_ptr(), self.cow.len()) }
     }
 }
 

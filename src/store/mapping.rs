@@ -74,6 +74,16 @@ impl Mapping {
         }
     }
 
+    /// The offset in the segment of `p`, a pointer [`Mapping::view_of`]
+    /// gave (into the read-only mapping where there is one).
+    pub(crate) fn offset_of(&self, p: *const u8) -> usize {
+        let base = match &self.views {
+            Some(ro) => ro.as_ptr(),
+            None => self.seg.as_ptr(),
+        };
+        (p as usize).wrapping_sub(base as usize)
+    }
+
     pub(crate) fn seg(&self) -> &Segment {
         &self.seg
     }

@@ -26,7 +26,7 @@ mod writer;
 pub use crate::layout::ObjectKind;
 pub use config::{Eviction, ReaderOptions, StoreConfig};
 pub use device::{PendingGet, PendingPut};
-pub use guard::ReadGuard;
+pub use guard::{PrivateView, ReadGuard};
 pub use handle::{ObjectHandle, StoreHandle};
 pub use lease::Lease;
 pub use reader::StoreReader;

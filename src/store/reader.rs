@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 
 use super::attached::Attached;
 use super::config::ReaderOptions;
-use super::guard::ReadGuard;
+use super::guard::{PrivateView, ReadGuard};
 use super::handle::{ObjectHandle, StoreHandle};
 use super::lease::Lease;
 use super::mapping::Mapping;
@@ -236,6 +236,14 @@ impl StoreReader {
             },
         ) = self.hold(h)?;
         Ok(self.guard(h, slot, data, len, kind))
+    }
+
+    /// The object as this process's private, writable copy that copies
+    /// nothing until written ([`ReadGuard::into_private`]): a tensor a
+    /// consumer may change in place without changing what anyone else
+    /// reads. Holds the slot, as a guard does, until dropped.
+    pub fn get_private(&self, h: ObjectHandle) -> Result<PrivateView> {
+        self.get(h)?.into_private()
     }
 
     /// The least work the read protocol needs, for the bench's floor row

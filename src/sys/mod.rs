@@ -8,6 +8,7 @@ pub(crate) mod fork;
 pub(crate) mod futex;
 pub(crate) mod liveness;
 pub(crate) mod peek;
+pub(crate) mod private;
 pub(crate) mod segment;
 pub(crate) mod trust;
 

@@ -151,12 +151,12 @@ impl Segment {
     /// A file that is not this process's user's (nor a trusted one's) is
     /// never mapped: its owner could truncate it under the mapping (SIGBUS
     /// at the next read). The mapping is then of a private copy of it
-    /// ([`private_copy`]), and only the locks are the file's.
+    /// ([`super::private::copy`]), and only the locks are the file's.
     pub(crate) fn open_read_only(name: &str, trust: Trust) -> Result<Segment> {
         let (pname, file, len) = open_file(name, OFlag::O_RDONLY, trust)?;
         let copy = match trust::check(&file, name, Trust::Owner) {
             Ok(_) => None,
-            Err(_) => Some(private_copy(&file, len as u64, name)?),
+            Err(_) => Some(super::private::copy(&file, len as u64, name)?),
         };
         let source: &File = copy.as_ref().unwrap_or(&file);
         let map =
@@ -174,6 +174,11 @@ impl Segment {
             owner: AtomicBool::new(false),
             fork_gen: fork::register(),
         })
+    }
+
+    /// The segment's file (for `super::private`'s mappings of it).
+    pub(super) fn file(&self) -> &File {
+        &self.file
     }
 
     /// Whose the segment's file is ([`trust::check`] of anyone's).
@@ -677,7 +682,9 @@ impl Listed<File> {
 }
 
 impl Listed<MmapRaw> {
-    fn map(map: impl FnOnce() -> std::io::Result<MmapRaw>) -> std::io::Result<Listed<MmapRaw>> {
+    pub(super) fn map(
+        map: impl FnOnce() -> std::io::Result<MmapRaw>,
+    ) -> std::io::Result<Listed<MmapRaw>> {
         let mut held = fork::hold();
         let m = map()?;
         let token = held.add_map(m.as_ptr(), m.len());
@@ -727,7 +734,7 @@ unsafe fn populate(ptr: *mut u8, len: usize) {
 }
 
 /// The system's page size (4096 if unknown).
-fn page_size() -> usize {
+pub(super) fn page_size() -> usize {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()
         .flatten()
@@ -737,64 +744,3 @@ fn page_size() -> usize {
 #[cfg(test)]
 #[path = "segment_tests.rs"]
 mod tests;
-
-/// A copy of the first `len` bytes of `file` in memory no other process
-/// holds (a memfd), to map where `file` itself must not be: its data
-/// extents are copied with `pread` (holes stay holes), and whatever the
-/// file's owner truncates meanwhile reads as zeros. Costs the memory of
-/// the file's allocated pages, for as long as the copy is mapped.
-fn private_copy(file: &File, len: u64, name: &str) -> Result<File> {
-    use std::os::unix::fs::FileExt;
-    let os = |op: &'static str| {
-        move |e: std::io::Error| Error::Os {
-            op,
-            name: name.to_owned(),
-            source: e,
-        }
-    };
-    // SAFETY: a plain syscall with a NUL-terminated name; the descriptor it
-    // returns is ours alone and owned by the File made from it below.
-    let fd = unsafe { nix::libc::memfd_create(c"pinshm-inspect".as_ptr(), nix::libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(os("memfd_create")(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by memfd_create, and nothing else owns it.
-    let copy = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-    copy.set_len(len).map_err(os("ftruncate"))?;
-    let src = file.as_raw_fd();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < len {
-        // The next data extent (tmpfs answers SEEK_DATA/SEEK_HOLE; where a
-        // filesystem cannot, all of it is data).
-        // SAFETY: lseek on our own open descriptor; it reads no memory.
-        let data = unsafe { nix::libc::lseek(src, at as i64, nix::libc::SEEK_DATA) };
-        if data < 0 {
-            match std::io::Error::last_os_error().raw_os_error() {
-                Some(nix::libc::ENXIO) => break, // no data past `at`: holes, or truncated
-                Some(nix::libc::EINVAL) => {}    // no SEEK_DATA: copy on
-                _ => return Err(os("lseek")(std::io::Error::last_os_error())),
-            }
-        } else {
-            at = (data as u64).max(at);
-        }
-        if at >= len {
-            break;
-        }
-        // To the end of this extent: a hole's zeros are never written into
-        // the copy (that would cost pages the file does not hold).
-        // SAFETY: as above.
-        let hole = unsafe { nix::libc::lseek(src, at as i64, nix::libc::SEEK_HOLE) };
-        let extent_end = if hole > at as i64 { hole as u64 } else { len };
-        let n = buf.len().min((extent_end.min(len) - at) as usize);
-        let got = match file.read_at(&mut buf[..n], at) {
-            Ok(0) => break, // truncated: the rest reads as zeros
-            Ok(k) => k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(os("pread")(e)),
-        };
-        copy.write_all_at(&buf[..got], at).map_err(os("pwrite"))?;
-        at += got as u64;
-    }
-    Ok(copy)
-}

@@ -97,6 +97,28 @@ def test_a_request_round_trips_through_sglangs_helpers_and_both_hops(monkeypatch
     mm_utils.discard_shm_features(pickle.loads(pickle.dumps(req)))  # nothing to unlink, no error
 
 
+def test_a_ranks_tensor_is_the_slot_and_its_writes_stay_its_own(monkeypatch):
+    """SGLang's own unwrap on a torch tensor: the feature is the store's
+    pages (torch's storage lies in the store's mapping), and a write into
+    one rank's tensor changes neither another rank's nor the store."""
+    _transport(monkeypatch)
+    f = torch.randn(256, 1024)  # 1 MiB
+    req = mm_utils.wrap_shm_features(_request([f.clone()], [0xF00D]))
+    ranks = [mm_utils.unwrap_shm_features(pickle.loads(pickle.dumps(req))) for _ in range(2)]
+    t0, t1 = (r.mm_inputs.mm_items[0].feature for r in ranks)
+    store = _store.writer().name
+    for t in (t0, t1):
+        addr = t.data_ptr()
+        maps = [ln.split() for ln in open("/proc/self/maps")]
+        holder = [m for m in maps if int(m[0].split("-")[0], 16) <= addr < int(m[0].split("-")[1], 16)]
+        assert holder and holder[0][-1] == f"/dev/shm/{store}", holder  # no copy: the slot's pages
+    t0.mul_(0).add_(1)  # in place, as a model might
+    assert torch.equal(t1, f), "another rank's tensor is unchanged"
+    again = mm_utils.unwrap_shm_features(pickle.loads(pickle.dumps(req))).mm_inputs.mm_items[0].feature
+    assert torch.equal(again, f), "the store is unchanged"
+    assert bool((t0 == 1).all())
+
+
 def test_the_same_image_again_is_served_from_the_store(monkeypatch):
     _transport(monkeypatch)
     w = _store.writer()

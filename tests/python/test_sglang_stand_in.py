@@ -126,6 +126,83 @@ print("RANKS", got, "puts", _store.writer().puts, "hits", _store.writer().hits, 
 """
 
 
+IN_PLACE = """
+import os, pickle, multiprocessing as mp
+import numpy as np, torch
+from pinshm.sglang import _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+plugin.register(); HookRegistry.apply_hooks()
+
+def mapping_of(addr):
+    # (path, Private_Dirty KiB) of the mapping holding addr
+    cur = None
+    for line in open("/proc/self/smaps"):
+        f = line.split()
+        if "-" in f[0] and not f[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            cur = (f[5] if len(f) > 5 else "") if lo <= addr < hi else None
+        elif f[0] == "Private_Dirty:" and cur is not None:
+            return cur, int(f[1])
+    raise AssertionError(hex(addr))
+
+want = np.arange(1 << 20, dtype=np.float32)  # 4 MiB
+blob = pickle.dumps(mm_utils._wrap_shm_or_inline(torch.Tensor(want.copy()), precomputed_hash=7))
+store = _store.writer().name
+
+def rank(conn, writes):
+    t = pickle.loads(blob).materialize()
+    a = t.numpy()
+    path, dirty = mapping_of(a.ctypes.data + a.nbytes // 2)
+    same = bool((a == want).all())
+    conn.send((path, dirty, same))
+    conn.recv()  # the writing rank has written
+    if writes:
+        a[:] = -1.0  # this rank's tensor: private
+        dirty_after = mapping_of(a.ctypes.data + a.nbytes // 2)[1]
+    else:
+        dirty_after = dirty
+    conn.send((bool((a == want).all()), dirty_after))
+    conn.recv()
+
+ctx = mp.get_context("fork")
+ends, procs = [], []
+for r in range(4):  # TP=4: rank 0 writes into its tensor, ranks 1-3 read
+    a, b = ctx.Pipe()
+    procs.append(ctx.Process(target=rank, args=(b, r == 0)))
+    ends.append(a)
+for p in procs:
+    p.start()
+first = [e.recv() for e in ends]
+for e in ends:
+    e.send("go")
+after = [e.recv() for e in ends]
+for e in ends:
+    e.send("bye")
+for p in procs:
+    p.join(60)
+for path, dirty, same in first:
+    assert path == "/dev/shm/" + store, (path, store)  # the tensor is the store's pages
+    assert dirty == 0, dirty  # not one page copied
+    assert same
+assert after[0][0] is False and after[0][1] >= 4096, after[0]  # the writer's tensor changed, privately
+assert all(ok for ok, _ in after[1:]), after  # no other rank saw it
+r = __import__("pinshm").StoreReader.attach_by_name(store, pin="off")
+assert np.array_equal(np.frombuffer(bytes(r.get_copy(pickle.loads(blob)._pinshm.handle)), np.float32), want)
+print("OK", first, after, flush=True)
+"""
+
+
+def test_ranks_read_a_feature_in_place_and_a_rank_that_writes_changes_no_other(stand_in):
+    """Four forked ranks materialize one 4 MiB feature: each tensor is the
+    store's own pages (its mapping is the store's file, 0 KiB copied);
+    the rank that writes into its tensor copies the pages it wrote into
+    memory of its own, and neither the other ranks nor the store see it."""
+    p = _run(stand_in, IN_PLACE)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err
+
+
 @pytest.fixture
 def stand_in(tmp_path: Path) -> Path:
     install(tmp_path)

@@ -26,7 +26,6 @@ logger = logging.getLogger("pinshm.sglang")
 def make(base: type) -> type:
     """The subclass of SGLang's `base` (``ShmPointerMMData``) that puts
     features into the tokenizer's pinshm store."""
-    import numpy as np
     import torch
 
     class ShmPointerMMData(base):  # type: ignore[misc]
@@ -82,8 +81,11 @@ def make(base: type) -> type:
             self._pinshm = ref
 
         def materialize(self) -> Any:
-            """A private tensor of the feature: the slot is read in place,
-            held while it is copied, then let go."""
+            """The feature as a tensor over the slot itself: a private
+            copy-on-write view of its pages (``StoreReader.get_private``),
+            so no byte is copied unless this rank writes into it, and a
+            write reaches no other rank. The slot is held for as long as
+            the tensor (or anything made from its storage) lives."""
             ref = getattr(self, "_pinshm", None)
             if ref is None:
                 return super().materialize()
@@ -93,19 +95,14 @@ def make(base: type) -> type:
                     if int(d) < 0:
                         raise PinshmError(f"shape {tuple(self.shape)}")
                     nbytes *= int(d)
-                guard = _store.reader(ref.store).get(ref.handle)
-                try:
-                    # The size is checked before anything is allocated: a
-                    # shape that lies costs nothing.
-                    held = len(guard)
-                    if held == nbytes:
-                        out = torch.empty(tuple(self.shape), dtype=self.dtype)
-                        np.copyto(out.view(torch.uint8).reshape(-1).numpy(), np.frombuffer(guard, dtype=np.uint8))
-                finally:
-                    guard.release()  # no view of it is left: the copy is done
-                if held != nbytes:
-                    raise PinshmError(f"{held} bytes where {nbytes} were sent")
-                return out
+                view = _store.reader(ref.store).get_private(ref.handle)
+                if len(view) != nbytes:  # a shape that lies reads nothing
+                    raise PinshmError(f"{len(view)} bytes where {nbytes} were sent")
+                _store.count_in_place(nbytes)
+                if nbytes == 0:  # torch.frombuffer refuses an empty buffer
+                    return torch.empty(tuple(self.shape), dtype=self.dtype)
+                # The tensor's storage keeps `view` (and so the hold).
+                return torch.frombuffer(view, dtype=self.dtype).reshape(tuple(self.shape))
             except Exception as e:
                 raise RuntimeError(f"pinshm feature {self.shm_name}: {type(e).__name__}: {e}") from e
 

@@ -368,6 +368,7 @@ pub(crate) fn validate_channel(
     name: &str,
 ) -> Result<(ChannelGeometry, channel::ChannelHeader)> {
     let (c, check): (channel::ChannelHeader, _) = read_stamped(seg, name, &CHANNEL)?;
+    check.within("n_readers", c.n_readers as u64, channel::MAX_READERS as u64)?;
     check.within("slots", c.slots as u64, channel::MAX_SLOTS as u64)?;
     check.within(
         "slot_size",

@@ -71,8 +71,11 @@ pub const LAYOUT_VERSION: u32 = 9;
 pub const PAGE: usize = 4096;
 /// Alignment of every slot and every payload.
 pub const SLOT_ALIGN: usize = 64;
-/// Most readers one segment can serve.
-pub const MAX_READERS: u32 = 64;
+/// Most readers one store segment can serve: enough for every rank of a
+/// node's largest deployments (TP × DP × PP = 128 and past). Each reader
+/// costs 12 bytes of every slot's prefix and 128 of the header; a
+/// channel's limit is its own ([`channel::MAX_READERS`]).
+pub const MAX_READERS: u32 = 1024;
 
 /// The first 16 bytes of every segment, store ([`SegmentHeader`]) or
 /// channel ([`channel::ChannelHeader`]): the magic, stamped last, then the
@@ -530,7 +533,11 @@ mod tests {
         assert_eq!(LAYOUT_VERSION, 9);
         assert_eq!(header_len(1), 4096);
         assert_eq!(header_len(8), 4096);
-        assert_eq!(header_len(MAX_READERS), 8192);
+        assert_eq!(header_len(64), 8192);
+        assert_eq!(
+            header_len(MAX_READERS),
+            4096 + 1024 * size_of::<ReaderEntry>()
+        );
         assert_eq!(reader_entry_offset(1) % 64, 0, "entries start on lines");
         assert_eq!(holds_offset(1), 72);
         assert_eq!(holds_offset(2), 72);
@@ -540,7 +547,8 @@ mod tests {
         assert_eq!(slot_prefix_len(5), 128);
         assert_eq!(slot_prefix_len(6), 192);
         assert_eq!(slot_prefix_len(8), 192);
-        assert_eq!(slot_prefix_len(MAX_READERS), 832);
+        assert_eq!(slot_prefix_len(64), 832);
+        assert_eq!(slot_prefix_len(MAX_READERS), 12352);
         assert_eq!(slot_len(2, 0), 128);
         assert_eq!(slot_len(2, 1), 192);
     }

@@ -47,7 +47,14 @@ fn attach_validates_every_header_field_and_names_it() {
             "layout_version",
         ),
         ("n_readers", &0u32.to_le_bytes(), "n_readers"),
-        ("n_readers", &65u32.to_le_bytes(), "n_readers"),
+        (
+            "n_readers",
+            &(layout::MAX_READERS + 1).to_le_bytes(),
+            "n_readers",
+        ),
+        // Within the limit, but not what the segment was made for: its
+        // header is too short for that many entries.
+        ("n_readers", &65u32.to_le_bytes(), "header_len"),
         ("n_readers", &3u32.to_le_bytes(), "n_readers"),
         // 62 entries of 64 B (layout 9) need a second header page.
         ("n_readers", &62u32.to_le_bytes(), "header_len"),

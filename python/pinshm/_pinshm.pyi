@@ -437,6 +437,11 @@ class ObjectStore:
     @property
     def closed(self) -> bool:
         """Whether `close()` has run."""
+    def unlink(self) -> None:
+        """Removes the segment's name from /dev/shm now and keeps serving:
+        readers already attached read on, new attaches by name fail, and
+        nothing of the store is left once every process mapping it is gone,
+        however each ends (SIGKILL included). Again does nothing."""
     def close(self) -> None:
         """Closes the store and unlinks its segment (readers already
         attached keep their mapping). Saves still pending are discarded,

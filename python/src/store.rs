@@ -619,6 +619,14 @@ impl ObjectStore {
         &self.home.name
     }
 
+    /// Removes the segment's name from /dev/shm now and keeps serving:
+    /// readers already attached read on, new attaches by name fail, and
+    /// nothing of the store is left once every process mapping it is gone,
+    /// however each ends (SIGKILL included). Again does nothing.
+    fn unlink(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, false, |s| s.unlink())?.map_err(to_py)
+    }
+
     /// Whether `close()` has run.
     #[getter]
     fn closed(&self, py: Python<'_>) -> PyResult<bool> {

@@ -31,7 +31,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"PINBCST\x01");
 pub const VERSION: u32 = 1;
 /// Cache line, and the alignment of every slot and payload.
 pub const LINE: usize = 64;
-pub use super::{round_up, MAX_READERS};
+pub use super::round_up;
+/// Most readers one channel serves.
+pub const MAX_READERS: u32 = 64;
 /// Most slots one channel has.
 pub const MAX_SLOTS: u32 = 1 << 24;
 /// Largest slot payload.

@@ -563,6 +563,18 @@ impl ObjectStore {
         self.map.seg().name()
     }
 
+    /// Removes the segment's name from /dev/shm now, and keeps serving:
+    /// readers already attached read on, new attaches by name fail.
+    /// Nothing of the store is left once every process that maps it is
+    /// gone, however each ends (a SIGKILL of all of them included), with no
+    /// reaper. For a writer that knows its readers are all attached. Again
+    /// does nothing; `Error::Forked` in a forked child.
+    pub fn unlink(&self) -> Result<()> {
+        self.check_owner()?;
+        self.map.seg().unlink_now();
+        Ok(())
+    }
+
     /// The writer's mapping of the data region, as (address of its first
     /// byte, length in bytes = the capacity), for registering it once with
     /// a transfer library (NIXL) that writes payloads into reserved slots:

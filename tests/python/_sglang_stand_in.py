@@ -8,6 +8,9 @@ contract against the real SGLang."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -188,3 +191,19 @@ def install(root: Path) -> None:
     meta = root / "sglang-0.5.23.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+
+
+def run_plugin(root: Path, code: str, *args: str, prefix: tuple[str, ...] = (), **kw) -> subprocess.Popen:
+    """`code` (dedented) in a fresh interpreter with the stand-ins under
+    `root` first on its path, stdout and stderr piped (text); `prefix`
+    goes before the interpreter (``unshare ...``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env.update(kw.pop("env", {}))
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _sglang_stand_in import install
+from _sglang_stand_in import install, run_plugin
 
 ROUND_TRIP = """
 import os, pickle, sys, types
@@ -209,16 +209,7 @@ def stand_in(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _run(stand_in: Path, code: str, *args: str, **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
+_run = run_plugin
 
 
 def test_the_plugin_round_trips_features_through_sglangs_contract(stand_in):
@@ -334,3 +325,82 @@ def test_eight_ranks_under_a_burst_through_a_small_store_read_right_bytes_or_mis
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert "RANKS" in out, out
+
+
+WORKER = """
+import importlib, os, pkgutil, sys
+import numpy as np, torch
+from sglang.srt.managers import mm_utils
+stock = [mm_utils.ShmPointerMMData]  # in a list: the hook rebinds names bound to the class
+# SGLang's tokenizer worker: no plugin loader, but it imports every module
+# of SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE (multimodal_processor.import_processors).
+pkg = importlib.import_module(os.environ["SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"])
+for _, name, ispkg in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+    importlib.import_module(name)
+assert mm_utils.ShmPointerMMData is not stock[0] and mm_utils.ShmPointerMMData._pinshm_bound
+p = mm_utils._wrap_shm_or_inline(torch.Tensor(np.arange(8, dtype=np.float32)), precomputed_hash=5)
+assert p.shm_name.startswith("pinshm:pinshm_sgl_"), p.shm_name
+print("BOUND", os.getpid(), flush=True)
+"""
+
+LAUNCHER = """
+import os, subprocess, sys
+from pinshm.sglang import plugin
+plugin.register()
+assert plugin.bound
+print("HASH", os.environ.get("SGLANG_MM_PRECOMPUTE_HASH"), "PKG", os.environ.get("SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"))
+# A tokenizer worker, spawned from here as uvicorn spawns SGLang's.
+r = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True, text=True, timeout=120)
+print(r.stdout, r.stderr, "WORKER_RC", r.returncode, flush=True)
+"""
+
+
+def test_the_launcher_sends_hashing_off_the_loop_and_binds_the_tokenizer_workers(stand_in):
+    """register() in the launcher leaves its children SGLang's thread-pool
+    hashing (SGLANG_MM_PRECOMPUTE_HASH=1) and the package SGLang's
+    tokenizer workers import modules of: a worker started from it, which
+    loads no plugin, is bound and puts features into a pinshm store."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_MM_PRECOMPUTE_HASH", "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(stand_in), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, textwrap.dedent(WORKER)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HASH 1 PKG pinshm.sglang.workers" in r.stdout, r.stdout
+    assert "WORKER_RC 0" in r.stdout and "BOUND" in r.stdout, r.stdout
+    # A user's own choices stay theirs, said once.
+    env.update(SGLANG_MM_PRECOMPUTE_HASH="0", SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE="their.processors")
+    code = "import logging; logging.basicConfig()\n" + LAUNCHER.split("# A tokenizer worker")[0]
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "HASH 0 PKG their.processors" in r.stdout, r.stdout
+    assert "HTTP tokenizer workers (--tokenizer-worker-num > 1) keep SGLang's own segments" in r.stderr, r.stderr
+
+
+FULL_OF_LEASES = """
+import os, time
+os.environ.update(PINSHM_SGLANG_CACHE_MIB="4", PINSHM_SGLANG_GRACE_S="300", PINSHM_SGLANG_MIN_GRACE_S="0.5")
+import numpy as np, torch
+from pinshm.sglang import _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+plugin.register(); HookRegistry.apply_hooks()
+def wrap(k):  # 768 KiB each: the 4 MiB store (2 MiB objects) holds a few
+    return mm_utils._wrap_shm_or_inline(torch.Tensor(np.full(192 * 1024, k, np.float32)), precomputed_hash=k)
+sent = [wrap(k) for k in range(12)]
+inline = [k for k, p in enumerate(sent) if not isinstance(p, mm_utils.ShmPointerMMData)]
+assert inline, "the store should have filled with leased features"
+time.sleep(0.6)  # every lease is now older than the least grace
+late = wrap(100)
+assert isinstance(late, mm_utils.ShmPointerMMData), "a full store of old leases took no new feature"
+print("INLINE", inline, flush=True)
+"""
+
+
+def test_a_store_full_of_old_leases_lets_them_go_for_a_new_feature(stand_in):
+    """Leases are insurance for the moment between a put and the ranks'
+    reads; a store full of leased features takes a new one by letting go
+    of the leases older than PINSHM_SGLANG_MIN_GRACE_S, and only then."""
+    p = _run(stand_in, FULL_OF_LEASES)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err

@@ -124,12 +124,16 @@ def make(base: type) -> type:
 
 
 def hash_first(original: Any, obj: Any) -> Any:
-    """Around SGLang's ``wrap_shm_features``: items without a hash get
-    SGLang's own (``MultimodalDataItem.set_pad_value``, which each
+    """Around SGLang's ``wrap_shm_features``: items still without a hash
+    get SGLang's own (``MultimodalDataItem.set_pad_value``, which each
     scheduler rank would run anyway) before their features are wrapped,
     so a feature is keyed by its hash and a repeat is served from the
-    store. Once here instead of once per rank. ``PINSHM_SGLANG_HASH=0``
-    leaves hashing to the ranks (no reuse of features without a hash)."""
+    store. With ``SGLANG_MM_PRECOMPUTE_HASH=1`` (the plugin's default)
+    SGLang has hashed them already, once per prompt, in its own thread
+    pool off the event loop, and this finds nothing to do; it catches
+    what that pool leaves (and everything where the variable is 0), on
+    the loop. ``PINSHM_SGLANG_HASH=0`` leaves hashing to the ranks (no
+    reuse of features without a hash)."""
     from sglang.srt.managers import mm_utils
 
     try:

@@ -5,8 +5,10 @@ features touch), made at the first feature. A feature's key is SGLang's
 item hash with its dtype and shape; a feature without a hash (a list's
 elements) gets a key of its own and no reuse. Each object sent is leased
 by the writer's own reader for ``PINSHM_SGLANG_GRACE_S`` seconds, so no
-put evicts it before the ranks have read it; after that, only a rank's
-read in progress holds it. Readers hold nothing between reads.
+put evicts it before the ranks have read it; after that, only the ranks'
+tensors hold it: a rank's feature tensor is a private copy-on-write view
+of the slot (``StoreReader.get_private``), which holds the slot for as
+long as the tensor lives.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .._pinshm import (
     PinshmError,
     StoreReader,
 )
+from ..segments import gc_segments
 from ..vllm._budget import shm_size
 
 logger = logging.getLogger("pinshm.sglang")
@@ -80,19 +83,55 @@ class Ref:
         return Ref(parts[0], ObjectHandle(address, ident, epoch))
 
 
+def ranks() -> Optional[int]:
+    """How many scheduler processes may read this server's features: TP ×
+    DP × PP from SGLang's published server arguments (every scheduler,
+    an upper bound on the readers: only the first pipeline stage reads),
+    or ``PINSHM_SGLANG_RANKS``; None where neither says."""
+    given = os.environ.get("PINSHM_SGLANG_RANKS", "").strip()
+    if given:
+        try:
+            return max(1, int(given))
+        except ValueError:
+            logger.warning("pinshm sglang: PINSHM_SGLANG_RANKS=%r is not a number; ignored", given)
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        a = get_server_args()
+        return int(a.tp_size) * int(getattr(a, "dp_size", 1) or 1) * int(getattr(a, "pp_size", 1) or 1)
+    except Exception:  # noqa: BLE001 - not published here (a test, another launcher)
+        return None
+
+
 class Writer:
-    """The tokenizer process's store: puts features, serves repeats."""
+    """The tokenizer process's store: puts features, serves repeats.
+
+    Its reader table holds every rank (TP × DP × PP, at least 64 entries).
+    Once every rank has attached, the store's name leaves /dev/shm (the
+    store serves on): from then a SIGKILL of every process of the server,
+    an engine that is PID 1 of its container included, leaves nothing.
+    Until then the reaper removes it; a store a PID-1 engine left before
+    that is removed by the next server's first feature (abandoned stores
+    of this user, writer dead, are swept)."""
 
     def __init__(self) -> None:
         size = shm_size() or 0
+        self.ranks = ranks()
+        n_readers = max(64, (self.ranks or 0) + 2)  # the ranks, this process's own, one spare
         want = int(_env_float("PINSHM_SGLANG_CACHE_MIB", 2048) * MIB)
         capacity = max(4 * MIB, min(want, size // 2 if size else want))
         self.grace = _env_float("PINSHM_SGLANG_GRACE_S", 300.0)
+        self.min_grace = min(self.grace, _env_float("PINSHM_SGLANG_MIN_GRACE_S", 10.0))
         name = f"pinshm_sgl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        try:  # stores of servers killed before their names left (a PID-1 engine's)
+            for gone in gc_segments("pinshm_sgl_", dry_run=False):
+                logger.info("pinshm sglang: removed %s, left by a dead server", gone.name)
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.debug("pinshm sglang: no sweep of dead servers' stores: %s", e)
         self.store = ObjectStore(
             capacity,
             capacity // 2,
-            64,
+            n_readers,
             name=name,
             cache=True,
             reserve=False,
@@ -114,6 +153,8 @@ class Writer:
         self.order: collections.deque[tuple[float, int]] = collections.deque()
         self.leases: dict[int, tuple[float, Lease]] = {}
         self.puts = self.hits = self.fallbacks = 0
+        self.named = True  # the store's name is in /dev/shm
+        self.next_look = 0.0
         logger.info(
             "pinshm sglang: multimodal features through /dev/shm/%s (%d MiB, sparse)", self.name, capacity // MIB
         )
@@ -130,7 +171,7 @@ class Writer:
                 self.hits += 1
             else:
                 try:
-                    h = self.store.put(key if key is not None else f"u:{uuid.uuid4().hex}", data)
+                    h = self._put(key if key is not None else f"u:{uuid.uuid4().hex}", data)
                 except (FullError, NoSpaceError, InvalidArgumentError) as e:
                     self.fallbacks += 1
                     raise OSError(errno.ENOSPC, f"pinshm store {self.name}: {e}") from e
@@ -147,7 +188,49 @@ class Writer:
                 raise OSError(errno.EIO, f"pinshm store {self.name}: {e}") from e
             self.leases[h.monotonic_id] = (deadline, lease)
             self.order.append((deadline, h.monotonic_id))
+            if self.named and self.ranks is not None:
+                self._unlink_once_all_attached()
             return Ref(self.name, h)
+
+    def _unlink_once_all_attached(self) -> None:
+        """Removes the store's name once every rank has attached (looked at
+        once a second at most: the reader table costs a lock test per
+        entry). Ranks are other processes; this process's own readers do
+        not count."""
+        now = time.monotonic()
+        if now < self.next_look:
+            return
+        self.next_look = now + 1.0
+        me = os.getpid()
+        attached = {pid for _, pid in self.own.live_readers() if pid != me}
+        if len(attached) >= (self.ranks or 0):
+            self.store.unlink()
+            self.named = False
+            logger.info(
+                "pinshm sglang: all %d ranks attached; %s left /dev/shm (nothing of it outlives the server)",
+                len(attached),
+                self.name,
+            )
+
+    def _put(self, key: str, data: Any) -> ObjectHandle:
+        """A put that, where the store is full of leased objects, first
+        lets go of the leases older than ``PINSHM_SGLANG_MIN_GRACE_S`` (10
+        s) and tries once more. A scheduler reads a feature as it receives
+        its request (well within that); a rank's tensor holds its slot by
+        itself, so what is freed is only what nobody reads any more."""
+        try:
+            return self.store.put(key, data)
+        except FullError:
+            cut = time.monotonic() + self.grace - self.min_grace  # leased before this: old enough
+            freed = 0
+            for ident, (deadline, lease) in list(self.leases.items()):
+                if deadline <= cut:
+                    del self.leases[ident]
+                    lease.release()
+                    freed += 1
+            if not freed:
+                raise
+            return self.store.put(key, data)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -36,7 +36,7 @@ around its tables, carries the same stamp as a block the check fills:
                                       layout version and commit its rows
                                       name (a bench's `{"op": "stamp"}`),
                                       else this checkout's
-    tools/figures.py --self-test      the check fails on planted errors
+    tools/figures_selftest.py         the check fails on planted errors
 
 Standard library only (tools/check_docs.py runs the check).
 """
@@ -464,11 +464,6 @@ def stamp(path: Path, command: str, root: Path = ROOT) -> None:
 
 def main() -> int:
     args = sys.argv[1:]
-    if args == ["--self-test"]:
-        import figures_selftest
-
-        figures_selftest.self_test()
-        return 0
     if args[:1] == ["--stamp"] and len(args) == 4 and args[2] == "--command":
         stamp(Path(args[1]), args[3])
         return 0

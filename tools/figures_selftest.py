@@ -1,4 +1,5 @@
-"""tools/figures.py --self-test: the check fails on each planted error
+"""python3 tools/figures_selftest.py (also run by tools/check_docs.py
+--self-test): the check of tools/figures.py fails on each planted error
 (a stale layout, a hand edit, an unfilled or unused figure, a stray
 results file, a bench run at another layout, an edit to a measured source
 after the stamp, a results page with no stamp), and passes on a good tree.
@@ -130,3 +131,8 @@ def self_test() -> None:
         "file, a results page with no stamp or a stale one, and a bench run at another layout; a stale "
         "figure that says why renders that"
     )
+
+
+if __name__ == "__main__":
+    self_test()
+    print("figures self-test: a good tree passes, each planted fault is named")

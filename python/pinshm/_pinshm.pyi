@@ -265,9 +265,10 @@ class ObjectStore:
         cache: bool = False,
         key_index: int = 0,
         back_ahead: Optional[int] = None,
+        reap: bool = True,
     ) -> ObjectStore:
         """Creates the segment (`capacity` bytes of data region, objects up to
-        `max_object_size` bytes, `n_readers` readers, 1 to 64; `name` in
+        `max_object_size` bytes, `n_readers` readers, 1 to 1024; `name` in
         /dev/shm, default unique) and becomes its writer. `aggregate_reads`:
         an object referenced k times is done after k × n_readers reads
         from any readers (vLLM's count), not k from each.
@@ -283,7 +284,10 @@ class ObjectStore:
         look up themselves (`StoreReader.lookup`). `back_ahead`: bytes a
         sparse store's background thread keeps backed past the last put,
         so a put into fresh pages needs no page allocation (None: the
-        default, `DEFAULT_BACK_AHEAD`; 0: off).
+        default, `DEFAULT_BACK_AHEAD`; 0: off). `reap` (default True):
+        this process's reaper removes the segment after the process dies,
+        SIGKILL included; False leaves it (a store that outlives its
+        writer; `pinshm gc` removes it once its writer is gone).
 
         InvalidArgumentError for a bad configuration or name, ValueError
         for an unknown `eviction` or `pin`, NoSpaceError where /dev/shm
@@ -765,11 +769,14 @@ class Broadcast:
         name: Optional[str] = None,
         *,
         reserve: bool = False,
+        reap: bool = True,
     ) -> Broadcast:
         """Creates a channel for `n_readers` readers (1 to 64) with `slots`
         slots of messages up to `slot_size` bytes (`name` in /dev/shm,
         default unique). Sparse unless `reserve`: a full /dev/shm raises
         NoSpaceError from the send that needs the page, never SIGBUS.
+        `reap` (default True): this process's reaper removes the segment
+        after the process dies, SIGKILL included; False leaves it.
         InvalidArgumentError for a bad configuration or name; PinshmError
         if the name is taken."""
     def send(self, data: Buffer, timeout: Optional[float] = None) -> None:

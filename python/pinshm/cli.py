@@ -12,7 +12,7 @@
   touched.
 - ``doctor``: checks a machine before vLLM starts (:mod:`pinshm.doctor`);
   ``--gpu`` adds the GPU kit's checks on this machine's GPU
-  (:mod:`pinshm._gpu_check`).
+  (:mod:`pinshm.doctor.gpu`).
 """
 
 from __future__ import annotations
@@ -169,9 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     checks = doctor.run(plan)
     if args.gpu:
-        from . import _gpu_check
+        from .doctor import gpu
 
-        checks += _gpu_check.run()
+        checks += gpu.run()
     if args.json:
         print(json.dumps([dataclasses.asdict(c) for c in checks], indent=2))
     else:

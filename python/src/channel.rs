@@ -76,6 +76,8 @@ pub(crate) struct Broadcast {
     /// Ends a wait in `send` (another thread) and every later one.
     canceller: pinshm::channel::Canceller,
     home: Home,
+    /// Whether this process's reaper was told the segment (`reap=True`).
+    reaped: bool,
 }
 
 #[pymethods]
@@ -85,7 +87,10 @@ impl Broadcast {
     /// the pages its messages touch, and a full /dev/shm raises
     /// `NoSpaceError` (a `MemoryError`) from that send, never SIGBUS.
     #[new]
-    #[pyo3(signature = (n_readers, slots, slot_size, name=None, *, reserve=false))]
+    ///
+    /// `reap` (default true): this process's reaper removes the segment
+    /// after the process dies, SIGKILL included; false leaves it.
+    #[pyo3(signature = (n_readers, slots, slot_size, name=None, *, reserve=false, reap=true))]
     fn new(
         py: Python<'_>,
         n_readers: u64,
@@ -93,6 +98,7 @@ impl Broadcast {
         slot_size: usize,
         name: Option<String>,
         reserve: bool,
+        reap: bool,
     ) -> PyResult<Self> {
         // Named here, not a bare OverflowError from the conversion.
         let narrow = |v: u64, what: &str| {
@@ -109,10 +115,14 @@ impl Broadcast {
             cfg = cfg.name(name);
         }
         let b = crate::gil::released(py, || pinshm::Broadcast::create(cfg)).map_err(to_py)?;
+        if reap {
+            crate::reap(py, b.name(), true);
+        }
         Ok(Broadcast {
             home: Home::new(b.name()),
             canceller: b.canceller(),
             inner: Mutex::new(Some(b)),
+            reaped: reap,
         })
     }
 
@@ -241,6 +251,9 @@ impl Broadcast {
     /// forked child (the channel is the parent's).
     fn close(&self, py: Python<'_>) {
         crate::close_in(py, &self.home, &self.inner);
+        if self.reaped && !self.home.forked() {
+            crate::reap(py, &self.home.name, false);
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -133,6 +133,19 @@ pub(crate) fn close_in<T: Send>(py: Python<'_>, home: &Home, m: &Mutex<Option<T>
     }
 }
 
+/// Tells this process's reaper (`pinshm._node.tracker`, the one every
+/// engine adapter uses) segment `name` (`add`), or takes it back: a Python
+/// writer's segment is then removed after the process dies, SIGKILL
+/// included. Best effort: where the reaper cannot start, `pinshm gc`
+/// removes what is left.
+pub(crate) fn reap(py: Python<'_>, name: &str, add: bool) {
+    let call = py
+        .import("pinshm._node.tracker")
+        .and_then(|m| m.call_method1(if add { "track" } else { "untrack" }, (name,)));
+    // A failure costs only the cleanup after a kill; the store works.
+    drop(call);
+}
+
 /// The native module, re-exported by `pinshm/__init__.py`.
 #[pymodule]
 fn _pinshm(m: &Bound<'_, PyModule>) -> PyResult<()> {

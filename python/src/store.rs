@@ -23,6 +23,8 @@ pub(crate) struct ObjectStore {
     /// How many of its saves are pending (`publish_after`).
     saves: Arc<AtomicUsize>,
     home: Home,
+    /// Whether this process's reaper was told the segment (`reap=True`).
+    reaped: bool,
 }
 
 impl ObjectStore {
@@ -121,10 +123,15 @@ impl ObjectStore {
     /// leases may be reclaimed, read or not (an encoder cache). Not with
     /// `aggregate_reads`. `key_index=N`: a shared key index with room for
     /// N keys, so readers look keys up themselves (`StoreReader.lookup`).
+    ///
+    /// `reap` (default true): this process's reaper removes the segment
+    /// after the process dies, however it ends (SIGKILL included); false
+    /// leaves it for a store that must outlive its writer (`pinshm gc`
+    /// removes it once nobody writes it).
     #[pyo3(signature = (
         capacity, max_object_size, n_readers, name=None, aggregate_reads=false,
         *, reserve=true, prefault=None, eviction="second_chance", pin="auto", shm_headroom=0,
-        cache=false, key_index=0, back_ahead=None
+        cache=false, key_index=0, back_ahead=None, reap=true
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -142,6 +149,7 @@ impl ObjectStore {
         cache: bool,
         key_index: usize,
         back_ahead: Option<u64>,
+        reap: bool,
     ) -> PyResult<Self> {
         let pin = crate::pin_mode(pin)?;
         let eviction = match eviction {
@@ -168,10 +176,14 @@ impl ObjectStore {
         }
         // Reserving and pre-faulting the segment takes a while: no GIL.
         let store = crate::gil::released(py, || pinshm::ObjectStore::create(cfg)).map_err(to_py)?;
+        if reap {
+            crate::reap(py, store.name(), true);
+        }
         Ok(ObjectStore {
             home: Home::new(store.name()),
             inner: Arc::new(Mutex::new(Some(store))),
             saves: Arc::new(AtomicUsize::new(0)),
+            reaped: reap,
         })
     }
 
@@ -640,6 +652,10 @@ impl ObjectStore {
     /// and so does closing in a forked child (the store is the parent's).
     fn close(&self, py: Python<'_>) {
         crate::close_in(py, &self.home, &self.inner);
+        // In a forked child the segment is the parent's: its reaper keeps it.
+        if self.reaped && !self.home.forked() {
+            crate::reap(py, &self.home.name, false);
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

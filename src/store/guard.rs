@@ -80,7 +80,7 @@ impl ReadGuard {
     pub fn into_private(self) -> Result<PrivateView> {
         self.reader.check_owner()?;
         let map = &self.reader.map;
-        let cow = CowMap::new(map.seg(), map.offset_of(self.data), self.len)?;
+        let cow = map.seg().map_cow(map.offset_of(self.data), self.len)?;
         Ok(PrivateView { cow, guard: self })
     }
 }

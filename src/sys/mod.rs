@@ -6,6 +6,7 @@
 pub(crate) mod clock;
 pub(crate) mod fork;
 pub(crate) mod futex;
+pub(crate) mod listed;
 pub(crate) mod liveness;
 pub(crate) mod peek;
 pub(crate) mod private;

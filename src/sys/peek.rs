@@ -16,8 +16,9 @@ use std::os::fd::{AsFd, AsRawFd};
 use nix::fcntl::OFlag;
 
 use crate::error::{Error, Result};
+use crate::sys::listed::Listed;
 use crate::sys::liveness;
-use crate::sys::segment::{open_any_size, still_named, sys_err, Listed, Segment};
+use crate::sys::segment::{open_any_size, still_named, sys_err, Segment};
 use crate::sys::trust::{self, Trust};
 
 /// Removes segment `name` if its file is one `trust` accepts, `recognise`

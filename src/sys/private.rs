@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::segment::{page_size, Listed, Segment};
+use super::listed::{page_size, Listed};
 use crate::error::{Error, Result};
 
 /// A private, writable, copy-on-write mapping of `len` bytes of a segment:
@@ -39,12 +39,19 @@ unsafe impl Send for CowMap {}
 unsafe impl Sync for CowMap {}
 
 impl CowMap {
-    /// Maps `offset..offset + len` of `seg` privately (copy-on-write).
-    /// The range must lie inside the segment (the caller checked it).
-    pub(crate) fn new(seg: &Segment, offset: usize, len: usize) -> Result<CowMap> {
+    /// Maps `offset..offset + len` of segment `name`'s `file` (`total`
+    /// bytes long) privately, copy-on-write. The range must lie inside
+    /// the segment (checked again here).
+    pub(super) fn new(
+        file: &File,
+        name: &str,
+        total: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<CowMap> {
         let end = offset
             .checked_add(len)
-            .filter(|&e| e <= seg.len())
+            .filter(|&e| e <= total)
             .ok_or_else(|| {
                 Error::CorruptObject(format!("{len} bytes at {offset}: past the segment"))
             })?;
@@ -57,9 +64,8 @@ impl CowMap {
         }
         let start = offset - offset % page_size();
         let map = Listed::map(|| {
-            // SAFETY: the file is the segment's own open description and
-            // stays open while this mapping lives (the caller holds the
-            // segment); a private mapping never writes the file. Read-only
+            // SAFETY: `file` is the segment's own open description (the
+            // caller's), and a mapping outlives its descriptor; a private mapping never writes the file. Read-only
             // first, so MAP_POPULATE maps the file's pages instead of
             // copying them (a populate of a writable private mapping breaks
             // copy-on-write page by page).
@@ -68,13 +74,13 @@ impl CowMap {
                     .offset(start as u64)
                     .len(end - start)
                     .populate()
-                    .map_copy_read_only(seg.file())
+                    .map_copy_read_only(file)
             }?;
             Ok(MmapRaw::from(ro.make_mut()?))
         })
         .map_err(|e| Error::Os {
             op: "mmap",
-            name: seg.name().to_owned(),
+            name: name.to_owned(),
             source: e,
         })?;
         Ok(CowMap {

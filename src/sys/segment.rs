@@ -6,8 +6,7 @@
 //! dropped.
 
 use std::fs::File;
-use std::mem::ManuallyDrop;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -17,6 +16,8 @@ use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
 use crate::error::{Error, Result};
+use crate::sys::listed::{page_size, Listed};
+use crate::sys::private::CowMap;
 use crate::sys::shm_free_bytes;
 use crate::sys::trust::{self, Trust};
 use crate::sys::{fork, liveness};
@@ -176,9 +177,10 @@ impl Segment {
         })
     }
 
-    /// The segment's file (for `super::private`'s mappings of it).
-    pub(super) fn file(&self) -> &File {
-        &self.file
+    /// A private copy-on-write mapping of `offset..offset + len` of the
+    /// segment ([`CowMap`]); the range must lie inside it.
+    pub(crate) fn map_cow(&self, offset: usize, len: usize) -> Result<CowMap> {
+        CowMap::new(&self.file, &self.name, self.len(), offset, len)
     }
 
     /// Whose the segment's file is ([`trust::check`] of anyone's).
@@ -659,58 +661,6 @@ fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<Listed<Mma
     Ok(map)
 }
 
-/// A segment's descriptor or mapping, listed with `crate::sys::fork` (a
-/// forked child's copy is dropped at the fork): opened or mapped, and
-/// closed or unmapped, under the registry's lock, so a fork never sees it
-/// half listed.
-#[derive(Debug)]
-pub(crate) struct Listed<T> {
-    inner: ManuallyDrop<T>,
-    token: fork::Token,
-}
-
-impl Listed<File> {
-    fn file(open: impl FnOnce() -> nix::Result<OwnedFd>) -> nix::Result<Listed<File>> {
-        let mut held = fork::hold();
-        let fd = open()?;
-        let token = held.add_fd(fd.as_raw_fd());
-        Ok(Listed {
-            inner: ManuallyDrop::new(File::from(fd)),
-            token,
-        })
-    }
-}
-
-impl Listed<MmapRaw> {
-    pub(super) fn map(
-        map: impl FnOnce() -> std::io::Result<MmapRaw>,
-    ) -> std::io::Result<Listed<MmapRaw>> {
-        let mut held = fork::hold();
-        let m = map()?;
-        let token = held.add_map(m.as_ptr(), m.len());
-        Ok(Listed {
-            inner: ManuallyDrop::new(m),
-            token,
-        })
-    }
-}
-
-impl<T> std::ops::Deref for Listed<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.inner
-    }
-}
-
-impl<T> Drop for Listed<T> {
-    fn drop(&mut self) {
-        let mut held = fork::hold();
-        // SAFETY: dropped exactly once, here; `inner` is not used after.
-        unsafe { ManuallyDrop::drop(&mut self.inner) };
-        held.forget(&self.token);
-    }
-}
-
 /// Faults every page of `ptr..ptr + len` in (read faults, changing no
 /// byte): `MADV_POPULATE_READ` (Linux 5.14); on older kernels one relaxed
 /// atomic load per page.
@@ -731,14 +681,6 @@ unsafe fn populate(ptr: *mut u8, len: usize) {
         let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
         b.load(Ordering::Relaxed);
     }
-}
-
-/// The system's page size (4096 if unknown).
-pub(super) fn page_size() -> usize {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .unwrap_or(4096) as usize
 }
 
 #[cfg(test)]

@@ -67,8 +67,9 @@ def attach_hold_and_wait(store_handle, index, handle, ready):
 
 def create_and_wait(name, ready):
     """Creates store `name`, puts an object, says `created`, then waits to
-    be killed (the gc test's dead writer)."""
-    store = pinshm.ObjectStore(1 << 20, 4096, 1, name=name)
+    be killed (the gc test's dead writer: reap=False, so what it leaves is
+    gc's to find, not its reaper's to remove)."""
+    store = pinshm.ObjectStore(1 << 20, 4096, 1, name=name, reap=False)
     store.put("a", b"x" * 3000)
     ready.put("created")
     time.sleep(120)  # SIGKILLed long before

@@ -239,7 +239,7 @@ from _ec_vllm import config
 
 def worker(extra, conn):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-    from pinshm.vllm import _tracker
+    from pinshm._node import tracker as _tracker
     from pinshm.vllm.ec_connector import PinshmECConnector
     c = PinshmECConnector(config("ec_both", extra), ECConnectorRole.WORKER)
     conn.send((c._worker.store is not None, _tracker.reaper_pid()))

@@ -195,7 +195,7 @@ def test_a_file_at_a_would_be_overflow_name_costs_nothing(unique_name, monkeypat
 KILLED_ENGINE = r"""
 import os, signal, sys, time
 import pinshm
-from pinshm.vllm import _tracker
+from pinshm._node import tracker as _tracker
 
 _tracker._pipe()  # the reaper first, then a child that only holds its pipe
 child = os.fork()

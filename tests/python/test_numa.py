@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from pinshm import _gpu_check, _numa
+from pinshm.doctor import gpu as _gpu_check
+from pinshm._node import numa as _numa
 from pinshm.doctor import INFO, OK, WARN
 
 

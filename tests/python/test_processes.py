@@ -3,6 +3,12 @@
 import hashlib
 import os
 import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
 
 import _workers
 import pinshm
@@ -60,3 +66,44 @@ def test_a_spawned_worker_reads_objects_whose_handles_come_over_the_channel(
     got = results.get(timeout=JOIN_S)
     finish(p)
     assert got == want
+
+
+_WRITER = """
+import sys, time
+import pinshm
+name = sys.argv[1]
+store = pinshm.ObjectStore(1 << 20, 1 << 16, 1, name=name + "-store", reserve=False)
+store.put("k", b"v")
+chan = pinshm.Broadcast(1, 4, 1024, name=name + "-chan")
+keep = pinshm.ObjectStore(1 << 20, 1 << 16, 1, name=name + "-keep", reap=False)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_python_writer_leaves_nothing_but_what_it_kept(unique_name, sig):
+    """A plain Python writer (no engine) killed by SIGKILL or SIGTERM: its
+    store and channel are removed by its reaper; the store made with
+    reap=False stays (it asked to outlive its writer) until gc."""
+    name = unique_name()
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, name], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "READY"
+        for tail in ("-store", "-chan", "-keep"):
+            assert os.path.exists(f"/dev/shm/{name}{tail}")
+        p.send_signal(sig)
+        p.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(os.path.exists(f"/dev/shm/{name}{t}") for t in ("-store", "-chan")):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/dev/shm/{name}-store"), "a killed writer's store stayed"
+        assert not os.path.exists(f"/dev/shm/{name}-chan"), "a killed writer's channel stayed"
+        assert os.path.exists(f"/dev/shm/{name}-keep"), "reap=False: the store outlives its writer"
+        assert [a.name for a in pinshm.gc_segments(name, dry_run=False)] == [f"{name}-keep"]
+    finally:
+        p.kill()
+        p.wait()
+        for t in ("-store", "-chan", "-keep"):
+            if os.path.exists(f"/dev/shm/{name}{t}"):
+                os.unlink(f"/dev/shm/{name}{t}")

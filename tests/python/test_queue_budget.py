@@ -1,11 +1,11 @@
-"""The queue within the node's /dev/shm budget (pinshm.vllm._budget): its
+"""The queue within the node's /dev/shm budget (pinshm._node.budget): its
 slots are backed at start, a message /dev/shm cannot take arrives whole
 another way, and a queue that cannot get its slots refuses at start,
 naming the size it needs. Each runs in a private small /dev/shm."""
 
 import pytest
 
-from pinshm.vllm import _budget
+from pinshm._node import budget as _budget
 
 from _small_shm import run_in_small_dev_shm
 

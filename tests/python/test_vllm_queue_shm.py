@@ -21,7 +21,7 @@ SCRIPT = r"""
 import multiprocessing as mp, os, signal, sys
 
 def writer(name, conn):
-    from pinshm.vllm import _tracker
+    from pinshm._node import tracker as _tracker
     from pinshm.vllm.queue import MessageQueue
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, name=name)
     rd = MessageQueue.create_from_handle(mq.export_handle(), 0)

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .._node.budget import shm_size
 from .._pinshm import (
     FullError,
     InvalidArgumentError,
@@ -35,7 +36,6 @@ from .._pinshm import (
     StoreReader,
 )
 from ..segments import gc_segments
-from ..vllm._budget import shm_size
 
 logger = logging.getLogger("pinshm.sglang")
 
@@ -140,7 +140,7 @@ class Writer:
         )
         self.name = self.store.name
         try:
-            from ..vllm import _tracker
+            from .._node import tracker as _tracker
 
             _tracker.track(self.name)  # removed after this process dies, SIGKILL included
         except Exception as e:  # noqa: BLE001 - best effort: `pinshm gc` is the fallback

@@ -10,7 +10,7 @@ pinshm, by concern:
 - :mod:`pinshm.vllm.plugin`: the ``vllm.general_plugins`` entry point that
   rebinds those names inside vLLM. Nothing in the package imports it.
 - :mod:`pinshm.vllm._status` (the "in use" line and the warnings) and
-  :mod:`pinshm.vllm._tracker` (the reaper that removes what a SIGKILLed process made), shared by both.
+  :mod:`pinshm._node.tracker` (the reaper that removes what a SIGKILLed process made), shared by both.
 
 Nothing here imports vLLM or torch at import time; both are optional.
 """

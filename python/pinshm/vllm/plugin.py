@@ -47,7 +47,7 @@ from . import _fit, _status
 
 # What the plugin rebinds lives in a leaf module, so that `python -m
 # pinshm doctor` can check it without importing the plugin.
-from ._targets import CACHE_MODULE, QUEUE_MODULES, REBOUND
+from ._fit import CACHE_MODULE, QUEUE_MODULES, REBOUND
 from .cache import storage
 
 _lock = threading.Lock()

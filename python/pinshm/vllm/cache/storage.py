@@ -29,7 +29,7 @@ vLLM's; what differs underneath:
   segment a second time read-only for them, so an in-place write by model
   code faults (SIGSEGV) instead of changing the other ranks' inputs. The
   read is held, and the slot kept, until the tensors are gone.
-- The writer tells its segment to pinshm's reaper (:mod:`.._tracker`),
+- The writer tells its segment to pinshm's reaper (:mod:`pinshm._node.tracker`),
   as vLLM's ``SharedMemory`` tells the resource tracker: a killed API
   server does not leave it behind, and another engine's live segment of
   the same name is never removed.
@@ -49,6 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, Optional
 
+from ..._node.budget import shm_headroom
+from ..._node.tracker import track, untrack
 from ..._pinshm import (
     ObjectHandle,
     ObjectStore,
@@ -57,9 +59,8 @@ from ..._pinshm import (
     StoreReader,
     signature_bytes,
 )
-from .. import _budget, _status
+from .. import _status
 from .._status import announce
-from .._tracker import track, untrack
 from ._serde import MsgpackSerde, ObjectSerde, zero_copy
 from ._wire import MAX_ID, OFFSET_BITS, IdIndex, KeyIndex, from_wire, stale, to_wire
 
@@ -78,24 +79,6 @@ _FLAG_BYTES = 4
 
 _MISSING_SIGNATURE = "Missing SHM handle signature for cache key."
 _INVALID_SIGNATURE = "Invalid SHM handle signature for cache key."
-
-
-def shm_headroom(size: Optional[int] = None) -> int:
-    """Free bytes of /dev/shm a sparse cache leaves when it grows, for the
-    queues and other segments beside it, which cannot fail where a cache
-    can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else the
-    node budget's (:func:`pinshm.vllm._budget.cache_headroom`: vLLM's own
-    8 MiB plus a quarter of /dev/shm, at most 1 GiB, for the queues'
-    overflow; 24 MiB of a container's 64 MiB). `size`: of a /dev/shm to
-    plan for (``doctor --shm-mib``), this machine's by default."""
-    value = os.environ.get("PINSHM_VLLM_SHM_HEADROOM")
-    if value:
-        try:
-            return max(0, int(value))
-        except ValueError:
-            logger.warning("PINSHM_VLLM_SHM_HEADROOM=%r is not a byte count; using the default", value)
-    size = _budget.shm_size() if size is None else size
-    return 0 if size is None else _budget.cache_headroom(size)
 
 
 class SingleWriterShmRingBuffer:

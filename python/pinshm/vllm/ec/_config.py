@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import _budget
+from ..._node import budget as _budget
 
 #: The store the engines of a node share when none is named, followed by
 #: ``.u<uid>`` (the engines' effective uid: :func:`default_store`), so that

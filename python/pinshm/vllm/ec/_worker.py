@@ -19,6 +19,8 @@ import time
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Callable, Optional
 
+from ..._node.budget import shm_headroom
+from ..._node.tracker import Tracked
 from ..._pinshm import (
     NoSpaceError,
     ObjectHandle,
@@ -29,8 +31,6 @@ from ..._pinshm import (
     cuda_status,
 )
 from ...device import copy_stream, get_tensor, put_tensor
-from .._tracker import Tracked
-from ..cache.storage import shm_headroom
 from ._attach import NamedReader
 from ._config import MIN_RESERVED, ECSettings, default_reserved, does_not_fit
 from ._meta import FailedLoad, LoadReport, LoadSpec, RankState

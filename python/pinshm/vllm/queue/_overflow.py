@@ -16,7 +16,7 @@ messages touched. Once every object was read, the next message is put
 from the store's first byte again, so a stream of large messages keeps
 reusing the same pages rather than walking the whole ring.
 
-It grows within the node's /dev/shm budget (:mod:`pinshm.vllm._budget`):
+It grows within the node's /dev/shm budget (:mod:`pinshm._node.budget`):
 while /dev/shm keeps vLLM's reserve free. A message it cannot take then is
 a ``NoSpaceError`` from :meth:`OverflowWriter.send`, before any of its
 handles is sent, and the queue sends it another way.
@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional
 
 import pinshm
 
-from .. import _budget
-from .._tracker import Tracked
+from ..._node import budget as _budget
+from ..._node.tracker import Tracked
 from ._encoding import STORED, STORED_ALIGN, STORED_HEAD, STORED_REF, inline_parts, inline_size, loads_inline
 from ._wait import Wait
 

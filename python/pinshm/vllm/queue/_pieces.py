@@ -2,7 +2,7 @@
 
 A message larger than a slot goes through the overflow store, whose pages
 are backed as it grows. When /dev/shm (the node's budget,
-:mod:`pinshm.vllm._budget`) cannot back them, the message is not failed:
+:mod:`pinshm._node.budget`) cannot back them, the message is not failed:
 its inline encoding goes through the channel's own slots, backed when the
 queue was made, as consecutive ``PIECE`` messages, and each reader puts it
 together in its own memory. Slower (every piece waits for every reader),

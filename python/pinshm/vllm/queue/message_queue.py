@@ -12,7 +12,7 @@ One writer broadcasts pickled objects to ``n_reader`` readers. Local readers
   (:mod:`._overflow`), as one object, and only its handle travels in
   the channel. No ZMQ socket is involved.
 
-The node's /dev/shm is one budget (:mod:`pinshm.vllm._budget`): the
+The node's /dev/shm is one budget (:mod:`pinshm._node.budget`): the
 channel's slots are backed when the queue is made (vLLM's chunk, shrunk
 to the queue's share of /dev/shm and to what is free; a queue that cannot
 get ``max_chunks`` slots of 64 KiB refuses to start, naming the size it
@@ -21,7 +21,7 @@ overflow store is sparse; a message it cannot take for lack of /dev/shm
 goes through the slots in pieces (:mod:`._pieces`), whole. The
 channel's name is removed once every local reader has attached
 (``wait_until_ready``), and the store's is covered by pinshm's
-reaper (pinshm.vllm._tracker), so a SIGKILLed writer leaves nothing in /dev/shm.
+reaper (pinshm._node.tracker), so a SIGKILLed writer leaves nothing in /dev/shm.
 
 Readers wait on the channel's futex, spinning first only while the recent
 gaps between messages say it pays. A ``shutdown()`` from another thread
@@ -43,9 +43,9 @@ from typing import Any, Optional
 
 import pinshm
 
-from .. import _budget
+from ..._node import budget as _budget
+from ..._node.tracker import Tracked
 from .._status import announce
-from .._tracker import Tracked
 from . import _encoding as enc
 from . import _groups
 from ._overflow import OverflowReader, OverflowWriter

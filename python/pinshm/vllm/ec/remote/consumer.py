@@ -42,9 +42,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
+from ...._node.budget import shm_headroom
+from ...._node.tracker import Tracked
 from ...._pinshm import Lease, NoSpaceError, ObjectStore, PinshmError, UntrustedError
-from ..._tracker import Tracked
-from ...cache.storage import shm_headroom
 from .._attach import NamedReader
 from .._config import INDEX_BYTES_PER_KEY, MAX_INDEX_KEYS, MIN_INDEX_KEYS, ECSettings, does_not_fit
 from .agents import drop_agent, hello

@@ -5,7 +5,7 @@ engine core and workers, whose segments would otherwise stay in
 Not multiprocessing's resource tracker: it unlinks by name, so a process
 killed after another engine made a live segment of the same name removed
 that engine's segment. Here a reaper of the process's own (a small
-process, ``python -m pinshm.vllm._reaper``, started at the first segment,
+process, ``python -m pinshm._node.reaper``, started at the first segment,
 shared with forked children as the tracker is) is told each segment's
 name and file (device, inode); when every process that could tell it
 more is gone (its pipe's end), it removes each segment that is still
@@ -44,7 +44,7 @@ def _pipe() -> Optional[int]:
     path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pinshm.vllm._reaper", "--detach"],
+            [sys.executable, "-m", "pinshm._node.reaper", "--detach"],
             stdin=read,
             stdout=subprocess.PIPE,
             cwd="/",

@@ -1,8 +1,8 @@
-"""A process tree's reaper (:mod:`._tracker`): reads ``+ DEV INO NAME`` and
+"""A process tree's reaper (:mod:`.tracker`): reads ``+ DEV INO NAME`` and
 ``- DEV INO NAME`` lines on stdin until every writer of the pipe is gone,
 then removes each segment still told of, if the name still names that
-file and no live writer holds it. Run as ``python -m pinshm.vllm._reaper``,
-by :mod:`._tracker` only."""
+file and no live writer holds it. Run as ``python -m pinshm._node.reaper``,
+by :mod:`.tracker` only."""
 
 from __future__ import annotations
 

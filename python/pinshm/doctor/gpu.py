@@ -1,4 +1,6 @@
-"""``python -m pinshm doctor --gpu``: the GPU kit's checks, from the
+"""CUDA here (:func:`check_cuda`: the driver, and host registration of one
+small region; every doctor run), and ``python -m pinshm doctor --gpu``
+(:func:`run`): the GPU kit's checks, from the
 installed wheel, on this machine's GPU, in about a minute.
 
 - register (pin) a reserved store's mapping, in the writer and in a reader
@@ -19,19 +21,54 @@ for the vLLM drop-ins with ``PINSHM_VLLM_PIN=0`` if these checks fail.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
 from typing import Any, Callable, Optional
 
-from . import _numa, _pinshm
-from .doctor import FAIL, INFO, OK, SKIP, WARN, Check
+from .. import _pinshm
+from .._node import numa as _numa
+from .report import FAIL, INFO, MIB, OK, SKIP, WARN, Check
 
-MIB = 1 << 20
 #: The size copied: a large image's pixel values (float32 [3, 1400, 1400]).
 SHAPE = (3, 1400, 1400)
 RUNS = 15
 SWITCH_OFF = "switch pinning off for vLLM with PINSHM_VLLM_PIN=0"
+
+
+def check_cuda() -> list[Check]:
+    """The driver, and host registration of one small region."""
+    status = _pinshm.cuda_status()
+    if not status["feature"]:
+        return [
+            Check("cuda", WARN, "this build of pinshm has no cuda feature: segments are never pinned (CPU copies only)")
+        ]
+    if not status["driver"]:
+        return [
+            Check(
+                "cuda",
+                INFO,
+                "no driver (libcuda.so.1 does not load): pinshm runs unpinned, on CPU copies; nothing else changes",
+            )
+        ]
+    v = status["driver_version"]
+    out = [Check("cuda", OK, f"driver loads (CUDA {v // 1000}.{v % 1000 // 10})" if v else "driver loads")]
+    name = f"pinshm-doctor-{os.getpid()}"
+    try:
+        store = _pinshm.ObjectStore(MIB, 64 << 10, 1, name=name, reserve=True, pin="require")
+    except Exception as e:  # noqa: BLE001 - the error is the report
+        out.append(
+            Check(
+                "cuda",
+                FAIL,
+                f"host registration of a 1 MiB region failed: {e}: pinned copies will not work (pin='auto' falls back)",
+            )
+        )
+    else:
+        store.close()
+        out.append(Check("cuda", OK, "host registration of a 1 MiB region works: slots can be pinned for DMA"))
+    return out
 
 
 def run() -> list[Check]:
@@ -62,8 +99,8 @@ def _median_s(torch: Any, fn: Callable[[], Any]) -> float:
 
 
 def _checks(torch: Any) -> list[Check]:
-    from . import ObjectStore, StoreReader
-    from .device import put_tensor
+    from .. import ObjectStore, StoreReader
+    from ..device import put_tensor
 
     dev = torch.device("cuda")
     out = [Check("gpu", INFO, f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}")]

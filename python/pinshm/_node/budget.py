@@ -24,8 +24,11 @@ to agree with another, each backs pages only within its part's rule.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
+
+logger = logging.getLogger("pinshm")
 
 SHM_PATH = "/dev/shm"
 KIB = 1 << 10
@@ -124,3 +127,21 @@ class QueueNoRoom(MemoryError):
             f"send fails later, and {reserve / MIB:.2f} MiB left for vLLM's own segments. "
             "Give the container more /dev/shm (docker --shm-size)"
         )
+
+
+def shm_headroom(size: Optional[int] = None) -> int:
+    """Free bytes of /dev/shm a sparse cache leaves when it grows, for the
+    queues and other segments beside it, which cannot fail where a cache
+    can reuse what it has: ``PINSHM_VLLM_SHM_HEADROOM`` (bytes), else the
+    node budget's (:func:`cache_headroom`: vLLM's own
+    8 MiB plus a quarter of /dev/shm, at most 1 GiB, for the queues'
+    overflow; 24 MiB of a container's 64 MiB). `size`: of a /dev/shm to
+    plan for (``doctor --shm-mib``), this machine's by default."""
+    value = os.environ.get("PINSHM_VLLM_SHM_HEADROOM")
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            logger.warning("PINSHM_VLLM_SHM_HEADROOM=%r is not a byte count; using the default", value)
+    size = shm_size() if size is None else size
+    return 0 if size is None else cache_headroom(size)

@@ -73,8 +73,10 @@ pub const PAGE: usize = 4096;
 pub const SLOT_ALIGN: usize = 64;
 /// Most readers one store segment can serve: enough for every rank of a
 /// node's largest deployments (TP × DP × PP = 128 and past). Each reader
-/// costs 12 bytes of every slot's prefix and 128 of the header; a
-/// channel's limit is its own ([`channel::MAX_READERS`]).
+/// costs 12 bytes of every slot's prefix and 64 of the header; a
+/// channel's limit is its own ([`channel::MAX_READERS`]). Builds from
+/// before the limit was raised (same layout version) refuse a segment of
+/// more than 64 readers by name (`n_readers`).
 pub const MAX_READERS: u32 = 1024;
 
 /// The first 16 bytes of every segment, store ([`SegmentHeader`]) or

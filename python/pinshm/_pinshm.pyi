@@ -420,12 +420,12 @@ class ObjectStore:
         """Ring bytes one object of `payload` bytes takes with `n_readers`
         readers (slot header, read counters and alignment included): size a
         ring as a multiple of this. InvalidArgumentError for `n_readers`
-        outside 1..=64."""
+        outside 1..=1024."""
     @staticmethod
     def largest_object(capacity: int, n_readers: int) -> int:
         """The largest `max_object_size` a ring of `capacity` bytes accepts
         with `n_readers` readers (0 when not even an empty object fits).
-        InvalidArgumentError for `n_readers` outside 1..=64."""
+        InvalidArgumentError for `n_readers` outside 1..=1024."""
     def handle(self) -> StoreHandle:
         """What a reader process needs to attach (picklable: send it)."""
     def data_region(self) -> tuple[int, int]:
@@ -531,8 +531,6 @@ class PrivateView:
         """The handle this view reads."""
     def __len__(self) -> int:
         """The object's size in bytes."""
-    def __bytes__(self) -> bytes:
-        """A copy of the view's bytes, as written here."""
     # The buffer protocol (C slots), as ReadGuard's.
     def __buffer__(self, flags: int) -> memoryview:
         """A writable export of the view's private bytes (no copy)."""

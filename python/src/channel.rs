@@ -116,7 +116,7 @@ impl Broadcast {
         }
         let b = crate::gil::released(py, || pinshm::Broadcast::create(cfg)).map_err(to_py)?;
         if reap {
-            crate::reap(py, b.name(), true);
+            crate::reap(py, b.name(), true)?;
         }
         Ok(Broadcast {
             home: Home::new(b.name()),
@@ -252,7 +252,7 @@ impl Broadcast {
     fn close(&self, py: Python<'_>) {
         crate::close_in(py, &self.home, &self.inner);
         if self.reaped && !self.home.forked() {
-            crate::reap(py, &self.home.name, false);
+            let _ = crate::reap(py, &self.home.name, false);
         }
     }
 

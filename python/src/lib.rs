@@ -137,13 +137,17 @@ pub(crate) fn close_in<T: Send>(py: Python<'_>, home: &Home, m: &Mutex<Option<T>
 /// engine adapter uses) segment `name` (`add`), or takes it back: a Python
 /// writer's segment is then removed after the process dies, SIGKILL
 /// included. Best effort: where the reaper cannot start, `pinshm gc`
-/// removes what is left.
-pub(crate) fn reap(py: Python<'_>, name: &str, add: bool) {
+/// removes what is left; only an interrupt (KeyboardInterrupt,
+/// SystemExit: not an `Exception`) comes back, to be raised.
+pub(crate) fn reap(py: Python<'_>, name: &str, add: bool) -> PyResult<()> {
     let call = py
         .import("pinshm._node.tracker")
         .and_then(|m| m.call_method1(if add { "track" } else { "untrack" }, (name,)));
-    // A failure costs only the cleanup after a kill; the store works.
-    drop(call);
+    match call {
+        // A failure costs only the cleanup after a kill; the store works.
+        Err(e) if !e.is_instance_of::<pyo3::exceptions::PyException>(py) => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// The native module, re-exported by `pinshm/__init__.py`.

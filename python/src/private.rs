@@ -20,7 +20,10 @@ use crate::Home;
 /// holds, live as long as anything keeps an export; the read is
 /// acknowledged when the last goes. Not pinned (CUDA): a device copy from
 /// it is a pageable copy. In a child forked after it was made, its bytes
-/// fault and new exports raise PinshmError.
+/// fault and new exports raise PinshmError. Its bytes are only ever reached
+/// through exports (raw memory, written by their holders): Rust makes no
+/// reference to them, so a write through an export on another thread
+/// races with nothing of Rust's.
 #[pyclass(module = "pinshm", frozen)]
 pub(crate) struct PrivateView {
     view: pinshm::PrivateView,
@@ -46,12 +49,6 @@ impl PrivateView {
 
     fn __len__(&self) -> usize {
         self.view.len()
-    }
-
-    /// A copy of the view's bytes (as written here).
-    fn __bytes__(&self, py: Python<'_>) -> PyResult<Py<pyo3::types::PyBytes>> {
-        self.home.not_forked()?;
-        Ok(pyo3::types::PyBytes::new(py, &self.view).unbind())
     }
 
     fn __repr__(&self) -> String {

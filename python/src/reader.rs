@@ -277,7 +277,8 @@ impl StoreReader {
         handle: ObjectHandle,
     ) -> PyResult<crate::private::PrivateView> {
         let shared = self.shared()?;
-        let view = locked(py, &shared.home, &shared.reader, false, move |r| {
+        // Mapping and faulting a feature's pages in takes a while: no GIL.
+        let view = locked(py, &shared.home, &shared.reader, true, move |r| {
             r.get_private(handle.0)
         })?
         .map_err(to_py)?;

@@ -177,7 +177,7 @@ impl ObjectStore {
         // Reserving and pre-faulting the segment takes a while: no GIL.
         let store = crate::gil::released(py, || pinshm::ObjectStore::create(cfg)).map_err(to_py)?;
         if reap {
-            crate::reap(py, store.name(), true);
+            crate::reap(py, store.name(), true)?;
         }
         Ok(ObjectStore {
             home: Home::new(store.name()),
@@ -654,7 +654,7 @@ impl ObjectStore {
         crate::close_in(py, &self.home, &self.inner);
         // In a forked child the segment is the parent's: its reaper keeps it.
         if self.reaped && !self.home.forked() {
-            crate::reap(py, &self.home.name, false);
+            let _ = crate::reap(py, &self.home.name, false);
         }
     }
 

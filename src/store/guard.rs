@@ -128,7 +128,9 @@ impl PrivateView {
 
     /// The first byte: `len()` bytes there are this view's to read and
     /// write while it lives (for a foreign owner of the memory, such as a
-    /// Python buffer export).
+    /// Python buffer export). Accesses through it must not overlap a
+    /// borrow from `Deref` or `DerefMut`: whoever takes the pointer
+    /// orders its own reads and writes, and makes no reference meanwhile.
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.cow.as_mut_ptr()
     }
@@ -139,8 +141,11 @@ impl Deref for PrivateView {
     fn deref(&self) -> &[u8] {
         // SAFETY: `cow` maps exactly `len` bytes (checked inside the
         // segment when mapped) for as long as it lives; its pages are this
-        // process's (a write goes to a private copy), and what it does not
-        // write is the held slot's, which nobody writes meanwhile.
+        // process's (a write goes to a private copy), and what it has not
+        // written is the held slot's, which no other process writes
+        // meanwhile. Within this process only `DerefMut` (which `&self`
+        // excludes) and users of `as_mut_ptr` (who promise not to overlap
+        // a borrow) write them.
         unsafe { std::slice::from_raw_parts(self.cow.as_mut_ptr(), self.cow.len()) }
     }
 }

@@ -8,15 +8,16 @@ use std::os::fd::AsRawFd;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::listed::{page_size, Listed};
+use super::listed::{page_size, populate, Listed};
 use crate::error::{Error, Result};
 
 /// A private, writable, copy-on-write mapping of `len` bytes of a segment:
 /// it reads the segment's pages (no copy) until this process writes one,
 /// and a write copies that page into memory only this process holds, so it
 /// never reaches the segment, and is gone when the mapping is. Its pages
-/// are mapped at creation (read faults: `MAP_POPULATE` on a read-only
-/// mapping, made writable after), so reading it takes no fault.
+/// are mapped at creation (read faults, `MADV_POPULATE_READ`, on the
+/// mapping while it is read-only; it is made writable after), so reading
+/// it takes no fault.
 ///
 /// It shows what the segment holds *now*: a byte the segment's writer
 /// changes later shows through every page not yet written here. Its user
@@ -63,26 +64,47 @@ impl CowMap {
             });
         }
         let start = offset - offset % page_size();
+        let os = |op: &'static str| {
+            move |e: std::io::Error| Error::Os {
+                op,
+                name: name.to_owned(),
+                source: e,
+            }
+        };
+        // Read-only first, so that faulting the pages in maps the file's
+        // pages instead of copying them (a populate of a writable private
+        // mapping breaks copy-on-write page by page).
         let map = Listed::map(|| {
             // SAFETY: `file` is the segment's own open description (the
-            // caller's), and a mapping outlives its descriptor; a private mapping never writes the file. Read-only
-            // first, so MAP_POPULATE maps the file's pages instead of
-            // copying them (a populate of a writable private mapping breaks
-            // copy-on-write page by page).
+            // caller's), and a mapping outlives its descriptor; a private
+            // mapping never writes the file.
             let ro = unsafe {
                 MmapOptions::new()
                     .offset(start as u64)
                     .len(end - start)
-                    .populate()
                     .map_copy_read_only(file)
             }?;
-            Ok(MmapRaw::from(ro.make_mut()?))
+            Ok(MmapRaw::from(ro))
         })
-        .map_err(|e| Error::Os {
-            op: "mmap",
-            name: name.to_owned(),
-            source: e,
-        })?;
+        .map_err(os("mmap"))?;
+        // After the fork registry's lock is released (faulting a large
+        // range in takes a while, and a fork would wait for it).
+        // SAFETY: the mapping just made, whole; read faults change no byte.
+        unsafe { populate(map.as_mut_ptr(), end - start) };
+        // Writable now: a write faults once and copies its page, for this
+        // mapping only.
+        // SAFETY: mprotect of exactly the mapping made above, which this
+        // value owns; no reference into it exists yet.
+        let rw = unsafe {
+            nix::libc::mprotect(
+                map.as_mut_ptr().cast(),
+                end - start,
+                nix::libc::PROT_READ | nix::libc::PROT_WRITE,
+            )
+        };
+        if rw != 0 {
+            return Err(os("mprotect")(std::io::Error::last_os_error()));
+        }
         Ok(CowMap {
             map: Some(map),
             skip: offset - start,

@@ -16,7 +16,7 @@ use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
 use crate::error::{Error, Result};
-use crate::sys::listed::{page_size, Listed};
+use crate::sys::listed::{page_size, populate, Listed};
 use crate::sys::private::CowMap;
 use crate::sys::shm_free_bytes;
 use crate::sys::trust::{self, Trust};
@@ -659,28 +659,6 @@ fn map(file: &File, len: usize, prefault: bool, name: &str) -> Result<Listed<Mma
         unsafe { populate(map.as_mut_ptr(), len) };
     }
     Ok(map)
-}
-
-/// Faults every page of `ptr..ptr + len` in (read faults, changing no
-/// byte): `MADV_POPULATE_READ` (Linux 5.14); on older kernels one relaxed
-/// atomic load per page.
-///
-/// # Safety
-/// `ptr..ptr + len` is a live mapping of this process.
-unsafe fn populate(ptr: *mut u8, len: usize) {
-    // SAFETY: ptr..ptr+len is a live mapping (the caller's promise); the
-    // advice only faults its pages in and changes no byte.
-    let r = unsafe { nix::libc::madvise(ptr.cast(), len, nix::libc::MADV_POPULATE_READ) };
-    if r == 0 {
-        return;
-    }
-    for off in (0..len).step_by(page_size()) {
-        // SAFETY: in bounds of the live mapping; other processes may
-        // write these bytes, so the load is atomic (u8 needs no
-        // alignment).
-        let b = unsafe { &*(ptr.add(off) as *const std::sync::atomic::AtomicU8) };
-        b.load(Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]

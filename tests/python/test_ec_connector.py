@@ -298,7 +298,7 @@ def test_settings_fill_in_defaults_and_refuse_bad_values():
     assert ECSettings.from_extra({"reserve": "true"}).reserve is True
     s = ECSettings.from_extra({"store": "/x", "size": "64m", "n_readers": "4", "key_index": 99, "key_prefix": ""})
     assert (s.store, s.size, s.n_readers, s.key_index, s.key("abc")) == ("x", 64 << 20, 4, 99, "abc")
-    for bad in [{"store": "a/b"}, {"n_readers": 0}, {"n_readers": 65}, {"size": "big"}, {"retry_s": -1}, {"key_index": True}, {"reserve": 2}]:
+    for bad in [{"store": "a/b"}, {"n_readers": 0}, {"n_readers": 1025}, {"size": "big"}, {"retry_s": -1}, {"key_index": True}, {"reserve": 2}]:
         with pytest.raises(ValueError):
             ECSettings.from_extra(bad)
 

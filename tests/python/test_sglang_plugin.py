@@ -222,3 +222,39 @@ def test_a_name_that_lies_is_a_failed_feature_never_a_wrong_one():
     stub.__setstate__({"shm_name": ref.name(), "shape": (9,), "dtype": torch.float32, "precomputed_hash": None})
     with pytest.raises(RuntimeError, match="bytes where"):
         stub.materialize()
+
+
+def test_hashing_runs_in_sglangs_thread_pool_and_the_tokenizer_workers_are_bound(monkeypatch):
+    """The plugin (bound in this process by the fixture) left SGLang's
+    precompute switch on, which SGLang reads at each request, and named its
+    package for SGLang's tokenizer workers; SGLang's own hash executor then
+    hashes an item off the calling thread, once, to the value the ranks
+    would compute, and the wrap hook finds nothing left to hash."""
+    import asyncio
+    import threading
+
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
+    from sglang.srt.multimodal.processors.hash_executor import MultimodalHashExecutor
+
+    assert envs.SGLANG_MM_PRECOMPUTE_HASH.get() is True
+    assert os.environ["SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"] == "pinshm.sglang.workers"
+    f = torch.randn(64, 64)
+    item = MultimodalDataItem(modality=Modality.IMAGE, feature=f)
+    threads = []
+    real = MultimodalDataItem.set_pad_value
+
+    def spy(self):
+        threads.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(MultimodalDataItem, "set_pad_value", spy)
+    asyncio.run(MultimodalHashExecutor().set_pad_values([item]))
+    assert item.hash == mm_utils.hash_feature(f)
+    assert threads and all(t.startswith("sglang-mm-hash") for t in threads), threads
+    _transport(monkeypatch)
+    req = _request([f.clone()], [item.hash])
+    req.mm_inputs.mm_items[0].pad_value = item.pad_value
+    threads.clear()
+    mm_utils.wrap_shm_features(req)
+    assert threads == [], "the wrap hook hashed again"

@@ -404,3 +404,31 @@ def test_a_store_full_of_old_leases_lets_them_go_for_a_new_feature(stand_in):
     p = _run(stand_in, FULL_OF_LEASES)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, out + err
+
+
+LYING_HASH = """
+import pickle
+import numpy as np, torch
+from pinshm.sglang import _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+plugin.register(); HookRegistry.apply_hooks()
+a = np.full(4096, 1.0, np.float32)
+b = np.full(4096, 2.0, np.float32)  # same dtype and shape, other bytes
+pa = pickle.dumps(mm_utils._wrap_shm_or_inline(torch.Tensor(a.copy()), precomputed_hash=0xBAD))
+pb = pickle.dumps(mm_utils._wrap_shm_or_inline(torch.Tensor(b.copy()), precomputed_hash=0xBAD))  # a client's lie
+pc = pickle.dumps(mm_utils._wrap_shm_or_inline(torch.Tensor(a.copy()), precomputed_hash=0xBAD))  # a true repeat
+ta, tb, tc = (pickle.loads(p).materialize().numpy() for p in (pa, pb, pc))
+assert np.array_equal(ta, a) and np.array_equal(tb, b) and np.array_equal(tc, a), (ta[:2], tb[:2], tc[:2])
+w = _store.writer()
+assert (w.puts, w.hits, w.mismatches) == (2, 1, 1), (w.puts, w.hits, w.mismatches)
+"""
+
+
+def test_a_hash_that_names_other_bytes_is_never_served_another_features_bytes(stand_in):
+    """A client may send its own item hashes (SGLang's mm_hashes): a hit
+    is served only where the stored bytes are the feature's, so a lying
+    hash costs a put, never another request's image."""
+    p = _run(stand_in, LYING_HASH)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err

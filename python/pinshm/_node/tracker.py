@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import os
 import select
+import stat
 import subprocess
 import sys
+import threading
 from typing import Optional
 
 #: (pid that started it, its pid, the pipe's write end) of this process
 #: tree's reaper; a forked child writes to its parent's.
 _REAPER: Optional[tuple[int, int, int]] = None
+#: (device, inode) of that pipe: a child that closed the descriptor and
+#: reused its number for something else writes nothing there.
+_PIPE_ID: Optional[tuple[int, int]] = None
+#: One reaper per process, however many threads make their first segment at once.
+_START = threading.Lock()
 #: name -> (device, inode) of each segment told to the reaper, this process.
 _TOLD: dict[str, tuple[int, int]] = {}
 
@@ -34,7 +41,12 @@ def reaper_pid() -> Optional[int]:
 
 
 def _pipe() -> Optional[int]:
-    global _REAPER
+    with _START:
+        return _start()
+
+
+def _start() -> Optional[int]:
+    global _REAPER, _PIPE_ID
     if _REAPER is not None:
         return _REAPER[2]
     read, write = os.pipe()
@@ -68,19 +80,29 @@ def _pipe() -> Optional[int]:
             proc.kill()
             proc.wait()
         pid = int(line)
-    except (OSError, ValueError):
+    except BaseException:  # no reaper (OSError, a bad line) or an interrupt: the pipe goes
         os.close(write)
-        return None
+        raise
     finally:
         os.close(read)
-    _REAPER = (os.getpid(), pid, write)
+    st = os.fstat(write)
+    _REAPER, _PIPE_ID = (os.getpid(), pid, write), (st.st_dev, st.st_ino)
     return write
 
 
 def _tell(line: str) -> None:
-    fd = _pipe()
+    try:
+        fd = _pipe()
+    except (OSError, ValueError):  # no reaper: `pinshm gc` removes what is left
+        return
     if fd is None:
         return
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return
+    if not stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) != _PIPE_ID:
+        return  # the number names something else now (a child closed it)
     data = line.encode()
     try:
         os.write(fd, data)  # one write under PIPE_BUF: never interleaved

@@ -88,19 +88,23 @@ def ranks() -> Optional[int]:
     DP × PP from SGLang's published server arguments (every scheduler,
     an upper bound on the readers: only the first pipeline stage reads),
     or ``PINSHM_SGLANG_RANKS``; None where neither says."""
-    given = os.environ.get("PINSHM_SGLANG_RANKS", "").strip()
-    if given:
+    given: Optional[int] = None
+    raw = os.environ.get("PINSHM_SGLANG_RANKS", "").strip()
+    if raw:
         try:
-            return max(1, int(given))
+            given = max(1, int(raw))
         except ValueError:
-            logger.warning("pinshm sglang: PINSHM_SGLANG_RANKS=%r is not a number; ignored", given)
+            logger.warning("pinshm sglang: PINSHM_SGLANG_RANKS=%r is not a number; ignored", raw)
     try:
         from sglang.srt.runtime_context import get_server_args
 
         a = get_server_args()
-        return int(a.tp_size) * int(getattr(a, "dp_size", 1) or 1) * int(getattr(a, "pp_size", 1) or 1)
+        found = int(a.tp_size) * int(getattr(a, "dp_size", 1) or 1) * int(getattr(a, "pp_size", 1) or 1)
     except Exception:  # noqa: BLE001 - not published here (a test, another launcher)
-        return None
+        return given
+    # The variable may raise the count, never lower it below SGLang's: a
+    # name unlinked before a rank attached would fail that rank's features.
+    return max(found, given or 0)
 
 
 class Writer:
@@ -117,11 +121,13 @@ class Writer:
     def __init__(self) -> None:
         size = shm_size() or 0
         self.ranks = ranks()
-        n_readers = max(64, (self.ranks or 0) + 2)  # the ranks, this process's own, one spare
+        # The ranks, this process's own, one spare; where the count is
+        # unknown, room for 255 ranks (12 bytes of each slot apiece).
+        n_readers = max(64, self.ranks + 2) if self.ranks is not None else 256
         want = int(_env_float("PINSHM_SGLANG_CACHE_MIB", 2048) * MIB)
         capacity = max(4 * MIB, min(want, size // 2 if size else want))
         self.grace = _env_float("PINSHM_SGLANG_GRACE_S", 300.0)
-        self.min_grace = min(self.grace, _env_float("PINSHM_SGLANG_MIN_GRACE_S", 10.0))
+        self.min_grace = min(self.grace, _env_float("PINSHM_SGLANG_MIN_GRACE_S", 60.0))
         name = f"pinshm_sgl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         try:  # stores of servers killed before their names left (a PID-1 engine's)
             for gone in gc_segments("pinshm_sgl_", dry_run=False):
@@ -138,13 +144,8 @@ class Writer:
             pin="off",
             shm_headroom=min(256 * MIB, size // 8),
         )
+        # reap=True (the default): removed after this process dies, SIGKILL included.
         self.name = self.store.name
-        try:
-            from .._node import tracker as _tracker
-
-            _tracker.track(self.name)  # removed after this process dies, SIGKILL included
-        except Exception as e:  # noqa: BLE001 - best effort: `pinshm gc` is the fallback
-            logger.debug("pinshm sglang: no reaper for %s: %s", self.name, e)
         self.own = StoreReader.attach_by_name(self.name, pin="off")
         self.pid = os.getpid()
         self.lock = threading.Lock()
@@ -152,7 +153,7 @@ class Writer:
         # (deadline, key) in send order, and key -> (deadline, lease).
         self.order: collections.deque[tuple[float, int]] = collections.deque()
         self.leases: dict[int, tuple[float, Lease]] = {}
-        self.puts = self.hits = self.fallbacks = 0
+        self.puts = self.hits = self.fallbacks = self.mismatches = 0
         self.named = True  # the store's name is in /dev/shm
         self.next_look = 0.0
         logger.info(
@@ -167,6 +168,14 @@ class Writer:
         with self.lock:
             self._expire()
             h = self.store.get_cached(key) if key is not None else None
+            if h is not None and not self._holds(h, data):
+                # The hash is not proof: a client may send its own
+                # (SGLang's mm_hashes). Another feature under this key is
+                # never sent; this one is put under a key of its own.
+                self.mismatches += 1
+                if self.mismatches == 1:
+                    logger.warning("pinshm sglang: a feature's hash names other bytes in the store; not reused")
+                h, key = None, None
             if h is not None:
                 self.hits += 1
             else:
@@ -192,6 +201,23 @@ class Writer:
                 self._unlink_once_all_attached()
             return Ref(self.name, h)
 
+    def _holds(self, h: ObjectHandle, data: Any) -> bool:
+        """Whether the object at `h` is byte for byte `data` (a uint8
+        array): read in place, compared a MiB at a time (numpy, the GIL
+        released), which costs less than the copy a put would make."""
+        import numpy as np
+
+        try:
+            with self.own.get(h) as g:
+                a = np.frombuffer(g, dtype=np.uint8)
+                same = a.size == data.size and all(
+                    np.array_equal(a[i : i + MIB], data[i : i + MIB]) for i in range(0, a.size, MIB)
+                )
+                del a
+            return same
+        except PinshmError:
+            return False
+
     def _unlink_once_all_attached(self) -> None:
         """Removes the store's name once every rank has attached (looked at
         once a second at most: the reader table costs a lock test per
@@ -214,10 +240,13 @@ class Writer:
 
     def _put(self, key: str, data: Any) -> ObjectHandle:
         """A put that, where the store is full of leased objects, first
-        lets go of the leases older than ``PINSHM_SGLANG_MIN_GRACE_S`` (10
+        lets go of the leases older than ``PINSHM_SGLANG_MIN_GRACE_S`` (60
         s) and tries once more. A scheduler reads a feature as it receives
-        its request (well within that); a rank's tensor holds its slot by
-        itself, so what is freed is only what nobody reads any more."""
+        its request (well within that, unless requests wait that long before
+        any scheduler takes them: then such a request fails, as SGLang fails
+        a feature it cannot read, where a store never full would have sent
+        it); a rank's tensor holds its slot by itself, so what is freed is
+        only what nobody reads any more."""
         try:
             return self.store.put(key, data)
         except FullError:

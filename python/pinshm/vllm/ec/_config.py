@@ -34,11 +34,12 @@ DEFAULT_SIZE = 1 << 30
 MIN_RESERVED = 4 << 20
 #: Reader entries: each engine that reads takes one for its scheduler and
 #: one per worker of its first pipeline stage (TP rank), so two TP=8
-#: engines need 18. The default is the most a segment has: seven TP=8
-#: engines, or 32 TP=1 engines, each with its entries. An entry costs 12
-#: bytes in each slot's header (under 1 % of a 98 KiB output at 64).
-MAX_READERS = 64
-DEFAULT_READERS = MAX_READERS
+#: engines need 18. The default: seven TP=8 engines, or 32 TP=1 engines,
+#: each with its entries; a store has at most 1024 (the crate's
+#: ``StoreConfig::MAX_READERS``). An entry costs 12 bytes in each slot's
+#: header (under 1 % of a 98 KiB output at 64).
+MAX_READERS = 1024
+DEFAULT_READERS = 64
 #: Average output size the default key index is sized for (an image of 64
 #: tokens of width 256 in bf16; real encoders' are larger): an index with
 #: room for ``size // this`` keys (within the bounds below).

@@ -159,8 +159,9 @@ def r_upstream(data: Any) -> str:
 
 def r_engine_loop(data: Any) -> str:
     """Rows of examples/vllm_e2e/engine_loop.py (one per run), the medians
-    of each (mode, /dev/shm) over its runs, as ratios to vLLM's own queue
-    (mode 0, full /dev/shm) in the same file."""
+    of each (mode, /dev/shm) over its runs, and the ratio of vLLM's own
+    queue's (mode 0, full /dev/shm, in the same file) to each: above 1,
+    pinshm's is faster (or uses less CPU)."""
     groups: dict[tuple, list[dict]] = {}
     for r in data["runs"]:
         groups.setdefault((r["mode"], r.get("shm_mib")), []).append(r)
@@ -182,7 +183,7 @@ def r_engine_loop(data: Any) -> str:
         cells = []
         for k in ("step_ms_median", "slow_step_ms_median", "engine_cpu_per_wall"):
             m = med(rows, k)
-            ratio = f" ({m / med(base, k):.2f}x)" if base and rows is not base else ""
+            ratio = f" ({med(base, k) / m:.2f}x)" if base and rows is not base else ""
             cells.append(f"{m:.2f}{' ms' if k != 'engine_cpu_per_wall' else ''}{ratio}")
         where = f"{shm} MiB" if shm else "the host's"
         out.append(
@@ -222,7 +223,8 @@ def r_bench_keys(data: Any) -> str:
 
 def r_ec_timing(data: Any) -> str:
     """ec.py's pass times over interleaved repeats: per configuration, the
-    median of each pass (min-max) and its ratio to stock's median."""
+    median of each pass (min-max), and stock's median ÷ its own (above 1:
+    faster than stock)."""
     import statistics
 
     by: dict[str, list[dict]] = {}
@@ -237,7 +239,7 @@ def r_ec_timing(data: Any) -> str:
 
     head = " | ".join(f"pass {i + 1} s (min-max)" for i in range(n))
     rows = [
-        f"| config | runs | tokens = stock | encoder items per pass | {head} | ratio to stock |",
+        f"| config | runs | tokens = stock | encoder items per pass | {head} | stock's time ÷ this one's |",
         "|" + "---|" * (5 + n),
     ]
     for cfg, rs in by.items():
@@ -245,7 +247,7 @@ def r_ec_timing(data: Any) -> str:
         for i in range(n):
             xs = [r["pass_s"][i] for r in rs]
             cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})")
-        ratios = ", ".join(f"{med(rs, 'pass_s', i) / med(stock, 'pass_s', i):.2f}" for i in range(n)) if stock else "-"
+        ratios = ", ".join(f"{med(stock, 'pass_s', i) / med(rs, 'pass_s', i):.2f}" for i in range(n)) if stock else "-"
         same = all(r.get("tokens_equal_stock", True) for r in rs)
         items = [med(rs, "encoded", i) for i in range(n)]
         rows.append(f"| {cfg} | {len(rs)} | {'yes' if same else 'NO'} | {items} | " + " | ".join(cells) + f" | {ratios} |")
@@ -254,8 +256,10 @@ def r_ec_timing(data: Any) -> str:
 
 def r_serving(data: Any) -> str:
     """serve_bench.py's cells: stock's medians over repeats, and each other
-    configuration's as the median of its ratio to stock in the same
-    repeat (requests/s: higher is better; latencies: lower is better)."""
+    configuration's against stock's in the same repeat, one way for all:
+    above 1 is better (requests/s: the median of its ratio to stock's;
+    latencies: 1 / the median of its ratio to stock's, that is stock's
+    latency ÷ its own)."""
     keys = ("rps", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
     rows = [
         "| cell | config | requests/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |",
@@ -270,7 +274,7 @@ def r_serving(data: Any) -> str:
             if r["config"] == "stock":
                 vals = [f"{r['rps']:.1f}"] + [f"{r[k] * 1000:.0f} ms" for k in keys[1:]]
             else:
-                vals = [f"{r['ratio_to_stock'][k]:.2f}x" for k in keys]
+                vals = [f"{r['ratio_to_stock'][k] if k == 'rps' else 1 / r['ratio_to_stock'][k]:.2f}x" for k in keys]
             rows.append(f"| {cell} | {r['config']} | " + " | ".join(vals) + " |")
     same = ", ".join(f"{c}: {'yes' if v else 'NO'}" for c, v in data["tokens_as_stock"].items())
     return "\n".join(rows) + f"\n\n{data['repeats']} interleaved repeats, {data.get('machine', '?')}; tokens as stock's: {same}.\n"

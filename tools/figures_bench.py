@@ -49,9 +49,9 @@ def runs(data: list[dict]) -> int:
 
 def r_bench_store(data: list[dict]) -> str:
     """The store's table: every op measured beside a memcpy of its size
-    (`memcpy_median_ns`), by size; ns, and from 256 KiB the ratio to the
-    memcpy of the same run (below that a memcpy is a few ns and the ratio
-    says nothing)."""
+    (`memcpy_median_ns`), by size; ns, and from 256 KiB the memcpy's time
+    ÷ the op's in the same run (above 1: faster than the memcpy; below
+    256 KiB a memcpy is a few ns and the ratio says nothing)."""
     cells: dict[tuple[str, int], list[dict]] = {}
     ops: list[str] = []
     sizes: list[int] = []
@@ -78,14 +78,15 @@ def r_bench_store(data: list[dict]) -> str:
             ns = ns_label(statistics.median(r["median_ns"] for r in rs))
             ratios = [r["ratio"] for r in rs]
             # a ratio where the op copies the bytes (a guard's or an item's view does not)
-            row.append(f"{ns} ({spread(ratios)})" if s >= 256 * KIB and statistics.median(ratios) > 0.1 else ns)
+            copies = s >= 256 * KIB and statistics.median(ratios) > 0.1
+            row.append(f"{ns} ({spread([1 / x for x in ratios])})" if copies else ns)
         out.append(f"| `{op}` | " + " | ".join(row) + " |")
     m = [r for r in data if "memcpy_median_ns" in r and r["op"] != "xproc"]
     out.append("")
     out.append(
-        f"{runs(data)} runs; medians of the runs' medians; in brackets from 256 KiB: the ratio to a memcpy "
-        "of the same size into an arena as large as the op's ring, in the same run (median and range over "
-        f"the runs), for the ops that copy the bytes. {len(m)} rows."
+        f"{runs(data)} runs; medians of the runs' medians; in brackets from 256 KiB: the time of a memcpy "
+        "of the same size into an arena as large as the op's ring ÷ the op's, in the same run (above 1: "
+        f"faster than the memcpy; median and range over the runs), for the ops that copy the bytes. {len(m)} rows."
     )
     return "\n".join(out) + "\n"
 
@@ -122,7 +123,8 @@ def op_label(r: dict) -> str:
 
 def r_bench_baselines(data: list[dict], prefix: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str:
     """Rows measured beside a baseline other than memcpy: op, median ns,
-    ratio to the baseline of the same run (median and range over runs)."""
+    the baseline's time ÷ the op's in the same run (above 1: faster than
+    the baseline; median and range over runs)."""
     groups: dict[str, list[dict]] = {}
     for r in data:
         if "memcpy_median_ns" in r or not r.get("op", "").startswith(prefix) or r["op"].startswith(exclude):
@@ -130,11 +132,11 @@ def r_bench_baselines(data: list[dict], prefix: tuple[str, ...], exclude: tuple[
         if baseline_of(r) is None:
             continue
         groups.setdefault(op_label(r) + "|" + baseline_of(r), []).append(r)
-    out = ["| op | median | ratio to the baseline (same run) | baseline |", "|---|---|---|---|"]
+    out = ["| op | median | the baseline's time ÷ the op's (same run) | baseline |", "|---|---|---|---|"]
     for key, rs in groups.items():
         label, base = key.split("|", 1)
         ns = ns_label(statistics.median(r["median_ns"] for r in rs))
-        out.append(f"| {label} | {ns} | {spread([r['ratio'] for r in rs])} | {base} |")
+        out.append(f"| {label} | {ns} | {spread([1 / r['ratio'] for r in rs])} | {base} |")
     out.append("")
     out.append(f"{runs(data)} runs; medians of the runs' medians; ratios: median (range) over the runs.")
     return "\n".join(out) + "\n"
@@ -157,7 +159,8 @@ def r_bench_xproc(data: list[dict]) -> str:
         f"{min(gbps):.1f} to {max(gbps):.1f} GB/s delivered to each reader while streaming; "
         f"end-to-end latency, put start to the last reader done, one object at a time: "
         f"{spread([r['latency_median_ns'] / 1e3 for r in rs], '{:.0f}')} µs, "
-        f"{spread([r['ratio'] for r in rs])}× a {size_label(rs[0]['size'])} memcpy into the same working set.\n"
+        f"a {size_label(rs[0]['size'])} memcpy into the same working set takes "
+        f"{spread([1 / r['ratio'] for r in rs])}× that time.\n"
     )
 
 
@@ -176,20 +179,21 @@ def r_bench_headline(data: list[dict]) -> str:
     by_size: dict[int, list[float]] = {}
     for r in big:
         by_size.setdefault(r["size"], []).append(r["ratio"])
-    put = [statistics.median(v) for v in by_size.values()]
+    put = [1 / statistics.median(v) for v in by_size.values()]
     gets = [r["median_ns"] for r in data if r.get("op") == "get_guard" and "memcpy_median_ns" in r]
     at_floor = [r for r in data if r.get("op") == "get_guard" and "floor_ns" in r]
-    floor = statistics.median(r["ratio"] for r in at_floor)
+    floor = 1 / statistics.median(r["ratio"] for r in at_floor)
     guard_ns = [r["median_ns"] for r in at_floor]
     rows = [
         f"| the store (medians over {runs(data)} runs of the bench) | figure |",
         "|---|---|",
         f"| put, {size_label(min(by_size))} to {size_label(max(by_size))}, steady state | "
-        f"{min(put):.2f}–{max(put):.2f}× a memcpy of the same size into the same working set (median per size) |",
+        f"{min(put):.2f}–{max(put):.2f}× a memcpy's speed: the memcpy's time ÷ the put's, of the same size into "
+        "the same working set (median per size) |",
         f"| zero-copy get and release (`get_guard`) | {min(gets):.0f}–{max(gets):.0f} ns over 64 B to 64 MiB; "
-        f"{statistics.median(guard_ns):.0f} ns at 4 KiB, {floor:.2f}× the read protocol's floor |",
-        f"| get by key (64-digit keys, as vLLM's mm hashes) | {_med(data, 'get_key'):.2f}× a get by handle; "
-        f"the key's fingerprint {_med(data, 'fp_shipped'):.2f}× keyed SHA-256's cost |",
+        f"{statistics.median(guard_ns):.0f} ns at 4 KiB, {floor:.2f}× the speed of the read protocol's floor |",
+        f"| get by key (64-digit keys, as vLLM's mm hashes) | {1 / _med(data, 'get_key'):.2f}× a get by handle's "
+        f"speed; the key's fingerprint {1 / _med(data, 'fp_shipped'):.2f}× keyed SHA-256's |",
     ]
     return "\n".join(rows) + "\n"
 
@@ -352,11 +356,13 @@ EC_OPS = ["memcpy", "file", "sparse", "sparse_inline", "backed"]
 
 def r_ec_save_load(res: dict) -> str:
     """bench_ec.py's table: per store and dtype, save, load, and load with
-    a read of every page, at each size, µs (ratio to the file connector's)."""
+    a read of every page, at each size, µs (the file connector's time ÷
+    the op's: above 1, faster than the file connector)."""
     s = res["stamp"]
     out = [
         f"torch {s.get('torch')}, safetensors {s.get('safetensors')}, {s.get('repeats')} interleaved repeats, "
-        f"step {s.get('gap_ms')} ms, {s.get('torch_threads')} torch thread; medians; ratio: to the file connector's",
+        f"step {s.get('gap_ms')} ms, {s.get('torch_threads')} torch thread; medians; in brackets: the file "
+        "connector's time ÷ the op's (above 1: faster)",
         "",
     ]
     sizes = sorted({r["size"] for r in res["rows"]})
@@ -374,7 +380,7 @@ def r_ec_save_load(res: dict) -> str:
                 for n in sizes:
                     v = rows[n][what]
                     us = v[op] / 1e3
-                    parts.append(f"{us:.0f} µs" if op == "file" else f"{us:.0f} µs ({v[op] / v['file']:.2f}×)")
+                    parts.append(f"{us:.0f} µs" if op == "file" else f"{us:.0f} µs ({v['file'] / v[op]:.2f}×)")
                 cells.append(" / ".join(parts))
             out.append(f"| {op} | {dt} | {cells[0]} | {cells[1]} | {cells[2]} |")
     return "\n".join(out) + "\n"
@@ -391,9 +397,12 @@ PY_ROWS = [
     ("vLLM put (raw serde)", "vllm_put"),
     ("vLLM get (copies)", "vllm_get"),
 ]
+#: The bench's ratios, each shown as a baseline's time ÷ pinshm's (above
+#: 1: pinshm faster); the bench wrote the first two the other way round,
+#: and r_py_bench inverts them.
 PY_RATIOS = [
-    ("put / memcpy", "put_vs_memcpy"),
-    ("get_copy / new `bytes`", "get_copy_vs_bytes_copy"),
+    ("memcpy / put", "put_vs_memcpy"),
+    ("new `bytes` / get_copy", "get_copy_vs_bytes_copy"),
     ("vLLM put / put", "vllm_put_over_put"),
     ("vLLM get / get", "vllm_get_over_get"),
     ("vLLM get / get_copy", "vllm_get_over_get_copy"),
@@ -418,12 +427,14 @@ def r_py_bench(res: dict) -> str:
             out.append(f"| {label} | " + " | ".join(ns_label(statistics.median(cell(key, s))) for s in sizes) + " |")
     for label, key in PY_RATIOS:
         if cell(key, sizes[0]):
-            out.append(f"| {label} | " + " | ".join(spread(cell(key, s)) for s in sizes) + " |")
+            flip = key in ("put_vs_memcpy", "get_copy_vs_bytes_copy")  # written as pinshm's ÷ the baseline's
+            row = [spread([1 / x for x in cell(key, s)] if flip else cell(key, s)) for s in sizes]
+            out.append(f"| {label} | " + " | ".join(row) + " |")
     m = res["runs"][0]["meta"]
     out.append("")
     out.append(
         f"{len(runs)} runs; pinshm {m.get('pinshm')}, Python {m.get('python')}, vLLM {m.get('vllm') or 'not installed'}; "
-        "ratios: median (range) over the runs."
+        "ratios: median (range) over the runs; each is a baseline's time ÷ pinshm's (above 1: pinshm faster)."
     )
     return "\n".join(out) + "\n"
 

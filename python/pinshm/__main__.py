@@ -1,17 +1,6 @@
 """``python -m pinshm inspect NAME`` and ``python -m pinshm doctor``
-(see :mod:`pinshm.cli`)."""
-
-import os
-import sys
+(see :mod:`pinshm.cli`, which also ends quietly into a closed pipe)."""
 
 from .cli import main
 
-try:
-    code = main()
-    sys.stdout.flush()
-except BrokenPipeError:
-    # The reader went away (`doctor --json | head`): quiet, as a Unix tool
-    # is. Python would flush stdout again at exit and fail once more.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    code = 0
-raise SystemExit(code)
+raise SystemExit(main())

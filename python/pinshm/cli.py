@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,gc,doctor}")
     i = sub.add_parser(
         "inspect",
+        usage="%(prog)s [-h] [--json] NAME [ADDRESS:ID ...]",
         help="show a segment in /dev/shm (read-only)",
         description="Show a store or channel in /dev/shm, live or abandoned, without changing it: its writer, "
         "readers and their state, objects and holds, occupancy, and what blocks reclamation. With ADDRESS:ID "
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     # Optional to argparse, which would otherwise say ADDRESS:ID is
     # required too: main() says what is missing.
-    i.add_argument("name", nargs="?", help="the segment's name, as in /dev/shm/NAME")
+    i.add_argument("name", nargs="?", metavar="NAME", help="the segment's name, as in /dev/shm/NAME")
     i.add_argument("handles", nargs="*", type=_handle, metavar="ADDRESS:ID", help="explain a Stale error's handle")
     i.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     g = sub.add_parser(
@@ -131,9 +132,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line (``python -m pinshm`` and the ``pinshm`` script):
+    its exit code. Output into a closed pipe (``doctor --json | head``)
+    ends quietly, as a Unix tool's does."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and fail once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    return code
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "inspect" and not args.name:
+        print(f"usage: {parser.prog} inspect [-h] [--json] NAME [ADDRESS:ID ...]", file=sys.stderr)
         print(
             f"{parser.prog} inspect: a segment's NAME is required (as in /dev/shm/NAME); ADDRESS:ID is optional",
             file=sys.stderr,

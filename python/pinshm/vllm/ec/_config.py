@@ -148,7 +148,7 @@ class ECSettings:
       size that does not fit stops the engine at start, naming the most
       that does.
     - ``n_readers``: reader entries (scheduler and workers of every engine
-      that reads; default 64, the most).
+      that reads; default 64, at most 1024).
     - ``key_index``: keys the shared index has room for (default: one per
       32 KiB of ``size``, 64 to 2^20).
     - ``max_object_size``: the largest output saved (None: what fits).

@@ -29,4 +29,4 @@ def r_sglang(data: Any) -> str:
     return "\n".join(f"**{run['label']}**\n\n{table(run['rows'])}" for run in data["runs"])
 
 
-RENDERERS = {"sglang": r_sglang}
+RENDERERS = {"sglang": r_sglang, "sglang-host": r_sglang}

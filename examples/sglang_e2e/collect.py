@@ -2,9 +2,11 @@
 """Gathers run.py's RESULTS.json files into one results file, each run
 labelled (its /dev/shm and deployment), for tools/figures.py:
 
-    python3 examples/sglang_e2e/collect.py OUT.json "host, TP=1 and 2=DIR1/RESULTS.json" "64 MiB=DIR2/RESULTS.json" ...
+    python3 examples/sglang_e2e/collect.py [--commit SHA] OUT.json "host, TP=1 and 2=DIR1/RESULTS.json" ...
 
-then `tools/figures.py --stamp OUT.json --command "..."`. Standard library only."""
+then `tools/figures.py --stamp OUT.json --command "..."`, which stamps the
+checkout's commit unless `--commit` named the one the runs measured.
+Standard library only."""
 
 from __future__ import annotations
 
@@ -13,17 +15,24 @@ import sys
 
 
 def main() -> int:
-    if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
+    args = sys.argv[1:]
+    commit = None
+    if args[:1] == ["--commit"] and len(args) > 1:
+        commit, args = args[1], args[2:]
+    if len(args) < 2 or not all("=" in a for a in args[1:]):
         print(__doc__)
         return 2
     runs = []
-    for arg in sys.argv[2:]:
+    for arg in args[1:]:
         label, _, path = arg.rpartition("=")
         with open(path) as f:
             got = json.load(f)
         runs.append({"label": label, "meta": got["meta"], "rows": got["rows"]})
-    with open(sys.argv[1], "w") as f:
-        json.dump({"runs": runs}, f, indent=1)
+    whole: dict = {"runs": runs}
+    if commit:
+        whole["stamp"] = {"commit": commit}
+    with open(args[0], "w") as f:
+        json.dump(whole, f, separators=(",", ":"))
     return 0
 
 

@@ -82,6 +82,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             if not any(phase in a["phases"] for a, _ in ps):
                 continue
             same = all(same_tokens(a["phases"][phase], b["phases"][phase]) for a, b in ps if phase in b["phases"])
+            # A burst cut by a SIGKILL: its streams end where the server died.
+            killed = phase == "burst_distinct" and any("killed_after_s" in a or "killed_after_s" in b for a, b in ps)
             cells = []
             for key in ("ttft_s_p50", "ttft_s_p99", "latency_s_p50", "latency_s_p99", "rps"):
                 c = cell(ps, phase, key)
@@ -91,7 +93,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                     cells.append(f"{c[0]:.1f} → {c[1]:.1f} ({c[2]:.2f}×)")
                 else:
                     cells.append(f"{1000 * c[0]:.0f} → {1000 * c[1]:.0f} ({c[2]:.2f}×)")
-            out.append(f"| {tp} | {phase} | {'yes' if same else 'NO'} | " + " | ".join(cells) + " |")
+            verdict = "n/a (killed mid-burst)" if killed else "yes" if same else "NO"
+            out.append(f"| {tp} | {phase} | {verdict} | " + " | ".join(cells) + " |")
     out.append("")
     out.append(footer(rows))
     return "\n".join(out) + "\n"

@@ -14,6 +14,18 @@ import json
 import sys
 
 
+#: What a run's own paths become in the results (a machine's paths stay on it).
+PLACEHOLDERS = {"--python": "VENV/bin/python", "--model": "MODEL", "--out": "OUT", "--images": "IMAGES"}
+
+
+def _placeholders(argv: list[str]) -> list[str]:
+    out = []
+    for i, a in enumerate(argv):
+        flag = argv[i - 1] if i else ""
+        out.append(PLACEHOLDERS.get(flag, "PATH") if a.startswith("/") else a)
+    return out
+
+
 def main() -> int:
     args = sys.argv[1:]
     commit = None
@@ -27,7 +39,8 @@ def main() -> int:
         label, _, path = arg.rpartition("=")
         with open(path) as f:
             got = json.load(f)
-        runs.append({"label": label, "meta": got["meta"], "rows": got["rows"]})
+        meta = dict(got["meta"], argv=_placeholders(got["meta"].get("argv", [])))
+        runs.append({"label": label, "meta": meta, "rows": got["rows"]})
     whole: dict = {"runs": runs}
     if commit:
         whole["stamp"] = {"commit": commit}

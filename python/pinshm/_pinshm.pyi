@@ -361,11 +361,6 @@ class ObjectStore:
         stored. Ends a `protect` of the key."""
     def add_reference(self, key: str) -> None:
         """One more reference to `key`: each reader owes one more read."""
-    def get_private(self, handle: ObjectHandle) -> PrivateView:
-        """The object as this process's own writable copy that copies
-        nothing until written (a `PrivateView`), holding the slot while it
-        (or any export of it) lives: a tensor a consumer may change in place
-        without changing what other readers read. StaleError if it is gone."""
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`, counting no reference, or None (vLLM's
         `key_index[key]`)."""
@@ -412,6 +407,8 @@ class ObjectStore:
     SLOT_ALIGN: ClassVar[int]
     """Slots start at, and a ring's capacity is a multiple of, this many
     bytes."""
+    MAX_READERS: ClassVar[int]
+    """The most readers a store serves (`n_readers` up to this, 1024)."""
     DEFAULT_BACK_AHEAD: ClassVar[int]
     """Bytes a sparse store's background thread keeps backed past the
     writer's last put by default (`back_ahead=None`; 0 turns it off)."""
@@ -661,6 +658,11 @@ class StoreReader:
         """A zero-copy read of the object: a `ReadGuard` exporting its bytes
         through the buffer protocol, holding the slot until it and its
         exports are released. StaleError if the object is gone (a miss)."""
+    def get_private(self, handle: ObjectHandle) -> PrivateView:
+        """The object as this process's own writable copy that copies
+        nothing until written (a `PrivateView`), holding the slot while it
+        (or any export of it) lives: a tensor a consumer may change in place
+        without changing what other readers read. StaleError if it is gone."""
     def lookup(self, key: str) -> Optional[ObjectHandle]:
         """The handle of `key`'s object from the store's shared key index
         (`key_index=` at create), without the writer; None on a miss. Never

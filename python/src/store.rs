@@ -584,6 +584,10 @@ impl ObjectStore {
     #[classattr]
     const SLOT_ALIGN: usize = pinshm::StoreConfig::SLOT_ALIGN;
 
+    /// The most readers a store serves (`n_readers` up to this).
+    #[classattr]
+    const MAX_READERS: u32 = pinshm::StoreConfig::MAX_READERS;
+
     /// `back_ahead`'s default (bytes): how far a sparse store's background
     /// thread backs pages ahead of the writer.
     #[classattr]

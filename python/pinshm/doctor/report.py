@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .._node.budget import GIB, MIB
+
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 #: A check whose subject is not here (no vLLM, no GPU): not passed, said.
 SKIP = "skip"
-MIB = 1 << 20
-GIB = 1 << 30
+
+__all__ = ["FAIL", "GIB", "INFO", "MIB", "OK", "SKIP", "WARN", "Check", "Plan", "format_report"]
 
 
 @dataclasses.dataclass

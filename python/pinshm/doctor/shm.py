@@ -7,11 +7,9 @@ import os
 from typing import Optional
 
 from .._node import budget as _budget
-from .._node.budget import shm_headroom
+from .._node.budget import SHM_PATH, shm_headroom
 from ..vllm import facade as vllm
 from .report import FAIL, GIB, INFO, MIB, OK, WARN, Check, Plan, _mib
-
-SHM_PATH = "/dev/shm"
 
 
 def check_shm(plan: Plan) -> list[Check]:

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .._node.budget import shm_size
+from .._node.budget import MIB, shm_size
 from .._pinshm import (
     FullError,
     InvalidArgumentError,
@@ -46,7 +46,6 @@ PREFIX = "pinshm:"
 #: names no other segment.
 STORE = re.compile(r"pinshm_sgl_[0-9]{1,10}_[0-9a-f]{8}")
 _NUMBER = re.compile(r"[0-9]{1,20}")
-MIB = 1 << 20
 
 
 def _env_float(name: str, default: float) -> float:

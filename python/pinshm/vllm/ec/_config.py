@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..._node import budget as _budget
+from ..._pinshm import ObjectStore
 
 #: The store the engines of a node share when none is named, followed by
 #: ``.u<uid>`` (the engines' effective uid: :func:`default_store`), so that
@@ -38,7 +39,7 @@ MIN_RESERVED = 4 << 20
 #: each with its entries; a store has at most 1024 (the crate's
 #: ``StoreConfig::MAX_READERS``). An entry costs 12 bytes in each slot's
 #: header (under 1 % of a 98 KiB output at 64).
-MAX_READERS = 1024
+MAX_READERS = ObjectStore.MAX_READERS
 DEFAULT_READERS = 64
 #: Average output size the default key index is sized for (an image of 64
 #: tokens of width 256 in bf16; real encoders' are larger): an index with

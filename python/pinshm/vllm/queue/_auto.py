@@ -28,12 +28,11 @@ import shutil
 import threading
 from typing import Any, Optional
 
+from ..._node.budget import MIB, SHM_PATH
 from .. import _status
 from .message_queue import Handle as PinshmHandle
 from .message_queue import MessageQueue as PinshmMessageQueue
 
-SHM_PATH = "/dev/shm"
-MIB = 1 << 20
 # vLLM 0.33's tensor arena: one slot of this size per arena
 # (shm_tensor_arena._ARENA_SLOT_BYTES), checked like the ring.
 ARENA_SLOT_BYTES = 256 * MIB

@@ -246,16 +246,8 @@ fn a_forked_child_faults_on_an_inherited_guard_instead_of_reading_a_reused_slot(
     drop(g);
     drop(r);
     // Reuse every slot of the ring, so `a`'s bytes are overwritten.
-    for i in 0..8 {
-        w.put(&format!("n{i}"), &pattern(100 + i, len)).unwrap();
-    }
-    assert!(!w.is_cached("a"), "the writer reused a's slot");
-    go_w.write_all(b"x").unwrap();
-    match waitpid(child, None).unwrap() {
-        WaitStatus::Signaled(_, Signal::SIGSEGV, _) => {}
-        WaitStatus::Exited(_, 1) => panic!("the child read the reused slot's new bytes"),
-        other => panic!("the child ended with {other:?}"),
-    }
+    let reused = [(1, "the child read the reused slot's new bytes")];
+    common::reuse_then_expect_fault(&mut w, "a", len, &mut go_w, child, &reused);
 }
 
 /// An inherited handle's accessors in a forked child answer without

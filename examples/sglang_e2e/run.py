@@ -218,7 +218,7 @@ def one(a: argparse.Namespace, tp: int, config: str, rnd: int, watch: ShmWatch) 
     row: dict[str, Any] = {"tp": tp, "config": config, "round": rnd, "phases": {}}
     seed = 1000 * (rnd + 1)
     new = [image(seed + i) for i in range(a.cold + a.n + a.burst)]
-    seen = new[: max(4, min(a.cold, 4))]
+    seen = new[:4]  # the burst of seen images: d0..d3 (sent in the cold phase)
     try:
         row["startup_s"] = round(healthy(a.port, proc, a.startup_timeout), 1)
         ph = row["phases"]

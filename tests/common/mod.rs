@@ -239,3 +239,34 @@ pub fn namespaces_allowed(args: &[&str], what: &str) -> bool {
     }
     ok
 }
+
+/// The parent's half of a fork test: overwrites every slot of `w`'s ring
+/// (eight objects of `len` bytes), checks that `key`'s slot was reused,
+/// lets the forked `child` go on (one byte on `go`), and asserts that it
+/// faulted (SIGSEGV) rather than read the new bytes. `codes` says what
+/// each other exit code of the child means.
+pub fn reuse_then_expect_fault(
+    w: &mut pinshm::ObjectStore,
+    key: &str,
+    len: usize,
+    go: &mut std::os::unix::net::UnixStream,
+    child: nix::unistd::Pid,
+    codes: &[(i32, &str)],
+) {
+    use nix::sys::signal::Signal;
+    use nix::sys::wait::{waitpid, WaitStatus};
+    use std::io::Write;
+    for i in 0..8 {
+        w.put(&format!("n{i}"), &pattern(100 + i, len)).unwrap();
+    }
+    assert!(!w.is_cached(key), "the writer reused {key}'s slot");
+    go.write_all(b"x").unwrap();
+    match waitpid(child, None).unwrap() {
+        WaitStatus::Signaled(_, Signal::SIGSEGV, _) => {}
+        WaitStatus::Exited(_, code) => match codes.iter().find(|(c, _)| *c == code) {
+            Some((_, why)) => panic!("{why}"),
+            None => panic!("the child exited with {code}"),
+        },
+        other => panic!("the child ended with {other:?}"),
+    }
+}

@@ -101,22 +101,24 @@ def _pid_namespace() -> tuple[str, ...]:
     return ("unshare", "-p", "-f", "--kill-child")
 
 
-def _kill_pid_1(p: subprocess.Popen) -> None:
-    """SIGKILL of the namespace's PID 1 (the child `unshare -f` forked):
-    the kernel then kills every process of the namespace, pinshm's
-    detached reaper included."""
+def _killed_as_pid_1(stand_in: Path, code: str) -> str:
+    """Runs `code` as PID 1 of a new PID namespace (the tokenizer of a
+    container's engine, 2 ranks) until it prints its store, then SIGKILLs
+    that PID 1 (the child `unshare -f` forked): the kernel kills every
+    process of the namespace, pinshm's detached reaper included. The
+    store's name."""
+    p = run_plugin(stand_in, code, "stay", prefix=_pid_namespace(), env={"PINSHM_SGLANG_RANKS": "2"})
+    line = p.stdout.readline()
+    assert line.startswith("STORE "), line + p.stderr.read()
     kids = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
     assert len(kids) == 1, kids
     os.kill(kids[0], signal.SIGKILL)
     p.wait(30)
+    return line.split()[1]
 
 
 def test_an_engine_that_is_pid_1_leaves_nothing_when_killed_after_its_ranks_attached(stand_in):
-    p = run_plugin(stand_in, TOKENIZER, "stay", prefix=_pid_namespace(), env={"PINSHM_SGLANG_RANKS": "2"})
-    line = p.stdout.readline()
-    assert line.startswith("STORE "), line + p.stderr.read()
-    store = line.split()[1]
-    _kill_pid_1(p)
+    store = _killed_as_pid_1(stand_in, TOKENIZER)
     assert _gone(f"/dev/shm/{store}", 5), "a PID-1 engine's store stayed"
 
 
@@ -136,11 +138,7 @@ if len(sys.argv) > 1:
 
 
 def test_a_pid_1_engine_killed_before_its_ranks_attached_is_swept_by_the_next_server(stand_in):
-    p = run_plugin(stand_in, EARLY, "stay", prefix=_pid_namespace(), env={"PINSHM_SGLANG_RANKS": "2"})
-    line = p.stdout.readline()
-    assert line.startswith("STORE "), line + p.stderr.read()
-    store = line.split()[1]
-    _kill_pid_1(p)
+    store = _killed_as_pid_1(stand_in, EARLY)
     time.sleep(1)
     assert os.path.exists(f"/dev/shm/{store}"), "named until its ranks attach: the reaper died with the namespace"
     nxt = run_plugin(stand_in, EARLY, env={"PINSHM_SGLANG_RANKS": "2"})

@@ -98,7 +98,6 @@ def make(base: type) -> type:
                 view = _store.reader(ref.store).get_private(ref.handle)
                 if len(view) != nbytes:  # a shape that lies reads nothing
                     raise PinshmError(f"{len(view)} bytes where {nbytes} were sent")
-                _store.count_in_place(nbytes)
                 if nbytes == 0:  # torch.frombuffer refuses an empty buffer
                     return torch.empty(tuple(self.shape), dtype=self.dtype)
                 # The tensor's storage keeps `view` (and so the hold).

@@ -295,16 +295,6 @@ def writer() -> Optional[Writer]:
         return _WRITER
 
 
-#: Features this process's ranks read in place (a private view of the
-#: slot: no byte copied) and their bytes; nothing here copies a feature.
-IN_PLACE = {"features": 0, "bytes": 0}
-
-
-def count_in_place(nbytes: int) -> None:
-    IN_PLACE["features"] += 1
-    IN_PLACE["bytes"] += nbytes
-
-
 def reader(store: str) -> StoreReader:
     """This process's reader of `store`, attached at first use."""
     global _READERS_PID

@@ -399,6 +399,41 @@ fn a_reservation_is_read_once_published_and_reclaimed_if_dropped() {
 }
 
 #[test]
+fn a_byte_reservation_is_a_put_of_its_bytes_once_published() {
+    let name = Name::new("reservebytes");
+    let len = 4 * KIB;
+    let mut w = cache(&name, 4, len + 256, 1);
+    let r = StoreReader::attach(&w.handle()).unwrap();
+    let mut res = w.reserve_bytes("b", len).unwrap();
+    assert_eq!(res.len(), len, "no header: every byte is the caller's");
+    res.bytes_mut().copy_from_slice(&bytes_of(5, len));
+    assert!(w.is_pending("b") && !w.is_cached("b"));
+    assert_eq!(
+        r.lookup("b").unwrap(),
+        None,
+        "nobody sees it before it is published"
+    );
+    let h = w.publish(res).unwrap();
+    // Read as a put's: the whole object is the bytes, a tensor it is not.
+    assert_eq!(r.get_copy(h).unwrap(), bytes_of(5, len));
+    assert!(r.get_tensor(h).is_err());
+    assert_eq!(w.get_cached("b"), Some(h));
+    // An empty one is an empty object; an aborted one frees its key.
+    let e = w.reserve_bytes("e", 0).unwrap();
+    assert_eq!(r.get_copy(w.publish(e).unwrap()).unwrap(), b"");
+    let gone = w.reserve_bytes("g", len).unwrap();
+    w.abort(gone);
+    assert_eq!(
+        r.get_copy(w.put("g", b"put after").unwrap()).unwrap(),
+        b"put after"
+    );
+    assert!(matches!(
+        w.reserve_bytes("big", 1 << 20),
+        Err(Error::TooLarge { .. })
+    ));
+}
+
+#[test]
 fn an_aborted_reservation_frees_its_key_at_once() {
     let name = Name::new("abortkey");
     let len = 4 * KIB;

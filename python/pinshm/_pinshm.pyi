@@ -325,6 +325,12 @@ class ObjectStore:
         "bfloat16", ...) and `shape` under `key`, its bytes to be written in
         place (through the reservation's writable buffer); `publish` it
         then. Errors as `put`."""
+    def reserve_bytes(self, key: str, nbytes: int) -> TensorReservation:
+        """Reserves a slot of `nbytes` bytes under `key`, written through the
+        reservation's buffer by any means (torch's `copy_` on its intra-op
+        threads, say), then `publish`ed: what `put(key, bytes)` of the same
+        bytes stores. Its `dtype` reads "uint8", its `shape` `(nbytes,)`.
+        Errors as `put`."""
     def publish(self, reservation: TensorReservation) -> ObjectHandle:
         """Publishes a reservation whose bytes are written. BufferError while
         an export of it is alive; ValueError if published or aborted."""

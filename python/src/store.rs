@@ -342,6 +342,31 @@ impl ObjectStore {
         ))
     }
 
+    /// Reserves a slot of `nbytes` bytes under `key`, written through the
+    /// reservation's buffer by any means (torch's `copy_` on its intra-op
+    /// threads, say), then `publish`ed: what `put(key, bytes)` of the same
+    /// bytes stores, read as a put's. Its `dtype` reads "uint8" and its
+    /// `shape` `(nbytes,)`. Errors as `put`.
+    fn reserve_bytes(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        nbytes: usize,
+    ) -> PyResult<crate::cache::TensorReservation> {
+        let key_name = key.to_owned();
+        let key = key.to_owned();
+        let res = self
+            .with(py, false, move |s| s.reserve_bytes(&key, nbytes))?
+            .map_err(to_py)?;
+        Ok(crate::cache::TensorReservation::new(
+            res,
+            key_name,
+            "uint8",
+            vec![nbytes as u64],
+            &self.home.name,
+        ))
+    }
+
     /// Publishes a reservation whose bytes are written: readers may get
     /// it from now on. BufferError while an export of it is alive;
     /// ValueError if it was published or aborted already.

@@ -78,7 +78,8 @@ impl PendingCopy for Writing {
 }
 
 impl Reservation {
-    /// The bytes to write (a tensor's payload, after its header).
+    /// The bytes to write (a tensor's payload, after its header; all of a
+    /// [`ObjectStore::reserve_bytes`]).
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: `data..data+len` lies in a slot reserved for this put
         // (checked by the writer's reserve), in a mapping `_keep` keeps; it
@@ -148,25 +149,61 @@ impl ObjectStore {
         let total = len
             .checked_add(TENSOR_HEADER_LEN)
             .ok_or_else(|| Error::InvalidTensor("tensor size overflows".into()))?;
+        self.reserve_object(key, total, ObjectKind::Tensor, TENSOR_HEADER_LEN, |obj| {
+            codec::write_tensor_header(obj, dtype, shape, len)
+        })
+    }
+
+    /// Reserves a slot of `len` bytes under `key`, for the caller to write
+    /// by any means (torch's multi-threaded `copy_`, a copy engine): once
+    /// published it is what `put(key, bytes)` of those bytes stores, read
+    /// as any put's (`get`, `get_private`). Errors as a put.
+    ///
+    /// ```
+    /// use pinshm::{ObjectStore, StoreConfig, StoreReader};
+    /// # let name = format!("pinshm-doc-reserve-bytes-{}", std::process::id());
+    /// let mut store = ObjectStore::create(StoreConfig::new(1 << 20, 1 << 16, 1).name(&name))?;
+    /// let mut r = store.reserve_bytes("b", 5)?;
+    /// r.bytes_mut().copy_from_slice(b"bytes");
+    /// let h = store.publish(r)?;
+    /// let reader = StoreReader::attach(&store.handle())?;
+    /// assert_eq!(&*reader.get(h)?, b"bytes");
+    /// # Ok::<(), pinshm::Error>(())
+    /// ```
+    pub fn reserve_bytes(&mut self, key: &str, len: usize) -> Result<Reservation> {
+        self.reserve_object(key, len, ObjectKind::Raw, 0, |_| {})
+    }
+
+    /// A pending object of `total` bytes and `kind`, its first `head`
+    /// bytes written by `write_head`; the caller writes the rest.
+    fn reserve_object(
+        &mut self,
+        key: &str,
+        total: usize,
+        kind: ObjectKind,
+        head: usize,
+        write_head: impl FnOnce(&mut [u8]),
+    ) -> Result<Reservation> {
         let state = Arc::new(Writing {
             open: AtomicBool::new(true),
             abandoned: AtomicBool::new(false),
         });
         let mut data = std::ptr::null_mut();
         let pending = Arc::clone(&state) as Arc<dyn PendingCopy>;
-        let id = self.begin_pending(key, total, ObjectKind::Tensor, |p| {
+        let id = self.begin_pending(key, total, kind, |p| {
             // SAFETY: p spans the `total` bytes of the reserved, unpublished object.
             let obj = unsafe { std::slice::from_raw_parts_mut(p, total) };
-            codec::write_tensor_header(obj, dtype, shape, len);
-            // SAFETY: the payload starts after the header, inside the object.
-            data = unsafe { p.add(TENSOR_HEADER_LEN) };
+            write_head(&mut obj[..head]);
+            // SAFETY: the rest starts after the head, inside the object
+            // (`head <= total`: both callers' heads are part of their totals).
+            data = unsafe { p.add(head) };
             Ok(pending)
         })?;
         Ok(Reservation {
             id,
             store: self.identity(),
             data,
-            len,
+            len: total - head,
             state,
             _keep: self.mapping(),
         })

@@ -145,6 +145,24 @@ def test_a_reservation_is_invisible_until_published_and_refused_while_viewed(
         store.reserve_tensor("c", "complex64", [1])
 
 
+def test_a_byte_reservation_stores_what_a_put_of_its_bytes_stores(unique_name, closing):
+    store = closing(cache_store(unique_name(), n_readers=1))
+    reader = closing(pinshm.StoreReader.attach(store.handle()))
+    r = store.reserve_bytes("b", 100)
+    assert (r.dtype, r.shape, len(r)) == ("uint8", (100,), 100)
+    view = np.frombuffer(r, dtype=np.uint8)
+    view[...] = np.arange(100, dtype=np.uint8)
+    with pytest.raises(BufferError):
+        store.publish(r)
+    assert reader.lookup("b") is None
+    del view
+    h = store.publish(r)
+    assert reader.get_copy(h) == bytes(range(100))
+    with pytest.raises(pinshm.InvalidArgumentError):
+        store.reserve_bytes("b", 1)  # the key is taken
+    assert reader.get_copy(store.publish(store.reserve_bytes("empty", 0))) == b""
+
+
 def test_an_aborted_reservation_frees_its_slot_in_turn(unique_name, closing):
     store = closing(cache_store(unique_name(), slots=4, n_readers=1))
     r = store.reserve_tensor("gone", "uint8", [4 * KIB])

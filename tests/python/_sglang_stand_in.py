@@ -48,6 +48,9 @@ class Tensor:
     def clone(self): return Tensor(self._a.copy())
     def numel(self): return self._a.size
     def element_size(self): return self._a.itemsize
+    def copy_(self, src):
+        self._a[...] = src._a
+        return self
 
 def empty(shape, dtype): return Tensor(_np.empty(shape, dtype.np))
 def equal(a, b): return a.shape == b.shape and bool((a._a == b._a).all())

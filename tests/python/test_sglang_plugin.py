@@ -201,7 +201,7 @@ def test_a_name_that_lies_is_a_failed_feature_never_a_wrong_one():
     for name in ("pinshm:", "pinshm:x:1:2", "pinshm:x:a:b:c", "pinshm:x:-1:2:3", f"pinshm:x:{1 << 64}:1:1"):
         assert _store.Ref.parse(name) is None, name
     w = _store.writer()
-    ref = w.put(torch.ones(8).numpy().view("uint8"), None)
+    ref = w.put(torch.ones(8).view(torch.uint8), None)
     h = ref.handle
     stub = mm_utils.ShmPointerMMData.__new__(mm_utils.ShmPointerMMData)
     # Another object's id at this address, a wrong epoch, a store that is not there.

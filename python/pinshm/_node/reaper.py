@@ -1,8 +1,8 @@
 """A process tree's reaper (:mod:`.tracker`): reads ``+ DEV INO NAME`` and
 ``- DEV INO NAME`` lines on stdin until every writer of the pipe is gone,
 then removes each segment still told of, if the name still names that
-file and no live writer holds it. Run as ``python -m pinshm._node.reaper``,
-by :mod:`.tracker` only."""
+file and no live writer holds it. Run as ``python -S PATH/reaper.py``
+(a script: no package import until the end), by :mod:`.tracker` only."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def main() -> int:
             told.pop(entry, None)
     if not told:
         return 0
+    # Imported only now: the start costs the engine's cores as little as
+    # it can (PYTHONPATH, set by the tracker, finds the package).
     from pinshm._pinshm import InUseError, PinshmError, _remove_if_abandoned_file
 
     # The pipe's end closes as the last process exits, maybe before its

@@ -5,7 +5,7 @@ engine core and workers, whose segments would otherwise stay in
 Not multiprocessing's resource tracker: it unlinks by name, so a process
 killed after another engine made a live segment of the same name removed
 that engine's segment. Here a reaper of the process's own (a small
-process, ``python -m pinshm._node.reaper``, started at the first segment,
+process, ``python -S .../pinshm/_node/reaper.py``, started at the first segment,
 shared with forked children as the tracker is) is told each segment's
 name and file (device, inode); when every process that could tell it
 more is gone (its pipe's end), it removes each segment that is still
@@ -56,7 +56,13 @@ def _start() -> Optional[int]:
     path = os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pinshm._node.reaper", "--detach"],
+            # By its path, without site (`-S`): it starts before the first
+            # segment's put returns, on the engine's hosts' cores, so it
+            # imports nothing but the standard library's os, signal, sys
+            # and time until the tree is gone (about a quarter of the CPU
+            # `-m pinshm._node.reaper` took: the package's imports, the
+            # site's .pth files). PYTHONPATH (above) finds pinshm then.
+            [sys.executable, "-S", os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py"), "--detach"],
             stdin=read,
             stdout=subprocess.PIPE,
             cwd="/",

@@ -53,8 +53,7 @@ def make(base: type) -> type:
                 if isinstance(precomputed_hash, int):
                     dims = "x".join(str(d) for d in tensor.shape)
                     key = f"h:{precomputed_hash:x}:{str(tensor.dtype).removeprefix('torch.')}:{dims}"
-                data = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-                ref = w.put(data, key)
+                ref = w.put(tensor.detach().reshape(-1).view(torch.uint8), key)
             except OSError:
                 raise  # it does not fit: SGLang sends the tensor inline
             except Exception as e:

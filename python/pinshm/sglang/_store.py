@@ -159,11 +159,12 @@ class Writer:
             "pinshm sglang: multimodal features through /dev/shm/%s (%d MiB, sparse)", self.name, capacity // MIB
         )
 
-    def put(self, data: Any, key: Optional[str]) -> Ref:
-        """Stores `data` (a contiguous uint8 buffer) under `key` (None: a
-        key of its own), or finds it stored; leases it for the grace
-        period. OSError (ENOSPC) where it does not fit: SGLang then sends
-        the tensor inline."""
+    def put(self, flat: Any, key: Optional[str]) -> Ref:
+        """Stores `flat` (a contiguous 1-D uint8 CPU tensor) under `key`
+        (None: a key of its own), or finds it stored; leases it for the
+        grace period. OSError (ENOSPC) where it does not fit: SGLang then
+        sends the tensor inline."""
+        data = flat.numpy()
         with self.lock:
             self._expire()
             h = self.store.get_cached(key) if key is not None else None
@@ -179,7 +180,7 @@ class Writer:
                 self.hits += 1
             else:
                 try:
-                    h = self._put(key if key is not None else f"u:{uuid.uuid4().hex}", data)
+                    h = self._put(key if key is not None else f"u:{uuid.uuid4().hex}", flat)
                 except (FullError, NoSpaceError, InvalidArgumentError) as e:
                     self.fallbacks += 1
                     raise OSError(errno.ENOSPC, f"pinshm store {self.name}: {e}") from e
@@ -237,7 +238,7 @@ class Writer:
                 self.name,
             )
 
-    def _put(self, key: str, data: Any) -> ObjectHandle:
+    def _put(self, key: str, flat: Any) -> ObjectHandle:
         """A put that, where the store is full of leased objects, first
         lets go of the leases older than ``PINSHM_SGLANG_MIN_GRACE_S`` (60
         s) and tries once more. A scheduler reads a feature as it receives
@@ -247,7 +248,7 @@ class Writer:
         it); a rank's tensor holds its slot by itself, so what is freed is
         only what nobody reads any more."""
         try:
-            return self.store.put(key, data)
+            return self._copy_in(key, flat)
         except FullError:
             cut = time.monotonic() + self.grace - self.min_grace  # leased before this: old enough
             freed = 0
@@ -258,7 +259,27 @@ class Writer:
                     freed += 1
             if not freed:
                 raise
-            return self.store.put(key, data)
+            return self._copy_in(key, flat)
+
+    def _copy_in(self, key: str, flat: Any) -> ObjectHandle:
+        """Copies `flat` into a slot reserved for it with torch's ``copy_``,
+        as SGLang copies a feature into its segment: on torch's intra-op
+        threads, so a large feature's copy is spread over them, and the
+        tokenizer's threads are what they are without the plugin (a copy
+        of pinshm's own, on one thread, left libgomp spinning the image
+        processor's workers harder on a small host: docs/sglang.md)."""
+        import torch
+
+        res = self.store.reserve_bytes(key, flat.numel())
+        try:
+            if flat.numel():  # torch.frombuffer refuses an empty buffer
+                dst = torch.frombuffer(res, dtype=torch.uint8)
+                dst.copy_(flat)
+                del dst  # the export ends before the publish
+            return self.store.publish(res)
+        except BaseException:
+            self.store.abort(res)
+            raise
 
     def _expire(self) -> None:
         now = time.monotonic()

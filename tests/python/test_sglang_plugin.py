@@ -258,3 +258,36 @@ def test_hashing_runs_in_sglangs_thread_pool_and_the_tokenizer_workers_are_bound
     threads.clear()
     mm_utils.wrap_shm_features(req)
     assert threads == [], "the wrap hook hashed again"
+
+
+def test_a_finished_requests_leases_end_through_sglangs_own_outputs(monkeypatch):
+    """The tokenizer's store binds a hook before SGLang's
+    `TokenizerManager._handle_batch_output` at its first feature; SGLang's
+    own output batch with a finish reason ends the leases of the objects
+    that request sent (and only once no other unfinished request sent them)."""
+    import msgspec
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.io_struct import BatchStrOutput
+
+    _transport(monkeypatch)
+    req = _request([torch.full((64,), 3.0)], [0xF1F1])
+    req.rid = "fin-1"
+    req = mm_utils.wrap_shm_features(req)
+    w = _store.current()
+    ident = req.mm_inputs.mm_items[0].feature._pinshm.handle.monotonic_id
+    assert ident in w.leases and w.requests["fin-1"][1] == [ident]
+    bound = tokenizer_manager.TokenizerManager._handle_batch_output
+    assert getattr(bound, "__wrapped__", None) is not None, "the finish hook is not bound"
+
+    def outputs(rids, reasons):
+        kwargs = {f.name: None for f in msgspec.structs.fields(BatchStrOutput) if f.required}
+        kwargs.update(rids=rids, finished_reasons=reasons)
+        return BatchStrOutput(**kwargs)
+
+    # A batch where the request is still running: nothing ends.
+    bound(None, outputs(["fin-1"], [None])).close()  # the hook runs before SGLang's coroutine starts
+    assert ident in w.leases
+    bound(None, outputs(["other", "fin-1"], [{"type": "stop"}, {"type": "length", "length": 8}])).close()
+    assert ident not in w.leases and "fin-1" not in w.requests
+    # The feature stays stored (a repeat still finds it), only evictable now.
+    assert w.store.get_cached(f"h:{0xF1F1:x}:float32:64") is not None

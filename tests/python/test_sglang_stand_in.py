@@ -406,6 +406,62 @@ def test_a_store_full_of_old_leases_lets_them_go_for_a_new_feature(stand_in):
     assert p.returncode == 0, out + err
 
 
+FINISHED_REQUESTS = """
+import os
+os.environ.update(PINSHM_SGLANG_CACHE_MIB="4", PINSHM_SGLANG_GRACE_S="300", PINSHM_SGLANG_MIN_GRACE_S="300")
+import pickle
+import numpy as np, torch
+from types import SimpleNamespace as NS
+from pinshm.sglang import _pointer, _store, plugin
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers import mm_utils
+plugin.register(); HookRegistry.apply_hooks()
+def request(rid, k):  # one 768 KiB feature: the 4 MiB store (2 MiB objects) holds a few
+    item = NS(feature=torch.Tensor(np.full(192 * 1024, k, np.float32)), hash=k, pad_value=k)
+    return mm_utils.wrap_shm_features(NS(rid=rid, mm_inputs=NS(mm_items=[item])))
+def read(req):  # a rank's read, then its tensor goes (as at the request's end)
+    wire = pickle.loads(pickle.dumps(req.mm_inputs.mm_items[0].feature))
+    return float(wire.materialize().numpy()[0])
+def finish(*rids):
+    _pointer.note_finished(None, NS(rids=list(rids), finished_reasons=[{"type": "stop"}] * len(rids)))
+held = request("held", 1000)  # never finished: its lease stays
+assert isinstance(held.mm_inputs.mm_items[0].feature, mm_utils.ShmPointerMMData)
+w = _store.writer()
+for k in range(24):  # each read, then finished: its lease ends with it
+    r = request(f"r{k}", k)
+    assert isinstance(r.mm_inputs.mm_items[0].feature, mm_utils.ShmPointerMMData), k
+    assert read(r) == k
+    finish(f"r{k}")
+assert read(held) == 1000.0, "an unfinished request's feature was evicted"
+# One object sent by two requests: the first to finish keeps it leased.
+a, b = request("a", 7), request("b", 7)
+assert w.sending[a.mm_inputs.mm_items[0].feature._pinshm.handle.monotonic_id] == 2
+finish("a")
+assert a.mm_inputs.mm_items[0].feature._pinshm.handle.monotonic_id in w.leases
+finish("b", "never-sent")
+assert a.mm_inputs.mm_items[0].feature._pinshm.handle.monotonic_id not in w.leases
+print("EARLY", w.finished_early, "FALLBACKS", w.fallbacks, flush=True)
+assert w.fallbacks == 0, w.fallbacks
+# Not finished, the same traffic fills the store with leases: inline.
+inline = 0
+for k in range(24):
+    r = request(f"u{k}", 500 + k)
+    inline += not isinstance(r.mm_inputs.mm_items[0].feature, mm_utils.ShmPointerMMData)
+assert inline, "unfinished requests' features should have filled the store"
+"""
+
+
+def test_a_finished_requests_leases_end_with_it_and_an_unfinished_ones_stay(stand_in):
+    """A feature is leased until every request that sent it has finished
+    (its output, after a prefill every rank ran, says so): a small store
+    then takes feature after feature where leases held for the grace
+    period sent them inline; a request not finished keeps its own."""
+    p = _run(stand_in, FINISHED_REQUESTS)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err
+    assert "EARLY 25 FALLBACKS 0" in out, out
+
+
 LYING_HASH = """
 import pickle
 import numpy as np, torch

@@ -147,4 +147,60 @@ def hash_first(original: Any, obj: Any) -> Any:
                     item.set_pad_value()
     except Exception as e:  # noqa: BLE001 - the ranks hash it, as without the plugin
         logger.debug("pinshm sglang: no hash for an item here: %s", e)
-    return original(obj)
+    try:
+        return original(obj)
+    finally:
+        # What that put was sent for: its leases end when the request does.
+        w = _store.current()
+        if w is not None:
+            w.claim(getattr(obj, "rid", None))
+            _watch_finishes()
+
+
+#: The tokenizer's method that takes each batch of outputs (a request's
+#: last carries its finish reason).
+OUTPUTS = "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output"
+_WATCHING = False
+
+
+def _watch_finishes() -> None:
+    """Binds :func:`note_finished` before SGLang's tokenizer takes a batch
+    of outputs, once, in the process that made a store (a tokenizer's),
+    through SGLang's ``HookRegistry``. Where it cannot, leases end with
+    their grace period only (as before)."""
+    global _WATCHING
+    if _WATCHING:
+        return
+    import sys
+
+    module, _, _ = OUTPUTS.rpartition(".TokenizerManager.")
+    if module not in sys.modules:  # not SGLang's tokenizer (yet: a test, another caller)
+        return
+    _WATCHING = True
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(OUTPUTS, note_finished, HookType.BEFORE)
+        HookRegistry.apply_hooks()
+        logger.info("pinshm sglang: a feature's lease ends when the requests that sent it finish")
+    except Exception as e:  # noqa: BLE001 - the grace period still ends leases
+        logger.info("pinshm sglang: leases end with their grace period only: %s: %s", type(e).__name__, e)
+
+
+def note_finished(manager: Any, outputs: Any, *args: Any, **kwargs: Any) -> None:
+    """Before SGLang's tokenizer takes a batch of outputs: each request
+    whose output is its last (a finish reason: done, stopped, aborted) is
+    done with its features on every rank, so the writer ends their leases
+    (those no unfinished request sent). Never raises."""
+    try:
+        w = _store.current()
+        rids = getattr(outputs, "rids", None)
+        reasons = getattr(outputs, "finished_reasons", None)
+        if w is None or not rids or not reasons:
+            return None
+        for rid, why in zip(rids, reasons):
+            if why is not None:
+                w.finished(rid)
+    except Exception as e:  # noqa: BLE001 - SGLang's outputs go on
+        logger.debug("pinshm sglang: a batch of outputs not looked at: %s", e)
+    return None

@@ -4,8 +4,11 @@ One cache store per tokenizer process, sparse (it costs the /dev/shm its
 features touch), made at the first feature. A feature's key is SGLang's
 item hash with its dtype and shape; a feature without a hash (a list's
 elements) gets a key of its own and no reuse. Each object sent is leased
-by the writer's own reader for ``PINSHM_SGLANG_GRACE_S`` seconds, so no
-put evicts it before the ranks have read it; after that, only the ranks'
+by the writer's own reader, so no put evicts it before the ranks have
+read it: until every request that sent it has finished (SGLang's
+tokenizer sees each request's last output, which comes after a prefill
+every rank of its group ran), and at most ``PINSHM_SGLANG_GRACE_S``
+seconds (a request whose end is never seen). After that only the ranks'
 tensors hold it: a rank's feature tensor is a private copy-on-write view
 of the slot (``StoreReader.get_private``), which holds the slot for as
 long as the tensor lives.
@@ -152,6 +155,17 @@ class Writer:
         # (deadline, key) in send order, and key -> (deadline, lease).
         self.order: collections.deque[tuple[float, int]] = collections.deque()
         self.leases: dict[int, tuple[float, Lease]] = {}
+        # The requests whose features were sent and that have not finished
+        # (SGLang's rid -> (deadline, object ids)), and per object how many
+        # of them sent it: when the last one finishes, every rank has read
+        # the object (a request's output comes after its prefill, which
+        # every rank of its group runs), so its lease ends then, not after
+        # the grace period. Ids put since the last request was claimed
+        # wait in `unclaimed` (wrap_shm_features puts, then says the rid).
+        self.requests: collections.OrderedDict[str, tuple[float, list[int]]] = collections.OrderedDict()
+        self.sending: dict[int, int] = {}
+        self.unclaimed: list[int] = []
+        self.finished_early = 0
         self.puts = self.hits = self.fallbacks = self.mismatches = 0
         self.named = True  # the store's name is in /dev/shm
         self.next_look = 0.0
@@ -197,9 +211,46 @@ class Writer:
                 raise OSError(errno.EIO, f"pinshm store {self.name}: {e}") from e
             self.leases[h.monotonic_id] = (deadline, lease)
             self.order.append((deadline, h.monotonic_id))
+            self.sending[h.monotonic_id] = self.sending.get(h.monotonic_id, 0) + 1
+            self.unclaimed.append(h.monotonic_id)
             if self.named and self.ranks is not None:
                 self._unlink_once_all_attached()
             return Ref(self.name, h)
+
+    def claim(self, rid: Optional[str]) -> None:
+        """The objects put since the last claim were sent for request
+        `rid` (SGLang's, None where it has none: then only the grace
+        period ends their leases)."""
+        with self.lock:
+            ids, self.unclaimed = self.unclaimed, []
+            if not ids:
+                return
+            if rid is None:
+                rid = f"pinshm-norid:{uuid.uuid4().hex}"  # never finished: expires
+            elif rid in self.requests:  # a rid sent again (a client's own): the first is done
+                self._finish(rid, release=True)
+            self.requests[rid] = (time.monotonic() + self.grace, ids)
+
+    def finished(self, rid: str) -> None:
+        """Request `rid` has finished (SGLang's tokenizer got its last
+        output): the leases of objects no unfinished request sent end."""
+        with self.lock:
+            self._finish(rid, release=True)
+
+    def _finish(self, rid: str, release: bool) -> None:
+        entry = self.requests.pop(rid, None)
+        if entry is None:
+            return
+        for ident in entry[1]:
+            n = self.sending.get(ident, 0) - 1
+            if n > 0:
+                self.sending[ident] = n
+                continue
+            self.sending.pop(ident, None)
+            held = self.leases.pop(ident, None) if release else None
+            if held is not None:
+                held[1].release()
+                self.finished_early += 1
 
     def _holds(self, h: ObjectHandle, data: Any) -> bool:
         """Whether the object at `h` is byte for byte `data` (a uint8
@@ -283,6 +334,13 @@ class Writer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        # Requests never seen to finish (failed before dispatch, or their
+        # output went elsewhere) stop counting with their grace period.
+        while self.requests:
+            rid, (deadline, _) = next(iter(self.requests.items()))
+            if deadline > now:
+                break
+            self._finish(rid, release=False)
         while self.order and self.order[0][0] <= now:
             _, ident = self.order.popleft()
             held = self.leases.get(ident)
@@ -314,6 +372,12 @@ def writer() -> Optional[Writer]:
             logger.warning("pinshm sglang: no store for multimodal features (%s); SGLang's own path stays", e)
             return None
         return _WRITER
+
+
+def current() -> Optional[Writer]:
+    """This process's writer if it has made one (never makes one)."""
+    w = _WRITER
+    return w if w is not None and w.pid == os.getpid() else None
 
 
 def reader(store: str) -> StoreReader:

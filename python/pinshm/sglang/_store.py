@@ -175,9 +175,10 @@ class Writer:
 
     def put(self, flat: Any, key: Optional[str]) -> Ref:
         """Stores `flat` (a contiguous 1-D uint8 CPU tensor) under `key`
-        (None: a key of its own), or finds it stored; leases it for the
-        grace period. OSError (ENOSPC) where it does not fit: SGLang then
-        sends the tensor inline."""
+        (None: a key of its own), or finds it stored; leases it until the
+        request it is sent for (`claim`) finishes, the grace period at
+        most. OSError (ENOSPC) where it does not fit: SGLang then sends
+        the tensor inline."""
         data = flat.numpy()
         with self.lock:
             self._expire()

@@ -28,6 +28,27 @@ pub(crate) struct ObjectStore {
 }
 
 impl ObjectStore {
+    /// A reservation made by `reserve` (under `key`), handed to Python as
+    /// `dtype` and `shape`: `reserve_tensor`'s and `reserve_bytes`' one path.
+    fn reservation(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        dtype: &'static str,
+        shape: Vec<u64>,
+        reserve: impl FnOnce(&mut pinshm::ObjectStore, &str) -> pinshm::Result<pinshm::store::Reservation>
+            + Send,
+    ) -> PyResult<crate::cache::TensorReservation> {
+        let res = self.with(py, false, |s| reserve(s, key))?.map_err(to_py)?;
+        Ok(crate::cache::TensorReservation::new(
+            res,
+            key.to_owned(),
+            dtype,
+            shape,
+            &self.home.name,
+        ))
+    }
+
     fn with<R: Send>(
         &self,
         py: Python<'_>,
@@ -327,19 +348,10 @@ impl ObjectStore {
         shape: Vec<u64>,
     ) -> PyResult<crate::cache::TensorReservation> {
         let d = crate::tensor::from_name(dtype)?;
-        let key_name = key.to_owned();
-        let key = key.to_owned();
         let sh = shape.clone();
-        let res = self
-            .with(py, false, move |s| s.reserve_tensor(&key, d, &sh))?
-            .map_err(to_py)?;
-        Ok(crate::cache::TensorReservation::new(
-            res,
-            key_name,
-            crate::tensor::dtype_name(d),
-            shape,
-            &self.home.name,
-        ))
+        self.reservation(py, key, crate::tensor::dtype_name(d), shape, move |s, k| {
+            s.reserve_tensor(k, d, &sh)
+        })
     }
 
     /// Reserves a slot of `nbytes` bytes under `key`, written through the
@@ -353,18 +365,9 @@ impl ObjectStore {
         key: &str,
         nbytes: usize,
     ) -> PyResult<crate::cache::TensorReservation> {
-        let key_name = key.to_owned();
-        let key = key.to_owned();
-        let res = self
-            .with(py, false, move |s| s.reserve_bytes(&key, nbytes))?
-            .map_err(to_py)?;
-        Ok(crate::cache::TensorReservation::new(
-            res,
-            key_name,
-            "uint8",
-            vec![nbytes as u64],
-            &self.home.name,
-        ))
+        self.reservation(py, key, "uint8", vec![nbytes as u64], move |s, k| {
+            s.reserve_bytes(k, nbytes)
+        })
     }
 
     /// Publishes a reservation whose bytes are written: readers may get

@@ -184,6 +184,7 @@ impl ObjectStore {
         head: usize,
         write_head: impl FnOnce(&mut [u8]),
     ) -> Result<Reservation> {
+        debug_assert!(head <= total, "a reservation's head lies inside it");
         let state = Arc::new(Writing {
             open: AtomicBool::new(true),
             abandoned: AtomicBool::new(false),
